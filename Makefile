@@ -1,0 +1,57 @@
+# Front door. `make demo` and `make test` install what is missing, build, and
+# run; see README.md.
+JOBS ?= $(shell nproc)
+DEPS_STAMP := build/.deps-installed
+
+.PHONY: all deps build demo test test-release test-asan test-tsan test-tsa bench clean
+
+all: build
+
+$(DEPS_STAMP): scripts/install-deps.sh
+	bash scripts/install-deps.sh
+	mkdir -p build && touch $@
+
+deps: $(DEPS_STAMP)
+
+# Release build; the CLI lands in build/bin/.
+build: deps
+	cmake --preset release >/dev/null
+	cmake --build build -j $(JOBS)
+
+demo: build
+	./build/bin/modelcache_demo
+
+# One configuration: configure, build, run its tests.
+define run_suite
+	cmake --preset $(1) >/dev/null
+	cmake --build $(2) -j $(JOBS)
+	cd $(2) && ctest --output-on-failure -j $(JOBS) $(3)
+endef
+
+test-release: deps
+	$(call run_suite,release,build,)
+test-asan: deps
+	$(call run_suite,asan,build/asan,)
+test-tsan: deps
+	$(call run_suite,tsan,build/tsan,)
+test-tsa: deps
+	$(call run_suite,clang-tsa,build/clang-tsa,)
+
+# Every configuration; the release suite runs last so that ctest's summary
+# line closes the output.
+test: deps
+	$(MAKE) --no-print-directory test-tsa
+	$(MAKE) --no-print-directory test-asan
+	$(MAKE) --no-print-directory test-tsan
+	$(MAKE) --no-print-directory test-release
+
+bench: build
+	mkdir -p build/bench-results
+	./build/bin/modelcache_hit_path_bench --benchmark_repetitions=5 \
+	  --benchmark_report_aggregates_only=true \
+	  --benchmark_out=build/bench-results/hit_path.json --benchmark_out_format=json
+	./build/bin/modelcache_miss_storm_bench \
+	  --benchmark_out=build/bench-results/miss_storm.json --benchmark_out_format=json
+
+clean:
+	rm -rf build

@@ -1,0 +1,132 @@
+// A byte budget that one or several caches draw from.
+//
+// Several caches may share one Budget (for example one cache of checkpoints
+// and one of LoRA adapters over the same host RAM). When one of them needs
+// room, the budget evicts the lowest-priority evictable record among all its
+// members, whichever cache holds it.
+//
+// Locking: the budget's mutex is a leaf. A member may call Release or
+// NotifyEvictable while holding its own locks; the budget never calls a
+// member while holding its mutex, so no lock-order inversion is possible.
+#ifndef MODELCACHE_CORE_BUDGET_H_
+#define MODELCACHE_CORE_BUDGET_H_
+
+#include <atomic>
+#include <chrono>
+#include <cstdint>
+#include <memory>
+#include <string>
+#include <unordered_set>
+#include <vector>
+
+#include "modelcache/core/policy.h"
+#include "modelcache/core/thread_annotations.h"
+
+namespace modelcache {
+
+// What an acquire does when nothing can be evicted to make room.
+enum class WhenFull {
+  // Fail at once with ErrorCode::kCapacity, naming what holds the memory.
+  kFail,
+  // Wait for a lease to end or bytes to be released, up to the deadline, then
+  // fail with ErrorCode::kTimeout.
+  kWait,
+};
+
+namespace detail {
+
+// A record the budget may evict, as offered by a member.
+struct VictimCandidate {
+  double priority = 0;
+  uint64_t seq = 0;
+  uint64_t record_id = 0;
+  std::shared_ptr<void> handle;  // keeps the member's record alive
+};
+
+enum class EvictOutcome { kEvicted, kChanged, kUnloadFailed };
+
+// Implemented by caches (and by stores that hold bytes in a budget).
+class BudgetMember {
+ public:
+  virtual ~BudgetMember() = default;
+  // The member's best victim not in `skip` (record ids), if any.
+  virtual bool BestVictim(const std::unordered_set<uint64_t>& skip,
+                          VictimCandidate* out) = 0;
+  // Evicts `victim` if it is still evictable. Runs the unloader outside
+  // every lock and releases the bytes to the budget on success.
+  virtual EvictOutcome TryEvict(const VictimCandidate& victim) = 0;
+  // Appends "key (size, why held)" items for a capacity error.
+  virtual void DescribeHolders(std::vector<std::string>* out) = 0;
+};
+
+}  // namespace detail
+
+class Budget {
+ public:
+  explicit Budget(uint64_t capacity_bytes, std::string name = "budget");
+  ~Budget();  // REQUIRES: no member is registered
+  Budget(const Budget&) = delete;
+  Budget& operator=(const Budget&) = delete;
+
+  const std::string& name() const { return name_; }
+  uint64_t capacity() const EXCLUDES(mu_);
+  // Bytes held: resident and retired records plus outstanding reservations.
+  uint64_t used() const EXCLUDES(mu_);
+  // The largest `used` ever seen.
+  uint64_t high_water() const EXCLUDES(mu_);
+  // Reservations currently looking for room (evicting or waiting).
+  int waiters() const { return waiters_.load(); }
+
+  // Changes the capacity. When it shrinks, evicts unleased, unpinned records
+  // of every member until used <= capacity or nothing more is evictable;
+  // returns the bytes still over the new capacity (held by leases or pins).
+  uint64_t SetCapacity(uint64_t capacity_bytes) EXCLUDES(mu_);
+
+  PolicyClock& policy_clock() { return clock_; }
+
+  // ---- For cache and store implementations. ----
+
+  // Reserves `bytes`, evicting from members (lowest priority first) as
+  // needed. Throws Error kTooLarge when bytes > capacity, kCapacity when
+  // nothing is evictable and `when_full` is kFail, kTimeout at the deadline.
+  // REQUIRES: the caller holds no lock of any member.
+  void Reserve(uint64_t bytes, WhenFull when_full,
+               std::chrono::steady_clock::time_point deadline)
+      EXCLUDES(mu_);
+  // Reserves only if it fits without evicting. Returns false otherwise.
+  bool TryReserve(uint64_t bytes) EXCLUDES(mu_);
+  void Release(uint64_t bytes) EXCLUDES(mu_);
+  // A record just became evictable (its last lease ended or it was
+  // unpinned): wakes acquires waiting for capacity. Cheap when none wait.
+  void NotifyEvictable() EXCLUDES(mu_);
+
+  void Register(std::weak_ptr<detail::BudgetMember> member) EXCLUDES(mu_);
+  void Unregister(const detail::BudgetMember* member) EXCLUDES(mu_);
+
+ private:
+  // Evicts one victim among all members. Returns false when none exists.
+  bool EvictOne(std::unordered_set<uint64_t>* skip) EXCLUDES(mu_);
+  std::vector<std::shared_ptr<detail::BudgetMember>> Members() EXCLUDES(mu_);
+  std::string HoldersMessage() EXCLUDES(mu_);
+
+  const std::string name_;
+  PolicyClock clock_;
+
+  mutable Mutex mu_;
+  CondVar changed_;  // signalled when bytes are released or become evictable
+  uint64_t capacity_ GUARDED_BY(mu_);
+  uint64_t used_ GUARDED_BY(mu_) = 0;
+  uint64_t high_water_ GUARDED_BY(mu_) = 0;
+  uint64_t change_count_ GUARDED_BY(mu_) = 0;
+  struct MemberSlot {
+    const detail::BudgetMember* id;
+    std::weak_ptr<detail::BudgetMember> member;
+  };
+  std::vector<MemberSlot> members_ GUARDED_BY(mu_);
+  // Read without the lock by NotifyEvictable; written under it.
+  std::atomic<int> waiters_{0};
+};
+
+}  // namespace modelcache
+
+#endif  // MODELCACHE_CORE_BUDGET_H_

@@ -1,0 +1,274 @@
+// ModelCache: a type-erased residency cache of loaded models.
+//
+// A model is identified by a key (or an alias of one) and loaded by a
+// caller-supplied Loader. The cache guarantees:
+//
+//  * At most one load per key is in flight, however many acquires race for
+//    it; every waiter receives the loader's result, or the same exception.
+//    Failures are never cached: the next acquire loads again.
+//  * A load runs outside every lock, so loads of different keys proceed in
+//    parallel, and a load hands its caller (and every waiter) a lease
+//    atomically: nothing can evict a model between loading it and using it.
+//  * Bytes are reserved in the Budget before the loader runs, adjusted to the
+//    real size after, and returned on failure. Nothing is admitted over
+//    budget: when nothing is evictable the caller either waits (up to its
+//    deadline) or gets ErrorCode::kCapacity, as AcquireOptions says.
+//  * A record with a lease or a pin is never evicted or unloaded. Remove of a
+//    leased record retires it: new acquires no longer see it, its bytes stay
+//    counted until its last lease ends, and then it is unloaded.
+//  * Load, remove and invalidate of one key are serialised: one record per
+//    key at a time, and a new one only after the old one left the cache.
+//  * A failed unload keeps the record resident at its place in the eviction
+//    order and reports the error; eviction moves on to the next victim.
+//  * User code (loaders, unloaders, value deleters, event callbacks) always
+//    runs outside the cache's locks, so it may acquire, release and remove
+//    freely; a Lease may be destroyed on any thread and in any context.
+//
+// Example:
+//
+//   modelcache::ModelCache cache({.name = "models", .capacity_bytes = 8 << 30});
+//   modelcache::Lease lease = cache.Acquire("sdxl", 6 << 30, [] {
+//     auto model = std::make_shared<Model>(LoadFromDisk("sdxl"));
+//     return modelcache::Loaded{model, model->bytes()};
+//   });
+//   Run(*lease.get<Model>());
+#ifndef MODELCACHE_CORE_CACHE_H_
+#define MODELCACHE_CORE_CACHE_H_
+
+#include <chrono>
+#include <cstdint>
+#include <functional>
+#include <memory>
+#include <optional>
+#include <string>
+#include <string_view>
+#include <vector>
+
+#include "modelcache/core/budget.h"
+#include "modelcache/core/errors.h"
+#include "modelcache/core/policy.h"
+
+namespace modelcache {
+
+using Clock = std::chrono::steady_clock;
+
+// What a loader produces.
+struct Loaded {
+  // The model. Its deleter runs after a successful unload, outside locks.
+  std::shared_ptr<void> value;
+  // Real resident size; the reservation is adjusted to it.
+  uint64_t bytes = 0;
+  // Optional: releases resources before the value is dropped (for example
+  // device memory). May throw; then the record stays resident and counted.
+  std::function<void()> unload;
+};
+
+using Loader = std::function<Loaded()>;
+
+struct AcquireOptions {
+  // Bounds every wait of this call: for another caller's load, for an
+  // unload in progress, and for capacity.
+  Clock::time_point deadline = Clock::time_point::max();
+  WhenFull when_full = WhenFull::kFail;
+};
+
+enum class EventType {
+  kLoaded,         // a load completed; bytes and seconds set
+  kLoadFailed,     // a load threw; error set
+  kEvicted,        // a record was evicted to make room, by SetCapacity/Prune
+  kExpired,        // a record idle past the TTL was evicted
+  kUnloadFailed,   // an unloader threw; the record stays resident
+  kRemoved,        // Remove/Invalidate unloaded a record
+  kRetired,        // Remove/Invalidate retired a leased record
+  kRetiredFreed,   // the last lease of a retired record ended; it is gone
+};
+
+const char* EventTypeName(EventType type);
+
+struct CacheEvent {
+  EventType type;
+  std::string key;
+  uint64_t bytes = 0;
+  double seconds = 0;  // load time, for kLoaded
+  std::string error;   // for kLoadFailed and kUnloadFailed
+};
+
+struct CacheOptions {
+  std::string name = "cache";
+  // The budget to draw from, possibly shared with other caches. When null,
+  // the cache makes its own of `capacity_bytes`.
+  std::shared_ptr<Budget> budget;
+  uint64_t capacity_bytes = 0;
+  // Eviction order; LRU when null.
+  std::shared_ptr<const EvictionPolicy> policy;
+  // Records unleased for longer than this are evicted by EvictExpired(),
+  // which every miss also runs. Zero disables it.
+  std::chrono::nanoseconds idle_ttl{0};
+  // Time source for idle_ttl and last-use stamps; steady_clock when empty.
+  std::function<Clock::time_point()> now;
+  // log2 of the number of lock shards. 0 gives one shard and an exact global
+  // eviction order; more shards let concurrent hits on different keys
+  // proceed without contention.
+  int shard_bits = 4;
+  // Called outside every lock, on the thread that caused the event.
+  std::function<void(const CacheEvent&)> on_event;
+};
+
+struct CacheStats {
+  uint64_t hits = 0;
+  uint64_t misses = 0;  // acquires that started or joined a load
+  uint64_t loads = 0;   // loads that completed
+  uint64_t load_failures = 0;
+  uint64_t evictions = 0;
+  uint64_t expirations = 0;
+  uint64_t failed_unloads = 0;
+  uint64_t removals = 0;  // records unloaded or retired by Remove/Invalidate
+  uint64_t bytes_loaded = 0;
+  double load_seconds = 0;
+  uint64_t resident_entries = 0;
+  uint64_t resident_bytes = 0;
+  uint64_t retired_entries = 0;
+  uint64_t retired_bytes = 0;
+  uint64_t capacity_bytes = 0;    // of the budget
+  uint64_t budget_used_bytes = 0;  // of the budget, all members together
+  uint64_t high_water_bytes = 0;   // of the budget
+};
+
+enum class EntryState { kLoading, kResident, kUnloading, kRetired };
+const char* EntryStateName(EntryState state);
+
+struct EntryInfo {
+  std::string key;
+  EntryState state;
+  uint64_t bytes = 0;
+  int leases = 0;
+  // Callers blocked on this record: waiting for its load or its unload.
+  int waiters = 0;
+  bool pinned = false;
+  uint64_t accesses = 0;
+  Clock::time_point last_use;
+};
+
+enum class RemoveOutcome {
+  kNotFound,  // nothing resident under that key
+  kRemoved,   // unloaded and its bytes returned
+  kRetired,   // leased: hidden now, freed when its last lease ends
+};
+
+namespace detail {
+class CacheCore;
+struct Record;
+}  // namespace detail
+
+// A claim on a resident model. While it exists the model is not evicted or
+// unloaded. Move-only; release by destruction or Release(). May be released
+// on any thread, including inside a loader, unloader or event callback.
+// REQUIRES: the cache outlives its leases.
+class Lease {
+ public:
+  Lease() = default;
+  ~Lease() { Release(); }
+  Lease(Lease&& other) noexcept
+      : core_(other.core_), record_(other.record_) {
+    other.core_ = nullptr;
+    other.record_ = nullptr;
+  }
+  Lease& operator=(Lease&& other) noexcept;
+  Lease(const Lease&) = delete;
+  Lease& operator=(const Lease&) = delete;
+
+  explicit operator bool() const { return record_ != nullptr; }
+  void* value() const;
+  template <typename T>
+  T* get() const {
+    return static_cast<T*>(value());
+  }
+  const std::string& key() const;  // the canonical key
+  uint64_t bytes() const;
+  void Release();
+
+ private:
+  friend class detail::CacheCore;
+  Lease(detail::CacheCore* core, detail::Record* record)
+      : core_(core), record_(record) {}
+
+  detail::CacheCore* core_ = nullptr;
+  detail::Record* record_ = nullptr;
+};
+
+class ModelCache {
+ public:
+  explicit ModelCache(CacheOptions options);
+  // Unloads every resident record and returns its bytes to the budget, with
+  // or without a prior Shutdown().
+  // REQUIRES: no lease is outstanding and no call is in progress.
+  ~ModelCache();
+  ModelCache(const ModelCache&) = delete;
+  ModelCache& operator=(const ModelCache&) = delete;
+
+  // Returns a lease on `key` (or the key it aliases), loading it with
+  // `loader` if it is not resident. `expected_bytes` is reserved before the
+  // loader runs. Throws Error (kTooLarge, kCapacity, kTimeout) or the
+  // loader's own exception.
+  Lease Acquire(std::string_view key, uint64_t expected_bytes,
+                const Loader& loader, const AcquireOptions& options = {});
+
+  // A lease if `key` is resident, without loading. Counts a hit or a miss.
+  std::optional<Lease> Lookup(std::string_view key);
+
+  // Loads `key` if absent and leaves it resident without a lease (evictable
+  // like any unleased record). Throws like Acquire.
+  void Prefetch(std::string_view key, uint64_t expected_bytes,
+                const Loader& loader, const AcquireOptions& options = {});
+
+  // Removes `key`, waiting (up to the deadline) for its load or unload in
+  // progress. Unleased: unloaded now; if the unloader throws, the record
+  // stays resident at its place in the eviction order and the exception
+  // propagates. Leased: retired.
+  RemoveOutcome Remove(std::string_view key,
+                       Clock::time_point deadline = Clock::time_point::max());
+
+  // Like Remove, but a load in progress is not waited for: it is marked
+  // stale, its waiters still receive it, and it is retired as soon as it
+  // completes, so later acquires load afresh.
+  RemoveOutcome Invalidate(std::string_view key,
+                           Clock::time_point deadline = Clock::time_point::max());
+
+  // A pinned record is never evicted. Throws kNotFound unless `key` is
+  // resident. Pins do not nest.
+  void Pin(std::string_view key);
+  void Unpin(std::string_view key);
+
+  // Makes `alias` another name of `canonical`. Throws kInvalidArgument if
+  // `alias` names a record, or if `canonical` is itself an alias. Re-pointing
+  // an existing alias is allowed.
+  void AddAlias(std::string_view alias, std::string_view canonical);
+  bool RemoveAlias(std::string_view alias);
+  // The canonical key for `key`.
+  std::string Resolve(std::string_view key) const;
+
+  // Evicts unleased, unpinned records idle past idle_ttl; returns how many.
+  size_t EvictExpired();
+  // Evicts every unleased, unpinned record of this cache; returns how many.
+  size_t Prune();
+  // Sets the capacity of this cache's budget (see Budget::SetCapacity).
+  uint64_t SetCapacity(uint64_t capacity_bytes);
+
+  CacheStats Stats() const;
+  std::vector<EntryInfo> Entries() const;
+  std::optional<EntryInfo> Entry(std::string_view key) const;
+  Budget& budget() const;
+  const std::string& name() const;
+
+  // Checks the cache's internal invariants and returns the bytes this cache
+  // accounts for (resident, unloading, retired, and loading reservations).
+  // Aborts with a message on violation. For tests and debug builds.
+  uint64_t CheckInvariants() const;
+
+ private:
+  std::shared_ptr<detail::CacheCore> core_;
+};
+
+}  // namespace modelcache
+
+#endif  // MODELCACHE_CORE_CACHE_H_

@@ -1,0 +1,81 @@
+// Eviction policies: which unleased, unpinned record goes first.
+//
+// A policy maps an entry's access history to a priority; the cache evicts the
+// lowest priority first, ties broken by access order. The cache keeps its
+// eviction order lazily (a touched entry is re-sorted only when it reaches the
+// front), which is exact because priorities never decrease: see
+// EvictionPolicy::Priority.
+#ifndef MODELCACHE_CORE_POLICY_H_
+#define MODELCACHE_CORE_POLICY_H_
+
+#include <atomic>
+#include <cstdint>
+#include <memory>
+#include <string>
+
+namespace modelcache {
+
+// Policy state shared by every cache on one Budget, so that priorities of
+// entries in different caches (and shards) are comparable.
+struct PolicyClock {
+  // Advanced by the cache on every completed load and every eviction.
+  std::atomic<uint64_t> epoch{0};
+  // GreedyDual's inflation value L: the priority of the last victim.
+  std::atomic<double> inflation{0.0};
+};
+
+// What a policy may look at when it ranks an entry.
+struct AccessInfo {
+  uint64_t bytes = 0;         // resident size
+  uint64_t accesses = 0;      // acquires since this entry was loaded, >= 1
+  double load_seconds = 0.0;  // how long its load took
+};
+
+class EvictionPolicy {
+ public:
+  virtual ~EvictionPolicy() = default;
+
+  virtual std::string name() const = 0;
+
+  // Priority of an entry that was just loaded or acquired; lower is evicted
+  // first.
+  // REQUIRES: for one entry, successive calls never return a smaller value
+  // (given that `accesses` grows and the clock only moves forward).
+  virtual double Priority(const AccessInfo& entry,
+                          const PolicyClock& clock) const = 0;
+
+  // Told the priority of every victim, after it is gone.
+  virtual void OnEvict(double victim_priority, PolicyClock& clock) const = 0;
+};
+
+// Least recently used. With one shard the order is exact LRU; with several it
+// is exact between shards up to the last load or eviction, like a sharded LRU.
+std::shared_ptr<const EvictionPolicy> NewLruPolicy();
+
+// What a reload costs, for the cost-aware policy.
+enum class ReloadCost {
+  // Bytes to load again. Priority = L + accesses: keeps what is requested
+  // often regardless of size, which minimises bytes loaded again per byte of
+  // memory (the GreedyDual-Size-Frequency ranking with cost = size).
+  kBytes,
+  // Measured load time. Priority = L + accesses * load_seconds / GiB: keeps
+  // models that are slow to load per byte they occupy.
+  kLoadTime,
+  // One unit per load. Priority = L + accesses / GiB: favours small models,
+  // maximising the request hit ratio rather than the byte hit ratio.
+  kUniform,
+};
+
+// GreedyDual-Size-Frequency (Cherkasova 1998): priority = L + accesses *
+// cost / size, with L raised to each victim's priority so that entries not
+// used for a long time age out.
+std::shared_ptr<const EvictionPolicy> NewGdsfPolicy(
+    ReloadCost cost = ReloadCost::kBytes);
+
+// Looks a policy up by name: "lru", "gdsf" (cost = bytes), "gdsf-time",
+// "gdsf-uniform". Returns nullptr for an unknown name.
+std::shared_ptr<const EvictionPolicy> PolicyByName(const std::string& name);
+
+}  // namespace modelcache
+
+#endif  // MODELCACHE_CORE_POLICY_H_

@@ -1,0 +1,230 @@
+// Budget: bytes shared by several caches.
+//
+// State: capacity_, used_ (every reserved byte: resident, retired, and
+// reservations of loads in flight), and the member list. Reserve() is the
+// only place that evicts; it never holds mu_ while calling a member, and
+// members never call Reserve() while holding their own locks, so the budget's
+// mutex is a leaf in the lock order.
+//
+// Waiting for capacity without lost wake-ups: a waiter registers in waiters_
+// and notes change_count_ under mu_ *before* it asks members for victims.
+// Anything that could create room afterwards (Release, NotifyEvictable,
+// SetCapacity) bumps change_count_ under mu_, so the waiter either saw the
+// room during its scan or sees the count move and scans again.
+#include "modelcache/core/budget.h"
+
+#include <algorithm>
+#include <cassert>
+#include <string>
+#include <utility>
+
+#include "format.h"
+#include "modelcache/core/errors.h"
+
+namespace modelcache {
+
+using detail::BudgetMember;
+using detail::EvictOutcome;
+using detail::FormatBytes;
+using detail::VictimCandidate;
+
+Budget::Budget(uint64_t capacity_bytes, std::string name)
+    : name_(std::move(name)), capacity_(capacity_bytes) {}
+
+Budget::~Budget() {
+  MutexLock lock(&mu_);
+  assert(std::none_of(members_.begin(), members_.end(),
+                      [](const MemberSlot& m) { return !m.member.expired(); }) &&
+         "a cache still uses this budget");
+}
+
+uint64_t Budget::capacity() const {
+  MutexLock lock(&mu_);
+  return capacity_;
+}
+
+uint64_t Budget::used() const {
+  MutexLock lock(&mu_);
+  return used_;
+}
+
+uint64_t Budget::high_water() const {
+  MutexLock lock(&mu_);
+  return high_water_;
+}
+
+void Budget::Register(std::weak_ptr<BudgetMember> member) {
+  MutexLock lock(&mu_);
+  const BudgetMember* id = member.lock().get();
+  members_.push_back(MemberSlot{id, std::move(member)});
+}
+
+void Budget::Unregister(const BudgetMember* member) {
+  MutexLock lock(&mu_);
+  std::erase_if(members_,
+                [member](const MemberSlot& m) { return m.id == member; });
+}
+
+std::vector<std::shared_ptr<BudgetMember>> Budget::Members() {
+  std::vector<std::shared_ptr<BudgetMember>> members;
+  MutexLock lock(&mu_);
+  members.reserve(members_.size());
+  for (const MemberSlot& slot : members_) {
+    if (auto member = slot.member.lock()) members.push_back(std::move(member));
+  }
+  return members;
+}
+
+bool Budget::EvictOne(std::unordered_set<uint64_t>* skip) {
+  for (;;) {
+    std::shared_ptr<BudgetMember> best_member;
+    VictimCandidate best;
+    for (auto& member : Members()) {
+      VictimCandidate candidate;
+      if (!member->BestVictim(*skip, &candidate)) continue;
+      if (!best_member || candidate.priority < best.priority ||
+          (candidate.priority == best.priority && candidate.seq < best.seq)) {
+        best = std::move(candidate);
+        best_member = member;
+      }
+    }
+    if (!best_member) return false;
+    switch (best_member->TryEvict(best)) {
+      case EvictOutcome::kEvicted:
+        return true;
+      case EvictOutcome::kUnloadFailed:
+        // The victim stays resident; move on to the next one.
+        skip->insert(best.record_id);
+        return true;
+      case EvictOutcome::kChanged:
+        continue;  // someone leased or removed it meanwhile: choose again
+    }
+  }
+}
+
+std::string Budget::HoldersMessage() {
+  std::vector<std::string> holders;
+  for (auto& member : Members()) member->DescribeHolders(&holders);
+  if (holders.empty()) return "nothing resident";
+  std::string out;
+  for (size_t i = 0; i < holders.size(); ++i) {
+    if (i > 0) out += ", ";
+    out += holders[i];
+  }
+  return out;
+}
+
+void Budget::Reserve(uint64_t bytes, WhenFull when_full,
+                     std::chrono::steady_clock::time_point deadline) {
+  std::unordered_set<uint64_t> skip;  // victims whose unload failed
+  bool registered = false;
+  auto leave = [&] {
+    if (registered) waiters_.fetch_sub(1);
+    registered = false;
+  };
+  for (;;) {
+    uint64_t seen_changes = 0;
+    uint64_t capacity = 0, used = 0;
+    {
+      MutexLock lock(&mu_);
+      if (bytes > capacity_) {
+        const uint64_t cap = capacity_;
+        leave();
+        throw Error(ErrorCode::kTooLarge,
+                    "needs " + FormatBytes(bytes) + " but budget '" + name_ +
+                        "' has a capacity of " + FormatBytes(cap));
+      }
+      if (used_ + bytes <= capacity_) {
+        used_ += bytes;
+        high_water_ = std::max(high_water_, used_);
+        leave();
+        return;
+      }
+      if (!registered) {
+        waiters_.fetch_add(1);
+        registered = true;
+      }
+      seen_changes = change_count_;
+      capacity = capacity_;
+      used = used_;
+    }
+    if (EvictOne(&skip)) continue;
+
+    if (when_full == WhenFull::kFail) {
+      leave();
+      throw Error(ErrorCode::kCapacity,
+                  "cannot reserve " + FormatBytes(bytes) + " in budget '" +
+                      name_ + "' (capacity " + FormatBytes(capacity) + ", " +
+                      FormatBytes(used) +
+                      " in use) and nothing is evictable; held by: " +
+                      HoldersMessage());
+    }
+    bool timed_out = false;
+    {
+      MutexLock lock(&mu_);
+      while (change_count_ == seen_changes) {
+        if (!changed_.WaitUntil(&mu_, deadline) &&
+            change_count_ == seen_changes) {
+          timed_out = true;
+          break;
+        }
+      }
+    }
+    if (timed_out) {
+      leave();
+      throw Error(ErrorCode::kTimeout,
+                  "timed out waiting for " + FormatBytes(bytes) +
+                      " in budget '" + name_ + "'; held by: " +
+                      HoldersMessage());
+    }
+  }
+}
+
+bool Budget::TryReserve(uint64_t bytes) {
+  MutexLock lock(&mu_);
+  if (used_ + bytes > capacity_ || bytes > capacity_) return false;
+  used_ += bytes;
+  high_water_ = std::max(high_water_, used_);
+  return true;
+}
+
+void Budget::Release(uint64_t bytes) {
+  if (bytes == 0) return;
+  {
+    MutexLock lock(&mu_);
+    assert(used_ >= bytes && "released more bytes than reserved");
+    used_ -= bytes;
+    ++change_count_;
+  }
+  changed_.NotifyAll();
+}
+
+void Budget::NotifyEvictable() {
+  if (waiters_.load() == 0) return;
+  {
+    MutexLock lock(&mu_);
+    ++change_count_;
+  }
+  changed_.NotifyAll();
+}
+
+uint64_t Budget::SetCapacity(uint64_t capacity_bytes) {
+  {
+    MutexLock lock(&mu_);
+    capacity_ = capacity_bytes;
+    ++change_count_;
+  }
+  changed_.NotifyAll();
+  std::unordered_set<uint64_t> skip;
+  for (;;) {
+    {
+      MutexLock lock(&mu_);
+      if (used_ <= capacity_) return 0;
+    }
+    if (!EvictOne(&skip)) break;
+  }
+  MutexLock lock(&mu_);
+  return used_ > capacity_ ? used_ - capacity_ : 0;
+}
+
+}  // namespace modelcache

@@ -1,0 +1,1157 @@
+// ModelCache implementation.
+//
+// Design note
+// -----------
+// The key space is split into 2^shard_bits shards. A shard owns, under its
+// mutex: a map from key to Slot (a record, or an alias naming a canonical
+// key), an eviction order, the records it retired, and its counters. A record
+// lives in exactly one shard, the one its canonical key hashes to.
+//
+// Record states and transitions (all under the record's shard mutex):
+//
+//   (absent) --Acquire miss--> kLoading --load ok--> kResident
+//   kLoading --load/reservation failed--> kFailed (out of the map)
+//   kResident --evict/remove, unleased--> kUnloading
+//   kUnloading --unloader ok--> kGone (out of the map)
+//   kUnloading --unloader threw--> kResident (same place in the order)
+//   kResident --remove/invalidate while leased--> retired (out of the map,
+//       still counted) --last lease ends--> unloaded and kGone
+//
+// Single flight: a new record is created only when the map has no slot for
+// the key, and it leaves the map only in a transition above, under the shard
+// mutex. So at most one record per key is in the map, at most one load runs
+// per key, and a record is replaced only after it has left the map. Callers
+// that meet a kLoading record wait on it (holding a reference and counted in
+// `waiters`); the load's completion grants each of them a lease in the same
+// critical section that makes the record resident, so no eviction can slip
+// in between. Callers that meet kUnloading wait and look the key up again.
+//
+// Eviction order: an ordered set of (priority, seq, record) per shard. A hit
+// only updates the record's own (priority, seq); its set entry is re-sorted
+// lazily when an eviction scan reaches it. Policies guarantee that a record's
+// key never decreases, so the first evictable entry whose key is current is
+// the true minimum. Nothing is ever removed from the set except when its
+// record leaves the map, which is why a failed unload keeps its place.
+//
+// Bytes: reserved in the Budget before the loader runs (Budget::Reserve may
+// evict, from this cache or its peers, outside every lock), adjusted to the
+// real size after, returned on failure and when a record is unloaded.
+//
+// Invariants (CheckInvariants, and asserted in debug builds):
+//   I1. Every map record has the key it is filed under, lives in this shard
+//       and is not retired; its state is kLoading, kResident or kUnloading.
+//   I2. A record has exactly one order entry iff it is kResident or
+//       kUnloading in the map; the entry's key is <= the record's key.
+//   I3. Retired records are out of the map and the order; they hold leases,
+//       or their unloader failed.
+//   I4. Bytes the budget holds for this cache = sum of resident, unloading
+//       and retired sizes + reservations of loads in flight.
+//   I5. No record with a lease is ever unloaded.
+//
+// Locking: shard mutexes are never nested and never held while user code
+// runs (loader, unloader, value deleter, event callback) or while the budget
+// evicts. The budget's mutex may be taken under a shard mutex (it is a leaf).
+#include "modelcache/core/cache.h"
+
+#include <algorithm>
+#include <atomic>
+#include <cassert>
+#include <cstdio>
+#include <cstdlib>
+#include <set>
+#include <unordered_map>
+#include <utility>
+
+#include "format.h"
+#include "modelcache/core/thread_annotations.h"
+
+namespace modelcache {
+namespace detail {
+namespace {
+
+std::atomic<uint64_t> next_record_id{1};
+
+[[noreturn]] void InvariantFailed(const char* what, const std::string& key) {
+  std::fprintf(stderr, "modelcache: invariant violated: %s (key '%s')\n", what,
+               key.c_str());
+  std::abort();
+}
+
+#define MC_CHECK(cond, what, key) \
+  do {                            \
+    if (!(cond)) InvariantFailed(what, key); \
+  } while (0)
+
+struct StringHash {
+  using is_transparent = void;
+  size_t operator()(std::string_view s) const {
+    return std::hash<std::string_view>{}(s);
+  }
+};
+
+}  // namespace
+
+enum class RecordState { kLoading, kResident, kUnloading, kGone, kFailed };
+
+// Fields are guarded by the mutex of shard `shard` (one mutex per shard; the
+// analysis cannot name it from here, so the rule is checked by review and by
+// CheckInvariants). `key`, `id`, `shard` are immutable. `value`, `bytes` are
+// not modified while a lease exists, which is what lets Lease read them
+// without a lock.
+struct Record {
+  Record(std::string k, uint64_t i, uint32_t s)
+      : key(std::move(k)), id(i), shard(s) {}
+
+  const std::string key;
+  const uint64_t id;
+  const uint32_t shard;
+
+  RecordState state = RecordState::kLoading;
+  bool retired = false;
+  bool pinned = false;
+  bool stale = false;          // invalidated while loading
+  bool unload_failed = false;  // retired record whose unloader threw
+  bool in_order = false;
+  uint64_t bytes = 0;     // reserved while loading, resident size after
+  int leases = 0;
+  int waiters = 0;        // acquires waiting for this record's load
+  int unload_waiters = 0;  // callers waiting for its unload to finish
+  std::shared_ptr<void> value;
+  std::function<void()> unload;
+  std::exception_ptr error;  // the load's failure, for its waiters
+  uint64_t accesses = 0;
+  double load_seconds = 0;
+  double priority = 0;  // current order key
+  uint64_t seq = 0;
+  double order_priority = 0;  // key of its entry in the order set
+  uint64_t order_seq = 0;
+  Clock::time_point last_use{};
+};
+
+struct OrderKey {
+  double priority;
+  uint64_t seq;
+  Record* record;
+  bool operator<(const OrderKey& o) const {
+    if (priority != o.priority) return priority < o.priority;
+    if (seq != o.seq) return seq < o.seq;
+    return record < o.record;
+  }
+};
+
+struct Slot {
+  std::shared_ptr<Record> record;  // null for an alias
+  std::string alias_of;
+};
+
+struct ShardCounters {
+  uint64_t hits = 0, misses = 0, loads = 0, load_failures = 0, evictions = 0,
+           expirations = 0, failed_unloads = 0, removals = 0,
+           bytes_loaded = 0;
+  double load_seconds = 0;
+};
+
+struct alignas(64) Shard {
+  Mutex mu;
+  CondVar changed;  // a record of this shard changed state
+  std::unordered_map<std::string, Slot, StringHash, std::equal_to<>> map
+      GUARDED_BY(mu);
+  std::set<OrderKey> order GUARDED_BY(mu);
+  std::unordered_map<Record*, std::shared_ptr<Record>> retired GUARDED_BY(mu);
+  uint64_t seq GUARDED_BY(mu) = 0;
+  ShardCounters counters GUARDED_BY(mu);
+};
+
+class CacheCore final : public BudgetMember,
+                        public std::enable_shared_from_this<CacheCore> {
+ public:
+  explicit CacheCore(CacheOptions options);
+  ~CacheCore() override = default;
+
+  void Shutdown();
+
+  Lease Acquire(std::string_view key, uint64_t expected_bytes,
+                const Loader& loader, const AcquireOptions& options);
+  std::optional<Lease> Lookup(std::string_view key);
+  RemoveOutcome Remove(std::string_view key, Clock::time_point deadline,
+                       bool invalidate);
+  void SetPinned(std::string_view key, bool pinned);
+  void AddAlias(std::string_view alias, std::string_view canonical);
+  bool RemoveAlias(std::string_view alias);
+  std::string Resolve(std::string_view key);
+  size_t EvictExpired();
+  size_t Prune();
+  CacheStats Stats();
+  std::vector<EntryInfo> Entries();
+  std::optional<EntryInfo> Entry(std::string_view key);
+  uint64_t CheckInvariants();
+  void ReleaseLease(Record* record);
+
+  Budget& budget() { return *budget_; }
+  const std::string& name() const { return options_.name; }
+
+  // BudgetMember.
+  bool BestVictim(const std::unordered_set<uint64_t>& skip,
+                  VictimCandidate* out) override;
+  EvictOutcome TryEvict(const VictimCandidate& victim) override;
+  void DescribeHolders(std::vector<std::string>* out) override;
+
+ private:
+  Shard& ShardFor(std::string_view key) {
+    return shards_[std::hash<std::string_view>{}(key) & shard_mask_];
+  }
+  Lease MakeLease(Record* record) { return Lease(this, record); }
+  Clock::time_point Now() const { return options_.now ? options_.now() : Clock::now(); }
+
+  // Resolves `key` through an alias, if it is one.
+  std::string_view Canonical(std::string_view key, std::string* storage);
+
+  static bool Evictable(const Record& r) {
+    return r.state == RecordState::kResident && !r.retired && r.leases == 0 &&
+           !r.pinned;
+  }
+  void TouchLocked(Shard& shard, Record* r) REQUIRES(shard.mu);
+  void InsertOrderLocked(Shard& shard, Record* r) REQUIRES(shard.mu);
+  void EraseOrderLocked(Shard& shard, Record* r) REQUIRES(shard.mu);
+  void RetireLocked(Shard& shard, const std::shared_ptr<Record>& r)
+      REQUIRES(shard.mu);
+
+  Lease LoadAsOwner(Shard& shard, const std::shared_ptr<Record>& rec,
+                    uint64_t expected_bytes, const Loader& loader,
+                    const AcquireOptions& options);
+  void FailLoad(Shard& shard, const std::shared_ptr<Record>& rec,
+                std::exception_ptr error, uint64_t reserved, bool loader_threw);
+
+  // Runs the unloader of `rec` (state kUnloading) and, on success, erases it
+  // and returns its bytes. Returns the unloader's exception on failure, in
+  // which case the record is kResident again at its old place.
+  std::exception_ptr UnloadResident(Shard& shard,
+                                    const std::shared_ptr<Record>& rec,
+                                    EventType reason);
+  // Unloads a retired record whose last lease ended.
+  void FreeRetired(Shard& shard, const std::shared_ptr<Record>& rec);
+  // Evicts `rec` if it is still evictable (and, for expiry, still idle).
+  EvictOutcome EvictIfEvictable(const std::shared_ptr<Record>& rec,
+                                EventType reason, Clock::time_point idle_before);
+
+  void Emit(CacheEvent event) {
+    if (options_.on_event) options_.on_event(event);
+  }
+  bool Observed() const { return static_cast<bool>(options_.on_event); }
+
+  const CacheOptions options_;
+  const std::shared_ptr<Budget> budget_;
+  const std::shared_ptr<const EvictionPolicy> policy_;
+  const bool track_last_use_;
+  const size_t shard_mask_;
+  std::unique_ptr<Shard[]> shards_;
+  std::atomic<bool> shut_down_{false};
+};
+
+CacheCore::CacheCore(CacheOptions options)
+    : options_(std::move(options)),
+      budget_(options_.budget ? options_.budget
+                              : std::make_shared<Budget>(
+                                    options_.capacity_bytes, options_.name)),
+      policy_(options_.policy ? options_.policy : NewLruPolicy()),
+      track_last_use_(true),
+      shard_mask_((size_t{1} << std::clamp(options_.shard_bits, 0, 12)) - 1),
+      shards_(new Shard[shard_mask_ + 1]) {}
+
+std::string_view CacheCore::Canonical(std::string_view key,
+                                      std::string* storage) {
+  Shard& shard = ShardFor(key);
+  MutexLock lock(&shard.mu);
+  auto it = shard.map.find(key);
+  if (it == shard.map.end() || it->second.record) return key;
+  *storage = it->second.alias_of;
+  return *storage;
+}
+
+void CacheCore::TouchLocked(Shard& shard, Record* r) {
+  ++r->accesses;
+  r->priority = policy_->Priority(
+      AccessInfo{r->bytes, r->accesses, r->load_seconds},
+      budget_->policy_clock());
+  r->seq = ++shard.seq;
+  if (track_last_use_) r->last_use = Now();
+}
+
+void CacheCore::InsertOrderLocked(Shard& shard, Record* r) {
+  assert(!r->in_order);
+  r->order_priority = r->priority;
+  r->order_seq = r->seq;
+  shard.order.insert(OrderKey{r->priority, r->seq, r});
+  r->in_order = true;
+}
+
+void CacheCore::EraseOrderLocked(Shard& shard, Record* r) {
+  if (!r->in_order) return;
+  const size_t erased =
+      shard.order.erase(OrderKey{r->order_priority, r->order_seq, r});
+  assert(erased == 1);
+  (void)erased;
+  r->in_order = false;
+}
+
+void CacheCore::RetireLocked(Shard& shard, const std::shared_ptr<Record>& r) {
+  EraseOrderLocked(shard, r.get());
+  auto it = shard.map.find(r->key);
+  assert(it != shard.map.end() && it->second.record == r);
+  shard.map.erase(it);
+  r->retired = true;
+  shard.retired.emplace(r.get(), r);
+  ++shard.counters.removals;
+}
+
+Lease CacheCore::Acquire(std::string_view key, uint64_t expected_bytes,
+                         const Loader& loader, const AcquireOptions& options) {
+  std::string alias_target;
+  for (;;) {
+    Shard& shard = ShardFor(key);
+    std::shared_ptr<Record> owned;  // set when this call becomes the loader
+    {
+      MutexLock lock(&shard.mu);
+      auto it = shard.map.find(key);
+      if (it == shard.map.end()) {
+        owned = std::make_shared<Record>(std::string(key), next_record_id++,
+                                         static_cast<uint32_t>(&shard - shards_.get()));
+        shard.map.emplace(owned->key, Slot{owned, {}});
+        ++shard.counters.misses;
+      } else if (!it->second.record) {
+        alias_target = it->second.alias_of;
+      } else {
+        Record* r = it->second.record.get();
+        switch (r->state) {
+          case RecordState::kResident:
+            TouchLocked(shard, r);
+            ++r->leases;
+            ++shard.counters.hits;
+            return MakeLease(r);
+          case RecordState::kLoading: {
+            // Join the load in flight; its completion grants us a lease.
+            std::shared_ptr<Record> rec = it->second.record;
+            ++rec->waiters;
+            ++shard.counters.misses;
+            while (rec->state == RecordState::kLoading) {
+              if (!shard.changed.WaitUntil(&shard.mu, options.deadline) &&
+                  rec->state == RecordState::kLoading) {
+                --rec->waiters;
+                throw Error(ErrorCode::kTimeout,
+                            "timed out waiting for the load of '" + rec->key +
+                                "'");
+              }
+            }
+            --rec->waiters;
+            if (rec->state == RecordState::kFailed) {
+              std::rethrow_exception(rec->error);
+            }
+            return MakeLease(rec.get());  // the lease granted at completion
+          }
+          case RecordState::kUnloading: {
+            // An eviction or removal is running its unloader: wait for the
+            // outcome, then look again.
+            std::shared_ptr<Record> rec = it->second.record;
+            ++rec->unload_waiters;
+            while (rec->state == RecordState::kUnloading) {
+              if (!shard.changed.WaitUntil(&shard.mu, options.deadline) &&
+                  rec->state == RecordState::kUnloading) {
+                --rec->unload_waiters;
+                throw Error(ErrorCode::kTimeout,
+                            "timed out waiting for the unload of '" +
+                                rec->key + "'");
+              }
+            }
+            --rec->unload_waiters;
+            continue;
+          }
+          case RecordState::kGone:
+          case RecordState::kFailed:
+            InvariantFailed("a gone record is still in the map", r->key);
+        }
+      }
+    }
+    if (owned) {
+      return LoadAsOwner(shard, owned, expected_bytes, loader, options);
+    }
+    key = alias_target;  // an alias: look the canonical key up
+  }
+}
+
+Lease CacheCore::LoadAsOwner(Shard& shard, const std::shared_ptr<Record>& rec,
+                             uint64_t expected_bytes, const Loader& loader,
+                             const AcquireOptions& options) {
+  if (options_.idle_ttl.count() > 0) EvictExpired();
+  try {
+    budget_->Reserve(expected_bytes, options.when_full, options.deadline);
+  } catch (...) {
+    FailLoad(shard, rec, std::current_exception(), 0, false);
+    throw;
+  }
+  {
+    MutexLock lock(&shard.mu);
+    rec->bytes = expected_bytes;
+  }
+
+  const auto start = Clock::now();
+  Loaded loaded;
+  try {
+    loaded = loader();
+  } catch (...) {
+    FailLoad(shard, rec, std::current_exception(), expected_bytes, true);
+    throw;
+  }
+  const double seconds =
+      std::chrono::duration<double>(Clock::now() - start).count();
+
+  // Adjust the reservation to the real size.
+  if (loaded.bytes > expected_bytes) {
+    try {
+      budget_->Reserve(loaded.bytes - expected_bytes, options.when_full,
+                       options.deadline);
+    } catch (...) {
+      auto error = std::current_exception();
+      try {
+        if (loaded.unload) loaded.unload();
+      } catch (...) {
+        // The load is refused either way; its own cleanup error is secondary.
+      }
+      loaded.value.reset();
+      FailLoad(shard, rec, error, expected_bytes, false);
+      throw;
+    }
+  } else if (loaded.bytes < expected_bytes) {
+    budget_->Release(expected_bytes - loaded.bytes);
+  }
+
+  bool retired_now = false;
+  {
+    MutexLock lock(&shard.mu);
+    assert(rec->state == RecordState::kLoading && rec->leases == 0);
+    rec->state = RecordState::kResident;
+    rec->bytes = loaded.bytes;
+    rec->value = std::move(loaded.value);
+    rec->unload = std::move(loaded.unload);
+    rec->load_seconds = seconds;
+    // One lease for this caller and one for every waiter, granted together
+    // with residency so that nothing can evict the model before they use it.
+    rec->leases = 1 + rec->waiters;
+    rec->accesses = static_cast<uint64_t>(rec->waiters);
+    TouchLocked(shard, rec.get());
+    ++shard.counters.loads;
+    shard.counters.bytes_loaded += rec->bytes;
+    shard.counters.load_seconds += seconds;
+    budget_->policy_clock().epoch.fetch_add(1, std::memory_order_relaxed);
+    if (rec->stale) {
+      RetireLocked(shard, rec);
+      retired_now = true;
+    } else {
+      InsertOrderLocked(shard, rec.get());
+    }
+  }
+  shard.changed.NotifyAll();
+  if (Observed()) {
+    Emit({EventType::kLoaded, rec->key, rec->bytes, seconds, {}});
+    if (retired_now) Emit({EventType::kRetired, rec->key, rec->bytes, 0, {}});
+  }
+  return MakeLease(rec.get());
+}
+
+void CacheCore::FailLoad(Shard& shard, const std::shared_ptr<Record>& rec,
+                         std::exception_ptr error, uint64_t reserved,
+                         bool loader_threw) {
+  {
+    MutexLock lock(&shard.mu);
+    auto it = shard.map.find(rec->key);
+    assert(it != shard.map.end() && it->second.record == rec);
+    shard.map.erase(it);
+    rec->state = RecordState::kFailed;
+    rec->error = error;
+    rec->bytes = 0;
+    if (loader_threw) ++shard.counters.load_failures;
+  }
+  shard.changed.NotifyAll();
+  budget_->Release(reserved);
+  if (Observed() && loader_threw) {
+    Emit({EventType::kLoadFailed, rec->key, 0, 0, DescribeException(error)});
+  }
+}
+
+std::optional<Lease> CacheCore::Lookup(std::string_view key) {
+  std::string storage;
+  key = Canonical(key, &storage);
+  Shard& shard = ShardFor(key);
+  MutexLock lock(&shard.mu);
+  auto it = shard.map.find(key);
+  if (it == shard.map.end() || !it->second.record ||
+      it->second.record->state != RecordState::kResident) {
+    ++shard.counters.misses;
+    return std::nullopt;
+  }
+  Record* r = it->second.record.get();
+  TouchLocked(shard, r);
+  ++r->leases;
+  ++shard.counters.hits;
+  return MakeLease(r);
+}
+
+void CacheCore::ReleaseLease(Record* r) {
+  Shard& shard = shards_[r->shard];
+  std::shared_ptr<Record> to_free;
+  bool now_evictable = false;
+  {
+    MutexLock lock(&shard.mu);
+    assert(r->leases > 0);
+    if (--r->leases == 0) {
+      if (r->retired) {
+        auto it = shard.retired.find(r);
+        assert(it != shard.retired.end());
+        to_free = it->second;
+        r->state = RecordState::kUnloading;
+      } else {
+        now_evictable = !r->pinned;
+      }
+    }
+  }
+  if (to_free) {
+    FreeRetired(shard, to_free);
+  } else if (now_evictable) {
+    budget_->NotifyEvictable();
+  }
+}
+
+void CacheCore::FreeRetired(Shard& shard, const std::shared_ptr<Record>& rec) {
+  std::exception_ptr error;
+  try {
+    if (rec->unload) rec->unload();
+  } catch (...) {
+    error = std::current_exception();
+  }
+  std::shared_ptr<void> value;
+  uint64_t bytes = 0;
+  {
+    MutexLock lock(&shard.mu);
+    if (error) {
+      // Keep it counted; Prune() tries again.
+      rec->state = RecordState::kResident;
+      rec->unload_failed = true;
+      ++shard.counters.failed_unloads;
+    } else {
+      shard.retired.erase(rec.get());
+      rec->state = RecordState::kGone;
+      value = std::move(rec->value);
+      bytes = rec->bytes;
+    }
+  }
+  if (error) {
+    if (Observed()) {
+      Emit({EventType::kUnloadFailed, rec->key, rec->bytes, 0,
+            DescribeException(error)});
+    }
+    return;
+  }
+  value.reset();
+  budget_->Release(bytes);
+  if (Observed()) Emit({EventType::kRetiredFreed, rec->key, bytes, 0, {}});
+}
+
+std::exception_ptr CacheCore::UnloadResident(Shard& shard,
+                                             const std::shared_ptr<Record>& rec,
+                                             EventType reason) {
+  std::exception_ptr error;
+  try {
+    if (rec->unload) rec->unload();
+  } catch (...) {
+    error = std::current_exception();
+  }
+  std::shared_ptr<void> value;
+  uint64_t bytes = 0;
+  double priority = 0;
+  {
+    MutexLock lock(&shard.mu);
+    assert(rec->state == RecordState::kUnloading && rec->leases == 0);
+    if (error) {
+      rec->state = RecordState::kResident;  // its order entry never moved
+      ++shard.counters.failed_unloads;
+    } else {
+      EraseOrderLocked(shard, rec.get());
+      auto it = shard.map.find(rec->key);
+      assert(it != shard.map.end() && it->second.record == rec);
+      shard.map.erase(it);
+      rec->state = RecordState::kGone;
+      value = std::move(rec->value);
+      bytes = rec->bytes;
+      priority = rec->priority;
+      switch (reason) {
+        case EventType::kExpired:
+          ++shard.counters.expirations;
+          break;
+        case EventType::kRemoved:
+          ++shard.counters.removals;
+          break;
+        default:
+          ++shard.counters.evictions;
+          break;
+      }
+    }
+  }
+  shard.changed.NotifyAll();
+  if (error) {
+    if (Observed()) {
+      Emit({EventType::kUnloadFailed, rec->key, rec->bytes, 0,
+            DescribeException(error)});
+    }
+    return error;
+  }
+  value.reset();
+  budget_->Release(bytes);
+  if (reason != EventType::kRemoved) {
+    PolicyClock& clock = budget_->policy_clock();
+    policy_->OnEvict(priority, clock);
+    clock.epoch.fetch_add(1, std::memory_order_relaxed);
+  }
+  if (Observed()) Emit({reason, rec->key, bytes, 0, {}});
+  return nullptr;
+}
+
+bool CacheCore::BestVictim(const std::unordered_set<uint64_t>& skip,
+                           VictimCandidate* out) {
+  bool found = false;
+  for (size_t i = 0; i <= shard_mask_; ++i) {
+    Shard& shard = shards_[i];
+    MutexLock lock(&shard.mu);
+    for (auto it = shard.order.begin(); it != shard.order.end();) {
+      Record* r = it->record;
+      if (it->priority != r->priority || it->seq != r->seq) {
+        // Touched since it was filed: re-file at its current key. The new
+        // key is larger, so the scan meets it again if it matters.
+        auto next = std::next(it);
+        auto node = shard.order.extract(it);
+        node.value() = OrderKey{r->priority, r->seq, r};
+        r->order_priority = r->priority;
+        r->order_seq = r->seq;
+        shard.order.insert(std::move(node));
+        it = next;
+        continue;
+      }
+      if (!Evictable(*r) || skip.count(r->id) > 0) {
+        ++it;
+        continue;
+      }
+      if (!found || r->priority < out->priority ||
+          (r->priority == out->priority && r->seq < out->seq)) {
+        auto owner = shard.map.find(r->key)->second.record;
+        out->priority = r->priority;
+        out->seq = r->seq;
+        out->record_id = r->id;
+        out->handle = std::shared_ptr<void>(owner, owner.get());
+        found = true;
+      }
+      break;  // the first current, evictable entry is this shard's best
+    }
+  }
+  return found;
+}
+
+EvictOutcome CacheCore::TryEvict(const VictimCandidate& victim) {
+  auto rec = std::static_pointer_cast<Record>(victim.handle);
+  return EvictIfEvictable(rec, EventType::kEvicted, Clock::time_point::max());
+}
+
+EvictOutcome CacheCore::EvictIfEvictable(const std::shared_ptr<Record>& rec,
+                                         EventType reason,
+                                         Clock::time_point idle_before) {
+  Shard& shard = shards_[rec->shard];
+  {
+    MutexLock lock(&shard.mu);
+    if (!Evictable(*rec) || rec->last_use >= idle_before) {
+      return EvictOutcome::kChanged;
+    }
+    rec->state = RecordState::kUnloading;
+  }
+  return UnloadResident(shard, rec, reason) ? EvictOutcome::kUnloadFailed
+                                            : EvictOutcome::kEvicted;
+}
+
+void CacheCore::DescribeHolders(std::vector<std::string>* out) {
+  for (size_t i = 0; i <= shard_mask_; ++i) {
+    Shard& shard = shards_[i];
+    MutexLock lock(&shard.mu);
+    auto describe = [&](const Record& r) {
+      std::string why;
+      if (r.state == RecordState::kLoading) why = "loading";
+      if (r.state == RecordState::kUnloading) why = "unloading";
+      if (r.leases > 0) {
+        why += (why.empty() ? "" : ", ") + std::to_string(r.leases) +
+               (r.leases == 1 ? " lease" : " leases");
+      }
+      if (r.pinned) why += (why.empty() ? "" : ", ") + std::string("pinned");
+      if (r.retired) why += (why.empty() ? "" : ", ") + std::string("retired");
+      if (r.unload_failed) why += ", unload failed";
+      if (why.empty()) why = "unload failed";
+      out->push_back("'" + r.key + "' (" + FormatBytes(r.bytes) + ", " + why +
+                     ")");
+    };
+    for (const auto& [key, slot] : shard.map) {
+      if (slot.record) describe(*slot.record);
+    }
+    for (const auto& [ptr, rec] : shard.retired) describe(*rec);
+  }
+}
+
+RemoveOutcome CacheCore::Remove(std::string_view key,
+                                Clock::time_point deadline, bool invalidate) {
+  std::string storage;
+  key = Canonical(key, &storage);
+  Shard& shard = ShardFor(key);
+  std::shared_ptr<Record> rec;
+  bool retired = false;
+  {
+    MutexLock lock(&shard.mu);
+    for (;;) {
+      auto it = shard.map.find(key);
+      if (it == shard.map.end() || !it->second.record) {
+        return RemoveOutcome::kNotFound;
+      }
+      rec = it->second.record;
+      if (rec->state == RecordState::kLoading && invalidate) {
+        rec->stale = true;  // retired the moment its load completes
+        return RemoveOutcome::kRetired;
+      }
+      if (rec->state == RecordState::kLoading ||
+          rec->state == RecordState::kUnloading) {
+        // Serialised after the mutation in progress.
+        ++rec->unload_waiters;
+        const bool notified = shard.changed.WaitUntil(&shard.mu, deadline);
+        --rec->unload_waiters;
+        if (!notified && (rec->state == RecordState::kLoading ||
+                          rec->state == RecordState::kUnloading)) {
+          throw Error(ErrorCode::kTimeout,
+                      "timed out waiting to remove '" + rec->key + "'");
+        }
+        continue;
+      }
+      assert(rec->state == RecordState::kResident);
+      if (rec->leases > 0) {
+        RetireLocked(shard, rec);
+        retired = true;
+      } else {
+        rec->state = RecordState::kUnloading;
+      }
+      break;
+    }
+  }
+  if (retired) {
+    if (Observed()) Emit({EventType::kRetired, rec->key, rec->bytes, 0, {}});
+    return RemoveOutcome::kRetired;
+  }
+  if (auto error = UnloadResident(shard, rec, EventType::kRemoved)) {
+    std::rethrow_exception(error);
+  }
+  return RemoveOutcome::kRemoved;
+}
+
+void CacheCore::SetPinned(std::string_view key, bool pinned) {
+  std::string storage;
+  key = Canonical(key, &storage);
+  Shard& shard = ShardFor(key);
+  bool now_evictable = false;
+  {
+    MutexLock lock(&shard.mu);
+    auto it = shard.map.find(key);
+    if (it == shard.map.end() || !it->second.record ||
+        it->second.record->state != RecordState::kResident) {
+      throw Error(ErrorCode::kNotFound,
+                  "cannot " + std::string(pinned ? "pin" : "unpin") + " '" +
+                      std::string(key) + "': not resident in cache '" +
+                      options_.name + "'");
+    }
+    Record* r = it->second.record.get();
+    now_evictable = r->pinned && !pinned && r->leases == 0;
+    r->pinned = pinned;
+  }
+  if (now_evictable) budget_->NotifyEvictable();
+}
+
+void CacheCore::AddAlias(std::string_view alias, std::string_view canonical) {
+  if (alias == canonical) {
+    throw Error(ErrorCode::kInvalidArgument,
+                "alias '" + std::string(alias) + "' names itself");
+  }
+  {
+    Shard& shard = ShardFor(canonical);
+    MutexLock lock(&shard.mu);
+    auto it = shard.map.find(canonical);
+    if (it != shard.map.end() && !it->second.record) {
+      throw Error(ErrorCode::kInvalidArgument,
+                  "'" + std::string(canonical) + "' is itself an alias of '" +
+                      it->second.alias_of + "'");
+    }
+  }
+  Shard& shard = ShardFor(alias);
+  MutexLock lock(&shard.mu);
+  auto it = shard.map.find(alias);
+  if (it != shard.map.end() && it->second.record) {
+    throw Error(ErrorCode::kInvalidArgument,
+                "cannot alias '" + std::string(alias) +
+                    "': a model is loaded under that key");
+  }
+  if (it == shard.map.end()) {
+    shard.map.emplace(std::string(alias), Slot{nullptr, std::string(canonical)});
+  } else {
+    it->second.alias_of = std::string(canonical);
+  }
+}
+
+bool CacheCore::RemoveAlias(std::string_view alias) {
+  Shard& shard = ShardFor(alias);
+  MutexLock lock(&shard.mu);
+  auto it = shard.map.find(alias);
+  if (it == shard.map.end() || it->second.record) return false;
+  shard.map.erase(it);
+  return true;
+}
+
+std::string CacheCore::Resolve(std::string_view key) {
+  std::string storage;
+  return std::string(Canonical(key, &storage));
+}
+
+size_t CacheCore::EvictExpired() {
+  if (options_.idle_ttl.count() <= 0) return 0;
+  const Clock::time_point idle_before =
+      Now() - std::chrono::duration_cast<Clock::duration>(options_.idle_ttl);
+  std::vector<std::shared_ptr<Record>> expired;
+  for (size_t i = 0; i <= shard_mask_; ++i) {
+    Shard& shard = shards_[i];
+    MutexLock lock(&shard.mu);
+    for (const auto& [key, slot] : shard.map) {
+      if (slot.record && Evictable(*slot.record) &&
+          slot.record->last_use < idle_before) {
+        expired.push_back(slot.record);
+      }
+    }
+  }
+  size_t evicted = 0;
+  for (const auto& rec : expired) {
+    if (EvictIfEvictable(rec, EventType::kExpired, idle_before) ==
+        EvictOutcome::kEvicted) {
+      ++evicted;
+    }
+  }
+  return evicted;
+}
+
+size_t CacheCore::Prune() {
+  std::vector<std::shared_ptr<Record>> victims;
+  std::vector<std::pair<Shard*, std::shared_ptr<Record>>> failed_retired;
+  for (size_t i = 0; i <= shard_mask_; ++i) {
+    Shard& shard = shards_[i];
+    MutexLock lock(&shard.mu);
+    for (const auto& [key, slot] : shard.map) {
+      if (slot.record && Evictable(*slot.record)) victims.push_back(slot.record);
+    }
+    for (const auto& [ptr, rec] : shard.retired) {
+      if (rec->unload_failed && rec->leases == 0 &&
+          rec->state == RecordState::kResident) {
+        rec->state = RecordState::kUnloading;
+        failed_retired.emplace_back(&shard, rec);
+      }
+    }
+  }
+  size_t evicted = 0;
+  for (const auto& rec : victims) {
+    if (EvictIfEvictable(rec, EventType::kEvicted, Clock::time_point::max()) ==
+        EvictOutcome::kEvicted) {
+      ++evicted;
+    }
+  }
+  for (auto& [shard, rec] : failed_retired) FreeRetired(*shard, rec);
+  return evicted;
+}
+
+CacheStats CacheCore::Stats() {
+  CacheStats stats;
+  for (size_t i = 0; i <= shard_mask_; ++i) {
+    Shard& shard = shards_[i];
+    MutexLock lock(&shard.mu);
+    const ShardCounters c = shard.counters;
+    stats.hits += c.hits;
+    stats.misses += c.misses;
+    stats.loads += c.loads;
+    stats.load_failures += c.load_failures;
+    stats.evictions += c.evictions;
+    stats.expirations += c.expirations;
+    stats.failed_unloads += c.failed_unloads;
+    stats.removals += c.removals;
+    stats.bytes_loaded += c.bytes_loaded;
+    stats.load_seconds += c.load_seconds;
+    for (const auto& [key, slot] : shard.map) {
+      if (slot.record && slot.record->state != RecordState::kLoading) {
+        ++stats.resident_entries;
+        stats.resident_bytes += slot.record->bytes;
+      }
+    }
+    for (const auto& [ptr, rec] : shard.retired) {
+      ++stats.retired_entries;
+      stats.retired_bytes += rec->bytes;
+    }
+  }
+  stats.capacity_bytes = budget_->capacity();
+  stats.budget_used_bytes = budget_->used();
+  stats.high_water_bytes = budget_->high_water();
+  return stats;
+}
+
+namespace {
+EntryInfo InfoOf(const Record& r) {
+  EntryState state = EntryState::kResident;
+  if (r.retired) {
+    state = EntryState::kRetired;
+  } else if (r.state == RecordState::kLoading) {
+    state = EntryState::kLoading;
+  } else if (r.state == RecordState::kUnloading) {
+    state = EntryState::kUnloading;
+  }
+  return EntryInfo{r.key,    state,    r.bytes,      r.leases,
+                   r.waiters + r.unload_waiters, r.pinned, r.accesses,
+                   r.last_use};
+}
+}  // namespace
+
+std::vector<EntryInfo> CacheCore::Entries() {
+  std::vector<EntryInfo> entries;
+  for (size_t i = 0; i <= shard_mask_; ++i) {
+    Shard& shard = shards_[i];
+    MutexLock lock(&shard.mu);
+    for (const auto& [key, slot] : shard.map) {
+      if (slot.record) entries.push_back(InfoOf(*slot.record));
+    }
+    for (const auto& [ptr, rec] : shard.retired) entries.push_back(InfoOf(*rec));
+  }
+  std::sort(entries.begin(), entries.end(),
+            [](const EntryInfo& a, const EntryInfo& b) { return a.key < b.key; });
+  return entries;
+}
+
+std::optional<EntryInfo> CacheCore::Entry(std::string_view key) {
+  std::string storage;
+  key = Canonical(key, &storage);
+  Shard& shard = ShardFor(key);
+  MutexLock lock(&shard.mu);
+  auto it = shard.map.find(key);
+  if (it == shard.map.end() || !it->second.record) return std::nullopt;
+  return InfoOf(*it->second.record);
+}
+
+uint64_t CacheCore::CheckInvariants() {
+  uint64_t accounted = 0;
+  for (size_t i = 0; i <= shard_mask_; ++i) {
+    Shard& shard = shards_[i];
+    MutexLock lock(&shard.mu);
+    size_t ordered_records = 0;
+    for (const auto& [key, slot] : shard.map) {
+      if (!slot.record) {
+        MC_CHECK(!slot.alias_of.empty(), "alias without a target", key);
+        continue;
+      }
+      const Record& r = *slot.record;
+      MC_CHECK(r.key == key, "record filed under another key", key);      // I1
+      MC_CHECK(r.shard == i, "record in the wrong shard", key);
+      MC_CHECK(!r.retired, "retired record still in the map", key);
+      MC_CHECK(r.state == RecordState::kLoading ||
+                   r.state == RecordState::kResident ||
+                   r.state == RecordState::kUnloading,
+               "record in the map in a final state", key);
+      MC_CHECK(r.leases >= 0 && r.waiters >= 0, "negative count", key);
+      const bool should_be_ordered = r.state != RecordState::kLoading;  // I2
+      MC_CHECK(r.in_order == should_be_ordered, "order membership wrong", key);
+      if (r.in_order) {
+        ++ordered_records;
+        MC_CHECK(shard.order.count(OrderKey{r.order_priority, r.order_seq,
+                                            slot.record.get()}) == 1,
+                 "order entry missing", key);
+        MC_CHECK(r.order_priority < r.priority ||
+                     (r.order_priority == r.priority && r.order_seq <= r.seq),
+                 "order entry ahead of its record", key);
+      }
+      if (r.state == RecordState::kLoading) {
+        MC_CHECK(r.leases == 0, "lease on a record still loading", key);
+      }
+      accounted += r.bytes;  // I4 (a loading record's bytes = reservation)
+    }
+    MC_CHECK(shard.order.size() == ordered_records,
+             "order has entries for records not in the map", "");
+    for (const auto& [ptr, rec] : shard.retired) {  // I3
+      MC_CHECK(rec->retired && !rec->in_order, "retired record misfiled",
+               rec->key);
+      MC_CHECK(rec->leases > 0 || rec->unload_failed ||
+                   rec->state == RecordState::kUnloading,
+               "retired record without leases not freed", rec->key);
+      accounted += rec->bytes;
+    }
+  }
+  return accounted;
+}
+
+void CacheCore::Shutdown() {
+  if (shut_down_.exchange(true)) return;
+  budget_->Unregister(this);
+  uint64_t to_release = 0;
+  std::vector<std::shared_ptr<Record>> records;
+  for (size_t i = 0; i <= shard_mask_; ++i) {
+    Shard& shard = shards_[i];
+    MutexLock lock(&shard.mu);
+    for (auto& [key, slot] : shard.map) {
+      if (!slot.record) continue;
+      assert(slot.record->leases == 0 && "cache destroyed with a lease out");
+      assert(slot.record->state == RecordState::kResident &&
+             "cache destroyed during a load or unload");
+      slot.record->state = RecordState::kGone;  // no peer may evict it now
+      records.push_back(slot.record);
+    }
+    for (auto& [ptr, rec] : shard.retired) {
+      assert(rec->leases == 0 && "cache destroyed with a lease out");
+      rec->state = RecordState::kGone;
+      records.push_back(rec);
+    }
+    shard.map.clear();
+    shard.order.clear();
+    shard.retired.clear();
+  }
+  for (auto& rec : records) {
+    // The cache is going away: its bytes are returned whatever the unloader
+    // says, since nobody could ever retry.
+    try {
+      if (rec->unload) rec->unload();
+    } catch (...) {
+      if (Observed()) {
+        Emit({EventType::kUnloadFailed, rec->key, rec->bytes, 0,
+              DescribeException(std::current_exception())});
+      }
+    }
+    rec->value.reset();
+    to_release += rec->bytes;
+  }
+  budget_->Release(to_release);
+}
+
+}  // namespace detail
+
+// ---- Lease ----
+
+Lease& Lease::operator=(Lease&& other) noexcept {
+  if (this != &other) {
+    Release();
+    core_ = other.core_;
+    record_ = other.record_;
+    other.core_ = nullptr;
+    other.record_ = nullptr;
+  }
+  return *this;
+}
+
+void* Lease::value() const { return record_ ? record_->value.get() : nullptr; }
+
+const std::string& Lease::key() const {
+  static const std::string kEmpty;
+  return record_ ? record_->key : kEmpty;
+}
+
+uint64_t Lease::bytes() const { return record_ ? record_->bytes : 0; }
+
+void Lease::Release() {
+  if (record_ == nullptr) return;
+  detail::CacheCore* core = core_;
+  detail::Record* record = record_;
+  core_ = nullptr;
+  record_ = nullptr;
+  core->ReleaseLease(record);
+}
+
+// ---- ModelCache ----
+
+ModelCache::ModelCache(CacheOptions options)
+    : core_(std::make_shared<detail::CacheCore>(std::move(options))) {
+  core_->budget().Register(core_);
+}
+
+ModelCache::~ModelCache() { core_->Shutdown(); }
+
+Lease ModelCache::Acquire(std::string_view key, uint64_t expected_bytes,
+                          const Loader& loader, const AcquireOptions& options) {
+  return core_->Acquire(key, expected_bytes, loader, options);
+}
+
+std::optional<Lease> ModelCache::Lookup(std::string_view key) {
+  return core_->Lookup(key);
+}
+
+void ModelCache::Prefetch(std::string_view key, uint64_t expected_bytes,
+                          const Loader& loader, const AcquireOptions& options) {
+  core_->Acquire(key, expected_bytes, loader, options).Release();
+}
+
+RemoveOutcome ModelCache::Remove(std::string_view key,
+                                 Clock::time_point deadline) {
+  return core_->Remove(key, deadline, /*invalidate=*/false);
+}
+
+RemoveOutcome ModelCache::Invalidate(std::string_view key,
+                                     Clock::time_point deadline) {
+  return core_->Remove(key, deadline, /*invalidate=*/true);
+}
+
+void ModelCache::Pin(std::string_view key) { core_->SetPinned(key, true); }
+void ModelCache::Unpin(std::string_view key) { core_->SetPinned(key, false); }
+
+void ModelCache::AddAlias(std::string_view alias, std::string_view canonical) {
+  core_->AddAlias(alias, canonical);
+}
+bool ModelCache::RemoveAlias(std::string_view alias) {
+  return core_->RemoveAlias(alias);
+}
+std::string ModelCache::Resolve(std::string_view key) const {
+  return core_->Resolve(key);
+}
+
+size_t ModelCache::EvictExpired() { return core_->EvictExpired(); }
+size_t ModelCache::Prune() { return core_->Prune(); }
+uint64_t ModelCache::SetCapacity(uint64_t capacity_bytes) {
+  return core_->budget().SetCapacity(capacity_bytes);
+}
+
+CacheStats ModelCache::Stats() const { return core_->Stats(); }
+std::vector<EntryInfo> ModelCache::Entries() const { return core_->Entries(); }
+std::optional<EntryInfo> ModelCache::Entry(std::string_view key) const {
+  return core_->Entry(key);
+}
+Budget& ModelCache::budget() const { return core_->budget(); }
+const std::string& ModelCache::name() const { return core_->name(); }
+uint64_t ModelCache::CheckInvariants() const { return core_->CheckInvariants(); }
+
+const char* EventTypeName(EventType type) {
+  switch (type) {
+    case EventType::kLoaded: return "loaded";
+    case EventType::kLoadFailed: return "load_failed";
+    case EventType::kEvicted: return "evicted";
+    case EventType::kExpired: return "expired";
+    case EventType::kUnloadFailed: return "unload_failed";
+    case EventType::kRemoved: return "removed";
+    case EventType::kRetired: return "retired";
+    case EventType::kRetiredFreed: return "retired_freed";
+  }
+  return "unknown";
+}
+
+const char* EntryStateName(EntryState state) {
+  switch (state) {
+    case EntryState::kLoading: return "loading";
+    case EntryState::kResident: return "resident";
+    case EntryState::kUnloading: return "unloading";
+    case EntryState::kRetired: return "retired";
+  }
+  return "unknown";
+}
+
+}  // namespace modelcache

@@ -1,0 +1,21 @@
+#include "modelcache/core/errors.h"
+
+namespace modelcache {
+
+const char* ErrorCodeName(ErrorCode code) {
+  switch (code) {
+    case ErrorCode::kTooLarge:
+      return "too_large";
+    case ErrorCode::kCapacity:
+      return "capacity";
+    case ErrorCode::kTimeout:
+      return "timeout";
+    case ErrorCode::kNotFound:
+      return "not_found";
+    case ErrorCode::kInvalidArgument:
+      return "invalid_argument";
+  }
+  return "unknown";
+}
+
+}  // namespace modelcache

@@ -1,0 +1,437 @@
+// One serialised lifecycle per resolved key: the scenarios of seed 002
+// (per-model lock generations, waiter/newcomer races, rollback of failed
+// removals and evictions) and the single-flight contract.
+//
+// Every schedule is driven by gates inside loaders and unloaders and by
+// waiting for observable state (EntryInfo::waiters), never by sleeping.
+#include <latch>
+#include <stdexcept>
+#include <thread>
+#include <vector>
+
+#include "gtest/gtest.h"
+#include "modelcache/core/cache.h"
+#include "test_util.h"
+
+namespace modelcache {
+namespace {
+
+using testing::ConstructionCounter;
+using testing::FakeModel;
+using testing::Gate;
+using testing::SimpleLoader;
+using testing::WaitersOn;
+using testing::WaitUntil;
+
+CacheOptions Options(uint64_t capacity, int shard_bits = 4) {
+  CacheOptions options;
+  options.capacity_bytes = capacity;
+  options.shard_bits = shard_bits;
+  return options;
+}
+
+TEST(CacheLifecycle, ConcurrentAcquiresOfOneColdKeyConstructOnce) {
+  ModelCache cache(Options(1000));
+  ConstructionCounter constructions;
+  Gate release_load;
+  auto loader = [&] {
+    constructions.Enter();
+    release_load.Pass();
+    constructions.Leave();
+    return Loaded{std::make_shared<FakeModel>(FakeModel{"x", 1}), 10, {}};
+  };
+  constexpr int kThreads = 8;
+  std::vector<std::thread> threads;
+  std::atomic<int> served{0};
+  for (int i = 0; i < kThreads; ++i) {
+    threads.emplace_back([&] {
+      Lease lease = cache.Acquire("x", 10, loader);
+      ASSERT_TRUE(lease);
+      EXPECT_EQ(lease.get<FakeModel>()->generation, 1);
+      served.fetch_add(1);
+    });
+  }
+  WaitUntil([&] { return WaitersOn(cache, "x") == kThreads - 1; },
+            "every other caller joins the load");
+  EXPECT_EQ(served.load(), 0);
+  release_load.Open();
+  for (auto& t : threads) t.join();
+  EXPECT_EQ(constructions.started.load(), 1);
+  EXPECT_EQ(served.load(), kThreads);
+  CacheStats stats = cache.Stats();
+  EXPECT_EQ(stats.loads, 1u);
+  EXPECT_EQ(stats.misses, static_cast<uint64_t>(kThreads));
+  EXPECT_EQ(cache.CheckInvariants(), cache.budget().used());
+}
+
+TEST(CacheLifecycle, TimedOutWaiterDoesNotRetireTheActiveLoad) {
+  ModelCache cache(Options(1000));
+  std::atomic<int> calls{0};
+  Gate release_load;
+  std::thread owner([&] {
+    Lease lease = cache.Acquire("x", 10, [&] {
+      calls.fetch_add(1);
+      release_load.Pass();
+      return Loaded{std::make_shared<FakeModel>(FakeModel{"x", 1}), 10, {}};
+    });
+    EXPECT_TRUE(lease);
+  });
+  WaitUntil([&] { return cache.Entry("x").has_value(); }, "load starts");
+
+  // A waiter whose deadline has already passed gives up at once.
+  AcquireOptions impatient;
+  impatient.deadline = Clock::now();
+  try {
+    cache.Acquire("x", 10, SimpleLoader("x", 10, &calls), impatient);
+    FAIL() << "expected a timeout";
+  } catch (const Error& e) {
+    EXPECT_EQ(e.code(), ErrorCode::kTimeout);
+  }
+  // The load in flight is untouched: still loading, nobody waits on it.
+  ASSERT_TRUE(cache.Entry("x").has_value());
+  EXPECT_EQ(cache.Entry("x")->state, EntryState::kLoading);
+  EXPECT_EQ(cache.Entry("x")->waiters, 0);
+
+  release_load.Open();
+  owner.join();
+  Lease again = cache.Acquire("x", 10, SimpleLoader("x", 10, &calls));
+  EXPECT_EQ(again.get<FakeModel>()->generation, 1);
+  EXPECT_EQ(calls.load(), 1);
+}
+
+TEST(CacheLifecycle, FailedLoadWithSeveralWaitersDeliversOneErrorAndNoSecondConstruction) {
+  ModelCache cache(Options(1000));
+  ConstructionCounter constructions;
+  Gate release_load;
+  auto failing = [&]() -> Loaded {
+    constructions.Enter();
+    release_load.Pass();
+    constructions.Leave();
+    throw std::runtime_error("disk on fire");
+  };
+  constexpr int kThreads = 4;
+  std::vector<std::thread> threads;
+  std::vector<const void*> error_objects(kThreads, nullptr);
+  for (int i = 0; i < kThreads; ++i) {
+    threads.emplace_back([&, i] {
+      try {
+        cache.Acquire("x", 10, failing);
+        ADD_FAILURE() << "expected the loader's error";
+      } catch (const std::runtime_error& e) {
+        EXPECT_STREQ(e.what(), "disk on fire");
+        error_objects[i] = &e;
+      }
+    });
+  }
+  WaitUntil([&] { return WaitersOn(cache, "x") == kThreads - 1; },
+            "every other caller joins the failing load");
+  release_load.Open();
+  for (auto& t : threads) t.join();
+  EXPECT_EQ(constructions.started.load(), 1);
+  EXPECT_EQ(constructions.max_running.load(), 1);
+  // The waiters were handed the owner's exception object itself.
+  for (int i = 1; i < kThreads; ++i) {
+    EXPECT_EQ(error_objects[i], error_objects[0]);
+  }
+  // Nothing is cached and nothing stays reserved.
+  EXPECT_FALSE(cache.Entry("x").has_value());
+  EXPECT_EQ(cache.budget().used(), 0u);
+  EXPECT_EQ(cache.Stats().load_failures, 1u);
+}
+
+TEST(CacheLifecycle, FailuresAreNotCachedAndTheNextAcquireLoadsAgain) {
+  ModelCache cache(Options(1000));
+  int attempts = 0;
+  auto flaky = [&]() -> Loaded {
+    if (++attempts == 1) throw std::runtime_error("transient");
+    return Loaded{std::make_shared<FakeModel>(FakeModel{"x", attempts}), 10, {}};
+  };
+  EXPECT_THROW(cache.Acquire("x", 10, flaky), std::runtime_error);
+  EXPECT_FALSE(cache.Entry("x").has_value());
+  Lease lease = cache.Acquire("x", 10, flaky);
+  EXPECT_EQ(lease.get<FakeModel>()->generation, 2);
+  EXPECT_EQ(attempts, 2);
+}
+
+TEST(CacheLifecycle, FailedRemovalKeepsTheModelAndItsPlaceInTheOrder) {
+  bool fail_unload = true;
+  std::vector<std::string> unloaded;  // outlives the cache and its unloaders
+  ModelCache cache(Options(30, /*shard_bits=*/0));
+  auto unload_of = [&](const std::string& key) {
+    return [&, key] {
+      if (key == "a" && fail_unload) {
+        fail_unload = false;
+        throw std::runtime_error("unload of a failed");
+      }
+      unloaded.push_back(key);
+    };
+  };
+  for (const char* key : {"a", "b", "c"}) {
+    cache.Prefetch(key, 10, SimpleLoader(key, 10, nullptr, unload_of(key)));
+  }
+  try {
+    cache.Remove("a");
+    FAIL() << "expected the unloader's error";
+  } catch (const std::runtime_error& e) {
+    EXPECT_STREQ(e.what(), "unload of a failed");
+  }
+  ASSERT_TRUE(cache.Entry("a").has_value());
+  EXPECT_EQ(cache.Entry("a")->state, EntryState::kResident);
+  EXPECT_EQ(cache.budget().used(), 30u);
+  EXPECT_EQ(cache.Stats().failed_unloads, 1u);
+
+  // "a" is still the least recently used: the next load evicts it first.
+  cache.Prefetch("d", 10, SimpleLoader("d", 10, nullptr, unload_of("d")));
+  EXPECT_EQ(unloaded, std::vector<std::string>{"a"});
+  EXPECT_FALSE(cache.Entry("a").has_value());
+  EXPECT_EQ(cache.CheckInvariants(), cache.budget().used());
+}
+
+TEST(CacheLifecycle, AliasesShareOneLifecycle) {
+  ModelCache cache(Options(1000));
+  cache.AddAlias("latest", "model-v2");
+  ConstructionCounter constructions;
+  Gate release_load;
+  auto loader = [&] {
+    constructions.Enter();
+    release_load.Pass();
+    constructions.Leave();
+    return Loaded{std::make_shared<FakeModel>(FakeModel{"model-v2", 1}), 10, {}};
+  };
+  std::thread by_key([&] { EXPECT_TRUE(cache.Acquire("model-v2", 10, loader)); });
+  WaitUntil([&] { return cache.Entry("model-v2").has_value(); }, "load starts");
+  std::thread by_alias([&] {
+    Lease lease = cache.Acquire("latest", 10, loader);
+    EXPECT_EQ(lease.key(), "model-v2");
+  });
+  WaitUntil([&] { return WaitersOn(cache, "model-v2") == 1; },
+            "the alias joins the canonical load");
+  release_load.Open();
+  by_key.join();
+  by_alias.join();
+  EXPECT_EQ(constructions.started.load(), 1);
+  // Books under the canonical key only.
+  auto entries = cache.Entries();
+  ASSERT_EQ(entries.size(), 1u);
+  EXPECT_EQ(entries[0].key, "model-v2");
+  EXPECT_EQ(cache.Remove("latest"), RemoveOutcome::kRemoved);
+  EXPECT_TRUE(cache.Entries().empty());
+}
+
+TEST(CacheLifecycle, LoadsOfDifferentKeysRunInParallel) {
+  ModelCache cache(Options(1000));
+  // Each loader waits for the other to start: serialised loads would never
+  // get there and the gates would report it.
+  std::latch both_loading(2);
+  auto loader = [&](const std::string& key) {
+    return [&, key] {
+      both_loading.count_down();
+      WaitUntil([&] { return both_loading.try_wait(); }, "other load starts");
+      return Loaded{std::make_shared<FakeModel>(FakeModel{key, 1}), 10, {}};
+    };
+  };
+  std::thread a([&] { EXPECT_TRUE(cache.Acquire("a", 10, loader("a"))); });
+  std::thread b([&] { EXPECT_TRUE(cache.Acquire("b", 10, loader("b"))); });
+  a.join();
+  b.join();
+  EXPECT_EQ(cache.Stats().loads, 2u);
+}
+
+// Seed 002's interleaving: remove(X) is mid-mutation when a waiter and then a
+// newcomer ask for X. Neither may start a second construction beside the
+// first, and neither may return before the removal has finished.
+TEST(CacheLifecycle, RemoveWaiterNewcomerInterleavingConstructsOnceAfterRemoval) {
+  ModelCache cache(Options(1000));
+  Gate unload_may_finish;
+  std::atomic<bool> removal_finished{false};
+  ConstructionCounter constructions;
+  auto loader = [&] {
+    constructions.Enter();
+    EXPECT_TRUE(removal_finished.load()) << "constructed during the removal";
+    constructions.Leave();
+    return Loaded{std::make_shared<FakeModel>(FakeModel{"x", 2}), 10, {}};
+  };
+  cache.Prefetch("x", 10, [&] {
+    return Loaded{std::make_shared<FakeModel>(FakeModel{"x", 1}), 10,
+                  [&] { unload_may_finish.Pass(); }};
+  });
+
+  std::thread remover([&] {
+    EXPECT_EQ(cache.Remove("x"), RemoveOutcome::kRemoved);
+    removal_finished.store(true);
+  });
+  WaitUntil([&] { return cache.Entry("x")->state == EntryState::kUnloading; },
+            "removal is unloading");
+  std::atomic<int> returned{0};
+  std::thread waiter([&] {
+    Lease lease = cache.Acquire("x", 10, loader);
+    EXPECT_EQ(lease.get<FakeModel>()->generation, 2);
+    returned.fetch_add(1);
+  });
+  WaitUntil([&] { return WaitersOn(cache, "x") == 1; }, "waiter blocks");
+  std::thread newcomer([&] {
+    Lease lease = cache.Acquire("x", 10, loader);
+    EXPECT_EQ(lease.get<FakeModel>()->generation, 2);
+    returned.fetch_add(1);
+  });
+  WaitUntil([&] { return WaitersOn(cache, "x") == 2; }, "newcomer blocks");
+  EXPECT_EQ(returned.load(), 0) << "an acquire bypassed the removal";
+
+  unload_may_finish.Open();
+  remover.join();
+  waiter.join();
+  newcomer.join();
+  EXPECT_EQ(constructions.started.load(), 1);
+  EXPECT_EQ(constructions.max_running.load(), 1);
+  ASSERT_TRUE(cache.Entry("x").has_value());
+  EXPECT_EQ(cache.Entries().size(), 1u);
+  EXPECT_EQ(cache.CheckInvariants(), cache.budget().used());
+  EXPECT_EQ(cache.budget().used(), 10u);
+}
+
+TEST(CacheLifecycle, ConcurrentColdAcquiresLeaveOneOrderEntry) {
+  for (int round = 0; round < 20; ++round) {
+    ModelCache cache(Options(1000, /*shard_bits=*/0));
+    constexpr int kThreads = 6;
+    std::latch start(kThreads);
+    std::vector<std::thread> threads;
+    for (int i = 0; i < kThreads; ++i) {
+      threads.emplace_back([&] {
+        start.arrive_and_wait();
+        Lease lease = cache.Acquire("x", 10, SimpleLoader("x", 10));
+        EXPECT_TRUE(lease);
+      });
+    }
+    for (auto& t : threads) t.join();
+    // CheckInvariants aborts on a duplicate or missing order entry.
+    EXPECT_EQ(cache.CheckInvariants(), 10u);
+    EXPECT_EQ(cache.Entries().size(), 1u);
+    EXPECT_EQ(cache.Stats().loads, 1u);
+  }
+}
+
+TEST(CacheLifecycle, FailedEvictionRestoresSkippedPinnedEntriesInOrder) {
+  std::vector<std::string> unloaded;  // outlives the cache and its unloaders
+  bool b_fails = true;
+  ModelCache cache(Options(40, /*shard_bits=*/0));
+  auto unload_of = [&](const std::string& key) {
+    return [&, key] {
+      if (key == "b" && b_fails) throw std::runtime_error("b is stuck");
+      unloaded.push_back(key);
+    };
+  };
+  for (const char* key : {"a", "b", "c", "d"}) {
+    cache.Prefetch(key, 10, SimpleLoader(key, 10, nullptr, unload_of(key)));
+  }
+  cache.Pin("a");
+  // Room for "e": skip pinned a, fail on b, evict c.
+  cache.Prefetch("e", 10, SimpleLoader("e", 10, nullptr, unload_of("e")));
+  EXPECT_EQ(unloaded, std::vector<std::string>{"c"});
+  EXPECT_EQ(cache.Stats().failed_unloads, 1u);
+
+  // The order is still a, b, d, e: unpinned a goes next, then b.
+  cache.Unpin("a");
+  b_fails = false;
+  cache.Prefetch("f", 10, SimpleLoader("f", 10, nullptr, unload_of("f")));
+  cache.Prefetch("g", 10, SimpleLoader("g", 10, nullptr, unload_of("g")));
+  cache.Prefetch("h", 10, SimpleLoader("h", 10, nullptr, unload_of("h")));
+  EXPECT_EQ(unloaded, (std::vector<std::string>{"c", "a", "b", "d"}));
+  EXPECT_EQ(cache.CheckInvariants(), cache.budget().used());
+}
+
+TEST(CacheLifecycle, VictimAcquiredDuringItsOwnEvictionIsReloadedWithConsistentBooks) {
+  ModelCache cache(Options(20, /*shard_bits=*/0));
+  Gate unload_may_finish;
+  std::atomic<bool> evicting{false};
+  std::atomic<int> x_loads{0};
+  auto x_loader = [&] {
+    int generation = x_loads.fetch_add(1) + 1;
+    return Loaded{std::make_shared<FakeModel>(FakeModel{"x", generation}), 10,
+                  [&, generation] {
+                    if (generation == 1) {
+                      evicting.store(true);
+                      unload_may_finish.Pass();
+                    }
+                  }};
+  };
+  cache.Prefetch("x", 10, x_loader);
+  cache.Prefetch("y", 10, SimpleLoader("y", 10));
+  // Loading z evicts x (least recently used); x's unloader blocks.
+  std::thread loader_of_z(
+      [&] { EXPECT_TRUE(cache.Acquire("z", 10, SimpleLoader("z", 10))); });
+  WaitUntil([&] { return evicting.load(); }, "x is being evicted");
+  std::thread wants_x([&] {
+    AcquireOptions wait;
+    wait.when_full = WhenFull::kWait;
+    Lease lease = cache.Acquire("x", 10, x_loader, wait);
+    EXPECT_EQ(lease.get<FakeModel>()->generation, 2);
+  });
+  WaitUntil([&] { return WaitersOn(cache, "x") == 1; },
+            "x's acquire waits for the eviction");
+  unload_may_finish.Open();
+  loader_of_z.join();
+  wants_x.join();
+  EXPECT_EQ(x_loads.load(), 2);
+  EXPECT_EQ(cache.CheckInvariants(), cache.budget().used());
+  EXPECT_LE(cache.budget().used(), 20u);
+  EXPECT_EQ(cache.Entries().size(), 2u);
+}
+
+TEST(CacheLifecycle, RemoveWaitsForTheLoadInFlightThenRetiresTheLeasedResult) {
+  ModelCache cache(Options(1000));
+  Gate release_load;
+  std::promise<Lease> owner_lease;
+  std::thread owner([&] {
+    owner_lease.set_value(cache.Acquire("x", 10, [&] {
+      release_load.Pass();
+      return Loaded{std::make_shared<FakeModel>(FakeModel{"x", 1}), 10, {}};
+    }));
+  });
+  WaitUntil([&] { return cache.Entry("x").has_value(); }, "load starts");
+  std::atomic<bool> removed{false};
+  std::thread remover([&] {
+    EXPECT_EQ(cache.Remove("x"), RemoveOutcome::kRetired);
+    removed.store(true);
+  });
+  WaitUntil([&] { return WaitersOn(cache, "x") == 1; }, "remove waits");
+  EXPECT_FALSE(removed.load());
+  release_load.Open();
+  owner.join();
+  remover.join();
+  Lease lease = owner_lease.get_future().get();
+  EXPECT_EQ(lease.get<FakeModel>()->generation, 1);
+  EXPECT_FALSE(cache.Entry("x").has_value());  // hidden from new acquires
+  EXPECT_EQ(cache.Stats().retired_bytes, 10u);
+  lease.Release();
+  EXPECT_EQ(cache.Stats().retired_bytes, 0u);
+  EXPECT_EQ(cache.budget().used(), 0u);
+}
+
+TEST(CacheLifecycle, InvalidateDuringLoadServesItsWaitersThenReloads) {
+  ModelCache cache(Options(1000));
+  Gate release_load;
+  std::atomic<int> calls{0};
+  std::promise<Lease> first;
+  std::thread owner([&] {
+    first.set_value(cache.Acquire("x", 10, [&] {
+      int generation = calls.fetch_add(1) + 1;
+      release_load.Pass();
+      return Loaded{std::make_shared<FakeModel>(FakeModel{"x", generation}), 10,
+                    {}};
+    }));
+  });
+  WaitUntil([&] { return cache.Entry("x").has_value(); }, "load starts");
+  EXPECT_EQ(cache.Invalidate("x"), RemoveOutcome::kRetired);  // does not wait
+  release_load.Open();
+  owner.join();
+  Lease stale = first.get_future().get();
+  EXPECT_EQ(stale.get<FakeModel>()->generation, 1);
+  Lease fresh = cache.Acquire("x", 10, SimpleLoader("x", 10, &calls));
+  EXPECT_EQ(fresh.get<FakeModel>()->generation, 2);
+  EXPECT_EQ(cache.budget().used(), 20u);  // both counted until stale ends
+  stale.Release();
+  EXPECT_EQ(cache.budget().used(), 10u);
+}
+
+}  // namespace
+}  // namespace modelcache

@@ -1,0 +1,85 @@
+// Helpers shared by the core test suites: fake models, counting loaders, and
+// waits on observable cache state (never on time).
+#ifndef MODELCACHE_TESTS_TEST_UTIL_H_
+#define MODELCACHE_TESTS_TEST_UTIL_H_
+
+#include <atomic>
+#include <chrono>
+#include <cstdint>
+#include <functional>
+#include <future>
+#include <memory>
+#include <string>
+#include <thread>
+
+#include "gtest/gtest.h"
+#include "modelcache/core/cache.h"
+
+namespace modelcache::testing {
+
+struct FakeModel {
+  std::string key;
+  int generation;
+};
+
+// A gate a loader or unloader blocks on until the test opens it.
+class Gate {
+ public:
+  void Open() { promise_.set_value(); }
+  // Blocks until Open(); fails the test instead of hanging forever.
+  void Pass() {
+    ASSERT_EQ(future_.wait_for(std::chrono::seconds(60)),
+              std::future_status::ready)
+        << "gate never opened";
+  }
+
+ private:
+  std::promise<void> promise_;
+  std::shared_future<void> future_{promise_.get_future().share()};
+};
+
+// Spins (yielding) until `condition` holds. Synchronises on cache state the
+// test can observe; the bound only turns a hang into a failure.
+inline void WaitUntil(const std::function<bool()>& condition,
+                      const char* what) {
+  const auto give_up = std::chrono::steady_clock::now() + std::chrono::seconds(60);
+  while (!condition()) {
+    ASSERT_LT(std::chrono::steady_clock::now(), give_up) << "never: " << what;
+    std::this_thread::yield();
+  }
+}
+
+inline int WaitersOn(const ModelCache& cache, const std::string& key) {
+  auto entry = cache.Entry(key);
+  return entry ? entry->waiters : 0;
+}
+
+// Counts constructions, and the most that ever ran at once.
+struct ConstructionCounter {
+  std::atomic<int> started{0};
+  std::atomic<int> running{0};
+  std::atomic<int> max_running{0};
+
+  void Enter() {
+    started.fetch_add(1);
+    int now = running.fetch_add(1) + 1;
+    int seen = max_running.load();
+    while (now > seen && !max_running.compare_exchange_weak(seen, now)) {
+    }
+  }
+  void Leave() { running.fetch_sub(1); }
+};
+
+inline Loader SimpleLoader(const std::string& key, uint64_t bytes,
+                           std::atomic<int>* calls = nullptr,
+                           std::function<void()> unload = {}) {
+  return [=] {
+    int generation = calls ? calls->fetch_add(1) + 1 : 1;
+    return Loaded{std::make_shared<FakeModel>(FakeModel{key, generation}),
+                  bytes, unload};
+  };
+}
+
+}  // namespace modelcache::testing
+
+#endif  // MODELCACHE_TESTS_TEST_UTIL_H_

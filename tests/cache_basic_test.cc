@@ -218,10 +218,9 @@ Books Snapshot(const ModelCache& cache) {
   books.used = cache.budget().used();
   books.stats = cache.Stats();
   books.entries = cache.Entries();
-  std::sort(books.entries.begin(), books.entries.end(),
-            [](const EntryInfo& a, const EntryInfo& b) {
-              return a.key < b.key;
-            });
+  std::sort(
+      books.entries.begin(), books.entries.end(),
+      [](const EntryInfo& a, const EntryInfo& b) { return a.key < b.key; });
   return books;
 }
 
@@ -229,8 +228,10 @@ void ExpectSameBooks(const Books& before, const Books& after) {
   EXPECT_EQ(before.used, after.used);
   const CacheStats& s = before.stats;
   const CacheStats& t = after.stats;
+  // A refused request is still a request: it counts one miss and one
+  // refusal (checked by the callers); everything else must be unchanged.
   EXPECT_EQ(s.hits, t.hits);
-  EXPECT_EQ(s.misses, t.misses);
+  EXPECT_EQ(s.misses - s.refused, t.misses - t.refused);
   EXPECT_EQ(s.loads, t.loads);
   EXPECT_EQ(s.load_failures, t.load_failures);
   EXPECT_EQ(s.evictions, t.evictions);
@@ -399,7 +400,8 @@ TEST_F(CacheBasicTest, EraseUnloadsExactlyOnceAndReturnsTheBytes) {
   EXPECT_EQ(s.resident_entries, 0u);
   EXPECT_EQ(s.resident_bytes, 0u);
   EXPECT_EQ(s.evictions, 0u);
-  EXPECT_THAT(TakeEvents(), ElementsAre("removed:alpha:100", "removed:beta:200"));
+  EXPECT_THAT(TakeEvents(),
+              ElementsAre("removed:alpha:100", "removed:beta:200"));
   ExpectConsistent(cache);
 }
 
@@ -506,8 +508,8 @@ TEST_F(CacheBasicTest, RequestBeyondCapacityWhileAllHeldFailsNamingHolders) {
 
   // Once the lease ends the same request succeeds by evicting that record.
   held.Release();
-  Lease newcomer =
-      cache.Acquire("newcomer", 100, models_.For("newcomer", 100), FailAtOnce());
+  Lease newcomer = cache.Acquire("newcomer", 100, models_.For("newcomer", 100),
+                                 FailAtOnce());
   EXPECT_THAT(ResidentKeys(cache), ElementsAre("newcomer", "pinned-model"));
   EXPECT_EQ(models_.unload_attempts("pinned-model"), 0);
   ExpectConsistent(cache);
@@ -551,9 +553,9 @@ TEST_F(CacheBasicTest, WaitingAcquireProceedsWhenTheHolderReleasesElsewhere) {
     held.reset();  // may land before or during the wait: both must work
   });
   acquiring.count_down();
-  Lease newcomer = cache.Acquire(
-      "newcomer", 100, models_.For("newcomer", 100),
-      WaitUntil(Clock::now() + std::chrono::seconds(60)));
+  Lease newcomer =
+      cache.Acquire("newcomer", 100, models_.For("newcomer", 100),
+                    WaitUntil(Clock::now() + std::chrono::seconds(60)));
   holder.join();
   EXPECT_TRUE(newcomer);
   EXPECT_THAT(ResidentKeys(cache), ElementsAre("newcomer"));
@@ -573,11 +575,11 @@ TEST_F(CacheBasicTest, ModelLargerThanTheBudgetIsRefusedAtOnce) {
                       WaitUntil(Clock::time_point::max()));
       },
       ErrorCode::kTooLarge);
-  ErrorMessage(
-      [&] { cache.Prefetch("huge", 1001, models_.For("huge", 1001)); },
-      ErrorCode::kTooLarge);
+  ErrorMessage([&] { cache.Prefetch("huge", 1001, models_.For("huge", 1001)); },
+               ErrorCode::kTooLarge);
   EXPECT_EQ(models_.loads("huge"), 0);
   ExpectSameBooks(before, Snapshot(cache));
+  EXPECT_EQ(cache.Stats().refused, before.stats.refused + 2);
 
   // Exactly the capacity is not too large.
   Use(cache, "whole", 1000);
@@ -761,8 +763,8 @@ TEST_F(CacheBasicTest, LoaderReportingARealSizeAdjustsTheBudget) {
   ExpectConsistent(cache);
 
   // What the reservation over-estimated is free again: 450 fits exactly.
-  Lease third = cache.Acquire("third", 450, models_.For("third", 450),
-                              FailAtOnce());
+  Lease third =
+      cache.Acquire("third", 450, models_.For("third", 450), FailAtOnce());
   EXPECT_EQ(cache.budget().used(), 1000u);
   EXPECT_EQ(cache.Stats().evictions, 0u);
   ExpectConsistent(cache);
@@ -828,12 +830,12 @@ TEST_F(CacheBasicTest, EventsReportEachTransitionWithKeyAndBytes) {
   const std::vector<CacheEvent> events = TakeRawEvents();
   std::vector<std::string> described;
   for (const CacheEvent& e : events) described.push_back(Describe(e));
-  EXPECT_THAT(described,
-              ElementsAre("loaded:a:100", "loaded:b:100", "loaded:c:100",
-                          "evicted:a:100", "loaded:d:100", "removed:b:100",
-                          "retired:c:100", "retired_freed:c:100",
-                          "load_failed:bad", "loaded:e:100",
-                          "unload_failed:e"));
+  EXPECT_THAT(
+      described,
+      ElementsAre("loaded:a:100", "loaded:b:100", "loaded:c:100",
+                  "evicted:a:100", "loaded:d:100", "removed:b:100",
+                  "retired:c:100", "retired_freed:c:100", "load_failed:bad",
+                  "loaded:e:100", "unload_failed:e"));
   for (const CacheEvent& e : events) {
     if (e.type == EventType::kLoadFailed) {
       EXPECT_THAT(e.error, HasSubstr("disk on fire"));
@@ -990,7 +992,8 @@ TEST_F(CacheBasicTest, IdleTtlEvictsOnlyIdleUnleasedRecords) {
 // ---- Failing loaders and unloaders ----
 
 struct LoadError : std::runtime_error {
-  LoadError(const std::string& what, int c) : std::runtime_error(what), code(c) {}
+  LoadError(const std::string& what, int c)
+      : std::runtime_error(what), code(c) {}
   int code;
 };
 
@@ -1025,8 +1028,7 @@ TEST_F(CacheBasicTest, LoaderExceptionPropagatesAsIsAndNothingIsCached) {
 
   // Not even derived from std::exception: still passed through unchanged.
   try {
-    cache.Acquire("flaky", 200,
-                  [&]() -> Loaded { throw NotAStdException{7}; });
+    cache.Acquire("flaky", 200, [&]() -> Loaded { throw NotAStdException{7}; });
     ADD_FAILURE() << "the loader's exception was swallowed";
   } catch (const NotAStdException& e) {
     EXPECT_EQ(e.value, 7);
@@ -1137,8 +1139,8 @@ TEST_F(CacheBasicTest, PrefetchLeavesTheModelResidentWithoutLeases) {
   // Evictable like any unleased record: with "other" leased, "warm" is the
   // only candidate for the room "third" needs.
   Lease other = cache.Acquire("other", 100, models_.For("other", 100));
-  Lease third = cache.Acquire("third", 100, models_.For("third", 100),
-                              FailAtOnce());
+  Lease third =
+      cache.Acquire("third", 100, models_.For("third", 100), FailAtOnce());
   EXPECT_THAT(ResidentKeys(cache), ElementsAre("other", "third"));
   EXPECT_THAT(models_.unloaded("warm"), ElementsAre(1));
   ExpectConsistent(cache);

@@ -202,8 +202,8 @@ TEST(CacheBudget, PeerEvictionDuringACacheDestructionIsSafe) {
     std::thread peer([&] {
       AcquireOptions wait;
       wait.when_full = WhenFull::kWait;
-      survivor.Prefetch("s" + std::to_string(round), 10,
-                        SimpleLoader("s", 10), wait);
+      const std::string key = std::to_string(round) + "-survivor";
+      survivor.Prefetch(key, 10, SimpleLoader(key, 10), wait);
     });
     doomed.reset();
     peer.join();

@@ -112,12 +112,15 @@ TEST(CacheLifecycle, FailedLoadWithSeveralWaitersDeliversOneErrorAndNoSecondCons
   constexpr int kThreads = 4;
   std::vector<std::thread> threads;
   std::vector<const void*> error_objects(kThreads, nullptr);
+  // Held until the threads are joined (see tests/tsan.supp).
+  std::vector<std::exception_ptr> errors(kThreads);
   for (int i = 0; i < kThreads; ++i) {
     threads.emplace_back([&, i] {
       try {
         cache.Acquire("x", 10, failing);
         ADD_FAILURE() << "expected the loader's error";
       } catch (const std::runtime_error& e) {
+        errors[i] = std::current_exception();
         EXPECT_STREQ(e.what(), "disk on fire");
         error_objects[i] = &e;
       }
@@ -243,22 +246,24 @@ TEST(CacheLifecycle, LoadsOfDifferentKeysRunInParallel) {
 TEST(CacheLifecycle, RemoveWaiterNewcomerInterleavingConstructsOnceAfterRemoval) {
   ModelCache cache(Options(1000));
   Gate unload_may_finish;
-  std::atomic<bool> removal_finished{false};
+  std::atomic<bool> unload_finished{false};
   ConstructionCounter constructions;
   auto loader = [&] {
     constructions.Enter();
-    EXPECT_TRUE(removal_finished.load()) << "constructed during the removal";
+    EXPECT_TRUE(unload_finished.load()) << "constructed during the removal";
     constructions.Leave();
     return Loaded{std::make_shared<FakeModel>(FakeModel{"x", 2}), 10, {}};
   };
   cache.Prefetch("x", 10, [&] {
     return Loaded{std::make_shared<FakeModel>(FakeModel{"x", 1}), 10,
-                  [&] { unload_may_finish.Pass(); }};
+                  [&] {
+                    unload_may_finish.Pass();
+                    unload_finished.store(true);
+                  }};
   });
 
   std::thread remover([&] {
     EXPECT_EQ(cache.Remove("x"), RemoveOutcome::kRemoved);
-    removal_finished.store(true);
   });
   WaitUntil([&] { return cache.Entry("x")->state == EntryState::kUnloading; },
             "removal is unloading");

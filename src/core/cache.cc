@@ -59,6 +59,7 @@
 #include <cstdio>
 #include <cstdlib>
 #include <set>
+#include <time.h>
 #include <unordered_map>
 #include <utility>
 
@@ -82,12 +83,49 @@ std::atomic<uint64_t> next_record_id{1};
     if (!(cond)) InvariantFailed(what, key); \
   } while (0)
 
-struct StringHash {
+// A key with its hash computed once: it picks the shard and then finds the
+// slot without hashing again.
+struct HashedKey {
+  explicit HashedKey(std::string_view k)
+      : key(k), hash(std::hash<std::string_view>{}(k)) {}
+  std::string_view key;
+  size_t hash;
+};
+
+struct KeyHash {
   using is_transparent = void;
   size_t operator()(std::string_view s) const {
     return std::hash<std::string_view>{}(s);
   }
+  size_t operator()(const HashedKey& k) const { return k.hash; }
 };
+
+struct KeyEqual {
+  using is_transparent = void;
+  bool operator()(std::string_view a, std::string_view b) const {
+    return a == b;
+  }
+  bool operator()(const HashedKey& a, std::string_view b) const {
+    return a.key == b;
+  }
+  bool operator()(std::string_view a, const HashedKey& b) const {
+    return a == b.key;
+  }
+};
+
+// Last-use stamps need minutes-scale precision (idle TTLs), not the cost of
+// a precise clock read on every hit: the coarse monotonic clock is the same
+// clock as steady_clock on Linux at a few milliseconds' resolution.
+Clock::time_point CoarseNow() {
+#if defined(CLOCK_MONOTONIC_COARSE)
+  timespec ts;
+  clock_gettime(CLOCK_MONOTONIC_COARSE, &ts);
+  return Clock::time_point(std::chrono::duration_cast<Clock::duration>(
+      std::chrono::seconds(ts.tv_sec) + std::chrono::nanoseconds(ts.tv_nsec)));
+#else
+  return Clock::now();
+#endif
+}
 
 }  // namespace
 
@@ -145,7 +183,8 @@ struct Slot {
 };
 
 struct ShardCounters {
-  uint64_t hits = 0, misses = 0, loads = 0, load_failures = 0, evictions = 0,
+  uint64_t hits = 0, misses = 0, refused = 0, loads = 0, load_failures = 0,
+           evictions = 0,
            expirations = 0, failed_unloads = 0, removals = 0,
            bytes_loaded = 0;
   double load_seconds = 0;
@@ -154,7 +193,7 @@ struct ShardCounters {
 struct alignas(64) Shard {
   Mutex mu;
   CondVar changed;  // a record of this shard changed state
-  std::unordered_map<std::string, Slot, StringHash, std::equal_to<>> map
+  std::unordered_map<std::string, Slot, KeyHash, KeyEqual> map
       GUARDED_BY(mu);
   std::set<OrderKey> order GUARDED_BY(mu);
   std::unordered_map<Record*, std::shared_ptr<Record>> retired GUARDED_BY(mu);
@@ -198,10 +237,15 @@ class CacheCore final : public BudgetMember,
 
  private:
   Shard& ShardFor(std::string_view key) {
-    return shards_[std::hash<std::string_view>{}(key) & shard_mask_];
+    return shards_[ShardIndex(std::hash<std::string_view>{}(key))];
   }
+  Shard& ShardFor(const HashedKey& key) { return shards_[ShardIndex(key.hash)]; }
+  // High bits pick the shard; the map's buckets use the low ones.
+  size_t ShardIndex(size_t hash) const { return (hash >> 40) & shard_mask_; }
   Lease MakeLease(Record* record) { return Lease(this, record); }
-  Clock::time_point Now() const { return options_.now ? options_.now() : Clock::now(); }
+  Clock::time_point Now() const {
+    return options_.now ? options_.now() : CoarseNow();
+  }
 
   // Resolves `key` through an alias, if it is one.
   std::string_view Canonical(std::string_view key, std::string* storage);
@@ -242,7 +286,6 @@ class CacheCore final : public BudgetMember,
   const CacheOptions options_;
   const std::shared_ptr<Budget> budget_;
   const std::shared_ptr<const EvictionPolicy> policy_;
-  const bool track_last_use_;
   const size_t shard_mask_;
   std::unique_ptr<Shard[]> shards_;
   std::atomic<bool> shut_down_{false};
@@ -254,7 +297,6 @@ CacheCore::CacheCore(CacheOptions options)
                               : std::make_shared<Budget>(
                                     options_.capacity_bytes, options_.name)),
       policy_(options_.policy ? options_.policy : NewLruPolicy()),
-      track_last_use_(true),
       shard_mask_((size_t{1} << std::clamp(options_.shard_bits, 0, 12)) - 1),
       shards_(new Shard[shard_mask_ + 1]) {}
 
@@ -274,7 +316,7 @@ void CacheCore::TouchLocked(Shard& shard, Record* r) {
       AccessInfo{r->bytes, r->accesses, r->load_seconds},
       budget_->policy_clock());
   r->seq = ++shard.seq;
-  if (track_last_use_) r->last_use = Now();
+  r->last_use = Now();
 }
 
 void CacheCore::InsertOrderLocked(Shard& shard, Record* r) {
@@ -308,11 +350,12 @@ Lease CacheCore::Acquire(std::string_view key, uint64_t expected_bytes,
                          const Loader& loader, const AcquireOptions& options) {
   std::string alias_target;
   for (;;) {
-    Shard& shard = ShardFor(key);
+    const HashedKey hashed(key);
+    Shard& shard = ShardFor(hashed);
     std::shared_ptr<Record> owned;  // set when this call becomes the loader
     {
       MutexLock lock(&shard.mu);
-      auto it = shard.map.find(key);
+      auto it = shard.map.find(hashed);
       if (it == shard.map.end()) {
         owned = std::make_shared<Record>(std::string(key), next_record_id++,
                                          static_cast<uint32_t>(&shard - shards_.get()));
@@ -460,6 +503,10 @@ Lease CacheCore::LoadAsOwner(Shard& shard, const std::shared_ptr<Record>& rec,
 void CacheCore::FailLoad(Shard& shard, const std::shared_ptr<Record>& rec,
                          std::exception_ptr error, uint64_t reserved,
                          bool loader_threw) {
+  // Read the exception before waiters can see it: once they are woken,
+  // they may rethrow and free it on their own threads.
+  std::string message;
+  if (Observed() && loader_threw) message = DescribeException(error);
   {
     MutexLock lock(&shard.mu);
     auto it = shard.map.find(rec->key);
@@ -468,12 +515,16 @@ void CacheCore::FailLoad(Shard& shard, const std::shared_ptr<Record>& rec,
     rec->state = RecordState::kFailed;
     rec->error = error;
     rec->bytes = 0;
-    if (loader_threw) ++shard.counters.load_failures;
+    if (loader_threw) {
+      ++shard.counters.load_failures;
+    } else {
+      ++shard.counters.refused;
+    }
   }
   shard.changed.NotifyAll();
   budget_->Release(reserved);
   if (Observed() && loader_threw) {
-    Emit({EventType::kLoadFailed, rec->key, 0, 0, DescribeException(error)});
+    Emit({EventType::kLoadFailed, rec->key, 0, 0, std::move(message)});
   }
 }
 
@@ -623,15 +674,16 @@ bool CacheCore::BestVictim(const std::unordered_set<uint64_t>& skip,
     for (auto it = shard.order.begin(); it != shard.order.end();) {
       Record* r = it->record;
       if (it->priority != r->priority || it->seq != r->seq) {
-        // Touched since it was filed: re-file at its current key. The new
-        // key is larger, so the scan meets it again if it matters.
+        // Touched since it was filed: re-file it at its current key, which
+        // is larger than the old one but may still precede `next`, so the
+        // scan resumes from whichever of the two comes first.
         auto next = std::next(it);
         auto node = shard.order.extract(it);
         node.value() = OrderKey{r->priority, r->seq, r};
         r->order_priority = r->priority;
         r->order_seq = r->seq;
-        shard.order.insert(std::move(node));
-        it = next;
+        auto refiled = shard.order.insert(std::move(node)).position;
+        it = (next == shard.order.end() || *refiled < *next) ? refiled : next;
         continue;
       }
       if (!Evictable(*r) || skip.count(r->id) > 0) {
@@ -688,7 +740,7 @@ void CacheCore::DescribeHolders(std::vector<std::string>* out) {
       if (r.pinned) why += (why.empty() ? "" : ", ") + std::string("pinned");
       if (r.retired) why += (why.empty() ? "" : ", ") + std::string("retired");
       if (r.unload_failed) why += ", unload failed";
-      if (why.empty()) why = "unload failed";
+      if (why.empty()) why = "evictable";
       out->push_back("'" + r.key + "' (" + FormatBytes(r.bytes) + ", " + why +
                      ")");
     };
@@ -878,6 +930,7 @@ CacheStats CacheCore::Stats() {
     const ShardCounters c = shard.counters;
     stats.hits += c.hits;
     stats.misses += c.misses;
+    stats.refused += c.refused;
     stats.loads += c.loads;
     stats.load_failures += c.load_failures;
     stats.evictions += c.evictions;

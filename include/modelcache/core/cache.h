@@ -117,6 +117,9 @@ struct CacheOptions {
 struct CacheStats {
   uint64_t hits = 0;
   uint64_t misses = 0;  // acquires that started or joined a load
+  // Misses whose load never ran or was not admitted: too large, no capacity,
+  // timed out waiting for room.
+  uint64_t refused = 0;
   uint64_t loads = 0;   // loads that completed
   uint64_t load_failures = 0;
   uint64_t evictions = 0;

@@ -1,0 +1,699 @@
+// Eviction policies: one suite of policy-independent contracts run over every
+// policy and shard count, then tests of what each policy promises.
+//
+// Policy-independent: a leased or pinned record is never evicted; nothing is
+// evicted while everything fits; the budget is never exceeded whatever the
+// sequence of operations; a victim whose unloader fails stays resident and
+// eviction moves on. Policy-specific: exact LRU order with one shard; GDSF
+// keeps a frequently used large model where LRU would drop it; GDSF ages old
+// entries out through its inflation value; priorities never decrease.
+
+#include "modelcache/core/policy.h"
+
+#include <gmock/gmock.h>
+#include <gtest/gtest.h>
+
+#include <algorithm>
+#include <atomic>
+#include <cstdint>
+#include <functional>
+#include <map>
+#include <memory>
+#include <mutex>
+#include <optional>
+#include <ostream>
+#include <random>
+#include <set>
+#include <stdexcept>
+#include <string>
+#include <utility>
+#include <vector>
+
+#include "modelcache/core/cache.h"
+
+namespace modelcache {
+namespace {
+
+using ::testing::ElementsAre;
+using ::testing::HasSubstr;
+
+constexpr uint64_t kGiB = uint64_t{1} << 30;
+
+// ---- Fake models and their counting loaders. ----
+
+struct FakeModel {
+  FakeModel(std::string k, std::atomic<int>* live)
+      : key(std::move(k)), live_(live) {
+    ++*live_;
+  }
+  ~FakeModel() { --*live_; }
+  FakeModel(const FakeModel&) = delete;
+  FakeModel& operator=(const FakeModel&) = delete;
+
+  std::string key;
+
+ private:
+  std::atomic<int>* live_;
+};
+
+struct UnloadError : std::runtime_error {
+  using std::runtime_error::runtime_error;
+};
+
+// Makes loaders of fake models and counts loads and unloads per key.
+// REQUIRES: outlives every cache that holds its models.
+class Models {
+ public:
+  Loader For(const std::string& key, uint64_t bytes) {
+    return [this, key, bytes] {
+      {
+        std::lock_guard<std::mutex> lock(mu_);
+        ++loads_[key];
+      }
+      auto unload = [this, key] {
+        bool fail;
+        {
+          std::lock_guard<std::mutex> lock(mu_);
+          ++unload_attempts_[key];
+          fail = failing_.count(key) > 0;
+          if (!fail) ++unloads_[key];
+        }
+        if (fail) throw UnloadError("unload of " + key + " failed");
+      };
+      return Loaded{std::make_shared<FakeModel>(key, &live_), bytes, unload};
+    };
+  }
+
+  void FailUnloads(const std::string& key, bool fail) {
+    std::lock_guard<std::mutex> lock(mu_);
+    if (fail) {
+      failing_.insert(key);
+    } else {
+      failing_.erase(key);
+    }
+  }
+
+  int loads(const std::string& key) const { return Get(loads_, key); }
+  int unloads(const std::string& key) const { return Get(unloads_, key); }
+  int unload_attempts(const std::string& key) const {
+    return Get(unload_attempts_, key);
+  }
+  int total_loads() const { return Sum(loads_); }
+  int total_unloads() const { return Sum(unloads_); }
+  int live() const { return live_.load(); }
+
+ private:
+  int Get(const std::map<std::string, int>& m, const std::string& key) const {
+    std::lock_guard<std::mutex> lock(mu_);
+    auto it = m.find(key);
+    return it == m.end() ? 0 : it->second;
+  }
+  int Sum(const std::map<std::string, int>& m) const {
+    std::lock_guard<std::mutex> lock(mu_);
+    int total = 0;
+    for (const auto& [key, n] : m) total += n;
+    return total;
+  }
+
+  mutable std::mutex mu_;
+  std::map<std::string, int> loads_;
+  std::map<std::string, int> unloads_;
+  std::map<std::string, int> unload_attempts_;
+  std::set<std::string> failing_;
+  std::atomic<int> live_{0};
+};
+
+AcquireOptions FailAtOnce() {
+  AcquireOptions options;
+  options.when_full = WhenFull::kFail;
+  return options;
+}
+
+template <typename F>
+std::string ErrorMessage(F&& f, ErrorCode code) {
+  try {
+    f();
+  } catch (const Error& e) {
+    EXPECT_EQ(e.code(), code) << "message: " << e.what();
+    return e.what();
+  }
+  ADD_FAILURE() << "expected modelcache::Error with code "
+                << static_cast<int>(code) << ", nothing was thrown";
+  return "";
+}
+
+std::vector<std::string> ResidentKeys(const ModelCache& cache) {
+  std::vector<std::string> keys;
+  for (const EntryInfo& e : cache.Entries()) {
+    if (e.state == EntryState::kResident) keys.push_back(e.key);
+  }
+  std::sort(keys.begin(), keys.end());
+  return keys;
+}
+
+bool IsResident(const ModelCache& cache, const std::string& key) {
+  std::optional<EntryInfo> e = cache.Entry(key);
+  return e.has_value() && e->state == EntryState::kResident;
+}
+
+// Acquires `key` (loading it if needed) and releases the lease at once.
+void Use(ModelCache& cache, Models& models, const std::string& key,
+         uint64_t bytes) {
+  Lease lease = cache.Acquire(key, bytes, models.For(key, bytes));
+  ASSERT_TRUE(lease);
+}
+
+CacheOptions OptionsFor(std::shared_ptr<const EvictionPolicy> policy,
+                        int shard_bits, uint64_t capacity) {
+  CacheOptions options;
+  options.name = "policy";
+  options.capacity_bytes = capacity;
+  options.policy = std::move(policy);
+  options.shard_bits = shard_bits;
+  return options;
+}
+
+// ---- Every policy, every shard count. ----
+
+struct PolicyCase {
+  std::string name;
+  std::function<std::shared_ptr<const EvictionPolicy>()> make;
+  int shard_bits;
+  // Whether the victim order depends only on access history and sizes. Not
+  // for gdsf-time, which ranks by measured load times.
+  bool history_ordered;
+};
+
+std::vector<PolicyCase> AllPolicyCases() {
+  std::vector<PolicyCase> cases;
+  for (int shard_bits : {0, 4}) {
+    const std::string shards = "Shards" + std::to_string(shard_bits);
+    cases.push_back(
+        {"Lru" + shards, [] { return NewLruPolicy(); }, shard_bits, true});
+    cases.push_back({"GdsfBytes" + shards,
+                     [] { return NewGdsfPolicy(ReloadCost::kBytes); },
+                     shard_bits, true});
+    cases.push_back({"GdsfLoadTime" + shards,
+                     [] { return NewGdsfPolicy(ReloadCost::kLoadTime); },
+                     shard_bits, false});
+    cases.push_back({"GdsfUniform" + shards,
+                     [] { return NewGdsfPolicy(ReloadCost::kUniform); },
+                     shard_bits, true});
+  }
+  return cases;
+}
+
+void PrintTo(const PolicyCase& c, std::ostream* os) { *os << c.name; }
+
+class PolicyContractTest : public ::testing::TestWithParam<PolicyCase> {
+ protected:
+  CacheOptions Options(uint64_t capacity) {
+    std::shared_ptr<const EvictionPolicy> policy = GetParam().make();
+    EXPECT_NE(policy, nullptr);
+    return OptionsFor(std::move(policy), GetParam().shard_bits, capacity);
+  }
+  void Use(ModelCache& cache, const std::string& key, uint64_t bytes) {
+    modelcache::Use(cache, models_, key, bytes);
+  }
+
+  Models models_;  // declared first: outlives the caches of each test
+};
+
+TEST_P(PolicyContractTest, NeverEvictsALeasedOrPinnedRecord) {
+  ModelCache cache(Options(400));
+  // The protected records are the oldest and least used: every policy would
+  // rank them first if it could take them.
+  Lease leased = cache.Acquire("leased", 100, models_.For("leased", 100));
+  cache.Prefetch("pinned", 100, models_.For("pinned", 100));
+  cache.Pin("pinned");
+
+  for (int i = 0; i < 24; ++i) {
+    const std::string key = "stream-" + std::to_string(i);
+    Use(cache, key, 100);
+    if (i % 3 == 0) Use(cache, key, 100);  // some are used twice
+    ASSERT_TRUE(IsResident(cache, "leased")) << "after " << key;
+    ASSERT_TRUE(IsResident(cache, "pinned")) << "after " << key;
+    ASSERT_LE(cache.budget().used(), 400u);
+  }
+  EXPECT_GE(cache.Stats().evictions, 20u);
+
+  // A lease on 200 bytes takes all that is evictable.
+  Lease big = cache.Acquire("big", 200, models_.For("big", 200), FailAtOnce());
+  EXPECT_THAT(ResidentKeys(cache), ElementsAre("big", "leased", "pinned"));
+
+  // Now nothing is evictable: a clear capacity error, no load, no eviction.
+  const uint64_t evictions = cache.Stats().evictions;
+  const std::string message = ErrorMessage(
+      [&] {
+        cache.Acquire("more", 100, models_.For("more", 100), FailAtOnce());
+      },
+      ErrorCode::kCapacity);
+  EXPECT_THAT(message, HasSubstr("leased"));
+  EXPECT_THAT(message, HasSubstr("pinned"));
+  EXPECT_EQ(models_.loads("more"), 0);
+  EXPECT_EQ(cache.Stats().evictions, evictions);
+  EXPECT_EQ(models_.unload_attempts("leased"), 0);
+  EXPECT_EQ(models_.unload_attempts("pinned"), 0);
+  EXPECT_EQ(models_.unload_attempts("big"), 0);
+  EXPECT_EQ(cache.CheckInvariants(), cache.budget().used());
+}
+
+TEST_P(PolicyContractTest, EvictsOnlyWhenNeeded) {
+  ModelCache cache(Options(1000));
+  // Exactly the capacity, with different sizes and access counts.
+  Use(cache, "a", 100);
+  Use(cache, "b", 200);
+  Use(cache, "b", 200);
+  Use(cache, "c", 300);
+  Use(cache, "d", 400);
+  Use(cache, "d", 400);
+  Use(cache, "d", 400);
+  EXPECT_EQ(cache.budget().used(), 1000u);
+  EXPECT_EQ(cache.Stats().evictions, 0u);
+  EXPECT_THAT(ResidentKeys(cache), ElementsAre("a", "b", "c", "d"));
+
+  // Hits never evict.
+  const std::map<std::string, uint64_t> sizes = {
+      {"a", 100}, {"b", 200}, {"c", 300}, {"d", 400}};
+  for (const char* key : {"a", "b", "c", "d", "a"}) {
+    Use(cache, key, sizes.at(key));
+  }
+  EXPECT_EQ(cache.Stats().evictions, 0u);
+  EXPECT_EQ(models_.total_loads(), 4);
+
+  // 100 more: any one victim frees enough, so exactly one goes.
+  Use(cache, "e", 100);
+  EXPECT_EQ(cache.Stats().evictions, 1u);
+  EXPECT_EQ(ResidentKeys(cache).size(), 4u);
+  EXPECT_TRUE(IsResident(cache, "e"));
+  EXPECT_EQ(models_.total_unloads(), 1);
+  EXPECT_LE(cache.budget().used(), 1000u);
+  EXPECT_EQ(cache.CheckInvariants(), cache.budget().used());
+}
+
+TEST_P(PolicyContractTest, UsedNeverExceedsCapacityAfterAnySequence) {
+  constexpr uint64_t kCapacity = 1000;
+  constexpr int kKeys = 12;
+  ModelCache cache(Options(kCapacity));
+  auto size_of = [](int i) -> uint64_t { return 60 + (i * 97) % 300; };
+
+  std::mt19937 rng(20240601u + GetParam().shard_bits);
+  std::vector<Lease> held;
+  std::set<std::string> pinned;
+  for (int step = 0; step < 3000; ++step) {
+    const int k = static_cast<int>(rng() % kKeys);
+    const std::string key = "m" + std::to_string(k);
+    const uint64_t bytes = size_of(k);
+    const int op = static_cast<int>(rng() % 100);
+    std::string what;
+    try {
+      if (op < 40) {
+        what = "acquire";
+        Lease lease =
+            cache.Acquire(key, bytes, models_.For(key, bytes), FailAtOnce());
+        if (held.size() < 3 && rng() % 2 == 0) held.push_back(std::move(lease));
+      } else if (op < 52) {
+        what = "release";
+        if (!held.empty()) held.erase(held.begin() + rng() % held.size());
+      } else if (op < 58) {
+        what = "lookup";
+        std::optional<Lease> lease = cache.Lookup(key);
+        if (lease && held.size() < 3) held.push_back(std::move(*lease));
+      } else if (op < 66) {
+        what = "prefetch";
+        cache.Prefetch(key, bytes, models_.For(key, bytes), FailAtOnce());
+      } else if (op < 72) {
+        what = "remove";
+        cache.Remove(key);
+      } else if (op < 76) {
+        what = "invalidate";
+        cache.Invalidate(key);
+      } else if (op < 84) {
+        what = "pin";
+        if (pinned.size() < 2) {
+          cache.Pin(key);
+          pinned.insert(key);
+        }
+      } else if (op < 94) {
+        what = "unpin";
+        if (!pinned.empty()) {
+          std::string victim = *pinned.begin();
+          pinned.erase(pinned.begin());
+          cache.Unpin(victim);
+        }
+      } else if (op < 97) {
+        what = "prune";
+        cache.Prune();
+      } else {
+        what = "evict-expired";
+        cache.EvictExpired();
+      }
+    } catch (const Error& e) {
+      // Full of leases and pins, or a pin of a key not resident.
+      ASSERT_TRUE(e.code() == ErrorCode::kCapacity ||
+                  e.code() == ErrorCode::kNotFound)
+          << "step " << step << " " << what << " " << key << ": " << e.what();
+    }
+    SCOPED_TRACE("step " + std::to_string(step) + " " + what + " " + key);
+    const uint64_t used = cache.budget().used();
+    ASSERT_LE(used, kCapacity);
+    ASSERT_LE(cache.budget().high_water(), kCapacity);
+    ASSERT_EQ(cache.CheckInvariants(), used);
+    const CacheStats s = cache.Stats();
+    ASSERT_EQ(s.resident_bytes + s.retired_bytes, used);
+    const int records =
+        static_cast<int>(s.resident_entries + s.retired_entries);
+    ASSERT_EQ(models_.total_loads() - models_.total_unloads(), records);
+    ASSERT_EQ(models_.live(), records);
+  }
+  EXPECT_GT(cache.Stats().evictions, 0u);
+  EXPECT_GT(cache.Stats().loads, 100u);
+}
+
+TEST_P(PolicyContractTest, FailedUnloadDuringEvictionKeepsTheVictimResident) {
+  ModelCache cache(Options(300));
+  // "fragile" is the oldest and least used of the evictable records.
+  Use(cache, "fragile", 100);
+  Use(cache, "sturdy", 100);
+  for (int i = 0; i < 5; ++i) Use(cache, "sturdy", 100);
+  Lease held = cache.Acquire("held", 100, models_.For("held", 100));
+  models_.FailUnloads("fragile", true);
+
+  // One record must go. Whatever the policy tries first, fragile stays and
+  // the eviction moves on to sturdy.
+  Lease newcomer = cache.Acquire("newcomer", 100, models_.For("newcomer", 100),
+                                 FailAtOnce());
+  EXPECT_TRUE(IsResident(cache, "fragile"));
+  EXPECT_FALSE(cache.Entry("sturdy").has_value());
+  EXPECT_TRUE(IsResident(cache, "newcomer"));
+  EXPECT_EQ(models_.unloads("sturdy"), 1);
+  EXPECT_EQ(cache.budget().used(), 300u);
+  CacheStats s = cache.Stats();
+  EXPECT_EQ(s.failed_unloads,
+            static_cast<uint64_t>(models_.unload_attempts("fragile")));
+  EXPECT_EQ(s.evictions, 1u);
+  EXPECT_EQ(s.resident_entries, 3u);
+  EXPECT_EQ(cache.CheckInvariants(), 300u);
+  if (GetParam().history_ordered) {
+    // It was the first victim, and it was tried exactly once.
+    EXPECT_EQ(models_.unload_attempts("fragile"), 1);
+  }
+
+  // Its place is kept: once its unloader works, it goes before newcomer.
+  models_.FailUnloads("fragile", false);
+  newcomer.Release();
+  Use(cache, "later", 100);
+  if (GetParam().history_ordered) {
+    EXPECT_FALSE(cache.Entry("fragile").has_value());
+    EXPECT_TRUE(IsResident(cache, "newcomer"));
+    EXPECT_EQ(models_.unloads("fragile"), 1);
+  }
+  EXPECT_EQ(cache.budget().used(), 300u);
+  EXPECT_EQ(cache.CheckInvariants(), 300u);
+}
+
+TEST_P(PolicyContractTest, ShrinkingPastAFailedUnloadKeepsItResident) {
+  ModelCache cache(Options(300));
+  Use(cache, "a", 100);
+  Use(cache, "b", 100);
+  Use(cache, "c", 100);
+  models_.FailUnloads("b", true);
+
+  EXPECT_EQ(cache.SetCapacity(0), 100u);  // b's bytes are still held
+  EXPECT_THAT(ResidentKeys(cache), ElementsAre("b"));
+  EXPECT_EQ(cache.budget().used(), 100u);
+  EXPECT_EQ(models_.unloads("a"), 1);
+  EXPECT_EQ(models_.unloads("c"), 1);
+  EXPECT_EQ(cache.Stats().failed_unloads, 1u);
+  EXPECT_EQ(cache.Stats().evictions, 2u);
+  EXPECT_EQ(cache.CheckInvariants(), 100u);
+
+  // Still the same record: a hit, not a reload.
+  models_.FailUnloads("b", false);
+  EXPECT_EQ(cache.SetCapacity(300), 0u);
+  Use(cache, "b", 100);
+  EXPECT_EQ(models_.loads("b"), 1);
+}
+
+INSTANTIATE_TEST_SUITE_P(AllPolicies, PolicyContractTest,
+                         ::testing::ValuesIn(AllPolicyCases()),
+                         [](const ::testing::TestParamInfo<PolicyCase>& info) {
+                           return info.param.name;
+                         });
+
+// ---- Priority is monotonic, for every policy (no cache involved). ----
+
+struct NamedPolicy {
+  std::string name;
+  std::function<std::shared_ptr<const EvictionPolicy>()> make;
+};
+
+void PrintTo(const NamedPolicy& p, std::ostream* os) { *os << p.name; }
+
+class PolicyPriorityTest : public ::testing::TestWithParam<NamedPolicy> {};
+
+TEST_P(PolicyPriorityTest, PriorityOfOneEntryNeverDecreases) {
+  std::shared_ptr<const EvictionPolicy> policy = GetParam().make();
+  ASSERT_NE(policy, nullptr);
+  std::mt19937 rng(7);
+  for (uint64_t bytes :
+       {uint64_t{1}, uint64_t{4096}, uint64_t{1} << 20, kGiB, 40 * kGiB}) {
+    for (double load_seconds : {0.0, 1e-4, 0.5, 30.0}) {
+      SCOPED_TRACE("bytes " + std::to_string(bytes) + " load_seconds " +
+                   std::to_string(load_seconds));
+      PolicyClock clock;
+      AccessInfo entry;
+      entry.bytes = bytes;
+      entry.accesses = 1;
+      entry.load_seconds = load_seconds;
+      double last = policy->Priority(entry, clock);
+      for (int step = 0; step < 300; ++step) {
+        switch (rng() % 4) {
+          case 0:  // a load elsewhere
+            clock.epoch.fetch_add(1);
+            break;
+          case 1: {  // an eviction elsewhere, of a victim at or above L
+            const double victim =
+                clock.inflation.load() + static_cast<double>(rng() % 1000) / 7;
+            policy->OnEvict(victim, clock);
+            clock.epoch.fetch_add(1);
+            break;
+          }
+          default:  // this entry is acquired again
+            ++entry.accesses;
+            break;
+        }
+        const double p = policy->Priority(entry, clock);
+        ASSERT_GE(p, last) << "step " << step << " accesses " << entry.accesses
+                           << " inflation " << clock.inflation.load();
+        last = p;
+      }
+    }
+  }
+}
+
+INSTANTIATE_TEST_SUITE_P(
+    AllPolicies, PolicyPriorityTest,
+    ::testing::Values(
+        NamedPolicy{"Lru", [] { return NewLruPolicy(); }},
+        NamedPolicy{"GdsfBytes",
+                    [] { return NewGdsfPolicy(ReloadCost::kBytes); }},
+        NamedPolicy{"GdsfLoadTime",
+                    [] { return NewGdsfPolicy(ReloadCost::kLoadTime); }},
+        NamedPolicy{"GdsfUniform",
+                    [] { return NewGdsfPolicy(ReloadCost::kUniform); }}),
+    [](const ::testing::TestParamInfo<NamedPolicy>& info) {
+      return info.param.name;
+    });
+
+// ---- PolicyByName ----
+
+// Priorities of a fixed set of entries under a fixed clock: a fingerprint
+// that tells the policies apart.
+std::vector<double> Fingerprint(const EvictionPolicy& policy) {
+  PolicyClock clock;
+  clock.epoch = 9;
+  clock.inflation = 1.5;
+  std::vector<double> out;
+  for (AccessInfo info :
+       {AccessInfo{uint64_t{1} << 20, 3, 0.2}, AccessInfo{2 * kGiB, 1, 7.0},
+        AccessInfo{kGiB / 4, 5, 0.01}}) {
+    out.push_back(policy.Priority(info, clock));
+  }
+  return out;
+}
+
+TEST(PolicyByNameTest, MapsEachNameToItsPolicy) {
+  const std::vector<
+      std::pair<std::string, std::shared_ptr<const EvictionPolicy>>>
+      expected = {{"lru", NewLruPolicy()},
+                  {"gdsf", NewGdsfPolicy(ReloadCost::kBytes)},
+                  {"gdsf-time", NewGdsfPolicy(ReloadCost::kLoadTime)},
+                  {"gdsf-uniform", NewGdsfPolicy(ReloadCost::kUniform)}};
+  // The fingerprints tell the four policies apart...
+  for (size_t i = 0; i < expected.size(); ++i) {
+    for (size_t j = i + 1; j < expected.size(); ++j) {
+      ASSERT_NE(Fingerprint(*expected[i].second),
+                Fingerprint(*expected[j].second))
+          << expected[i].first << " vs " << expected[j].first;
+    }
+  }
+  // ...and each name gives the matching one.
+  for (const auto& [name, reference] : expected) {
+    SCOPED_TRACE(name);
+    std::shared_ptr<const EvictionPolicy> policy = PolicyByName(name);
+    ASSERT_NE(policy, nullptr);
+    EXPECT_EQ(Fingerprint(*policy), Fingerprint(*reference));
+    EXPECT_EQ(policy->name(), reference->name());
+  }
+}
+
+TEST(PolicyByNameTest, UnknownNameGivesNull) {
+  EXPECT_EQ(PolicyByName(""), nullptr);
+  EXPECT_EQ(PolicyByName("unknown"), nullptr);
+  EXPECT_EQ(PolicyByName("lfu"), nullptr);
+  EXPECT_EQ(PolicyByName("gdsf-"), nullptr);
+}
+
+// ---- LRU ----
+
+TEST(LruPolicyTest, EvictsInExactLeastRecentlyUsedOrderWithOneShard) {
+  Models models;
+  ModelCache cache(OptionsFor(NewLruPolicy(), /*shard_bits=*/0, 500));
+  for (int i = 0; i < 5; ++i) Use(cache, models, "k" + std::to_string(i), 100);
+  // Touch every key, in an order unlike the load order.
+  const std::vector<std::string> touch_order = {"k3", "k0", "k4", "k1", "k2"};
+  for (const std::string& key : touch_order) Use(cache, models, key, 100);
+
+  std::set<std::string> expected_resident(touch_order.begin(),
+                                          touch_order.end());
+  for (size_t i = 0; i < touch_order.size(); ++i) {
+    const std::string newcomer = "n" + std::to_string(i);
+    Use(cache, models, newcomer, 100);
+    expected_resident.erase(touch_order[i]);
+    expected_resident.insert(newcomer);
+    EXPECT_EQ(ResidentKeys(cache),
+              std::vector<std::string>(expected_resident.begin(),
+                                       expected_resident.end()))
+        << "after loading " << newcomer << ", expected " << touch_order[i]
+        << " to be the victim";
+  }
+  EXPECT_EQ(cache.Stats().evictions, 5u);
+}
+
+TEST(LruPolicyTest, DropsAFrequentlyUsedLargeModelLastTouchedLongAgo) {
+  // The contrast for GdsfPolicyTest.KeepsAFrequentlyUsedLargeModel.
+  Models models;
+  ModelCache cache(OptionsFor(NewLruPolicy(), /*shard_bits=*/0, 1000));
+  for (int i = 0; i < 3; ++i) Use(cache, models, "large", 600);
+  Use(cache, models, "small", 200);
+  Use(cache, models, "newcomer", 300);
+  EXPECT_THAT(ResidentKeys(cache), ElementsAre("newcomer", "small"));
+}
+
+// ---- GDSF ----
+
+TEST(GdsfPolicyTest, KeepsAFrequentlyUsedLargeModelOverAOnceUsedSmallOne) {
+  Models models;
+  ModelCache cache(
+      OptionsFor(NewGdsfPolicy(ReloadCost::kBytes), /*shard_bits=*/0, 1000));
+  for (int i = 0; i < 3; ++i) Use(cache, models, "large", 600);
+  Use(cache, models, "small", 200);  // more recent, but used once
+  // 300 more: one of them must go. Dropping the large one would mean loading
+  // 600 bytes again for a model requested three times as often.
+  Use(cache, models, "newcomer", 300);
+  EXPECT_THAT(ResidentKeys(cache), ElementsAre("large", "newcomer"));
+  EXPECT_EQ(models.loads("large"), 1);
+  EXPECT_EQ(models.unloads("small"), 1);
+}
+
+TEST(GdsfPolicyTest, UniformCostFavoursSmallModels) {
+  Models models;
+  ModelCache cache(
+      OptionsFor(NewGdsfPolicy(ReloadCost::kUniform), /*shard_bits=*/0, 500));
+  Use(cache, models, "small", 100);
+  Use(cache, models, "big", 400);  // more recent: LRU would drop small
+  Use(cache, models, "newcomer", 100);
+  EXPECT_THAT(ResidentKeys(cache), ElementsAre("newcomer", "small"));
+}
+
+TEST(GdsfPolicyTest, InflationAgesOutAnOldFrequentlyUsedEntry) {
+  for (ReloadCost cost : {ReloadCost::kBytes, ReloadCost::kUniform}) {
+    SCOPED_TRACE("cost " + std::to_string(static_cast<int>(cost)));
+    Models models;
+    ModelCache cache(OptionsFor(NewGdsfPolicy(cost), /*shard_bits=*/0, 300));
+    for (int i = 0; i < 5; ++i) Use(cache, models, "hot", 100);
+
+    // A stream of models used once each. Without aging their priority would
+    // stay below hot's forever; with it, L rises with every eviction.
+    int evicted_at = -1;
+    for (int i = 0; i < 60 && evicted_at < 0; ++i) {
+      Use(cache, models, "cold-" + std::to_string(i), 100);
+      if (!cache.Entry("hot").has_value()) evicted_at = i;
+    }
+    // LRU would have dropped hot at cold-2; GDSF keeps it for a while...
+    EXPECT_GE(evicted_at, 6);
+    // ...but not forever.
+    EXPECT_NE(evicted_at, -1) << "hot was never evicted: no aging";
+    EXPECT_GT(cache.budget().policy_clock().inflation.load(), 0.0);
+  }
+}
+
+TEST(GdsfPolicyTest, BytesCostPriorityIsInflationPlusAccesses) {
+  std::shared_ptr<const EvictionPolicy> policy =
+      NewGdsfPolicy(ReloadCost::kBytes);
+  PolicyClock clock;
+  clock.inflation = 2.5;
+  for (uint64_t bytes : {uint64_t{1}, kGiB, 10 * kGiB}) {
+    EXPECT_DOUBLE_EQ(policy->Priority(AccessInfo{bytes, 3, 0.7}, clock), 5.5)
+        << bytes;
+    EXPECT_DOUBLE_EQ(policy->Priority(AccessInfo{bytes, 1, 9.0}, clock), 3.5)
+        << bytes;
+  }
+}
+
+TEST(GdsfPolicyTest, OnEvictRaisesInflationToTheVictimsPriority) {
+  for (ReloadCost cost :
+       {ReloadCost::kBytes, ReloadCost::kLoadTime, ReloadCost::kUniform}) {
+    SCOPED_TRACE("cost " + std::to_string(static_cast<int>(cost)));
+    std::shared_ptr<const EvictionPolicy> policy = NewGdsfPolicy(cost);
+    PolicyClock clock;
+    const AccessInfo entry{kGiB, 2, 1.0};
+    const double before = policy->Priority(entry, clock);
+    policy->OnEvict(7.5, clock);
+    EXPECT_DOUBLE_EQ(clock.inflation.load(), 7.5);
+    EXPECT_DOUBLE_EQ(policy->Priority(entry, clock), before + 7.5);
+    // "Raised": a victim ranked below L (evicted late, by another cache on
+    // the same budget) must not lower it, or priorities could decrease.
+    policy->OnEvict(3.0, clock);
+    EXPECT_DOUBLE_EQ(clock.inflation.load(), 7.5);
+  }
+}
+
+TEST(GdsfPolicyTest, CostRelationsMatchEachReloadCost) {
+  PolicyClock clock;
+  clock.inflation = 1.0;
+  // Every cost: more accesses rank higher.
+  for (ReloadCost cost :
+       {ReloadCost::kBytes, ReloadCost::kLoadTime, ReloadCost::kUniform}) {
+    std::shared_ptr<const EvictionPolicy> policy = NewGdsfPolicy(cost);
+    EXPECT_GT(policy->Priority(AccessInfo{kGiB, 4, 2.0}, clock),
+              policy->Priority(AccessInfo{kGiB, 2, 2.0}, clock))
+        << static_cast<int>(cost);
+  }
+  // Uniform: the smaller model ranks higher at equal use.
+  std::shared_ptr<const EvictionPolicy> uniform =
+      NewGdsfPolicy(ReloadCost::kUniform);
+  EXPECT_GT(uniform->Priority(AccessInfo{kGiB / 2, 1, 1.0}, clock),
+            uniform->Priority(AccessInfo{2 * kGiB, 1, 1.0}, clock));
+  // Load time: slower to load per byte ranks higher.
+  std::shared_ptr<const EvictionPolicy> time =
+      NewGdsfPolicy(ReloadCost::kLoadTime);
+  EXPECT_GT(time->Priority(AccessInfo{kGiB, 1, 8.0}, clock),
+            time->Priority(AccessInfo{kGiB, 1, 2.0}, clock));
+  EXPECT_GT(time->Priority(AccessInfo{kGiB, 1, 4.0}, clock),
+            time->Priority(AccessInfo{4 * kGiB, 1, 4.0}, clock));
+}
+
+}  // namespace
+}  // namespace modelcache

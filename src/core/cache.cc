@@ -58,6 +58,7 @@
 #include <cassert>
 #include <cstdio>
 #include <cstdlib>
+#include <future>
 #include <set>
 #include <time.h>
 #include <unordered_map>
@@ -156,7 +157,16 @@ struct Record {
   int unload_waiters = 0;  // callers waiting for its unload to finish
   std::shared_ptr<void> value;
   std::function<void()> unload;
-  std::exception_ptr error;  // the load's failure, for its waiters
+  // The load's outcome, for its waiters: `error` (null on success) is set
+  // before Complete() and never changes after it.
+  std::exception_ptr error;
+  std::atomic<bool> completed{false};
+  std::promise<void> done_promise;
+  std::shared_future<void> done{done_promise.get_future().share()};
+  void Complete() {
+    completed.store(true, std::memory_order_release);
+    done_promise.set_value();
+  }
   uint64_t accesses = 0;
   double load_seconds = 0;
   double priority = 0;  // current order key
@@ -260,6 +270,8 @@ class CacheCore final : public BudgetMember,
   void RetireLocked(Shard& shard, const std::shared_ptr<Record>& r)
       REQUIRES(shard.mu);
 
+  Lease JoinLoad(Shard& shard, const std::shared_ptr<Record>& rec,
+                 Clock::time_point deadline);
   Lease LoadAsOwner(Shard& shard, const std::shared_ptr<Record>& rec,
                     uint64_t expected_bytes, const Loader& loader,
                     const AcquireOptions& options);
@@ -352,7 +364,8 @@ Lease CacheCore::Acquire(std::string_view key, uint64_t expected_bytes,
   for (;;) {
     const HashedKey hashed(key);
     Shard& shard = ShardFor(hashed);
-    std::shared_ptr<Record> owned;  // set when this call becomes the loader
+    std::shared_ptr<Record> owned;   // set when this call becomes the loader
+    std::shared_ptr<Record> joined;  // set when it waits for another's load
     {
       MutexLock lock(&shard.mu);
       auto it = shard.map.find(hashed);
@@ -371,26 +384,12 @@ Lease CacheCore::Acquire(std::string_view key, uint64_t expected_bytes,
             ++r->leases;
             ++shard.counters.hits;
             return MakeLease(r);
-          case RecordState::kLoading: {
+          case RecordState::kLoading:
             // Join the load in flight; its completion grants us a lease.
-            std::shared_ptr<Record> rec = it->second.record;
-            ++rec->waiters;
+            joined = it->second.record;
+            ++joined->waiters;
             ++shard.counters.misses;
-            while (rec->state == RecordState::kLoading) {
-              if (!shard.changed.WaitUntil(&shard.mu, options.deadline) &&
-                  rec->state == RecordState::kLoading) {
-                --rec->waiters;
-                throw Error(ErrorCode::kTimeout,
-                            "timed out waiting for the load of '" + rec->key +
-                                "'");
-              }
-            }
-            --rec->waiters;
-            if (rec->state == RecordState::kFailed) {
-              std::rethrow_exception(rec->error);
-            }
-            return MakeLease(rec.get());  // the lease granted at completion
-          }
+            break;
           case RecordState::kUnloading: {
             // An eviction or removal is running its unloader: wait for the
             // outcome, then look again.
@@ -417,8 +416,35 @@ Lease CacheCore::Acquire(std::string_view key, uint64_t expected_bytes,
     if (owned) {
       return LoadAsOwner(shard, owned, expected_bytes, loader, options);
     }
+    if (joined) return JoinLoad(shard, joined, options.deadline);
     key = alias_target;  // an alias: look the canonical key up
   }
+}
+
+Lease CacheCore::JoinLoad(Shard& shard, const std::shared_ptr<Record>& rec,
+                          Clock::time_point deadline) {
+  // Waits without the shard lock, so that when a load completes its waiters
+  // wake in parallel rather than queueing on the mutex one by one.
+  const bool ready =
+      deadline == Clock::time_point::max()
+          ? (rec->done.wait(), true)
+          : rec->done.wait_until(deadline) == std::future_status::ready;
+  if (!ready) {
+    MutexLock lock(&shard.mu);
+    if (rec->state == RecordState::kLoading) {
+      --rec->waiters;
+      throw Error(ErrorCode::kTimeout,
+                  "timed out waiting for the load of '" + rec->key + "'");
+    }
+    // It completed as the deadline passed: the lease granted to us stands.
+  }
+  // The outcome was published before `done` became ready; this acquire makes
+  // that visible to ThreadSanitizer too, which cannot see inside the future.
+  const bool completed = rec->completed.load(std::memory_order_acquire);
+  assert(completed);
+  (void)completed;
+  if (rec->error) std::rethrow_exception(rec->error);
+  return MakeLease(rec.get());  // granted when the load completed
 }
 
 Lease CacheCore::LoadAsOwner(Shard& shard, const std::shared_ptr<Record>& rec,
@@ -480,6 +506,7 @@ Lease CacheCore::LoadAsOwner(Shard& shard, const std::shared_ptr<Record>& rec,
     // with residency so that nothing can evict the model before they use it.
     rec->leases = 1 + rec->waiters;
     rec->accesses = static_cast<uint64_t>(rec->waiters);
+    rec->waiters = 0;  // each of them now holds its lease
     TouchLocked(shard, rec.get());
     ++shard.counters.loads;
     shard.counters.bytes_loaded += rec->bytes;
@@ -492,6 +519,7 @@ Lease CacheCore::LoadAsOwner(Shard& shard, const std::shared_ptr<Record>& rec,
       InsertOrderLocked(shard, rec.get());
     }
   }
+  rec->Complete();
   shard.changed.NotifyAll();
   if (Observed()) {
     Emit({EventType::kLoaded, rec->key, rec->bytes, seconds, {}});
@@ -515,12 +543,14 @@ void CacheCore::FailLoad(Shard& shard, const std::shared_ptr<Record>& rec,
     rec->state = RecordState::kFailed;
     rec->error = error;
     rec->bytes = 0;
+    rec->waiters = 0;  // each of them rethrows `error`
     if (loader_threw) {
       ++shard.counters.load_failures;
     } else {
       ++shard.counters.refused;
     }
   }
+  rec->Complete();
   shard.changed.NotifyAll();
   budget_->Release(reserved);
   if (Observed() && loader_threw) {

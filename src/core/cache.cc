@@ -161,11 +161,13 @@ struct Record {
   // before Complete() and never changes after it.
   std::exception_ptr error;
   std::atomic<bool> completed{false};
-  std::promise<void> done_promise;
-  std::shared_future<void> done{done_promise.get_future().share()};
-  void Complete() {
+  // Made by the first waiter only (most loads have none); completed by the
+  // load, which reads it after the state change that stops new waiters.
+  std::shared_ptr<std::promise<void>> done_promise;
+  std::shared_future<void> done;
+  void Complete(const std::shared_ptr<std::promise<void>>& promise) {
     completed.store(true, std::memory_order_release);
-    done_promise.set_value();
+    if (promise) promise->set_value();
   }
   uint64_t accesses = 0;
   double load_seconds = 0;
@@ -264,13 +266,15 @@ class CacheCore final : public BudgetMember,
     return r.state == RecordState::kResident && !r.retired && r.leases == 0 &&
            !r.pinned;
   }
-  void TouchLocked(Shard& shard, Record* r) REQUIRES(shard.mu);
+  void TouchLocked(Shard& shard, Record* r, double hint = 0)
+      REQUIRES(shard.mu);
   void InsertOrderLocked(Shard& shard, Record* r) REQUIRES(shard.mu);
   void EraseOrderLocked(Shard& shard, Record* r) REQUIRES(shard.mu);
   void RetireLocked(Shard& shard, const std::shared_ptr<Record>& r)
       REQUIRES(shard.mu);
 
   Lease JoinLoad(Shard& shard, const std::shared_ptr<Record>& rec,
+                 const std::shared_future<void>& done,
                  Clock::time_point deadline);
   Lease LoadAsOwner(Shard& shard, const std::shared_ptr<Record>& rec,
                     uint64_t expected_bytes, const Loader& loader,
@@ -298,6 +302,7 @@ class CacheCore final : public BudgetMember,
   const CacheOptions options_;
   const std::shared_ptr<Budget> budget_;
   const std::shared_ptr<const EvictionPolicy> policy_;
+  const bool policy_monotone_;
   const size_t shard_mask_;
   std::unique_ptr<Shard[]> shards_;
   std::atomic<bool> shut_down_{false};
@@ -309,6 +314,7 @@ CacheCore::CacheCore(CacheOptions options)
                               : std::make_shared<Budget>(
                                     options_.capacity_bytes, options_.name)),
       policy_(options_.policy ? options_.policy : NewLruPolicy()),
+      policy_monotone_(policy_->monotone()),
       shard_mask_((size_t{1} << std::clamp(options_.shard_bits, 0, 12)) - 1),
       shards_(new Shard[shard_mask_ + 1]) {}
 
@@ -322,13 +328,18 @@ std::string_view CacheCore::Canonical(std::string_view key,
   return *storage;
 }
 
-void CacheCore::TouchLocked(Shard& shard, Record* r) {
+void CacheCore::TouchLocked(Shard& shard, Record* r, double hint) {
   ++r->accesses;
   r->priority = policy_->Priority(
-      AccessInfo{r->bytes, r->accesses, r->load_seconds},
+      AccessInfo{r->bytes, r->accesses, r->load_seconds, hint},
       budget_->policy_clock());
   r->seq = ++shard.seq;
   r->last_use = Now();
+  if (!policy_monotone_ && r->in_order) {
+    // The new key may be smaller than the filed one: re-file it now.
+    EraseOrderLocked(shard, r);
+    InsertOrderLocked(shard, r);
+  }
 }
 
 void CacheCore::InsertOrderLocked(Shard& shard, Record* r) {
@@ -366,6 +377,7 @@ Lease CacheCore::Acquire(std::string_view key, uint64_t expected_bytes,
     Shard& shard = ShardFor(hashed);
     std::shared_ptr<Record> owned;   // set when this call becomes the loader
     std::shared_ptr<Record> joined;  // set when it waits for another's load
+    std::shared_future<void> done;   // completed with `joined`'s load
     {
       MutexLock lock(&shard.mu);
       auto it = shard.map.find(hashed);
@@ -380,13 +392,18 @@ Lease CacheCore::Acquire(std::string_view key, uint64_t expected_bytes,
         Record* r = it->second.record.get();
         switch (r->state) {
           case RecordState::kResident:
-            TouchLocked(shard, r);
+            TouchLocked(shard, r, options.policy_hint);
             ++r->leases;
             ++shard.counters.hits;
             return MakeLease(r);
           case RecordState::kLoading:
             // Join the load in flight; its completion grants us a lease.
             joined = it->second.record;
+            if (!joined->done_promise) {
+              joined->done_promise = std::make_shared<std::promise<void>>();
+              joined->done = joined->done_promise->get_future().share();
+            }
+            done = joined->done;
             ++joined->waiters;
             ++shard.counters.misses;
             break;
@@ -416,19 +433,20 @@ Lease CacheCore::Acquire(std::string_view key, uint64_t expected_bytes,
     if (owned) {
       return LoadAsOwner(shard, owned, expected_bytes, loader, options);
     }
-    if (joined) return JoinLoad(shard, joined, options.deadline);
+    if (joined) return JoinLoad(shard, joined, done, options.deadline);
     key = alias_target;  // an alias: look the canonical key up
   }
 }
 
 Lease CacheCore::JoinLoad(Shard& shard, const std::shared_ptr<Record>& rec,
+                          const std::shared_future<void>& done,
                           Clock::time_point deadline) {
   // Waits without the shard lock, so that when a load completes its waiters
   // wake in parallel rather than queueing on the mutex one by one.
   const bool ready =
       deadline == Clock::time_point::max()
-          ? (rec->done.wait(), true)
-          : rec->done.wait_until(deadline) == std::future_status::ready;
+          ? (done.wait(), true)
+          : done.wait_until(deadline) == std::future_status::ready;
   if (!ready) {
     MutexLock lock(&shard.mu);
     if (rec->state == RecordState::kLoading) {
@@ -494,9 +512,11 @@ Lease CacheCore::LoadAsOwner(Shard& shard, const std::shared_ptr<Record>& rec,
   }
 
   bool retired_now = false;
+  std::shared_ptr<std::promise<void>> waiters_promise;
   {
     MutexLock lock(&shard.mu);
     assert(rec->state == RecordState::kLoading && rec->leases == 0);
+    waiters_promise = rec->done_promise;
     rec->state = RecordState::kResident;
     rec->bytes = loaded.bytes;
     rec->value = std::move(loaded.value);
@@ -507,7 +527,7 @@ Lease CacheCore::LoadAsOwner(Shard& shard, const std::shared_ptr<Record>& rec,
     rec->leases = 1 + rec->waiters;
     rec->accesses = static_cast<uint64_t>(rec->waiters);
     rec->waiters = 0;  // each of them now holds its lease
-    TouchLocked(shard, rec.get());
+    TouchLocked(shard, rec.get(), options.policy_hint);
     ++shard.counters.loads;
     shard.counters.bytes_loaded += rec->bytes;
     shard.counters.load_seconds += seconds;
@@ -519,7 +539,7 @@ Lease CacheCore::LoadAsOwner(Shard& shard, const std::shared_ptr<Record>& rec,
       InsertOrderLocked(shard, rec.get());
     }
   }
-  rec->Complete();
+  rec->Complete(waiters_promise);
   shard.changed.NotifyAll();
   if (Observed()) {
     Emit({EventType::kLoaded, rec->key, rec->bytes, seconds, {}});
@@ -535,8 +555,10 @@ void CacheCore::FailLoad(Shard& shard, const std::shared_ptr<Record>& rec,
   // they may rethrow and free it on their own threads.
   std::string message;
   if (Observed() && loader_threw) message = DescribeException(error);
+  std::shared_ptr<std::promise<void>> waiters_promise;
   {
     MutexLock lock(&shard.mu);
+    waiters_promise = rec->done_promise;
     auto it = shard.map.find(rec->key);
     assert(it != shard.map.end() && it->second.record == rec);
     shard.map.erase(it);
@@ -550,7 +572,7 @@ void CacheCore::FailLoad(Shard& shard, const std::shared_ptr<Record>& rec,
       ++shard.counters.refused;
     }
   }
-  rec->Complete();
+  rec->Complete(waiters_promise);
   shard.changed.NotifyAll();
   budget_->Release(reserved);
   if (Observed() && loader_threw) {

@@ -67,7 +67,22 @@ class GdsfPolicy final : public EvictionPolicy {
   const ReloadCost cost_;
 };
 
+class BeladyPolicy final : public EvictionPolicy {
+ public:
+  std::string name() const override { return "belady"; }
+  // The further the next request, the lower the priority.
+  double Priority(const AccessInfo& entry, const PolicyClock&) const override {
+    return -entry.hint;
+  }
+  void OnEvict(double, PolicyClock&) const override {}
+  bool monotone() const override { return false; }
+};
+
 }  // namespace
+
+std::shared_ptr<const EvictionPolicy> NewBeladyPolicy() {
+  return std::make_shared<BeladyPolicy>();
+}
 
 std::shared_ptr<const EvictionPolicy> NewLruPolicy() {
   return std::make_shared<LruPolicy>();
@@ -82,6 +97,7 @@ std::shared_ptr<const EvictionPolicy> PolicyByName(const std::string& name) {
   if (name == "gdsf") return NewGdsfPolicy(ReloadCost::kBytes);
   if (name == "gdsf-time") return NewGdsfPolicy(ReloadCost::kLoadTime);
   if (name == "gdsf-uniform") return NewGdsfPolicy(ReloadCost::kUniform);
+  if (name == "belady") return NewBeladyPolicy();
   return nullptr;
 }
 

@@ -70,6 +70,8 @@ struct AcquireOptions {
   // unload in progress, and for capacity.
   Clock::time_point deadline = Clock::time_point::max();
   WhenFull when_full = WhenFull::kFail;
+  // Passed to the eviction policy as AccessInfo::hint (Belady's needs it).
+  double policy_hint = 0.0;
 };
 
 enum class EventType {

@@ -29,6 +29,8 @@ struct AccessInfo {
   uint64_t bytes = 0;         // resident size
   uint64_t accesses = 0;      // acquires since this entry was loaded, >= 1
   double load_seconds = 0.0;  // how long its load took
+  // AcquireOptions::policy_hint of the acquire being ranked (0 if unset).
+  double hint = 0.0;
 };
 
 class EvictionPolicy {
@@ -46,6 +48,11 @@ class EvictionPolicy {
 
   // Told the priority of every victim, after it is gone.
   virtual void OnEvict(double victim_priority, PolicyClock& clock) const = 0;
+
+  // Whether Priority keeps the REQUIRES above. A policy that does not (such
+  // as Belady's) makes the cache re-sort an entry on every access instead of
+  // lazily, which costs a tree update per hit.
+  virtual bool monotone() const { return true; }
 };
 
 // Least recently used. With one shard the order is exact LRU; with several it
@@ -72,8 +79,16 @@ enum class ReloadCost {
 std::shared_ptr<const EvictionPolicy> NewGdsfPolicy(
     ReloadCost cost = ReloadCost::kBytes);
 
+// Belady's offline policy: evicts the entry whose next request is furthest
+// in the future. It needs the future, so it is a reference for replaying a
+// known trace, not a policy for serving: every acquire must pass
+// AcquireOptions::policy_hint = the position (any increasing measure, such
+// as a request index or a time) of that key's next request, or infinity if
+// there is none.
+std::shared_ptr<const EvictionPolicy> NewBeladyPolicy();
+
 // Looks a policy up by name: "lru", "gdsf" (cost = bytes), "gdsf-time",
-// "gdsf-uniform". Returns nullptr for an unknown name.
+// "gdsf-uniform", "belady" (offline). Returns nullptr for an unknown name.
 std::shared_ptr<const EvictionPolicy> PolicyByName(const std::string& name);
 
 }  // namespace modelcache

@@ -1,0 +1,586 @@
+// Trace reading and replay through the core cache.
+//
+// Replay drives a ModelCache with one shard (an exact eviction order) from a
+// single thread: each request acquires its model with a loader that only
+// records that it ran, so a request is a hit exactly when the loader did not
+// run. Held leases (--hold-ms) live in a min-heap by end time and are
+// released before the first request at or after that time.
+#include "modelcache/tools/replay.h"
+
+#include <algorithm>
+#include <atomic>
+#include <charconv>
+#include <chrono>
+#include <cmath>
+#include <condition_variable>
+#include <fstream>
+#include <limits>
+#include <mutex>
+#include <queue>
+#include <random>
+#include <thread>
+#include <unordered_map>
+
+#include "modelcache/core/cache.h"
+
+namespace modelcache::replay {
+namespace {
+
+// Splits one CSV line into `fields` (reused across lines); double-quoted
+// fields may contain commas and doubled quotes.
+void SplitCsv(std::string_view line, std::vector<std::string>* fields) {
+  fields->clear();
+  std::string field;
+  bool quoted = false;
+  for (size_t i = 0; i < line.size(); ++i) {
+    const char c = line[i];
+    if (quoted) {
+      if (c == '"' && i + 1 < line.size() && line[i + 1] == '"') {
+        field += '"';
+        ++i;
+      } else if (c == '"') {
+        quoted = false;
+      } else {
+        field += c;
+      }
+    } else if (c == '"' && field.empty()) {
+      quoted = true;
+    } else if (c == ',') {
+      fields->push_back(std::move(field));
+      field.clear();
+    } else {
+      field += c;
+    }
+  }
+  fields->push_back(std::move(field));
+}
+
+std::string_view Trim(std::string_view s) {
+  while (!s.empty() && (s.front() == ' ' || s.front() == '\t')) s.remove_prefix(1);
+  while (!s.empty() && (s.back() == ' ' || s.back() == '\t' || s.back() == '\r')) {
+    s.remove_suffix(1);
+  }
+  return s;
+}
+
+[[noreturn]] void Fail(const std::string& path, size_t line,
+                       const std::string& problem) {
+  throw TraceError(path + ":" + std::to_string(line) + ": " + problem);
+}
+
+std::ifstream Open(const std::string& path) {
+  std::ifstream in(path);
+  if (!in) throw TraceError(path + ": cannot open file");
+  return in;
+}
+
+// A whole-field integer, or false.
+template <typename T>
+bool ParseInteger(std::string_view text, T* out) {
+  text = Trim(text);
+  auto [end, ec] = std::from_chars(text.data(), text.data() + text.size(), *out);
+  return ec == std::errc() && end == text.data() + text.size() && !text.empty();
+}
+
+bool ParseNumber(std::string_view text, double* out) {
+  text = Trim(text);
+  auto [end, ec] = std::from_chars(text.data(), text.data() + text.size(), *out);
+  return ec == std::errc() && end == text.data() + text.size() && !text.empty() &&
+         std::isfinite(*out);
+}
+
+uint64_t ParseSize(const std::string& path, size_t line, std::string_view text) {
+  text = Trim(text);
+  if (!text.empty() && text.front() == '-') {
+    Fail(path, line, "negative size_bytes '" + std::string(text) + "'");
+  }
+  uint64_t size = 0;
+  if (!ParseInteger(text, &size)) {
+    Fail(path, line, "size_bytes '" + std::string(text) + "' is not a whole number of bytes");
+  }
+  return size;
+}
+
+struct TraceBuilder {
+  Trace trace;
+  std::unordered_map<std::string, uint32_t> index;
+  std::vector<bool> sized;
+
+  uint32_t Model(std::string_view name) {
+    auto [it, inserted] =
+        index.emplace(std::string(name), static_cast<uint32_t>(trace.models.size()));
+    if (inserted) {
+      trace.models.emplace_back(name);
+      trace.sizes.push_back(0);
+      sized.push_back(false);
+    }
+    return it->second;
+  }
+};
+
+double Zipf(size_t rank) { return 1.0 / std::pow(static_cast<double>(rank + 1), 1.1); }
+
+}  // namespace
+
+uint64_t ParseBytes(std::string_view text) {
+  std::string_view s = Trim(text);
+  double value = 0;
+  auto [end, ec] = std::from_chars(s.data(), s.data() + s.size(), value);
+  if (ec != std::errc() || end == s.data() || value < 0 || !std::isfinite(value)) {
+    throw std::invalid_argument("not a byte size: '" + std::string(text) + "'");
+  }
+  std::string_view unit = Trim(s.substr(static_cast<size_t>(end - s.data())));
+  static const std::pair<std::string_view, double> kUnits[] = {
+      {"", 1},          {"B", 1},          {"KiB", 1024.0},
+      {"MiB", 1048576.0}, {"GiB", 1073741824.0}, {"TiB", 1099511627776.0},
+      {"KB", 1e3},      {"MB", 1e6},       {"GB", 1e9},
+      {"TB", 1e12}};
+  for (const auto& [name, factor] : kUnits) {
+    if (unit == name) {
+      const double bytes = value * factor;
+      if (bytes > 1.8e19) break;
+      return static_cast<uint64_t>(std::llround(bytes));
+    }
+  }
+  throw std::invalid_argument("not a byte size: '" + std::string(text) +
+                              "' (use a number with B, KiB, MiB, GiB, TiB, "
+                              "KB, MB, GB or TB)");
+}
+
+std::string FormatBytes(uint64_t bytes) {
+  char buf[32];
+  const double b = static_cast<double>(bytes);
+  if (bytes >= (uint64_t{1} << 30)) {
+    std::snprintf(buf, sizeof(buf), "%.2f GiB", b / 1073741824.0);
+  } else if (bytes >= (uint64_t{1} << 20)) {
+    std::snprintf(buf, sizeof(buf), "%.1f MiB", b / 1048576.0);
+  } else {
+    std::snprintf(buf, sizeof(buf), "%llu B", static_cast<unsigned long long>(bytes));
+  }
+  return buf;
+}
+
+SizeTable ReadSizes(const std::string& path) {
+  std::ifstream in = Open(path);
+  SizeTable sizes;
+  std::string line;
+  std::vector<std::string> fields;
+  size_t line_no = 0;
+  int model_col = -1, size_col = -1;
+  while (std::getline(in, line)) {
+    ++line_no;
+    if (Trim(line).empty()) continue;
+    SplitCsv(line, &fields);
+    if (model_col < 0) {
+      for (size_t i = 0; i < fields.size(); ++i) {
+        if (Trim(fields[i]) == "model") model_col = static_cast<int>(i);
+        if (Trim(fields[i]) == "size_bytes") size_col = static_cast<int>(i);
+      }
+      if (model_col < 0 || size_col < 0) {
+        Fail(path, line_no, "the header must name the columns 'model' and 'size_bytes'");
+      }
+      continue;
+    }
+    if (static_cast<int>(fields.size()) <= std::max(model_col, size_col)) {
+      Fail(path, line_no, "expected at least " +
+                              std::to_string(std::max(model_col, size_col) + 1) +
+                              " fields, found " + std::to_string(fields.size()));
+    }
+    std::string model(Trim(fields[model_col]));
+    if (model.empty()) Fail(path, line_no, "empty model name");
+    const uint64_t size = ParseSize(path, line_no, fields[size_col]);
+    auto [it, inserted] = sizes.emplace(model, size);
+    if (!inserted && it->second != size) {
+      Fail(path, line_no, "model '" + model + "' listed again with another size");
+    }
+  }
+  if (model_col < 0) Fail(path, 1, "empty file: expected a 'model,size_bytes' header");
+  return sizes;
+}
+
+Trace ReadCsvTrace(const std::string& path, const SizeTable* sizes) {
+  std::ifstream in = Open(path);
+  TraceBuilder builder;
+  std::vector<size_t> first_line;  // per model, for errors
+  std::string line;
+  std::vector<std::string> fields;
+  size_t line_no = 0;
+  int t_col = -1, model_col = -1, size_col = -1;
+  size_t needed = 0;
+  double previous_t = -std::numeric_limits<double>::infinity();
+  while (std::getline(in, line)) {
+    ++line_no;
+    if (Trim(line).empty()) continue;
+    SplitCsv(line, &fields);
+    if (t_col < 0) {
+      for (size_t i = 0; i < fields.size(); ++i) {
+        const std::string_view name = Trim(fields[i]);
+        if (name == "t_ms") t_col = static_cast<int>(i);
+        if (name == "model") model_col = static_cast<int>(i);
+        if (name == "size_bytes") size_col = static_cast<int>(i);
+      }
+      if (t_col < 0 || model_col < 0) {
+        Fail(path, line_no, std::string("the header must name the columns 't_ms' and 'model'") +
+                                (t_col < 0 ? " (no 't_ms')" : " (no 'model')"));
+      }
+      needed = static_cast<size_t>(std::max({t_col, model_col, size_col})) + 1;
+      continue;
+    }
+    if (fields.size() < needed) {
+      Fail(path, line_no, "expected at least " + std::to_string(needed) +
+                              " fields, found " + std::to_string(fields.size()));
+    }
+    double t = 0;
+    if (!ParseNumber(fields[t_col], &t)) {
+      Fail(path, line_no, "t_ms '" + std::string(Trim(fields[t_col])) + "' is not a number");
+    }
+    if (t < previous_t) {
+      Fail(path, line_no, "t_ms " + std::string(Trim(fields[t_col])) +
+                              " is earlier than the previous request's; the trace must be sorted by time");
+    }
+    previous_t = t;
+    const std::string_view name = Trim(fields[model_col]);
+    if (name.empty()) Fail(path, line_no, "empty model name");
+    const uint32_t model = builder.Model(name);
+    if (first_line.size() < builder.trace.models.size()) first_line.push_back(line_no);
+    if (size_col >= 0 && !Trim(fields[size_col]).empty()) {
+      const uint64_t size = ParseSize(path, line_no, fields[size_col]);
+      if (builder.sized[model] && builder.trace.sizes[model] != size) {
+        Fail(path, line_no, "model '" + std::string(name) + "' has size_bytes " +
+                                std::to_string(size) + " here but " +
+                                std::to_string(builder.trace.sizes[model]) + " earlier");
+      }
+      builder.trace.sizes[model] = size;
+      builder.sized[model] = true;
+    }
+    builder.trace.requests.push_back(Request{static_cast<int64_t>(std::llround(t)), model});
+  }
+  if (t_col < 0) Fail(path, 1, "empty file: expected a header naming 't_ms' and 'model'");
+  for (uint32_t m = 0; m < builder.trace.models.size(); ++m) {
+    if (builder.sized[m]) continue;
+    const std::string& name = builder.trace.models[m];
+    auto it = sizes ? sizes->find(name) : SizeTable::const_iterator{};
+    if (!sizes || it == sizes->end()) {
+      Fail(path, first_line[m], "model '" + name +
+                                    "' has no size: give a size_bytes column or --sizes FILE");
+    }
+    builder.trace.sizes[m] = it->second;
+  }
+  return std::move(builder.trace);
+}
+
+Trace ReadAzureFunctionsTrace(const std::string& path, uint32_t num_models,
+                              const SizeTable* sizes, uint64_t seed) {
+  std::ifstream in = Open(path);
+  std::string line;
+  std::vector<std::string> fields;
+  size_t line_no = 0;
+  std::vector<int64_t> minutes;
+  struct Burst {
+    int64_t t_ms;
+    uint32_t function;
+    uint32_t j;
+  };
+  std::vector<Burst> bursts;
+  uint32_t function = 0;
+  while (std::getline(in, line)) {
+    ++line_no;
+    if (Trim(line).empty()) continue;
+    SplitCsv(line, &fields);
+    if (minutes.empty()) {
+      static const char* const kLeading[] = {"HashOwner", "HashApp", "HashFunction", "Trigger"};
+      for (size_t i = 0; i < 4; ++i) {
+        if (fields.size() <= i || Trim(fields[i]) != kLeading[i]) {
+          Fail(path, line_no, std::string("expected the Azure Functions header "
+                                          "'HashOwner,HashApp,HashFunction,Trigger,<minutes>...', column ") +
+                                  std::to_string(i + 1) + " should be '" + kLeading[i] + "'");
+        }
+      }
+      for (size_t i = 4; i < fields.size(); ++i) {
+        int64_t minute = 0;
+        if (!ParseInteger(fields[i], &minute) || minute < 0) {
+          Fail(path, line_no, "minute column '" + std::string(Trim(fields[i])) +
+                                  "' is not a whole minute number");
+        }
+        minutes.push_back(minute);
+      }
+      if (minutes.empty()) Fail(path, line_no, "no minute columns after 'Trigger'");
+      continue;
+    }
+    if (fields.size() != minutes.size() + 4) {
+      Fail(path, line_no, "expected " + std::to_string(minutes.size() + 4) +
+                              " fields, found " + std::to_string(fields.size()));
+    }
+    std::vector<Burst> mine;
+    for (size_t c = 0; c < minutes.size(); ++c) {
+      const std::string_view text = Trim(fields[c + 4]);
+      if (!text.empty() && text.front() == '-') {
+        Fail(path, line_no, "negative invocation count in minute " + std::to_string(minutes[c]));
+      }
+      uint64_t count = 0;
+      if (!text.empty() && !ParseInteger(text, &count)) {
+        Fail(path, line_no, "invocation count '" + std::string(text) + "' is not a whole number");
+      }
+      for (uint64_t j = 0; j < count; ++j) {
+        const int64_t t = minutes[c] * 60000 +
+                          static_cast<int64_t>(((2 * j + 1) * 60000) / (2 * count));
+        mine.push_back(Burst{t, function, static_cast<uint32_t>(j)});
+      }
+    }
+    if (mine.empty()) continue;  // never invoked: dropped
+    bursts.insert(bursts.end(), mine.begin(), mine.end());
+    ++function;
+  }
+  if (minutes.empty()) Fail(path, 1, "empty file: expected the Azure Functions header");
+  std::sort(bursts.begin(), bursts.end(), [](const Burst& a, const Burst& b) {
+    if (a.t_ms != b.t_ms) return a.t_ms < b.t_ms;
+    if (a.function != b.function) return a.function < b.function;
+    return a.j < b.j;
+  });
+  const uint32_t models = num_models == 0 ? std::max<uint32_t>(function, 1) : num_models;
+  Trace trace;
+  for (uint32_t m = 0; m < models; ++m) {
+    trace.models.push_back("model-" + std::to_string(m));
+    uint64_t size = DefaultModelSize(m, seed);
+    if (sizes) {
+      auto it = sizes->find(trace.models.back());
+      if (it != sizes->end()) {
+        size = it->second;
+      } else {
+        throw TraceError(path + ": --sizes has no size for '" + trace.models.back() + "'");
+      }
+    }
+    trace.sizes.push_back(size);
+  }
+  trace.requests.reserve(bursts.size());
+  for (const Burst& b : bursts) trace.requests.push_back(Request{b.t_ms, b.function % models});
+  return trace;
+}
+
+uint64_t DefaultModelSize(uint32_t model, uint64_t seed) {
+  std::mt19937_64 rng(seed * 0x9E3779B97F4A7C15ULL + model);
+  constexpr double kMiB = 1048576.0;
+  const double u = std::uniform_real_distribution<double>(0, 1)(rng);
+  double low, high;
+  if (u < 0.4) {
+    low = 20 * kMiB, high = 300 * kMiB;
+  } else if (u < 0.7) {
+    low = 300 * kMiB, high = 1536 * kMiB;
+  } else if (u < 0.9) {
+    low = 2048 * kMiB, high = 7168 * kMiB;
+  } else {
+    low = 7168 * kMiB, high = 16384 * kMiB;
+  }
+  const double v = std::uniform_real_distribution<double>(0, 1)(rng);
+  return static_cast<uint64_t>(low * std::pow(high / low, v));
+}
+
+Trace GenerateDefaultTrace(uint64_t seed) {
+  constexpr uint32_t kModels = 60;
+  constexpr size_t kRequests = 200000;
+  constexpr int64_t kSpanMs = int64_t{8} * 3600 * 1000;
+  Trace trace;
+  for (uint32_t m = 0; m < kModels; ++m) {
+    trace.models.push_back("model-" + std::to_string(m));
+    trace.sizes.push_back(DefaultModelSize(m, seed));
+  }
+  std::mt19937_64 rng(seed);
+  // Two popularity rankings, unrelated to size: the morning's and the
+  // afternoon's. Each request draws from a mix that shifts between them.
+  std::vector<uint32_t> morning(kModels), afternoon(kModels);
+  for (uint32_t m = 0; m < kModels; ++m) morning[m] = afternoon[m] = m;
+  std::shuffle(morning.begin(), morning.end(), rng);
+  std::shuffle(afternoon.begin(), afternoon.end(), rng);
+  std::vector<double> weights;
+  for (uint32_t r = 0; r < kModels; ++r) weights.push_back(Zipf(r));
+  std::discrete_distribution<uint32_t> rank(weights.begin(), weights.end());
+  std::vector<int64_t> times(kRequests);
+  std::uniform_int_distribution<int64_t> when(0, kSpanMs - 1);
+  for (auto& t : times) t = when(rng);
+  std::sort(times.begin(), times.end());
+  std::uniform_real_distribution<double> coin(0, 1);
+  trace.requests.reserve(kRequests);
+  for (int64_t t : times) {
+    const double afternoon_share = static_cast<double>(t) / static_cast<double>(kSpanMs);
+    const auto& order = coin(rng) < afternoon_share ? afternoon : morning;
+    trace.requests.push_back(Request{t, order[rank(rng)]});
+  }
+  return trace;
+}
+
+RunResult Replay(const Trace& trace, const std::string& policy_name,
+                 uint64_t capacity_bytes, double hold_ms) {
+  auto policy = PolicyByName(policy_name);
+  if (!policy) {
+    throw std::invalid_argument("unknown policy '" + policy_name +
+                                "' (known: lru, gdsf, gdsf-time, gdsf-uniform, belady)");
+  }
+  const bool belady = !policy->monotone();
+  const size_t n = trace.requests.size();
+  RunResult result;
+  result.policy = policy->name();
+  result.offline = belady;
+  result.capacity_bytes = capacity_bytes;
+  result.requests = n;
+  result.loads_per_model.assign(trace.models.size(), 0);
+
+  // Belady's needs each request's next use of the same model.
+  std::vector<double> next_use;
+  if (belady) {
+    next_use.assign(n, std::numeric_limits<double>::infinity());
+    std::vector<double> seen(trace.models.size(), std::numeric_limits<double>::infinity());
+    for (size_t i = n; i-- > 0;) {
+      next_use[i] = seen[trace.requests[i].model];
+      seen[trace.requests[i].model] = static_cast<double>(i);
+    }
+  }
+
+  CacheOptions options;
+  options.name = "replay";
+  options.capacity_bytes = capacity_bytes;
+  options.policy = policy;
+  options.shard_bits = 0;
+  ModelCache cache(std::move(options));
+
+  // One loader for all models: the value is a shared token, the size the
+  // model's; `loaded` tells the loop that this request missed.
+  const auto token = std::make_shared<char>(0);
+  bool loaded = false;
+  uint32_t current = 0;
+  const Loader loader = [&] {
+    loaded = true;
+    ++result.loads_per_model[current];
+    return Loaded{token, trace.sizes[current], {}};
+  };
+
+  // Held leases, released in end-time order (declared after the cache, so
+  // destroyed before it).
+  using Held = std::pair<double, size_t>;
+  std::priority_queue<Held, std::vector<Held>, std::greater<>> ends;
+  std::vector<Lease> slots;
+  std::vector<size_t> free_slots;
+
+  constexpr size_t kSamples = 240;
+  const int64_t t0 = n ? trace.requests.front().t_ms : 0;
+  const int64_t t1 = n ? trace.requests.back().t_ms : 0;
+  size_t next_sample = 0;
+  uint64_t requested_bytes = 0, missed_bytes = 0;
+
+  const auto start = std::chrono::steady_clock::now();
+  for (size_t i = 0; i < n; ++i) {
+    const Request& request = trace.requests[i];
+    while (!ends.empty() && ends.top().first <= static_cast<double>(request.t_ms)) {
+      slots[ends.top().second].Release();
+      free_slots.push_back(ends.top().second);
+      ends.pop();
+    }
+    const uint64_t size = trace.sizes[request.model];
+    requested_bytes += size;
+    AcquireOptions acquire;
+    if (belady) acquire.policy_hint = next_use[i];
+    loaded = false;
+    current = request.model;
+    try {
+      Lease lease = cache.Acquire(trace.models[request.model], size, loader, acquire);
+      if (loaded) {
+        ++result.misses;
+        missed_bytes += size;
+      } else {
+        ++result.hits;
+      }
+      if (hold_ms > 0) {
+        size_t slot;
+        if (free_slots.empty()) {
+          slot = slots.size();
+          slots.emplace_back();
+        } else {
+          slot = free_slots.back();
+          free_slots.pop_back();
+        }
+        slots[slot] = std::move(lease);
+        ends.emplace(static_cast<double>(request.t_ms) + hold_ms, slot);
+      }
+    } catch (const Error& e) {
+      ++result.misses;
+      missed_bytes += size;
+      if (e.code() == ErrorCode::kTooLarge) {
+        ++result.too_large;
+      } else {
+        ++result.blocked;
+      }
+    }
+    // Resident bytes at evenly spaced points of trace time.
+    while (next_sample < kSamples &&
+           (t1 == t0 || request.t_ms >= t0 + (t1 - t0) * static_cast<int64_t>(next_sample) /
+                                                 static_cast<int64_t>(kSamples - 1))) {
+      result.resident_over_time.emplace_back(request.t_ms, cache.budget().used());
+      ++next_sample;
+      if (t1 == t0) break;
+    }
+  }
+  result.seconds =
+      std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
+  slots.clear();
+
+  const CacheStats stats = cache.Stats();
+  result.bytes_loaded = stats.bytes_loaded;
+  result.evictions = stats.evictions;
+  result.peak_resident_bytes = stats.high_water_bytes;
+  result.hit_ratio = n ? static_cast<double>(result.hits) / static_cast<double>(n) : 0;
+  result.byte_miss_ratio =
+      requested_bytes ? static_cast<double>(missed_bytes) / static_cast<double>(requested_bytes) : 0;
+  result.requests_per_second =
+      result.seconds > 0 ? static_cast<double>(n) / result.seconds : 0;
+  return result;
+}
+
+std::vector<RunResult> ReplayAll(
+    const Trace& trace, const std::vector<std::string>& policies,
+    const std::vector<uint64_t>& capacities, double hold_ms, unsigned threads,
+    const std::function<void(size_t, size_t)>& progress) {
+  for (const std::string& p : policies) {
+    if (!PolicyByName(p)) Replay(Trace{}, p, 0);  // throws the clear error
+  }
+  const size_t total = policies.size() * capacities.size();
+  std::vector<RunResult> results(total);
+  std::atomic<size_t> next{0};
+  std::mutex mu;
+  std::condition_variable finished;
+  size_t done = 0;
+  std::exception_ptr error;
+  auto work = [&] {
+    for (size_t task; (task = next.fetch_add(1)) < total;) {
+      try {
+        results[task] = Replay(trace, policies[task / capacities.size()],
+                               capacities[task % capacities.size()], hold_ms);
+      } catch (...) {
+        std::lock_guard<std::mutex> lock(mu);
+        if (!error) error = std::current_exception();
+      }
+      std::lock_guard<std::mutex> lock(mu);
+      ++done;
+      finished.notify_all();
+    }
+  };
+  const unsigned workers =
+      std::max(1u, std::min<unsigned>(threads, static_cast<unsigned>(total)));
+  std::vector<std::thread> pool;
+  for (unsigned i = 0; i < workers; ++i) pool.emplace_back(work);
+  {
+    std::unique_lock<std::mutex> lock(mu);
+    while (done < total) {
+      finished.wait_for(lock, std::chrono::milliseconds(100));
+      if (progress) {
+        const size_t now = done;
+        lock.unlock();
+        progress(now, total);
+        lock.lock();
+      }
+    }
+  }
+  for (auto& t : pool) t.join();
+  if (error) std::rethrow_exception(error);
+  return results;
+}
+
+}  // namespace modelcache::replay

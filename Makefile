@@ -18,8 +18,10 @@ build: deps
 	cmake --preset release >/dev/null
 	cmake --build build -j $(JOBS)
 
+# The main job on its embedded default: replay a generated trace through the
+# cache under several policies and budgets; prints a table and a report path.
 demo: build
-	./build/bin/modelcache_demo
+	./build/bin/modelcache replay
 
 # One configuration: configure, build, run its tests.
 define run_suite
@@ -50,8 +52,12 @@ bench: build
 	./build/bin/modelcache_hit_path_bench --benchmark_repetitions=5 \
 	  --benchmark_report_aggregates_only=true \
 	  --benchmark_out=build/bench-results/hit_path.json --benchmark_out_format=json
-	./build/bin/modelcache_miss_storm_bench \
+	./build/bin/modelcache_miss_storm_bench --benchmark_repetitions=5 \
+	  --benchmark_report_aggregates_only=true \
 	  --benchmark_out=build/bench-results/miss_storm.json --benchmark_out_format=json
+	./build/bin/modelcache_replay_bench --benchmark_repetitions=5 \
+	  --benchmark_report_aggregates_only=true \
+	  --benchmark_out=build/bench-results/replay.json --benchmark_out_format=json
 
 clean:
 	rm -rf build

@@ -639,15 +639,18 @@ TEST(GdsfPolicyTest, InflationAgesOutAnOldFrequentlyUsedEntry) {
   }
 }
 
-TEST(GdsfPolicyTest, BytesCostPriorityIsInflationPlusAccesses) {
+TEST(GdsfPolicyTest, BytesCostPriorityIsInflationPlusLogAccesses) {
   std::shared_ptr<const EvictionPolicy> policy =
       NewGdsfPolicy(ReloadCost::kBytes);
   PolicyClock clock;
   clock.inflation = 2.5;
+  // Independent of size and load time: L + log2(1 + accesses).
   for (uint64_t bytes : {uint64_t{1}, kGiB, 10 * kGiB}) {
-    EXPECT_DOUBLE_EQ(policy->Priority(AccessInfo{bytes, 3, 0.7}, clock), 5.5)
+    EXPECT_DOUBLE_EQ(policy->Priority(AccessInfo{bytes, 3, 0.7}, clock), 4.5)
         << bytes;
     EXPECT_DOUBLE_EQ(policy->Priority(AccessInfo{bytes, 1, 9.0}, clock), 3.5)
+        << bytes;
+    EXPECT_DOUBLE_EQ(policy->Priority(AccessInfo{bytes, 7, 9.0}, clock), 5.5)
         << bytes;
   }
 }

@@ -9,6 +9,8 @@
 // does not fit stops the parse with a message naming the entry and the field,
 // so nesting depth and memory stay bounded by the header's own size, and
 // duplicate names, which DOM parsers silently collapse, are seen as they come.
+// A raw NUL byte is rejected up front: the lexer would take it for the end of
+// the input and ignore whatever follows.
 //
 // Once the structure is known, the numbers are checked in header order (dtype,
 // overflow-free byte size, offsets within the data buffer), then the tensors
@@ -121,8 +123,14 @@ std::string FormatShape(const std::vector<uint64_t>& shape) {
   return out + "]";
 }
 
+// Offsets as the header writes them: "[begin, end]".
 std::string FormatRange(uint64_t begin, uint64_t end) {
   return "[" + std::to_string(begin) + ", " + std::to_string(end) + "]";
+}
+
+// A byte range of the data buffer: "[begin, end)".
+std::string FormatBytes(uint64_t begin, uint64_t end) {
+  return "[" + std::to_string(begin) + ", " + std::to_string(end) + ")";
 }
 
 // A tensor entry as parsed, before its numbers are checked.
@@ -518,7 +526,7 @@ class HeaderBuilder {
                                       " " + FormatRange(prev.begin, prev.end));
       }
       if (t.begin > cursor) {
-        throw FormatError(source, "data bytes " + FormatRange(cursor, t.begin) +
+        throw FormatError(source, "data bytes " + FormatBytes(cursor, t.begin) +
                                       " belong to no tensor (gap before "
                                       "tensor " +
                                       Quoted(t.name) + ")");
@@ -527,7 +535,7 @@ class HeaderBuilder {
     }
     if (cursor != data_bytes) {
       throw FormatError(source, "data bytes " +
-                                    FormatRange(cursor, data_bytes) +
+                                    FormatBytes(cursor, data_bytes) +
                                     " belong to no tensor (after the last "
                                     "tensor)");
     }
@@ -552,6 +560,16 @@ SafetensorsHeader ParseSafetensorsHeader(std::string_view header_json,
   }
   if (header_json[0] != '{') {
     throw FormatError(source, "header does not start with '{'");
+  }
+
+  // nlohmann's lexer takes a NUL byte for the end of the input, which would
+  // let anything after one through. Valid JSON never holds a raw NUL (inside
+  // strings it must be escaped), so any NUL makes the header invalid.
+  if (const void* nul = std::memchr(header_json.data(), 0, header_json.size())) {
+    const size_t at = static_cast<size_t>(static_cast<const char*>(nul) -
+                                          header_json.data());
+    throw FormatError(source, "header is not valid JSON (at byte " +
+                                  std::to_string(at) + "): NUL byte");
   }
 
   HeaderSax sax;

@@ -164,6 +164,10 @@ void AppendEscaped(std::string* out, unsigned char c) {
 
 }  // namespace
 
+}  // namespace modelcache::weights::detail
+
+namespace modelcache::weights {
+
 std::string Printable(std::string_view text, size_t max_bytes) {
   std::string out;
   out.reserve(std::min(text.size(), max_bytes) + 3);
@@ -174,16 +178,16 @@ std::string Printable(std::string_view text, size_t max_bytes) {
       break;
     }
     uint32_t cp = 0;
-    const size_t len = Utf8SequenceLength(text, i, &cp);
+    const size_t len = detail::Utf8SequenceLength(text, i, &cp);
     const bool control = cp < 0x20 || cp == 0x7F ||
                          (cp >= 0x80 && cp <= 0x9F) || cp == 0x2028 ||
                          cp == 0x2029;
     if (len == 0) {
-      AppendEscaped(&out, static_cast<unsigned char>(text[i]));
+      detail::AppendEscaped(&out, static_cast<unsigned char>(text[i]));
       ++i;
     } else if (control) {
       for (size_t k = 0; k < len; ++k) {
-        AppendEscaped(&out, static_cast<unsigned char>(text[i + k]));
+        detail::AppendEscaped(&out, static_cast<unsigned char>(text[i + k]));
       }
       i += len;
     } else {
@@ -193,6 +197,10 @@ std::string Printable(std::string_view text, size_t max_bytes) {
   }
   return out;
 }
+
+}  // namespace modelcache::weights
+
+namespace modelcache::weights::detail {
 
 std::string Quoted(std::string_view text) {
   return "'" + Printable(text) + "'";

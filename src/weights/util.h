@@ -58,13 +58,8 @@ SafetensorsHeader ReadHeaderFromFd(int fd, uint64_t file_bytes,
 // strerror(error_number), thread-safely.
 std::string ErrnoText(int error_number);
 
-// `text` made fit for a one-line message: control characters and bytes that
-// are not part of valid UTF-8 escaped as \xNN (\n, \t and \r by name),
-// valid UTF-8 kept; cut at a character boundary to about `max_bytes`, with
-// "..." appended, when longer.
-std::string Printable(std::string_view text, size_t max_bytes = 120);
-
 // Printable(text) in single quotes, for names in messages.
+using weights::Printable;
 std::string Quoted(std::string_view text);
 
 }  // namespace modelcache::weights::detail

@@ -189,6 +189,13 @@ SafetensorsHeader ParseSafetensorsHeader(std::string_view header_json,
 // or FormatError.
 SafetensorsHeader ReadSafetensorsHeader(const std::string& path);
 
+// `text` (a tensor name, a path) made fit for one line of a message or a
+// listing: control characters (C0, DEL, C1, U+2028, U+2029) and bytes that are
+// not part of valid UTF-8 escaped as \xNN (\n, \t and \r by name), valid
+// UTF-8 kept; cut at a character boundary to about `max_bytes`, with "..."
+// appended, when longer.
+std::string Printable(std::string_view text, size_t max_bytes = 120);
+
 }  // namespace modelcache::weights
 
 #endif  // MODELCACHE_WEIGHTS_SAFETENSORS_H_

@@ -21,6 +21,8 @@
 // truncated meanwhile: touching a page past the new end raises SIGBUS, as with
 // every mapped file. Writes to the file by others show through a kMmap set.
 //
+// A moved-from WeightSet may only be destroyed or assigned to.
+//
 // Thread safety: a WeightSet is immutable after Open; any number of threads
 // may read it at once.
 #ifndef MODELCACHE_WEIGHTS_WEIGHT_SET_H_

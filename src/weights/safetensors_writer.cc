@@ -1,0 +1,240 @@
+// Writing safetensors files by streaming.
+//
+// The header is built with nlohmann::ordered_json so its key order is the data
+// order ("__metadata__" first), then padded with spaces to a multiple of 8
+// bytes as the reference implementation does. Emit() produces the file as a
+// sequence of byte ranges: the 8-byte length and header, then each tensor's
+// bytes a buffer at a time from its FillFn. Write() sends them to a file
+// descriptor, WriteToMemory() to a vector; both share Emit, so they produce
+// the same bytes.
+//
+// FillPattern is splitmix64 of (seed, word index): every 8-byte word of the
+// stream depends on its position, so a reader that misplaces, repeats or
+// swaps a chunk shows it.
+#include "modelcache/weights/safetensors_writer.h"
+
+#include <fcntl.h>
+#include <unistd.h>
+
+#include <algorithm>
+#include <cerrno>
+#include <cstring>
+#include <nlohmann/json.hpp>
+#include <stdexcept>
+#include <utility>
+
+#include "util.h"
+
+namespace modelcache::weights {
+
+namespace {
+
+uint64_t SplitMix64(uint64_t x) {
+  x += 0x9E3779B97F4A7C15ull;
+  x = (x ^ (x >> 30)) * 0xBF58476D1CE4E5B9ull;
+  x = (x ^ (x >> 27)) * 0x94D049BB133111EBull;
+  return x ^ (x >> 31);
+}
+
+uint64_t PatternWord(uint64_t seed, uint64_t word) {
+  return SplitMix64(SplitMix64(seed) ^ word);
+}
+
+// dtype size x product(shape), or throws std::invalid_argument. Applies the
+// reader's rule: the product of the nonzero dimensions times the dtype size
+// must fit in 64 bits even when a zero dimension makes the tensor empty.
+uint64_t ByteSize(const std::string& name, Dtype dtype,
+                  const std::vector<uint64_t>& shape) {
+  uint64_t n = DtypeSize(dtype);
+  bool has_zero = false;
+  for (uint64_t d : shape) {
+    if (d == 0) {
+      has_zero = true;
+    } else if (__builtin_mul_overflow(n, d, &n)) {
+      throw std::invalid_argument("SafetensorsWriter: tensor '" + name +
+                                  "' is more than 2^64 bytes");
+    }
+  }
+  return has_zero ? 0 : n;
+}
+
+}  // namespace
+
+void FillPattern(uint64_t seed, uint64_t offset, std::span<std::byte> out) {
+  size_t i = 0;
+  while (i < out.size()) {
+    const uint64_t pos = offset + i;
+    const uint64_t word = PatternWord(seed, pos / 8);
+    const size_t in_word = static_cast<size_t>(pos % 8);
+    if (in_word == 0 && out.size() - i >= 8) {
+      // Whole words, little-endian.
+      for (int b = 0; b < 8; ++b) {
+        out[i + b] = static_cast<std::byte>(word >> (8 * b));
+      }
+      i += 8;
+    } else {
+      out[i] = static_cast<std::byte>(word >> (8 * in_word));
+      ++i;
+    }
+  }
+}
+
+FillFn PatternFill(uint64_t seed) {
+  return [seed](uint64_t offset, std::span<std::byte> out) {
+    FillPattern(seed, offset, out);
+  };
+}
+
+SafetensorsWriter& SafetensorsWriter::SetMetadata(const std::string& key,
+                                                  const std::string& value) {
+  metadata_[key] = value;
+  return *this;
+}
+
+SafetensorsWriter& SafetensorsWriter::AddTensor(const std::string& name,
+                                                Dtype dtype,
+                                                std::vector<uint64_t> shape,
+                                                FillFn fill) {
+  if (name == "__metadata__") {
+    throw std::invalid_argument("SafetensorsWriter: invalid tensor name '" +
+                                name + "'");
+  }
+  if (!fill) {
+    throw std::invalid_argument("SafetensorsWriter: tensor '" + name +
+                                "' has no fill function");
+  }
+  for (const Entry& e : entries_) {
+    if (e.name == name) {
+      throw std::invalid_argument("SafetensorsWriter: duplicate tensor '" +
+                                  name + "'");
+    }
+  }
+  const uint64_t bytes = ByteSize(name, dtype, shape);
+  entries_.push_back(
+      Entry{name, dtype, std::move(shape), bytes, std::move(fill)});
+  return *this;
+}
+
+SafetensorsWriter& SafetensorsWriter::AddTensor(
+    const std::string& name, Dtype dtype, std::vector<uint64_t> shape,
+    std::span<const std::byte> bytes) {
+  const uint64_t expected = ByteSize(name, dtype, shape);
+  if (bytes.size() != expected) {
+    throw std::invalid_argument(
+        "SafetensorsWriter: tensor '" + name + "' needs " +
+        std::to_string(expected) + " bytes, got " +
+        std::to_string(bytes.size()));
+  }
+  return AddTensor(name, dtype, std::move(shape),
+                   [bytes](uint64_t offset, std::span<std::byte> out) {
+                     std::memcpy(out.data(), bytes.data() + offset,
+                                 out.size());
+                   });
+}
+
+std::vector<const SafetensorsWriter::Entry*> SafetensorsWriter::Layout()
+    const {
+  std::vector<const Entry*> order;
+  order.reserve(entries_.size());
+  for (const Entry& e : entries_) order.push_back(&e);
+  std::stable_sort(order.begin(), order.end(),
+                   [](const Entry* a, const Entry* b) {
+                     return DtypeSize(a->dtype) > DtypeSize(b->dtype);
+                   });
+  return order;
+}
+
+std::string SafetensorsWriter::HeaderJson() const {
+  nlohmann::ordered_json header = nlohmann::ordered_json::object();
+  if (!metadata_.empty()) {
+    nlohmann::ordered_json meta = nlohmann::ordered_json::object();
+    for (const auto& [key, value] : metadata_) meta[key] = value;
+    header["__metadata__"] = std::move(meta);
+  }
+  uint64_t offset = 0;
+  for (const Entry* e : Layout()) {
+    nlohmann::ordered_json t = nlohmann::ordered_json::object();
+    t["dtype"] = DtypeName(e->dtype);
+    t["shape"] = e->shape;
+    t["data_offsets"] = {offset, offset + e->bytes};
+    header[e->name] = std::move(t);
+    offset += e->bytes;
+  }
+  std::string text = header.dump();
+  text.append((8 - text.size() % 8) % 8, ' ');
+  return text;
+}
+
+uint64_t SafetensorsWriter::data_bytes() const {
+  uint64_t total = 0;
+  for (const Entry& e : entries_) total += e.bytes;
+  return total;
+}
+
+uint64_t SafetensorsWriter::file_bytes() const {
+  return kLengthPrefixBytes + HeaderJson().size() + data_bytes();
+}
+
+void SafetensorsWriter::Emit(
+    size_t buffer_bytes,
+    const std::function<void(std::span<const std::byte>)>& sink) const {
+  const std::string header = HeaderJson();
+  std::byte prefix[kLengthPrefixBytes];
+  for (size_t i = 0; i < kLengthPrefixBytes; ++i) {
+    prefix[i] = static_cast<std::byte>(uint64_t{header.size()} >> (8 * i));
+  }
+  sink(prefix);
+  sink(std::as_bytes(std::span<const char>(header)));
+
+  std::vector<std::byte> buffer(std::max<size_t>(buffer_bytes, 1));
+  for (const Entry* e : Layout()) {
+    for (uint64_t done = 0; done < e->bytes;) {
+      const size_t n =
+          static_cast<size_t>(std::min<uint64_t>(buffer.size(), e->bytes - done));
+      const std::span<std::byte> chunk(buffer.data(), n);
+      e->fill(done, chunk);
+      sink(chunk);
+      done += n;
+    }
+  }
+}
+
+uint64_t SafetensorsWriter::Write(const std::string& path,
+                                  size_t buffer_bytes) const {
+  int raw;
+  do {
+    raw = ::open(path.c_str(), O_WRONLY | O_CREAT | O_TRUNC | O_CLOEXEC, 0644);
+  } while (raw < 0 && errno == EINTR);
+  if (raw < 0) {
+    const int e = errno;
+    throw IoError(path, "cannot create: " + detail::ErrnoText(e), e);
+  }
+  detail::Fd fd(raw);
+  uint64_t written = 0;
+  try {
+    Emit(buffer_bytes, [&](std::span<const std::byte> bytes) {
+      detail::WriteFull(fd.get(), bytes.data(), bytes.size(), path);
+      written += bytes.size();
+    });
+    if (::close(fd.Release()) != 0) {
+      const int e = errno;
+      throw IoError(path, "close failed: " + detail::ErrnoText(e), e);
+    }
+  } catch (...) {
+    fd = detail::Fd();
+    ::unlink(path.c_str());
+    throw;
+  }
+  return written;
+}
+
+std::vector<std::byte> SafetensorsWriter::WriteToMemory() const {
+  std::vector<std::byte> image;
+  image.reserve(static_cast<size_t>(file_bytes()));
+  Emit(size_t{1} << 20, [&](std::span<const std::byte> bytes) {
+    image.insert(image.end(), bytes.begin(), bytes.end());
+  });
+  return image;
+}
+
+}  // namespace modelcache::weights

@@ -1,0 +1,346 @@
+// modelcache replay: trace formats, their errors, and the replay semantics
+// (exact LRU, Belady's optimality on equal sizes, held leases), plus the
+// command line's contract on bad input.
+#include <sys/wait.h>
+
+#include <algorithm>
+#include <cstdio>
+#include <filesystem>
+#include <fstream>
+#include <list>
+#include <random>
+#include <unordered_map>
+
+#include "gmock/gmock.h"
+#include "gtest/gtest.h"
+#include "modelcache/tools/replay.h"
+#include "nlohmann/json.hpp"
+
+namespace modelcache::replay {
+namespace {
+
+using ::testing::HasSubstr;
+using ::testing::StartsWith;
+
+const std::string kAzureTrace =
+    std::string(MODELCACHE_SHARED_DATA) + "/traces/azure-functions-2019-100fn.csv";
+
+class TempFile {
+ public:
+  explicit TempFile(const std::string& contents, const std::string& suffix = ".csv") {
+    static int counter = 0;
+    path_ = (std::filesystem::temp_directory_path() /
+             ("modelcache_replay_test_" + std::to_string(::getpid()) + "_" +
+              std::to_string(counter++) + suffix))
+                .string();
+    std::ofstream(path_) << contents;
+  }
+  ~TempFile() { std::filesystem::remove(path_); }
+  const std::string& path() const { return path_; }
+
+ private:
+  std::string path_;
+};
+
+std::string TraceErrorOf(const std::string& contents, const SizeTable* sizes = nullptr) {
+  TempFile file(contents);
+  try {
+    ReadCsvTrace(file.path(), sizes);
+  } catch (const TraceError& e) {
+    const std::string message = e.what();
+    EXPECT_THAT(message, StartsWith(file.path() + ":"));
+    return message.substr(file.path().size());
+  }
+  ADD_FAILURE() << "no error for:\n" << contents;
+  return "";
+}
+
+TEST(ParseBytes, AcceptsBinaryAndDecimalUnits) {
+  EXPECT_EQ(ParseBytes("16GiB"), uint64_t{16} << 30);
+  EXPECT_EQ(ParseBytes("1.5 GiB"), uint64_t{3} << 29);
+  EXPECT_EQ(ParseBytes("512MiB"), uint64_t{512} << 20);
+  EXPECT_EQ(ParseBytes("4096"), 4096u);
+  EXPECT_EQ(ParseBytes("2GB"), 2000000000u);
+  EXPECT_THROW(ParseBytes("16 gigs"), std::invalid_argument);
+  EXPECT_THROW(ParseBytes("-1GiB"), std::invalid_argument);
+  EXPECT_THROW(ParseBytes(""), std::invalid_argument);
+}
+
+TEST(CsvTrace, ReadsRequestsSizesAndIgnoresOtherColumns) {
+  TempFile file(
+      "region,t_ms,model,size_bytes\n"
+      "eu,0,sdxl,100\n"
+      "us,5,\"lora, anime\",10\n"
+      "eu,5,sdxl,\n"
+      "us,7.4,sdxl,100\n");
+  Trace trace = ReadCsvTrace(file.path(), nullptr);
+  ASSERT_EQ(trace.models.size(), 2u);
+  EXPECT_EQ(trace.models[1], "lora, anime");
+  EXPECT_EQ(trace.sizes, (std::vector<uint64_t>{100, 10}));
+  ASSERT_EQ(trace.requests.size(), 4u);
+  EXPECT_EQ(trace.requests[3].t_ms, 7);
+  EXPECT_EQ(trace.requests[1].model, 1u);
+}
+
+TEST(CsvTrace, SizesMayComeFromASizesFile) {
+  TempFile sizes_file("model,size_bytes\na,7\nb,9\n");
+  SizeTable sizes = ReadSizes(sizes_file.path());
+  TempFile file("t_ms,model\n1,a\n2,b\n3,a\n");
+  Trace trace = ReadCsvTrace(file.path(), &sizes);
+  EXPECT_EQ(trace.sizes, (std::vector<uint64_t>{7, 9}));
+}
+
+TEST(CsvTrace, BadInputNamesTheFileAndLine) {
+  EXPECT_THAT(TraceErrorOf("time,model\n1,a\n"), HasSubstr(":1: the header must name"));
+  EXPECT_THAT(TraceErrorOf("t_ms,name\n1,a\n"), HasSubstr("(no 'model')"));
+  EXPECT_THAT(TraceErrorOf("t_ms,model\n1,a\n2,b\n"),
+              HasSubstr(":2: model 'a' has no size"));
+  EXPECT_THAT(TraceErrorOf("t_ms,model,size_bytes\n1,a,10\n2,b,-5\n"),
+              HasSubstr(":3: negative size_bytes '-5'"));
+  EXPECT_THAT(TraceErrorOf("t_ms,model,size_bytes\n5,a,10\n4,a,10\n"),
+              HasSubstr(":3: t_ms 4 is earlier than the previous request's"));
+  EXPECT_THAT(TraceErrorOf("t_ms,model,size_bytes\nsoon,a,10\n"),
+              HasSubstr(":2: t_ms 'soon' is not a number"));
+  EXPECT_THAT(TraceErrorOf("t_ms,model,size_bytes\n1,a,10\n2,a,11\n"),
+              HasSubstr(":3: model 'a' has size_bytes 11 here but 10 earlier"));
+  EXPECT_THAT(TraceErrorOf("t_ms,model,size_bytes\n1\n"), HasSubstr(":2: expected at least 3 fields"));
+  EXPECT_THAT(TraceErrorOf(""), HasSubstr(":1: empty file"));
+}
+
+TEST(AzureTrace, MapsTheRealTraceAsSpecified) {
+  Trace trace = ReadAzureFunctionsTrace(kAzureTrace, 0, nullptr, 42);
+  EXPECT_EQ(trace.requests.size(), 339657u);  // the data README's total
+  EXPECT_TRUE(std::is_sorted(trace.requests.begin(), trace.requests.end(),
+                             [](const Request& a, const Request& b) { return a.t_ms < b.t_ms; }));
+  EXPECT_GE(trace.requests.front().t_ms, 480 * 60000);
+  EXPECT_LT(trace.requests.back().t_ms, 960 * 60000);
+  // Fewer models folds functions onto them.
+  Trace folded = ReadAzureFunctionsTrace(kAzureTrace, 7, nullptr, 42);
+  EXPECT_EQ(folded.models.size(), 7u);
+  EXPECT_EQ(folded.requests.size(), trace.requests.size());
+  for (size_t i = 0; i < trace.requests.size(); i += 997) {
+    EXPECT_EQ(folded.requests[i].model, trace.requests[i].model % 7);
+  }
+}
+
+TEST(AzureTrace, SpreadsEachMinutesCountEvenlyAndDropsSilentFunctions) {
+  TempFile file(
+      "HashOwner,HashApp,HashFunction,Trigger,480,481\n"
+      "o,a,f0,http,0,0\n"  // never invoked: dropped
+      "o,a,f1,http,3,0\n"
+      "o,a,f2,timer,1,1\n");
+  Trace trace = ReadAzureFunctionsTrace(file.path(), 0, nullptr, 1);
+  ASSERT_EQ(trace.models.size(), 2u);
+  std::vector<std::pair<int64_t, uint32_t>> got;
+  for (const Request& r : trace.requests) got.emplace_back(r.t_ms, r.model);
+  const int64_t m = 480 * 60000;
+  EXPECT_EQ(got, (std::vector<std::pair<int64_t, uint32_t>>{
+                     {m + 10000, 0}, {m + 30000, 0}, {m + 30000, 1},
+                     {m + 50000, 0}, {m + 60000 + 30000, 1}}));
+}
+
+TEST(AzureTrace, BadInputNamesTheFileAndLine) {
+  TempFile wrong_header("Owner,App,Function,Trigger,480\n");
+  EXPECT_THROW(ReadAzureFunctionsTrace(wrong_header.path(), 0, nullptr, 1), TraceError);
+  TempFile negative("HashOwner,HashApp,HashFunction,Trigger,480\no,a,f,http,-2\n");
+  try {
+    ReadAzureFunctionsTrace(negative.path(), 0, nullptr, 1);
+    FAIL();
+  } catch (const TraceError& e) {
+    EXPECT_THAT(e.what(), HasSubstr(negative.path() + ":2: negative invocation count"));
+  }
+}
+
+// An independent byte-capacity LRU, the reference for --policy lru.
+struct ReferenceLru {
+  uint64_t hits = 0, misses = 0, too_large = 0, evictions = 0, bytes_loaded = 0;
+  void Run(const Trace& trace, uint64_t capacity) {
+    std::list<uint32_t> order;  // front = most recent
+    std::unordered_map<uint32_t, std::list<uint32_t>::iterator> where;
+    uint64_t used = 0;
+    for (const Request& r : trace.requests) {
+      const uint64_t size = trace.sizes[r.model];
+      auto it = where.find(r.model);
+      if (it != where.end()) {
+        ++hits;
+        order.splice(order.begin(), order, it->second);
+        continue;
+      }
+      ++misses;
+      if (size > capacity) {
+        ++too_large;
+        continue;
+      }
+      while (used + size > capacity) {
+        used -= trace.sizes[order.back()];
+        where.erase(order.back());
+        order.pop_back();
+        ++evictions;
+      }
+      order.push_front(r.model);
+      where[r.model] = order.begin();
+      used += size;
+      bytes_loaded += size;
+    }
+  }
+};
+
+Trace RandomTrace(uint64_t seed, uint32_t models, size_t requests, bool equal_sizes) {
+  std::mt19937_64 rng(seed);
+  Trace trace;
+  for (uint32_t m = 0; m < models; ++m) {
+    trace.models.push_back("m" + std::to_string(m));
+    trace.sizes.push_back(equal_sizes ? 10 : 1 + rng() % 100);
+  }
+  std::vector<double> weights;
+  for (uint32_t m = 0; m < models; ++m) weights.push_back(1.0 / (1 + m));
+  std::discrete_distribution<uint32_t> pick(weights.begin(), weights.end());
+  for (size_t i = 0; i < requests; ++i) {
+    trace.requests.push_back(Request{static_cast<int64_t>(i), pick(rng)});
+  }
+  return trace;
+}
+
+TEST(Replay, LruIsExactlyByteCapacityLru) {
+  for (uint64_t seed = 1; seed <= 5; ++seed) {
+    Trace trace = RandomTrace(seed, 40, 20000, /*equal_sizes=*/false);
+    for (uint64_t capacity : {50u, 300u, 1000u}) {
+      ReferenceLru reference;
+      reference.Run(trace, capacity);
+      RunResult result = Replay(trace, "lru", capacity);
+      EXPECT_EQ(result.hits, reference.hits) << seed << " " << capacity;
+      EXPECT_EQ(result.misses, reference.misses);
+      EXPECT_EQ(result.too_large, reference.too_large);
+      EXPECT_EQ(result.evictions, reference.evictions);
+      EXPECT_EQ(result.bytes_loaded, reference.bytes_loaded);
+      EXPECT_LE(result.peak_resident_bytes, capacity);
+    }
+  }
+}
+
+TEST(Replay, BeladyIsOptimalForEqualSizes) {
+  for (uint64_t seed = 1; seed <= 3; ++seed) {
+    Trace trace = RandomTrace(seed, 30, 10000, /*equal_sizes=*/true);
+    RunResult belady = Replay(trace, "belady", 80);
+    EXPECT_TRUE(belady.offline);
+    for (const char* online : {"lru", "gdsf", "gdsf-uniform"}) {
+      EXPECT_GT(belady.hits, Replay(trace, online, 80).hits) << online;
+    }
+  }
+  // A hand-checked case: capacity for two, requests a b c a b.
+  Trace trace{{"a", "b", "c"}, {1, 1, 1}, {{0, 0}, {1, 1}, {2, 2}, {3, 0}, {4, 1}}};
+  EXPECT_EQ(Replay(trace, "belady", 2).hits, 1u);  // c evicts b, so a hits
+  EXPECT_EQ(Replay(trace, "lru", 2).hits, 0u);
+}
+
+TEST(Replay, HeldLeasesBlockEvictionForTheirServiceTime) {
+  // Capacity for one model; b arrives while a is still being served.
+  Trace trace{{"a", "b"}, {10, 10}, {{0, 0}, {5, 1}, {20, 1}}};
+  RunResult held = Replay(trace, "lru", 10, /*hold_ms=*/10);
+  EXPECT_EQ(held.blocked, 1u);  // b at t=5: a is held until t=10
+  EXPECT_EQ(held.misses, 3u);
+  RunResult unheld = Replay(trace, "lru", 10);
+  EXPECT_EQ(unheld.blocked, 0u);
+  EXPECT_EQ(unheld.hits, 1u);  // b at t=20
+}
+
+TEST(Replay, UnknownPolicyIsAClearError) {
+  Trace trace = RandomTrace(1, 3, 10, true);
+  try {
+    Replay(trace, "fifo", 10);
+    FAIL();
+  } catch (const std::invalid_argument& e) {
+    EXPECT_THAT(e.what(), HasSubstr("unknown policy 'fifo'"));
+  }
+}
+
+TEST(Replay, CostAwarePolicyLoadsFewerBytesThanLruOnTheSharedTrace) {
+  // The capacities the README shows.
+  Trace trace = ReadAzureFunctionsTrace(kAzureTrace, 0, nullptr, 42);
+  const std::vector<uint64_t> capacities = {ParseBytes("8GiB"), ParseBytes("16GiB"),
+                                            ParseBytes("32GiB"), ParseBytes("64GiB")};
+  auto results = ReplayAll(trace, {"lru", "gdsf"}, capacities, 0, 2);
+  for (size_t i = 0; i < capacities.size(); ++i) {
+    EXPECT_LT(results[capacities.size() + i].bytes_loaded, results[i].bytes_loaded)
+        << FormatBytes(capacities[i]);
+  }
+}
+
+TEST(Replay, JsonAndHtmlCarryEveryRun) {
+  Trace trace = RandomTrace(3, 20, 2000, false);
+  auto results = ReplayAll(trace, {"lru", "belady"}, {100, 400}, 0, 2);
+  auto doc = nlohmann::json::parse(ResultsJson(trace, results));
+  EXPECT_EQ(doc["requests"], 2000);
+  ASSERT_EQ(doc["results"].size(), 4u);
+  for (const char* key : {"policy", "capacity_bytes", "hits", "misses", "too_large",
+                          "bytes_loaded", "evictions", "hit_ratio", "byte_miss_ratio",
+                          "requests_per_second"}) {
+    EXPECT_TRUE(doc["results"][0].contains(key)) << key;
+  }
+  EXPECT_EQ(doc["results"][3]["policy"], "belady");
+  EXPECT_EQ(doc["results"][3]["offline"], true);
+  const std::string html = HtmlReport(trace, "t <&>", results);
+  EXPECT_THAT(html, HasSubstr("t &lt;&amp;&gt;"));
+  size_t svgs = 0;
+  for (size_t at = 0; (at = html.find("<svg", at)) != std::string::npos; ++at) ++svgs;
+  EXPECT_EQ(svgs, 3u);
+  // Self-contained: nothing fetched from anywhere.
+  EXPECT_EQ(html.find("src="), std::string::npos);
+  EXPECT_EQ(html.find("<script"), std::string::npos);
+  EXPECT_EQ(html.find("<link"), std::string::npos);
+}
+
+// ---- the command line ----
+
+struct Command {
+  int status;
+  std::string out, err;
+};
+
+Command RunCli(const std::string& args) {
+  TempFile out("", ".out"), err("", ".err");
+  const std::string command = std::string(MODELCACHE_CLI) + " " + args + " >" + out.path() +
+                              " 2>" + err.path();
+  const int raw = std::system(command.c_str());
+  auto slurp = [](const std::string& path) {
+    std::ifstream in(path);
+    return std::string(std::istreambuf_iterator<char>(in), {});
+  };
+  return Command{WIFEXITED(raw) ? WEXITSTATUS(raw) : -1, slurp(out.path()), slurp(err.path())};
+}
+
+TEST(ReplayCli, BadTraceExitsOneWithOneErrorLineAndNoOutput) {
+  TempFile unsorted("t_ms,model,size_bytes\n5,a,1\n3,a,1\n");
+  Command c = RunCli("replay " + unsorted.path() + " --capacity 1GiB");
+  EXPECT_EQ(c.status, 1);
+  EXPECT_EQ(c.out, "");
+  EXPECT_THAT(c.err, StartsWith("error: " + unsorted.path() + ":3: "));
+  EXPECT_EQ(std::count(c.err.begin(), c.err.end(), '\n'), 1);
+}
+
+TEST(ReplayCli, BadCapacityAndPolicyAreClearErrors) {
+  TempFile trace("t_ms,model,size_bytes\n1,a,10\n");
+  Command capacity = RunCli("replay " + trace.path() + " --capacity lots");
+  EXPECT_EQ(capacity.status, 1);
+  EXPECT_THAT(capacity.err, StartsWith("error: --capacity: not a byte size: 'lots'"));
+  Command policy = RunCli("replay " + trace.path() + " --policy fifo --capacity 1GiB");
+  EXPECT_EQ(policy.status, 1);
+  EXPECT_THAT(policy.err, StartsWith("error: unknown policy 'fifo'"));
+}
+
+TEST(ReplayCli, JsonOnTheSharedTrace) {
+  TempFile report("", ".html");
+  Command c = RunCli("replay " + kAzureTrace +
+                  " --format azure-functions --policy lru,gdsf --capacity 16GiB,32GiB --json"
+                  " --report " + report.path());
+  ASSERT_EQ(c.status, 0) << c.err;
+  auto doc = nlohmann::json::parse(c.out);
+  EXPECT_EQ(doc["requests"], 339657);
+  EXPECT_EQ(doc["results"].size(), 4u);
+  EXPECT_EQ(doc["results"][1]["capacity_bytes"], uint64_t{32} << 30);
+  std::ifstream html(report.path());
+  EXPECT_TRUE(html.good());
+}
+
+}  // namespace
+}  // namespace modelcache::replay

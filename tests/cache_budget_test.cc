@@ -65,7 +65,8 @@ TEST(CacheBudget, TwoCachesShareABudgetAndEvictFromEachOther) {
   ModelCache checkpoints(On(budget, "checkpoints"));
   ModelCache adapters(On(budget, "adapters"));
   auto loader = [&](const std::string& key) {
-    return SimpleLoader(key, 10, nullptr, [&, key] { unloaded.push_back(key); });
+    return SimpleLoader(key, 10, nullptr,
+                        [&, key] { unloaded.push_back(key); });
   };
   checkpoints.Prefetch("ckpt-1", 10, loader("ckpt-1"));
   adapters.Prefetch("lora-1", 10, loader("lora-1"));
@@ -89,8 +90,10 @@ TEST(CacheBudget, CacheDestroyedWithoutShutdownReturnsEveryByte) {
   int unloads = 0;
   {
     ModelCache dropped(On(budget, "dropped"));
-    dropped.Prefetch("a", 30, SimpleLoader("a", 30, nullptr, [&] { ++unloads; }));
-    dropped.Prefetch("b", 40, SimpleLoader("b", 40, nullptr, [&] { ++unloads; }));
+    dropped.Prefetch("a", 30,
+                     SimpleLoader("a", 30, nullptr, [&] { ++unloads; }));
+    dropped.Prefetch("b", 40,
+                     SimpleLoader("b", 40, nullptr, [&] { ++unloads; }));
     EXPECT_EQ(budget->used(), 80u);
   }
   EXPECT_EQ(unloads, 2);
@@ -131,7 +134,13 @@ TEST(CacheBudget, WaitForCapacityTimesOutWithBooksUnchanged) {
   wait.deadline = Clock::now();
   int calls = 0;
   try {
-    cache.Acquire("c", 10, [&] { ++calls; return Loaded{}; }, wait);
+    cache.Acquire(
+        "c", 10,
+        [&] {
+          ++calls;
+          return Loaded{};
+        },
+        wait);
     FAIL() << "expected a timeout";
   } catch (const Error& e) {
     EXPECT_EQ(e.code(), ErrorCode::kTimeout);
@@ -167,7 +176,10 @@ TEST(CacheBudget, ModelLargerThanTheBudgetIsRefusedBeforeLoading) {
   ModelCache cache(On(budget, "models"));
   int calls = 0;
   try {
-    cache.Acquire("huge", 31, [&] { ++calls; return Loaded{}; });
+    cache.Acquire("huge", 31, [&] {
+      ++calls;
+      return Loaded{};
+    });
     FAIL() << "expected kTooLarge";
   } catch (const Error& e) {
     EXPECT_EQ(e.code(), ErrorCode::kTooLarge);

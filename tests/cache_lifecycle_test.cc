@@ -99,7 +99,8 @@ TEST(CacheLifecycle, TimedOutWaiterDoesNotRetireTheActiveLoad) {
   EXPECT_EQ(calls.load(), 1);
 }
 
-TEST(CacheLifecycle, FailedLoadWithSeveralWaitersDeliversOneErrorAndNoSecondConstruction) {
+TEST(CacheLifecycle,
+     FailedLoadWithSeveralWaitersDeliversOneErrorAndNoSecondConstruction) {
   ModelCache cache(Options(1000));
   ConstructionCounter constructions;
   Gate release_load;
@@ -147,7 +148,8 @@ TEST(CacheLifecycle, FailuresAreNotCachedAndTheNextAcquireLoadsAgain) {
   int attempts = 0;
   auto flaky = [&]() -> Loaded {
     if (++attempts == 1) throw std::runtime_error("transient");
-    return Loaded{std::make_shared<FakeModel>(FakeModel{"x", attempts}), 10, {}};
+    return Loaded{
+        std::make_shared<FakeModel>(FakeModel{"x", attempts}), 10, {}};
   };
   EXPECT_THROW(cache.Acquire("x", 10, flaky), std::runtime_error);
   EXPECT_FALSE(cache.Entry("x").has_value());
@@ -199,9 +201,11 @@ TEST(CacheLifecycle, AliasesShareOneLifecycle) {
     constructions.Enter();
     release_load.Pass();
     constructions.Leave();
-    return Loaded{std::make_shared<FakeModel>(FakeModel{"model-v2", 1}), 10, {}};
+    return Loaded{
+        std::make_shared<FakeModel>(FakeModel{"model-v2", 1}), 10, {}};
   };
-  std::thread by_key([&] { EXPECT_TRUE(cache.Acquire("model-v2", 10, loader)); });
+  std::thread by_key(
+      [&] { EXPECT_TRUE(cache.Acquire("model-v2", 10, loader)); });
   WaitUntil([&] { return cache.Entry("model-v2").has_value(); }, "load starts");
   std::thread by_alias([&] {
     Lease lease = cache.Acquire("latest", 10, loader);
@@ -243,7 +247,8 @@ TEST(CacheLifecycle, LoadsOfDifferentKeysRunInParallel) {
 // Seed 002's interleaving: remove(X) is mid-mutation when a waiter and then a
 // newcomer ask for X. Neither may start a second construction beside the
 // first, and neither may return before the removal has finished.
-TEST(CacheLifecycle, RemoveWaiterNewcomerInterleavingConstructsOnceAfterRemoval) {
+TEST(CacheLifecycle,
+     RemoveWaiterNewcomerInterleavingConstructsOnceAfterRemoval) {
   ModelCache cache(Options(1000));
   Gate unload_may_finish;
   std::atomic<bool> unload_finished{false};
@@ -255,16 +260,14 @@ TEST(CacheLifecycle, RemoveWaiterNewcomerInterleavingConstructsOnceAfterRemoval)
     return Loaded{std::make_shared<FakeModel>(FakeModel{"x", 2}), 10, {}};
   };
   cache.Prefetch("x", 10, [&] {
-    return Loaded{std::make_shared<FakeModel>(FakeModel{"x", 1}), 10,
-                  [&] {
+    return Loaded{std::make_shared<FakeModel>(FakeModel{"x", 1}), 10, [&] {
                     unload_may_finish.Pass();
                     unload_finished.store(true);
                   }};
   });
 
-  std::thread remover([&] {
-    EXPECT_EQ(cache.Remove("x"), RemoveOutcome::kRemoved);
-  });
+  std::thread remover(
+      [&] { EXPECT_EQ(cache.Remove("x"), RemoveOutcome::kRemoved); });
   WaitUntil([&] { return cache.Entry("x")->state == EntryState::kUnloading; },
             "removal is unloading");
   std::atomic<int> returned{0};
@@ -344,7 +347,8 @@ TEST(CacheLifecycle, FailedEvictionRestoresSkippedPinnedEntriesInOrder) {
   EXPECT_EQ(cache.CheckInvariants(), cache.budget().used());
 }
 
-TEST(CacheLifecycle, VictimAcquiredDuringItsOwnEvictionIsReloadedWithConsistentBooks) {
+TEST(CacheLifecycle,
+     VictimAcquiredDuringItsOwnEvictionIsReloadedWithConsistentBooks) {
   ModelCache cache(Options(20, /*shard_bits=*/0));
   Gate unload_may_finish;
   std::atomic<bool> evicting{false};
@@ -421,8 +425,8 @@ TEST(CacheLifecycle, InvalidateDuringLoadServesItsWaitersThenReloads) {
     first.set_value(cache.Acquire("x", 10, [&] {
       int generation = calls.fetch_add(1) + 1;
       release_load.Pass();
-      return Loaded{std::make_shared<FakeModel>(FakeModel{"x", generation}), 10,
-                    {}};
+      return Loaded{
+          std::make_shared<FakeModel>(FakeModel{"x", generation}), 10, {}};
     }));
   });
   WaitUntil([&] { return cache.Entry("x").has_value(); }, "load starts");

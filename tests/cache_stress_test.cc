@@ -68,7 +68,8 @@ Loader MakeLoader(Shared* shared, int cache_index, int k) {
                     if (raw->users.load() != 0) {
                       shared->unloaded_while_used.fetch_add(1);
                     }
-                    if (Chance(10)) throw std::runtime_error("injected unload failure");
+                    if (Chance(10))
+                      throw std::runtime_error("injected unload failure");
                   }};
   };
 }
@@ -142,8 +143,9 @@ TEST_P(CacheStress, MixedOperationsKeepTheInvariants) {
               const int target = pick(4) == 0 ? k % 4 : k;
               const std::string name =
                   target == k ? key : "alias-" + std::to_string(target);
-              Lease lease = cache.Acquire(name, SizeOf(target),
-                                          MakeLoader(&shared, cache_index, target), acquire);
+              Lease lease = cache.Acquire(
+                  name, SizeOf(target),
+                  MakeLoader(&shared, cache_index, target), acquire);
               auto* model = lease.get<StressModel>();
               model->users.fetch_add(1);
               held.emplace_back(std::move(lease), model);
@@ -163,7 +165,8 @@ TEST_P(CacheStress, MixedOperationsKeepTheInvariants) {
               cache.Remove(key, Clock::now() + std::chrono::milliseconds(20));
               break;
             case 5:
-              cache.Invalidate(key, Clock::now() + std::chrono::milliseconds(20));
+              cache.Invalidate(key,
+                               Clock::now() + std::chrono::milliseconds(20));
               break;
             case 6:
               if (pick(2) == 0) {
@@ -182,7 +185,8 @@ TEST_P(CacheStress, MixedOperationsKeepTheInvariants) {
               cache.SetCapacity(pick(2) == 0 ? kCapacity : kCapacity / 2);
               break;
             case 9:
-              cache.Prefetch(key, SizeOf(k), MakeLoader(&shared, cache_index, k));
+              cache.Prefetch(key, SizeOf(k),
+                             MakeLoader(&shared, cache_index, k));
               break;
             case 10:
               if (auto lease = cache.Lookup(key)) {

@@ -1,6 +1,8 @@
 // modelcache replay: trace formats, their errors, and the replay semantics
 // (exact LRU, Belady's optimality on equal sizes, held leases), plus the
 // command line's contract on bad input.
+#include "modelcache/tools/replay.h"
+
 #include <sys/wait.h>
 
 #include <algorithm>
@@ -13,7 +15,6 @@
 
 #include "gmock/gmock.h"
 #include "gtest/gtest.h"
-#include "modelcache/tools/replay.h"
 #include "nlohmann/json.hpp"
 
 namespace modelcache::replay {
@@ -22,12 +23,13 @@ namespace {
 using ::testing::HasSubstr;
 using ::testing::StartsWith;
 
-const std::string kAzureTrace =
-    std::string(MODELCACHE_SHARED_DATA) + "/traces/azure-functions-2019-100fn.csv";
+const std::string kAzureTrace = std::string(MODELCACHE_SHARED_DATA) +
+                                "/traces/azure-functions-2019-100fn.csv";
 
 class TempFile {
  public:
-  explicit TempFile(const std::string& contents, const std::string& suffix = ".csv") {
+  explicit TempFile(const std::string& contents,
+                    const std::string& suffix = ".csv") {
     static int counter = 0;
     path_ = (std::filesystem::temp_directory_path() /
              ("modelcache_replay_test_" + std::to_string(::getpid()) + "_" +
@@ -42,7 +44,8 @@ class TempFile {
   std::string path_;
 };
 
-std::string TraceErrorOf(const std::string& contents, const SizeTable* sizes = nullptr) {
+std::string TraceErrorOf(const std::string& contents,
+                         const SizeTable* sizes = nullptr) {
   TempFile file(contents);
   try {
     ReadCsvTrace(file.path(), sizes);
@@ -91,7 +94,8 @@ TEST(CsvTrace, SizesMayComeFromASizesFile) {
 }
 
 TEST(CsvTrace, BadInputNamesTheFileAndLine) {
-  EXPECT_THAT(TraceErrorOf("time,model\n1,a\n"), HasSubstr(":1: the header must name"));
+  EXPECT_THAT(TraceErrorOf("time,model\n1,a\n"),
+              HasSubstr(":1: the header must name"));
   EXPECT_THAT(TraceErrorOf("t_ms,name\n1,a\n"), HasSubstr("(no 'model')"));
   EXPECT_THAT(TraceErrorOf("t_ms,model\n1,a\n2,b\n"),
               HasSubstr(":2: model 'a' has no size"));
@@ -103,15 +107,17 @@ TEST(CsvTrace, BadInputNamesTheFileAndLine) {
               HasSubstr(":2: t_ms 'soon' is not a number"));
   EXPECT_THAT(TraceErrorOf("t_ms,model,size_bytes\n1,a,10\n2,a,11\n"),
               HasSubstr(":3: model 'a' has size_bytes 11 here but 10 earlier"));
-  EXPECT_THAT(TraceErrorOf("t_ms,model,size_bytes\n1\n"), HasSubstr(":2: expected at least 3 fields"));
+  EXPECT_THAT(TraceErrorOf("t_ms,model,size_bytes\n1\n"),
+              HasSubstr(":2: expected at least 3 fields"));
   EXPECT_THAT(TraceErrorOf(""), HasSubstr(":1: empty file"));
 }
 
 TEST(AzureTrace, MapsTheRealTraceAsSpecified) {
   Trace trace = ReadAzureFunctionsTrace(kAzureTrace, 0, nullptr, 42);
   EXPECT_EQ(trace.requests.size(), 339657u);  // the data README's total
-  EXPECT_TRUE(std::is_sorted(trace.requests.begin(), trace.requests.end(),
-                             [](const Request& a, const Request& b) { return a.t_ms < b.t_ms; }));
+  EXPECT_TRUE(std::is_sorted(
+      trace.requests.begin(), trace.requests.end(),
+      [](const Request& a, const Request& b) { return a.t_ms < b.t_ms; }));
   EXPECT_GE(trace.requests.front().t_ms, 480 * 60000);
   EXPECT_LT(trace.requests.back().t_ms, 960 * 60000);
   // Fewer models folds functions onto them.
@@ -134,20 +140,26 @@ TEST(AzureTrace, SpreadsEachMinutesCountEvenlyAndDropsSilentFunctions) {
   std::vector<std::pair<int64_t, uint32_t>> got;
   for (const Request& r : trace.requests) got.emplace_back(r.t_ms, r.model);
   const int64_t m = 480 * 60000;
-  EXPECT_EQ(got, (std::vector<std::pair<int64_t, uint32_t>>{
-                     {m + 10000, 0}, {m + 30000, 0}, {m + 30000, 1},
-                     {m + 50000, 0}, {m + 60000 + 30000, 1}}));
+  EXPECT_EQ(
+      got, (std::vector<std::pair<int64_t, uint32_t>>{{m + 10000, 0},
+                                                      {m + 30000, 0},
+                                                      {m + 30000, 1},
+                                                      {m + 50000, 0},
+                                                      {m + 60000 + 30000, 1}}));
 }
 
 TEST(AzureTrace, BadInputNamesTheFileAndLine) {
   TempFile wrong_header("Owner,App,Function,Trigger,480\n");
-  EXPECT_THROW(ReadAzureFunctionsTrace(wrong_header.path(), 0, nullptr, 1), TraceError);
-  TempFile negative("HashOwner,HashApp,HashFunction,Trigger,480\no,a,f,http,-2\n");
+  EXPECT_THROW(ReadAzureFunctionsTrace(wrong_header.path(), 0, nullptr, 1),
+               TraceError);
+  TempFile negative(
+      "HashOwner,HashApp,HashFunction,Trigger,480\no,a,f,http,-2\n");
   try {
     ReadAzureFunctionsTrace(negative.path(), 0, nullptr, 1);
     FAIL();
   } catch (const TraceError& e) {
-    EXPECT_THAT(e.what(), HasSubstr(negative.path() + ":2: negative invocation count"));
+    EXPECT_THAT(e.what(),
+                HasSubstr(negative.path() + ":2: negative invocation count"));
   }
 }
 
@@ -185,7 +197,8 @@ struct ReferenceLru {
   }
 };
 
-Trace RandomTrace(uint64_t seed, uint32_t models, size_t requests, bool equal_sizes) {
+Trace RandomTrace(uint64_t seed, uint32_t models, size_t requests,
+                  bool equal_sizes) {
   std::mt19937_64 rng(seed);
   Trace trace;
   for (uint32_t m = 0; m < models; ++m) {
@@ -228,7 +241,8 @@ TEST(Replay, BeladyIsOptimalForEqualSizes) {
     }
   }
   // A hand-checked case: capacity for two, requests a b c a b.
-  Trace trace{{"a", "b", "c"}, {1, 1, 1}, {{0, 0}, {1, 1}, {2, 2}, {3, 0}, {4, 1}}};
+  Trace trace{
+      {"a", "b", "c"}, {1, 1, 1}, {{0, 0}, {1, 1}, {2, 2}, {3, 0}, {4, 1}}};
   EXPECT_EQ(Replay(trace, "belady", 2).hits, 1u);  // c evicts b, so a hits
   EXPECT_EQ(Replay(trace, "lru", 2).hits, 0u);
 }
@@ -257,11 +271,13 @@ TEST(Replay, UnknownPolicyIsAClearError) {
 TEST(Replay, CostAwarePolicyLoadsFewerBytesThanLruOnTheSharedTrace) {
   // The capacities the README shows.
   Trace trace = ReadAzureFunctionsTrace(kAzureTrace, 0, nullptr, 42);
-  const std::vector<uint64_t> capacities = {ParseBytes("8GiB"), ParseBytes("16GiB"),
-                                            ParseBytes("32GiB"), ParseBytes("64GiB")};
+  const std::vector<uint64_t> capacities = {
+      ParseBytes("8GiB"), ParseBytes("16GiB"), ParseBytes("32GiB"),
+      ParseBytes("64GiB")};
   auto results = ReplayAll(trace, {"lru", "gdsf"}, capacities, 0, 2);
   for (size_t i = 0; i < capacities.size(); ++i) {
-    EXPECT_LT(results[capacities.size() + i].bytes_loaded, results[i].bytes_loaded)
+    EXPECT_LT(results[capacities.size() + i].bytes_loaded,
+              results[i].bytes_loaded)
         << FormatBytes(capacities[i]);
   }
 }
@@ -272,9 +288,9 @@ TEST(Replay, JsonAndHtmlCarryEveryRun) {
   auto doc = nlohmann::json::parse(ResultsJson(trace, results));
   EXPECT_EQ(doc["requests"], 2000);
   ASSERT_EQ(doc["results"].size(), 4u);
-  for (const char* key : {"policy", "capacity_bytes", "hits", "misses", "too_large",
-                          "bytes_loaded", "evictions", "hit_ratio", "byte_miss_ratio",
-                          "requests_per_second"}) {
+  for (const char* key : {"policy", "capacity_bytes", "hits", "misses",
+                          "too_large", "bytes_loaded", "evictions", "hit_ratio",
+                          "byte_miss_ratio", "requests_per_second"}) {
     EXPECT_TRUE(doc["results"][0].contains(key)) << key;
   }
   EXPECT_EQ(doc["results"][3]["policy"], "belady");
@@ -282,7 +298,8 @@ TEST(Replay, JsonAndHtmlCarryEveryRun) {
   const std::string html = HtmlReport(trace, "t <&>", results);
   EXPECT_THAT(html, HasSubstr("t &lt;&amp;&gt;"));
   size_t svgs = 0;
-  for (size_t at = 0; (at = html.find("<svg", at)) != std::string::npos; ++at) ++svgs;
+  for (size_t at = 0; (at = html.find("<svg", at)) != std::string::npos; ++at)
+    ++svgs;
   EXPECT_EQ(svgs, 3u);
   // Self-contained: nothing fetched from anywhere.
   EXPECT_EQ(html.find("src="), std::string::npos);
@@ -299,14 +316,15 @@ struct Command {
 
 Command RunCli(const std::string& args) {
   TempFile out("", ".out"), err("", ".err");
-  const std::string command = std::string(MODELCACHE_CLI) + " " + args + " >" + out.path() +
-                              " 2>" + err.path();
+  const std::string command = std::string(MODELCACHE_CLI) + " " + args + " >" +
+                              out.path() + " 2>" + err.path();
   const int raw = std::system(command.c_str());
   auto slurp = [](const std::string& path) {
     std::ifstream in(path);
     return std::string(std::istreambuf_iterator<char>(in), {});
   };
-  return Command{WIFEXITED(raw) ? WEXITSTATUS(raw) : -1, slurp(out.path()), slurp(err.path())};
+  return Command{WIFEXITED(raw) ? WEXITSTATUS(raw) : -1, slurp(out.path()),
+                 slurp(err.path())};
 }
 
 TEST(ReplayCli, BadTraceExitsOneWithOneErrorLineAndNoOutput) {
@@ -322,8 +340,10 @@ TEST(ReplayCli, BadCapacityAndPolicyAreClearErrors) {
   TempFile trace("t_ms,model,size_bytes\n1,a,10\n");
   Command capacity = RunCli("replay " + trace.path() + " --capacity lots");
   EXPECT_EQ(capacity.status, 1);
-  EXPECT_THAT(capacity.err, StartsWith("error: --capacity: not a byte size: 'lots'"));
-  Command policy = RunCli("replay " + trace.path() + " --policy fifo --capacity 1GiB");
+  EXPECT_THAT(capacity.err,
+              StartsWith("error: --capacity: not a byte size: 'lots'"));
+  Command policy =
+      RunCli("replay " + trace.path() + " --policy fifo --capacity 1GiB");
   EXPECT_EQ(policy.status, 1);
   EXPECT_THAT(policy.err, StartsWith("error: unknown policy 'fifo'"));
 }
@@ -331,8 +351,10 @@ TEST(ReplayCli, BadCapacityAndPolicyAreClearErrors) {
 TEST(ReplayCli, JsonOnTheSharedTrace) {
   TempFile report("", ".html");
   Command c = RunCli("replay " + kAzureTrace +
-                  " --format azure-functions --policy lru,gdsf --capacity 16GiB,32GiB --json"
-                  " --report " + report.path());
+                     " --format azure-functions --policy lru,gdsf --capacity "
+                     "16GiB,32GiB --json"
+                     " --report " +
+                     report.path());
   ASSERT_EQ(c.status, 0) << c.err;
   auto doc = nlohmann::json::parse(c.out);
   EXPECT_EQ(doc["requests"], 339657);

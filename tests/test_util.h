@@ -42,7 +42,8 @@ class Gate {
 // test can observe; the bound only turns a hang into a failure.
 inline void WaitUntil(const std::function<bool()>& condition,
                       const char* what) {
-  const auto give_up = std::chrono::steady_clock::now() + std::chrono::seconds(60);
+  const auto give_up =
+      std::chrono::steady_clock::now() + std::chrono::seconds(60);
   while (!condition()) {
     ASSERT_LT(std::chrono::steady_clock::now(), give_up) << "never: " << what;
     std::this_thread::yield();

@@ -56,8 +56,8 @@ Run Serve(const std::shared_ptr<const modelcache::EvictionPolicy>& policy,
               return modelcache::Loaded{std::make_shared<SimulatedModel>(model),
                                         model.bytes};
             },
-            {.deadline = std::chrono::steady_clock::now() +
-                         std::chrono::seconds(30),
+            {.deadline =
+                 std::chrono::steady_clock::now() + std::chrono::seconds(30),
              .when_full = modelcache::WhenFull::kWait});
         // "Inference": the lease keeps the model resident meanwhile.
         volatile uint64_t sink = lease.get<SimulatedModel>()->bytes;
@@ -66,9 +66,9 @@ Run Serve(const std::shared_ptr<const modelcache::EvictionPolicy>& policy,
     });
   }
   for (auto& w : workers) w.join();
-  const double seconds = std::chrono::duration<double>(
-                             std::chrono::steady_clock::now() - start)
-                             .count();
+  const double seconds =
+      std::chrono::duration<double>(std::chrono::steady_clock::now() - start)
+          .count();
   cache.CheckInvariants();
   return Run{cache.Stats(), loader_calls.load(), seconds};
 }
@@ -82,7 +82,7 @@ int main() {
   // A zoo like an image-generation server's: a few large checkpoints, many
   // medium models, and small adapters.
   for (int i = 0; i < 24; ++i) {
-    uint64_t bytes = i < 4 ? (1536 + 256 * i) * kMiB
+    uint64_t bytes = i < 4    ? (1536 + 256 * i) * kMiB
                      : i < 12 ? (256 + 64 * (i - 4)) * kMiB
                               : (16 + 8 * (i - 12)) * kMiB;
     zoo.push_back({"model-" + std::to_string(i), bytes});
@@ -103,7 +103,8 @@ int main() {
   constexpr int kThreads = 8, kRequestsPerThread = 250;
   std::vector<std::vector<int>> requests(kThreads);
   for (auto& mine : requests) {
-    for (int i = 0; i < kRequestsPerThread; ++i) mine.push_back(order[pick(rng)]);
+    for (int i = 0; i < kRequestsPerThread; ++i)
+      mine.push_back(order[pick(rng)]);
   }
 
   std::printf(
@@ -126,8 +127,9 @@ int main() {
                 static_cast<double>(s.high_water_bytes) / (1024.0 * kMiB),
                 run.seconds);
     if (run.loader_calls != s.loads) {
-      std::fprintf(stderr, "error: %" PRIu64 " loader calls for %" PRIu64
-                   " loads\n", run.loader_calls, s.loads);
+      std::fprintf(stderr,
+                   "error: %" PRIu64 " loader calls for %" PRIu64 " loads\n",
+                   run.loader_calls, s.loads);
       return 1;
     }
   }

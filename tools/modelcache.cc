@@ -45,7 +45,8 @@ class Progress {
   void Update(size_t done, size_t total) {
     if (!tty_ || Clock::now() - start_ < std::chrono::seconds(1)) return;
     constexpr int kWidth = 30;
-    const int filled = static_cast<int>(kWidth * done / std::max<size_t>(total, 1));
+    const int filled =
+        static_cast<int>(kWidth * done / std::max<size_t>(total, 1));
     std::fprintf(stderr, "\rreplaying [%s%s] %zu/%zu runs",
                  std::string(filled, '#').c_str(),
                  std::string(kWidth - filled, ' ').c_str(), done, total);
@@ -75,25 +76,28 @@ int RunReplay(ReplayFlags flags) {
   }
   if (embedded) {
     trace = replay::GenerateDefaultTrace(flags.seed);
-    if (flags.policies.empty()) flags.policies = {"lru", "gdsf", "gdsf-uniform", "belady"};
+    if (flags.policies.empty())
+      flags.policies = {"lru", "gdsf", "gdsf-uniform", "belady"};
     if (capacities.empty()) {
       for (const char* c : {"16GiB", "32GiB", "48GiB", "64GiB"}) {
         capacities.push_back(replay::ParseBytes(c));
       }
     }
     if (flags.report.empty()) {
-      flags.report =
-          (std::filesystem::temp_directory_path() / "modelcache-replay-report.html").string();
+      flags.report = (std::filesystem::temp_directory_path() /
+                      "modelcache-replay-report.html")
+                         .string();
     }
   } else {
     replay::SizeTable sizes;
     if (!flags.sizes.empty()) sizes = replay::ReadSizes(flags.sizes);
-    const replay::SizeTable* size_table = flags.sizes.empty() ? nullptr : &sizes;
+    const replay::SizeTable* size_table =
+        flags.sizes.empty() ? nullptr : &sizes;
     if (flags.format == "csv") {
       trace = replay::ReadCsvTrace(flags.trace, size_table);
     } else {
-      trace = replay::ReadAzureFunctionsTrace(flags.trace, flags.models, size_table,
-                                              flags.seed);
+      trace = replay::ReadAzureFunctionsTrace(flags.trace, flags.models,
+                                              size_table, flags.seed);
     }
     if (flags.policies.empty()) flags.policies = {"lru", "gdsf"};
     if (capacities.empty()) {
@@ -105,34 +109,42 @@ int RunReplay(ReplayFlags flags) {
   }
 
   const unsigned threads =
-      flags.threads ? flags.threads : std::max(1u, std::thread::hardware_concurrency());
+      flags.threads ? flags.threads
+                    : std::max(1u, std::thread::hardware_concurrency());
   std::vector<replay::RunResult> results;
   {
     Progress progress;
-    results = replay::ReplayAll(trace, flags.policies, capacities, flags.hold_ms, threads,
-                                [&](size_t done, size_t total) { progress.Update(done, total); });
+    results = replay::ReplayAll(
+        trace, flags.policies, capacities, flags.hold_ms, threads,
+        [&](size_t done, size_t total) { progress.Update(done, total); });
   }
 
   if (flags.json) {
     std::cout << replay::ResultsJson(trace, results);
   } else {
     if (embedded) {
-      std::cout << "modelcache replay: the embedded default (seed " << flags.seed
-                << "): a zoo of " << trace.models.size()
-                << " models sized like a real serving mix, and an eight-hour trace whose\n"
-                   "popular models drift from morning to afternoon. Each row replays "
-                   "every request through the real\ncache with one policy and one "
-                   "memory budget. Try: modelcache replay TRACE.csv --capacity 24GiB\n\n";
+      std::cout
+          << "modelcache replay: the embedded default (seed " << flags.seed
+          << "): a zoo of " << trace.models.size()
+          << " models sized like a real serving mix, and an eight-hour trace "
+             "whose\n"
+             "popular models drift from morning to afternoon. Each row replays "
+             "every request through the real\ncache with one policy and one "
+             "memory budget. Try: modelcache replay TRACE.csv --capacity "
+             "24GiB\n\n";
     }
     std::cout << replay::ResultsTable(trace, results);
   }
   if (!flags.report.empty()) {
-    const std::string title = embedded ? "modelcache replay: embedded default trace"
-                                       : "modelcache replay: " + flags.trace;
+    const std::string title = embedded
+                                  ? "modelcache replay: embedded default trace"
+                                  : "modelcache replay: " + flags.trace;
     std::ofstream out(flags.report);
     out << replay::HtmlReport(trace, title, results);
-    if (!out) throw std::runtime_error("cannot write the report to " + flags.report);
-    (flags.json ? std::cerr : std::cout) << "\nreport: " << flags.report << "\n";
+    if (!out)
+      throw std::runtime_error("cannot write the report to " + flags.report);
+    (flags.json ? std::cerr : std::cout)
+        << "\nreport: " << flags.report << "\n";
   }
   return 0;
 }
@@ -145,25 +157,33 @@ int main(int argc, char** argv) {
 
   ReplayFlags replay_flags;
   CLI::App* replay_cmd = app.add_subcommand(
-      "replay", "Replay a request trace through the cache under one or more budgets");
+      "replay",
+      "Replay a request trace through the cache under one or more budgets");
   replay_cmd->add_option("trace", replay_flags.trace,
                          "Trace file; without one, an embedded default runs");
   replay_cmd->add_option("--format", replay_flags.format, "Trace format")
       ->check(CLI::IsMember({"csv", "azure-functions"}));
-  replay_cmd->add_option("--sizes", replay_flags.sizes, "CSV of model,size_bytes");
+  replay_cmd->add_option("--sizes", replay_flags.sizes,
+                         "CSV of model,size_bytes");
   replay_cmd->add_option("--models", replay_flags.models,
                          "azure-functions: map function i to model i % N");
-  replay_cmd->add_option("--policy", replay_flags.policies,
-                         "Policies: lru, gdsf, gdsf-time, gdsf-uniform, belady (offline)")
+  replay_cmd
+      ->add_option(
+          "--policy", replay_flags.policies,
+          "Policies: lru, gdsf, gdsf-time, gdsf-uniform, belady (offline)")
       ->delimiter(',');
-  replay_cmd->add_option("--capacity", replay_flags.capacities,
-                         "Capacities, e.g. 16GiB,32GiB")
+  replay_cmd
+      ->add_option("--capacity", replay_flags.capacities,
+                   "Capacities, e.g. 16GiB,32GiB")
       ->delimiter(',');
-  replay_cmd->add_option("--hold-ms", replay_flags.hold_ms,
-                         "Keep each lease this long in trace time")
+  replay_cmd
+      ->add_option("--hold-ms", replay_flags.hold_ms,
+                   "Keep each lease this long in trace time")
       ->check(CLI::NonNegativeNumber);
-  replay_cmd->add_flag("--json", replay_flags.json, "Print JSON instead of a table");
-  replay_cmd->add_option("--report", replay_flags.report, "Write an HTML report here");
+  replay_cmd->add_flag("--json", replay_flags.json,
+                       "Print JSON instead of a table");
+  replay_cmd->add_option("--report", replay_flags.report,
+                         "Write an HTML report here");
   replay_cmd->add_option("--seed", replay_flags.seed,
                          "Seed for generated sizes and the embedded trace");
   replay_cmd->add_option("--threads", replay_flags.threads,

@@ -33,9 +33,10 @@ Budget::Budget(uint64_t capacity_bytes, std::string name)
 
 Budget::~Budget() {
   MutexLock lock(&mu_);
-  assert(std::none_of(members_.begin(), members_.end(),
-                      [](const MemberSlot& m) { return !m.member.expired(); }) &&
-         "a cache still uses this budget");
+  assert(
+      std::none_of(members_.begin(), members_.end(),
+                   [](const MemberSlot& m) { return !m.member.expired(); }) &&
+      "a cache still uses this budget");
 }
 
 uint64_t Budget::capacity() const {
@@ -172,10 +173,10 @@ void Budget::Reserve(uint64_t bytes, WhenFull when_full,
     }
     if (timed_out) {
       leave();
-      throw Error(ErrorCode::kTimeout,
-                  "timed out waiting for " + FormatBytes(bytes) +
-                      " in budget '" + name_ + "'; held by: " +
-                      HoldersMessage());
+      throw Error(ErrorCode::kTimeout, "timed out waiting for " +
+                                           FormatBytes(bytes) + " in budget '" +
+                                           name_ +
+                                           "'; held by: " + HoldersMessage());
     }
   }
 }

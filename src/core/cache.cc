@@ -53,6 +53,8 @@
 // evicts. The budget's mutex may be taken under a shard mutex (it is a leaf).
 #include "modelcache/core/cache.h"
 
+#include <time.h>
+
 #include <algorithm>
 #include <atomic>
 #include <cassert>
@@ -60,7 +62,6 @@
 #include <cstdlib>
 #include <future>
 #include <set>
-#include <time.h>
 #include <unordered_map>
 #include <utility>
 
@@ -79,8 +80,8 @@ std::atomic<uint64_t> next_record_id{1};
   std::abort();
 }
 
-#define MC_CHECK(cond, what, key) \
-  do {                            \
+#define MC_CHECK(cond, what, key)            \
+  do {                                       \
     if (!(cond)) InvariantFailed(what, key); \
   } while (0)
 
@@ -151,9 +152,9 @@ struct Record {
   bool stale = false;          // invalidated while loading
   bool unload_failed = false;  // retired record whose unloader threw
   bool in_order = false;
-  uint64_t bytes = 0;     // reserved while loading, resident size after
+  uint64_t bytes = 0;  // reserved while loading, resident size after
   int leases = 0;
-  int waiters = 0;        // acquires waiting for this record's load
+  int waiters = 0;         // acquires waiting for this record's load
   int unload_waiters = 0;  // callers waiting for its unload to finish
   std::shared_ptr<void> value;
   std::function<void()> unload;
@@ -196,8 +197,7 @@ struct Slot {
 
 struct ShardCounters {
   uint64_t hits = 0, misses = 0, refused = 0, loads = 0, load_failures = 0,
-           evictions = 0,
-           expirations = 0, failed_unloads = 0, removals = 0,
+           evictions = 0, expirations = 0, failed_unloads = 0, removals = 0,
            bytes_loaded = 0;
   double load_seconds = 0;
 };
@@ -205,8 +205,7 @@ struct ShardCounters {
 struct alignas(64) Shard {
   Mutex mu;
   CondVar changed;  // a record of this shard changed state
-  std::unordered_map<std::string, Slot, KeyHash, KeyEqual> map
-      GUARDED_BY(mu);
+  std::unordered_map<std::string, Slot, KeyHash, KeyEqual> map GUARDED_BY(mu);
   std::set<OrderKey> order GUARDED_BY(mu);
   std::unordered_map<Record*, std::shared_ptr<Record>> retired GUARDED_BY(mu);
   uint64_t seq GUARDED_BY(mu) = 0;
@@ -251,7 +250,9 @@ class CacheCore final : public BudgetMember,
   Shard& ShardFor(std::string_view key) {
     return shards_[ShardIndex(std::hash<std::string_view>{}(key))];
   }
-  Shard& ShardFor(const HashedKey& key) { return shards_[ShardIndex(key.hash)]; }
+  Shard& ShardFor(const HashedKey& key) {
+    return shards_[ShardIndex(key.hash)];
+  }
   // High bits pick the shard; the map's buckets use the low ones.
   size_t ShardIndex(size_t hash) const { return (hash >> 40) & shard_mask_; }
   Lease MakeLease(Record* record) { return Lease(this, record); }
@@ -266,8 +267,7 @@ class CacheCore final : public BudgetMember,
     return r.state == RecordState::kResident && !r.retired && r.leases == 0 &&
            !r.pinned;
   }
-  void TouchLocked(Shard& shard, Record* r, double hint = 0)
-      REQUIRES(shard.mu);
+  void TouchLocked(Shard& shard, Record* r, double hint = 0) REQUIRES(shard.mu);
   void InsertOrderLocked(Shard& shard, Record* r) REQUIRES(shard.mu);
   void EraseOrderLocked(Shard& shard, Record* r) REQUIRES(shard.mu);
   void RetireLocked(Shard& shard, const std::shared_ptr<Record>& r)
@@ -292,7 +292,8 @@ class CacheCore final : public BudgetMember,
   void FreeRetired(Shard& shard, const std::shared_ptr<Record>& rec);
   // Evicts `rec` if it is still evictable (and, for expiry, still idle).
   EvictOutcome EvictIfEvictable(const std::shared_ptr<Record>& rec,
-                                EventType reason, Clock::time_point idle_before);
+                                EventType reason,
+                                Clock::time_point idle_before);
 
   void Emit(CacheEvent event) {
     if (options_.on_event) options_.on_event(event);
@@ -382,8 +383,9 @@ Lease CacheCore::Acquire(std::string_view key, uint64_t expected_bytes,
       MutexLock lock(&shard.mu);
       auto it = shard.map.find(hashed);
       if (it == shard.map.end()) {
-        owned = std::make_shared<Record>(std::string(key), next_record_id++,
-                                         static_cast<uint32_t>(&shard - shards_.get()));
+        owned = std::make_shared<Record>(
+            std::string(key), next_record_id++,
+            static_cast<uint32_t>(&shard - shards_.get()));
         shard.map.emplace(owned->key, Slot{owned, {}});
         ++shard.counters.misses;
       } else if (!it->second.record) {
@@ -416,9 +418,9 @@ Lease CacheCore::Acquire(std::string_view key, uint64_t expected_bytes,
               if (!shard.changed.WaitUntil(&shard.mu, options.deadline) &&
                   rec->state == RecordState::kUnloading) {
                 --rec->unload_waiters;
-                throw Error(ErrorCode::kTimeout,
-                            "timed out waiting for the unload of '" +
-                                rec->key + "'");
+                throw Error(
+                    ErrorCode::kTimeout,
+                    "timed out waiting for the unload of '" + rec->key + "'");
               }
             }
             --rec->unload_waiters;
@@ -887,9 +889,9 @@ void CacheCore::AddAlias(std::string_view alias, std::string_view canonical) {
     MutexLock lock(&shard.mu);
     auto it = shard.map.find(canonical);
     if (it != shard.map.end() && !it->second.record) {
-      throw Error(ErrorCode::kInvalidArgument,
-                  "'" + std::string(canonical) + "' is itself an alias of '" +
-                      it->second.alias_of + "'");
+      throw Error(ErrorCode::kInvalidArgument, "'" + std::string(canonical) +
+                                                   "' is itself an alias of '" +
+                                                   it->second.alias_of + "'");
     }
   }
   Shard& shard = ShardFor(alias);
@@ -901,7 +903,8 @@ void CacheCore::AddAlias(std::string_view alias, std::string_view canonical) {
                     "': a model is loaded under that key");
   }
   if (it == shard.map.end()) {
-    shard.map.emplace(std::string(alias), Slot{nullptr, std::string(canonical)});
+    shard.map.emplace(std::string(alias),
+                      Slot{nullptr, std::string(canonical)});
   } else {
     it->second.alias_of = std::string(canonical);
   }
@@ -953,7 +956,8 @@ size_t CacheCore::Prune() {
     Shard& shard = shards_[i];
     MutexLock lock(&shard.mu);
     for (const auto& [key, slot] : shard.map) {
-      if (slot.record && Evictable(*slot.record)) victims.push_back(slot.record);
+      if (slot.record && Evictable(*slot.record))
+        victims.push_back(slot.record);
     }
     for (const auto& [ptr, rec] : shard.retired) {
       if (rec->unload_failed && rec->leases == 0 &&
@@ -1018,9 +1022,9 @@ EntryInfo InfoOf(const Record& r) {
   } else if (r.state == RecordState::kUnloading) {
     state = EntryState::kUnloading;
   }
-  return EntryInfo{r.key,    state,    r.bytes,      r.leases,
-                   r.waiters + r.unload_waiters, r.pinned, r.accesses,
-                   r.last_use};
+  return EntryInfo{
+      r.key,    state,      r.bytes,   r.leases, r.waiters + r.unload_waiters,
+      r.pinned, r.accesses, r.last_use};
 }
 }  // namespace
 
@@ -1032,10 +1036,12 @@ std::vector<EntryInfo> CacheCore::Entries() {
     for (const auto& [key, slot] : shard.map) {
       if (slot.record) entries.push_back(InfoOf(*slot.record));
     }
-    for (const auto& [ptr, rec] : shard.retired) entries.push_back(InfoOf(*rec));
+    for (const auto& [ptr, rec] : shard.retired)
+      entries.push_back(InfoOf(*rec));
   }
-  std::sort(entries.begin(), entries.end(),
-            [](const EntryInfo& a, const EntryInfo& b) { return a.key < b.key; });
+  std::sort(
+      entries.begin(), entries.end(),
+      [](const EntryInfo& a, const EntryInfo& b) { return a.key < b.key; });
   return entries;
 }
 
@@ -1061,7 +1067,7 @@ uint64_t CacheCore::CheckInvariants() {
         continue;
       }
       const Record& r = *slot.record;
-      MC_CHECK(r.key == key, "record filed under another key", key);      // I1
+      MC_CHECK(r.key == key, "record filed under another key", key);  // I1
       MC_CHECK(r.shard == i, "record in the wrong shard", key);
       MC_CHECK(!r.retired, "retired record still in the map", key);
       MC_CHECK(r.state == RecordState::kLoading ||
@@ -1233,28 +1239,42 @@ std::optional<EntryInfo> ModelCache::Entry(std::string_view key) const {
 }
 Budget& ModelCache::budget() const { return core_->budget(); }
 const std::string& ModelCache::name() const { return core_->name(); }
-uint64_t ModelCache::CheckInvariants() const { return core_->CheckInvariants(); }
+uint64_t ModelCache::CheckInvariants() const {
+  return core_->CheckInvariants();
+}
 
 const char* EventTypeName(EventType type) {
   switch (type) {
-    case EventType::kLoaded: return "loaded";
-    case EventType::kLoadFailed: return "load_failed";
-    case EventType::kEvicted: return "evicted";
-    case EventType::kExpired: return "expired";
-    case EventType::kUnloadFailed: return "unload_failed";
-    case EventType::kRemoved: return "removed";
-    case EventType::kRetired: return "retired";
-    case EventType::kRetiredFreed: return "retired_freed";
+    case EventType::kLoaded:
+      return "loaded";
+    case EventType::kLoadFailed:
+      return "load_failed";
+    case EventType::kEvicted:
+      return "evicted";
+    case EventType::kExpired:
+      return "expired";
+    case EventType::kUnloadFailed:
+      return "unload_failed";
+    case EventType::kRemoved:
+      return "removed";
+    case EventType::kRetired:
+      return "retired";
+    case EventType::kRetiredFreed:
+      return "retired_freed";
   }
   return "unknown";
 }
 
 const char* EntryStateName(EntryState state) {
   switch (state) {
-    case EntryState::kLoading: return "loading";
-    case EntryState::kResident: return "resident";
-    case EntryState::kUnloading: return "unloading";
-    case EntryState::kRetired: return "retired";
+    case EntryState::kLoading:
+      return "loading";
+    case EntryState::kResident:
+      return "resident";
+    case EntryState::kUnloading:
+      return "unloading";
+    case EntryState::kRetired:
+      return "retired";
   }
   return "unknown";
 }

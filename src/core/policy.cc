@@ -41,8 +41,8 @@ class GdsfPolicy final : public EvictionPolicy {
     // Logarithmic, as in Redis's LFU counter: raw counts let a model that
     // was popular early keep its place for thousands of evictions after it
     // cooled, which on real traces loads more bytes than plain LRU.
-    const double frequency =
-        std::log2(1.0 + static_cast<double>(std::max<uint64_t>(1, entry.accesses)));
+    const double frequency = std::log2(
+        1.0 + static_cast<double>(std::max<uint64_t>(1, entry.accesses)));
     const double size_gib =
         std::max<double>(1.0, static_cast<double>(entry.bytes)) / kGiB;
     double cost_per_size = 1.0;  // kBytes: cost == size

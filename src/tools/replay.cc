@@ -56,8 +56,10 @@ void SplitCsv(std::string_view line, std::vector<std::string>* fields) {
 }
 
 std::string_view Trim(std::string_view s) {
-  while (!s.empty() && (s.front() == ' ' || s.front() == '\t')) s.remove_prefix(1);
-  while (!s.empty() && (s.back() == ' ' || s.back() == '\t' || s.back() == '\r')) {
+  while (!s.empty() && (s.front() == ' ' || s.front() == '\t'))
+    s.remove_prefix(1);
+  while (!s.empty() &&
+         (s.back() == ' ' || s.back() == '\t' || s.back() == '\r')) {
     s.remove_suffix(1);
   }
   return s;
@@ -78,25 +80,30 @@ std::ifstream Open(const std::string& path) {
 template <typename T>
 bool ParseInteger(std::string_view text, T* out) {
   text = Trim(text);
-  auto [end, ec] = std::from_chars(text.data(), text.data() + text.size(), *out);
+  auto [end, ec] =
+      std::from_chars(text.data(), text.data() + text.size(), *out);
   return ec == std::errc() && end == text.data() + text.size() && !text.empty();
 }
 
 bool ParseNumber(std::string_view text, double* out) {
   text = Trim(text);
-  auto [end, ec] = std::from_chars(text.data(), text.data() + text.size(), *out);
-  return ec == std::errc() && end == text.data() + text.size() && !text.empty() &&
-         std::isfinite(*out);
+  auto [end, ec] =
+      std::from_chars(text.data(), text.data() + text.size(), *out);
+  return ec == std::errc() && end == text.data() + text.size() &&
+         !text.empty() && std::isfinite(*out);
 }
 
-uint64_t ParseSize(const std::string& path, size_t line, std::string_view text) {
+uint64_t ParseSize(const std::string& path, size_t line,
+                   std::string_view text) {
   text = Trim(text);
   if (!text.empty() && text.front() == '-') {
     Fail(path, line, "negative size_bytes '" + std::string(text) + "'");
   }
   uint64_t size = 0;
   if (!ParseInteger(text, &size)) {
-    Fail(path, line, "size_bytes '" + std::string(text) + "' is not a whole number of bytes");
+    Fail(path, line,
+         "size_bytes '" + std::string(text) +
+             "' is not a whole number of bytes");
   }
   return size;
 }
@@ -107,8 +114,8 @@ struct TraceBuilder {
   std::vector<bool> sized;
 
   uint32_t Model(std::string_view name) {
-    auto [it, inserted] =
-        index.emplace(std::string(name), static_cast<uint32_t>(trace.models.size()));
+    auto [it, inserted] = index.emplace(
+        std::string(name), static_cast<uint32_t>(trace.models.size()));
     if (inserted) {
       trace.models.emplace_back(name);
       trace.sizes.push_back(0);
@@ -118,7 +125,9 @@ struct TraceBuilder {
   }
 };
 
-double Zipf(size_t rank) { return 1.0 / std::pow(static_cast<double>(rank + 1), 1.1); }
+double Zipf(size_t rank) {
+  return 1.0 / std::pow(static_cast<double>(rank + 1), 1.1);
+}
 
 }  // namespace
 
@@ -126,14 +135,21 @@ uint64_t ParseBytes(std::string_view text) {
   std::string_view s = Trim(text);
   double value = 0;
   auto [end, ec] = std::from_chars(s.data(), s.data() + s.size(), value);
-  if (ec != std::errc() || end == s.data() || value < 0 || !std::isfinite(value)) {
+  if (ec != std::errc() || end == s.data() || value < 0 ||
+      !std::isfinite(value)) {
     throw std::invalid_argument("not a byte size: '" + std::string(text) + "'");
   }
   std::string_view unit = Trim(s.substr(static_cast<size_t>(end - s.data())));
   static const std::pair<std::string_view, double> kUnits[] = {
-      {"", 1},          {"B", 1},          {"KiB", 1024.0},
-      {"MiB", 1048576.0}, {"GiB", 1073741824.0}, {"TiB", 1099511627776.0},
-      {"KB", 1e3},      {"MB", 1e6},       {"GB", 1e9},
+      {"", 1},
+      {"B", 1},
+      {"KiB", 1024.0},
+      {"MiB", 1048576.0},
+      {"GiB", 1073741824.0},
+      {"TiB", 1099511627776.0},
+      {"KB", 1e3},
+      {"MB", 1e6},
+      {"GB", 1e9},
       {"TB", 1e12}};
   for (const auto& [name, factor] : kUnits) {
     if (unit == name) {
@@ -157,7 +173,8 @@ std::string FormatBytes(uint64_t bytes) {
   } else if (bytes >= (uint64_t{1} << 20)) {
     std::snprintf(buf, sizeof(buf), "%.1f MiB", b / 1048576.0);
   } else {
-    std::snprintf(buf, sizeof(buf), "%llu B", static_cast<unsigned long long>(bytes));
+    std::snprintf(buf, sizeof(buf), "%llu B",
+                  static_cast<unsigned long long>(bytes));
   }
   return buf;
 }
@@ -179,24 +196,28 @@ SizeTable ReadSizes(const std::string& path) {
         if (Trim(fields[i]) == "size_bytes") size_col = static_cast<int>(i);
       }
       if (model_col < 0 || size_col < 0) {
-        Fail(path, line_no, "the header must name the columns 'model' and 'size_bytes'");
+        Fail(path, line_no,
+             "the header must name the columns 'model' and 'size_bytes'");
       }
       continue;
     }
     if (static_cast<int>(fields.size()) <= std::max(model_col, size_col)) {
-      Fail(path, line_no, "expected at least " +
-                              std::to_string(std::max(model_col, size_col) + 1) +
-                              " fields, found " + std::to_string(fields.size()));
+      Fail(path, line_no,
+           "expected at least " +
+               std::to_string(std::max(model_col, size_col) + 1) +
+               " fields, found " + std::to_string(fields.size()));
     }
     std::string model(Trim(fields[model_col]));
     if (model.empty()) Fail(path, line_no, "empty model name");
     const uint64_t size = ParseSize(path, line_no, fields[size_col]);
     auto [it, inserted] = sizes.emplace(model, size);
     if (!inserted && it->second != size) {
-      Fail(path, line_no, "model '" + model + "' listed again with another size");
+      Fail(path, line_no,
+           "model '" + model + "' listed again with another size");
     }
   }
-  if (model_col < 0) Fail(path, 1, "empty file: expected a 'model,size_bytes' header");
+  if (model_col < 0)
+    Fail(path, 1, "empty file: expected a 'model,size_bytes' header");
   return sizes;
 }
 
@@ -222,49 +243,60 @@ Trace ReadCsvTrace(const std::string& path, const SizeTable* sizes) {
         if (name == "size_bytes") size_col = static_cast<int>(i);
       }
       if (t_col < 0 || model_col < 0) {
-        Fail(path, line_no, std::string("the header must name the columns 't_ms' and 'model'") +
-                                (t_col < 0 ? " (no 't_ms')" : " (no 'model')"));
+        Fail(
+            path, line_no,
+            std::string("the header must name the columns 't_ms' and 'model'") +
+                (t_col < 0 ? " (no 't_ms')" : " (no 'model')"));
       }
       needed = static_cast<size_t>(std::max({t_col, model_col, size_col})) + 1;
       continue;
     }
     if (fields.size() < needed) {
-      Fail(path, line_no, "expected at least " + std::to_string(needed) +
-                              " fields, found " + std::to_string(fields.size()));
+      Fail(path, line_no,
+           "expected at least " + std::to_string(needed) + " fields, found " +
+               std::to_string(fields.size()));
     }
     double t = 0;
     if (!ParseNumber(fields[t_col], &t)) {
-      Fail(path, line_no, "t_ms '" + std::string(Trim(fields[t_col])) + "' is not a number");
+      Fail(path, line_no,
+           "t_ms '" + std::string(Trim(fields[t_col])) + "' is not a number");
     }
     if (t < previous_t) {
-      Fail(path, line_no, "t_ms " + std::string(Trim(fields[t_col])) +
-                              " is earlier than the previous request's; the trace must be sorted by time");
+      Fail(path, line_no,
+           "t_ms " + std::string(Trim(fields[t_col])) +
+               " is earlier than the previous request's; the trace must be "
+               "sorted by time");
     }
     previous_t = t;
     const std::string_view name = Trim(fields[model_col]);
     if (name.empty()) Fail(path, line_no, "empty model name");
     const uint32_t model = builder.Model(name);
-    if (first_line.size() < builder.trace.models.size()) first_line.push_back(line_no);
+    if (first_line.size() < builder.trace.models.size())
+      first_line.push_back(line_no);
     if (size_col >= 0 && !Trim(fields[size_col]).empty()) {
       const uint64_t size = ParseSize(path, line_no, fields[size_col]);
       if (builder.sized[model] && builder.trace.sizes[model] != size) {
-        Fail(path, line_no, "model '" + std::string(name) + "' has size_bytes " +
-                                std::to_string(size) + " here but " +
-                                std::to_string(builder.trace.sizes[model]) + " earlier");
+        Fail(path, line_no,
+             "model '" + std::string(name) + "' has size_bytes " +
+                 std::to_string(size) + " here but " +
+                 std::to_string(builder.trace.sizes[model]) + " earlier");
       }
       builder.trace.sizes[model] = size;
       builder.sized[model] = true;
     }
-    builder.trace.requests.push_back(Request{static_cast<int64_t>(std::llround(t)), model});
+    builder.trace.requests.push_back(
+        Request{static_cast<int64_t>(std::llround(t)), model});
   }
-  if (t_col < 0) Fail(path, 1, "empty file: expected a header naming 't_ms' and 'model'");
+  if (t_col < 0)
+    Fail(path, 1, "empty file: expected a header naming 't_ms' and 'model'");
   for (uint32_t m = 0; m < builder.trace.models.size(); ++m) {
     if (builder.sized[m]) continue;
     const std::string& name = builder.trace.models[m];
     auto it = sizes ? sizes->find(name) : SizeTable::const_iterator{};
     if (!sizes || it == sizes->end()) {
-      Fail(path, first_line[m], "model '" + name +
-                                    "' has no size: give a size_bytes column or --sizes FILE");
+      Fail(path, first_line[m],
+           "model '" + name +
+               "' has no size: give a size_bytes column or --sizes FILE");
     }
     builder.trace.sizes[m] = it->second;
   }
@@ -290,42 +322,53 @@ Trace ReadAzureFunctionsTrace(const std::string& path, uint32_t num_models,
     if (Trim(line).empty()) continue;
     SplitCsv(line, &fields);
     if (minutes.empty()) {
-      static const char* const kLeading[] = {"HashOwner", "HashApp", "HashFunction", "Trigger"};
+      static const char* const kLeading[] = {"HashOwner", "HashApp",
+                                             "HashFunction", "Trigger"};
       for (size_t i = 0; i < 4; ++i) {
         if (fields.size() <= i || Trim(fields[i]) != kLeading[i]) {
-          Fail(path, line_no, std::string("expected the Azure Functions header "
-                                          "'HashOwner,HashApp,HashFunction,Trigger,<minutes>...', column ") +
-                                  std::to_string(i + 1) + " should be '" + kLeading[i] + "'");
+          Fail(path, line_no,
+               std::string("expected the Azure Functions header "
+                           "'HashOwner,HashApp,HashFunction,Trigger,<minutes>.."
+                           ".', column ") +
+                   std::to_string(i + 1) + " should be '" + kLeading[i] + "'");
         }
       }
       for (size_t i = 4; i < fields.size(); ++i) {
         int64_t minute = 0;
         if (!ParseInteger(fields[i], &minute) || minute < 0) {
-          Fail(path, line_no, "minute column '" + std::string(Trim(fields[i])) +
-                                  "' is not a whole minute number");
+          Fail(path, line_no,
+               "minute column '" + std::string(Trim(fields[i])) +
+                   "' is not a whole minute number");
         }
         minutes.push_back(minute);
       }
-      if (minutes.empty()) Fail(path, line_no, "no minute columns after 'Trigger'");
+      if (minutes.empty())
+        Fail(path, line_no, "no minute columns after 'Trigger'");
       continue;
     }
     if (fields.size() != minutes.size() + 4) {
-      Fail(path, line_no, "expected " + std::to_string(minutes.size() + 4) +
-                              " fields, found " + std::to_string(fields.size()));
+      Fail(path, line_no,
+           "expected " + std::to_string(minutes.size() + 4) +
+               " fields, found " + std::to_string(fields.size()));
     }
     std::vector<Burst> mine;
     for (size_t c = 0; c < minutes.size(); ++c) {
       const std::string_view text = Trim(fields[c + 4]);
       if (!text.empty() && text.front() == '-') {
-        Fail(path, line_no, "negative invocation count in minute " + std::to_string(minutes[c]));
+        Fail(path, line_no,
+             "negative invocation count in minute " +
+                 std::to_string(minutes[c]));
       }
       uint64_t count = 0;
       if (!text.empty() && !ParseInteger(text, &count)) {
-        Fail(path, line_no, "invocation count '" + std::string(text) + "' is not a whole number");
+        Fail(path, line_no,
+             "invocation count '" + std::string(text) +
+                 "' is not a whole number");
       }
       for (uint64_t j = 0; j < count; ++j) {
-        const int64_t t = minutes[c] * 60000 +
-                          static_cast<int64_t>(((2 * j + 1) * 60000) / (2 * count));
+        const int64_t t =
+            minutes[c] * 60000 +
+            static_cast<int64_t>(((2 * j + 1) * 60000) / (2 * count));
         mine.push_back(Burst{t, function, static_cast<uint32_t>(j)});
       }
     }
@@ -333,13 +376,15 @@ Trace ReadAzureFunctionsTrace(const std::string& path, uint32_t num_models,
     bursts.insert(bursts.end(), mine.begin(), mine.end());
     ++function;
   }
-  if (minutes.empty()) Fail(path, 1, "empty file: expected the Azure Functions header");
+  if (minutes.empty())
+    Fail(path, 1, "empty file: expected the Azure Functions header");
   std::sort(bursts.begin(), bursts.end(), [](const Burst& a, const Burst& b) {
     if (a.t_ms != b.t_ms) return a.t_ms < b.t_ms;
     if (a.function != b.function) return a.function < b.function;
     return a.j < b.j;
   });
-  const uint32_t models = num_models == 0 ? std::max<uint32_t>(function, 1) : num_models;
+  const uint32_t models =
+      num_models == 0 ? std::max<uint32_t>(function, 1) : num_models;
   Trace trace;
   for (uint32_t m = 0; m < models; ++m) {
     trace.models.push_back("model-" + std::to_string(m));
@@ -349,13 +394,15 @@ Trace ReadAzureFunctionsTrace(const std::string& path, uint32_t num_models,
       if (it != sizes->end()) {
         size = it->second;
       } else {
-        throw TraceError(path + ": --sizes has no size for '" + trace.models.back() + "'");
+        throw TraceError(path + ": --sizes has no size for '" +
+                         trace.models.back() + "'");
       }
     }
     trace.sizes.push_back(size);
   }
   trace.requests.reserve(bursts.size());
-  for (const Burst& b : bursts) trace.requests.push_back(Request{b.t_ms, b.function % models});
+  for (const Burst& b : bursts)
+    trace.requests.push_back(Request{b.t_ms, b.function % models});
   return trace;
 }
 
@@ -403,7 +450,8 @@ Trace GenerateDefaultTrace(uint64_t seed) {
   std::uniform_real_distribution<double> coin(0, 1);
   trace.requests.reserve(kRequests);
   for (int64_t t : times) {
-    const double afternoon_share = static_cast<double>(t) / static_cast<double>(kSpanMs);
+    const double afternoon_share =
+        static_cast<double>(t) / static_cast<double>(kSpanMs);
     const auto& order = coin(rng) < afternoon_share ? afternoon : morning;
     trace.requests.push_back(Request{t, order[rank(rng)]});
   }
@@ -414,8 +462,9 @@ RunResult Replay(const Trace& trace, const std::string& policy_name,
                  uint64_t capacity_bytes, double hold_ms) {
   auto policy = PolicyByName(policy_name);
   if (!policy) {
-    throw std::invalid_argument("unknown policy '" + policy_name +
-                                "' (known: lru, gdsf, gdsf-time, gdsf-uniform, belady)");
+    throw std::invalid_argument(
+        "unknown policy '" + policy_name +
+        "' (known: lru, gdsf, gdsf-time, gdsf-uniform, belady)");
   }
   const bool belady = !policy->monotone();
   const size_t n = trace.requests.size();
@@ -430,7 +479,8 @@ RunResult Replay(const Trace& trace, const std::string& policy_name,
   std::vector<double> next_use;
   if (belady) {
     next_use.assign(n, std::numeric_limits<double>::infinity());
-    std::vector<double> seen(trace.models.size(), std::numeric_limits<double>::infinity());
+    std::vector<double> seen(trace.models.size(),
+                             std::numeric_limits<double>::infinity());
     for (size_t i = n; i-- > 0;) {
       next_use[i] = seen[trace.requests[i].model];
       seen[trace.requests[i].model] = static_cast<double>(i);
@@ -471,7 +521,8 @@ RunResult Replay(const Trace& trace, const std::string& policy_name,
   const auto start = std::chrono::steady_clock::now();
   for (size_t i = 0; i < n; ++i) {
     const Request& request = trace.requests[i];
-    while (!ends.empty() && ends.top().first <= static_cast<double>(request.t_ms)) {
+    while (!ends.empty() &&
+           ends.top().first <= static_cast<double>(request.t_ms)) {
       slots[ends.top().second].Release();
       free_slots.push_back(ends.top().second);
       ends.pop();
@@ -483,7 +534,8 @@ RunResult Replay(const Trace& trace, const std::string& policy_name,
     loaded = false;
     current = request.model;
     try {
-      Lease lease = cache.Acquire(trace.models[request.model], size, loader, acquire);
+      Lease lease =
+          cache.Acquire(trace.models[request.model], size, loader, acquire);
       if (loaded) {
         ++result.misses;
         missed_bytes += size;
@@ -513,24 +565,30 @@ RunResult Replay(const Trace& trace, const std::string& policy_name,
     }
     // Resident bytes at evenly spaced points of trace time.
     while (next_sample < kSamples &&
-           (t1 == t0 || request.t_ms >= t0 + (t1 - t0) * static_cast<int64_t>(next_sample) /
-                                                 static_cast<int64_t>(kSamples - 1))) {
-      result.resident_over_time.emplace_back(request.t_ms, cache.budget().used());
+           (t1 == t0 ||
+            request.t_ms >= t0 + (t1 - t0) * static_cast<int64_t>(next_sample) /
+                                     static_cast<int64_t>(kSamples - 1))) {
+      result.resident_over_time.emplace_back(request.t_ms,
+                                             cache.budget().used());
       ++next_sample;
       if (t1 == t0) break;
     }
   }
   result.seconds =
-      std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
+      std::chrono::duration<double>(std::chrono::steady_clock::now() - start)
+          .count();
   slots.clear();
 
   const CacheStats stats = cache.Stats();
   result.bytes_loaded = stats.bytes_loaded;
   result.evictions = stats.evictions;
   result.peak_resident_bytes = stats.high_water_bytes;
-  result.hit_ratio = n ? static_cast<double>(result.hits) / static_cast<double>(n) : 0;
-  result.byte_miss_ratio =
-      requested_bytes ? static_cast<double>(missed_bytes) / static_cast<double>(requested_bytes) : 0;
+  result.hit_ratio =
+      n ? static_cast<double>(result.hits) / static_cast<double>(n) : 0;
+  result.byte_miss_ratio = requested_bytes
+                               ? static_cast<double>(missed_bytes) /
+                                     static_cast<double>(requested_bytes)
+                               : 0;
   result.requests_per_second =
       result.seconds > 0 ? static_cast<double>(n) / result.seconds : 0;
   return result;

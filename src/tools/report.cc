@@ -21,11 +21,20 @@ std::string Escape(const std::string& text) {
   std::string out;
   for (char c : text) {
     switch (c) {
-      case '&': out += "&amp;"; break;
-      case '<': out += "&lt;"; break;
-      case '>': out += "&gt;"; break;
-      case '"': out += "&quot;"; break;
-      default: out += c;
+      case '&':
+        out += "&amp;";
+        break;
+      case '<':
+        out += "&lt;";
+        break;
+      case '>':
+        out += "&gt;";
+        break;
+      case '"':
+        out += "&quot;";
+        break;
+      default:
+        out += c;
     }
   }
   return out;
@@ -70,7 +79,9 @@ std::string LineChart(const std::string& title, const std::string& x_label,
   if (x_max == x_min) x_max = x_min + 1;
   if (y_max <= 0) y_max = 1;
   const double plot_w = width - left - right, plot_h = height - top - bottom;
-  auto px = [&](double x) { return left + (x - x_min) / (x_max - x_min) * plot_w; };
+  auto px = [&](double x) {
+    return left + (x - x_min) / (x_max - x_min) * plot_w;
+  };
   auto py = [&](double y) { return top + plot_h - y / y_max * plot_h; };
   std::ostringstream svg;
   svg << "<svg xmlns=\"http://www.w3.org/2000/svg\" width=\"" << width
@@ -144,31 +155,36 @@ std::vector<uint64_t> Capacities(const std::vector<RunResult>& results) {
 
 }  // namespace
 
-std::string ResultsTable(const Trace& trace, const std::vector<RunResult>& results) {
+std::string ResultsTable(const Trace& trace,
+                         const std::vector<RunResult>& results) {
   std::ostringstream out;
-  out << "trace: " << trace.requests.size() << " requests, " << trace.models.size()
-      << " models, " << FormatBytes(TotalModelBytes(trace)) << " of models in all\n\n";
+  out << "trace: " << trace.requests.size() << " requests, "
+      << trace.models.size() << " models, "
+      << FormatBytes(TotalModelBytes(trace)) << " of models in all\n\n";
   char line[256];
-  std::snprintf(line, sizeof(line), "%-20s %11s %9s %9s %9s %9s %7s %12s %10s %11s\n",
-                "policy", "capacity", "hits", "misses", "too_large", "evictions",
-                "hit%", "loaded", "byte_miss%", "req/s");
+  std::snprintf(line, sizeof(line),
+                "%-20s %11s %9s %9s %9s %9s %7s %12s %10s %11s\n", "policy",
+                "capacity", "hits", "misses", "too_large", "evictions", "hit%",
+                "loaded", "byte_miss%", "req/s");
   out << line;
   for (const RunResult& r : results) {
-    std::snprintf(line, sizeof(line),
-                  "%-20s %11s %9llu %9llu %9llu %9llu %7.2f %12s %10.2f %11.3g\n",
-                  PolicyLabel(r).c_str(), FormatBytes(r.capacity_bytes).c_str(),
-                  static_cast<unsigned long long>(r.hits),
-                  static_cast<unsigned long long>(r.misses),
-                  static_cast<unsigned long long>(r.too_large),
-                  static_cast<unsigned long long>(r.evictions), 100 * r.hit_ratio,
-                  FormatBytes(r.bytes_loaded).c_str(), 100 * r.byte_miss_ratio,
-                  r.requests_per_second);
+    std::snprintf(
+        line, sizeof(line),
+        "%-20s %11s %9llu %9llu %9llu %9llu %7.2f %12s %10.2f %11.3g\n",
+        PolicyLabel(r).c_str(), FormatBytes(r.capacity_bytes).c_str(),
+        static_cast<unsigned long long>(r.hits),
+        static_cast<unsigned long long>(r.misses),
+        static_cast<unsigned long long>(r.too_large),
+        static_cast<unsigned long long>(r.evictions), 100 * r.hit_ratio,
+        FormatBytes(r.bytes_loaded).c_str(), 100 * r.byte_miss_ratio,
+        r.requests_per_second);
     out << line;
   }
   return out.str();
 }
 
-std::string ResultsJson(const Trace& trace, const std::vector<RunResult>& results) {
+std::string ResultsJson(const Trace& trace,
+                        const std::vector<RunResult>& results) {
   nlohmann::json doc;
   doc["requests"] = trace.requests.size();
   doc["models"] = trace.models.size();
@@ -198,7 +214,8 @@ std::string HtmlReport(const Trace& trace, const std::string& title,
   const std::vector<uint64_t> capacities = Capacities(results);
   const double gib = 1073741824.0;
   std::vector<double> cap_ticks;
-  for (uint64_t c : capacities) cap_ticks.push_back(static_cast<double>(c) / gib);
+  for (uint64_t c : capacities)
+    cap_ticks.push_back(static_cast<double>(c) / gib);
   auto gib_tick = [](double x) { return Fixed(x, x < 10 ? 1 : 0) + " GiB"; };
 
   std::vector<Series> hit_series, loaded_series;
@@ -218,7 +235,8 @@ std::string HtmlReport(const Trace& trace, const std::string& title,
 
   // Resident bytes over time and the most reloaded models, at the middle
   // capacity, where the policies differ most visibly.
-  const uint64_t middle = capacities.empty() ? 0 : capacities[capacities.size() / 2];
+  const uint64_t middle =
+      capacities.empty() ? 0 : capacities[capacities.size() / 2];
   std::vector<Series> resident_series;
   std::vector<const RunResult*> at_middle;
   double t_max = 0;
@@ -238,7 +256,8 @@ std::string HtmlReport(const Trace& trace, const std::string& title,
   for (const auto& s : resident_series) {
     for (auto [x, y] : s.points) t_min = std::min(t_min, x);
   }
-  for (int i = 0; i <= 4; ++i) t_ticks.push_back(t_min + (t_max - t_min) * i / 4);
+  for (int i = 0; i <= 4; ++i)
+    t_ticks.push_back(t_min + (t_max - t_min) * i / 4);
 
   std::vector<uint32_t> reloaded(trace.models.size());
   std::iota(reloaded.begin(), reloaded.end(), 0);
@@ -255,21 +274,26 @@ std::string HtmlReport(const Trace& trace, const std::string& title,
   }
 
   std::ostringstream html;
-  html << "<!DOCTYPE html>\n<html lang=\"en\">\n<head>\n<meta charset=\"utf-8\">\n"
+  html << "<!DOCTYPE html>\n<html lang=\"en\">\n<head>\n<meta "
+          "charset=\"utf-8\">\n"
        << "<title>" << Escape(title) << "</title>\n<style>\n"
-       << "body{font-family:system-ui,sans-serif;margin:2em auto;max-width:980px;color:#222}\n"
+       << "body{font-family:system-ui,sans-serif;margin:2em "
+          "auto;max-width:980px;color:#222}\n"
        << "table{border-collapse:collapse;margin:1em 0}td,th{padding:3px 10px;"
           "border-bottom:1px solid #ddd;text-align:right}th{background:#f4f4f4}"
           "td:first-child,th:first-child{text-align:left}\n"
-       << ".axis{stroke:#444}.grid{stroke:#e4e4e4}.tick{font-size:11px;fill:#444}"
+       << ".axis{stroke:#444}.grid{stroke:#e4e4e4}.tick{font-size:11px;fill:#"
+          "444}"
           ".label{font-size:12px;fill:#222}.legend{font-size:12px}"
           ".title{font-size:14px;font-weight:600}\n"
        << "</style>\n</head>\n<body>\n";
   html << "<h1>" << Escape(title) << "</h1>\n";
-  html << "<p>" << trace.requests.size() << " requests for " << trace.models.size()
-       << " models (" << Escape(FormatBytes(TotalModelBytes(trace)))
-       << " in all), replayed through modelcache's core cache. Offline policies "
-          "know the future and bound what any online policy can do.</p>\n";
+  html
+      << "<p>" << trace.requests.size() << " requests for "
+      << trace.models.size() << " models ("
+      << Escape(FormatBytes(TotalModelBytes(trace)))
+      << " in all), replayed through modelcache's core cache. Offline policies "
+         "know the future and bound what any online policy can do.</p>\n";
   html << "<table>\n<tr><th>policy</th><th>capacity</th><th>hit ratio</th>"
           "<th>bytes loaded</th><th>byte miss ratio</th><th>evictions</th>"
           "<th>too large</th><th>requests/s</th></tr>\n";
@@ -283,18 +307,20 @@ std::string HtmlReport(const Trace& trace, const std::string& title,
          << Fixed(r.requests_per_second / 1e6, 2) << " M</td></tr>\n";
   }
   html << "</table>\n";
-  html << LineChart("Hit ratio by capacity", "capacity", "hit ratio (%)",
-                    hit_series, gib_tick, [](double y) { return Fixed(y, 0) + "%"; },
-                    cap_ticks);
-  html << LineChart("Bytes loaded by capacity", "capacity", "GiB loaded",
-                    loaded_series, gib_tick, [](double y) { return Fixed(y, 0); },
-                    cap_ticks);
-  html << LineChart("Resident bytes over trace time at " + FormatBytes(middle),
-                    "trace time (hours)", "resident GiB", resident_series,
-                    [](double x) { return Fixed(x, 1) + " h"; },
-                    [](double y) { return Fixed(y, 1); }, t_ticks);
+  html << LineChart(
+      "Hit ratio by capacity", "capacity", "hit ratio (%)", hit_series,
+      gib_tick, [](double y) { return Fixed(y, 0) + "%"; }, cap_ticks);
+  html << LineChart(
+      "Bytes loaded by capacity", "capacity", "GiB loaded", loaded_series,
+      gib_tick, [](double y) { return Fixed(y, 0); }, cap_ticks);
+  html << LineChart(
+      "Resident bytes over trace time at " + FormatBytes(middle),
+      "trace time (hours)", "resident GiB", resident_series,
+      [](double x) { return Fixed(x, 1) + " h"; },
+      [](double y) { return Fixed(y, 1); }, t_ticks);
   if (!at_middle.empty()) {
-    html << "<h2>Most reloaded models at " << Escape(FormatBytes(middle)) << "</h2>\n"
+    html << "<h2>Most reloaded models at " << Escape(FormatBytes(middle))
+         << "</h2>\n"
          << "<table>\n<tr><th>model</th><th>size</th>";
     for (const RunResult* r : at_middle) {
       html << "<th>loads: " << Escape(PolicyLabel(*r)) << "</th>";
@@ -303,7 +329,8 @@ std::string HtmlReport(const Trace& trace, const std::string& title,
     for (uint32_t m : reloaded) {
       html << "<tr><td>" << Escape(trace.models[m]) << "</td><td>"
            << Escape(FormatBytes(trace.sizes[m])) << "</td>";
-      for (const RunResult* r : at_middle) html << "<td>" << r->loads_per_model[m] << "</td>";
+      for (const RunResult* r : at_middle)
+        html << "<td>" << r->loads_per_model[m] << "</td>";
       html << "</tr>\n";
     }
     html << "</table>\n";

@@ -91,8 +91,7 @@ class Budget {
   // nothing is evictable and `when_full` is kFail, kTimeout at the deadline.
   // REQUIRES: the caller holds no lock of any member.
   void Reserve(uint64_t bytes, WhenFull when_full,
-               std::chrono::steady_clock::time_point deadline)
-      EXCLUDES(mu_);
+               std::chrono::steady_clock::time_point deadline) EXCLUDES(mu_);
   // Reserves only if it fits without evicting. Returns false otherwise.
   bool TryReserve(uint64_t bytes) EXCLUDES(mu_);
   void Release(uint64_t bytes) EXCLUDES(mu_);

@@ -26,8 +26,8 @@
 //
 // Example:
 //
-//   modelcache::ModelCache cache({.name = "models", .capacity_bytes = 8 << 30});
-//   modelcache::Lease lease = cache.Acquire("sdxl", 6 << 30, [] {
+//   modelcache::ModelCache cache({.name = "models", .capacity_bytes = 8 <<
+//   30}); modelcache::Lease lease = cache.Acquire("sdxl", 6 << 30, [] {
 //     auto model = std::make_shared<Model>(LoadFromDisk("sdxl"));
 //     return modelcache::Loaded{model, model->bytes()};
 //   });
@@ -75,14 +75,14 @@ struct AcquireOptions {
 };
 
 enum class EventType {
-  kLoaded,         // a load completed; bytes and seconds set
-  kLoadFailed,     // a load threw; error set
-  kEvicted,        // a record was evicted to make room, by SetCapacity/Prune
-  kExpired,        // a record idle past the TTL was evicted
-  kUnloadFailed,   // an unloader threw; the record stays resident
-  kRemoved,        // Remove/Invalidate unloaded a record
-  kRetired,        // Remove/Invalidate retired a leased record
-  kRetiredFreed,   // the last lease of a retired record ended; it is gone
+  kLoaded,        // a load completed; bytes and seconds set
+  kLoadFailed,    // a load threw; error set
+  kEvicted,       // a record was evicted to make room, by SetCapacity/Prune
+  kExpired,       // a record idle past the TTL was evicted
+  kUnloadFailed,  // an unloader threw; the record stays resident
+  kRemoved,       // Remove/Invalidate unloaded a record
+  kRetired,       // Remove/Invalidate retired a leased record
+  kRetiredFreed,  // the last lease of a retired record ended; it is gone
 };
 
 const char* EventTypeName(EventType type);
@@ -122,7 +122,7 @@ struct CacheStats {
   // Misses whose load never ran or was not admitted: too large, no capacity,
   // timed out waiting for room.
   uint64_t refused = 0;
-  uint64_t loads = 0;   // loads that completed
+  uint64_t loads = 0;  // loads that completed
   uint64_t load_failures = 0;
   uint64_t evictions = 0;
   uint64_t expirations = 0;
@@ -134,7 +134,7 @@ struct CacheStats {
   uint64_t resident_bytes = 0;
   uint64_t retired_entries = 0;
   uint64_t retired_bytes = 0;
-  uint64_t capacity_bytes = 0;    // of the budget
+  uint64_t capacity_bytes = 0;     // of the budget
   uint64_t budget_used_bytes = 0;  // of the budget, all members together
   uint64_t high_water_bytes = 0;   // of the budget
 };
@@ -173,8 +173,7 @@ class Lease {
  public:
   Lease() = default;
   ~Lease() { Release(); }
-  Lease(Lease&& other) noexcept
-      : core_(other.core_), record_(other.record_) {
+  Lease(Lease&& other) noexcept : core_(other.core_), record_(other.record_) {
     other.core_ = nullptr;
     other.record_ = nullptr;
   }
@@ -236,8 +235,8 @@ class ModelCache {
   // Like Remove, but a load in progress is not waited for: it is marked
   // stale, its waiters still receive it, and it is retired as soon as it
   // completes, so later acquires load afresh.
-  RemoveOutcome Invalidate(std::string_view key,
-                           Clock::time_point deadline = Clock::time_point::max());
+  RemoveOutcome Invalidate(std::string_view key, Clock::time_point deadline =
+                                                     Clock::time_point::max());
 
   // A pinned record is never evicted. Throws kNotFound unless `key` is
   // resident. Pins do not nest.

@@ -28,7 +28,8 @@
 #define ACQUIRE(...) MC_THREAD_ANNOTATION(acquire_capability(__VA_ARGS__))
 #define RELEASE(...) MC_THREAD_ANNOTATION(release_capability(__VA_ARGS__))
 #define ASSERT_CAPABILITY(x) MC_THREAD_ANNOTATION(assert_capability(x))
-#define NO_THREAD_SAFETY_ANALYSIS MC_THREAD_ANNOTATION(no_thread_safety_analysis)
+#define NO_THREAD_SAFETY_ANALYSIS \
+  MC_THREAD_ANNOTATION(no_thread_safety_analysis)
 
 namespace modelcache {
 

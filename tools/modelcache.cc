@@ -44,6 +44,8 @@ class Progress {
   Progress() : tty_(isatty(STDERR_FILENO) == 1), start_(Clock::now()) {}
   void Update(size_t done, size_t total) {
     if (!tty_ || Clock::now() - start_ < std::chrono::seconds(1)) return;
+    if (shown_ && done == last_done_) return;
+    last_done_ = done;
     constexpr int kWidth = 30;
     const int filled =
         static_cast<int>(kWidth * done / std::max<size_t>(total, 1));
@@ -61,6 +63,7 @@ class Progress {
   const bool tty_;
   const Clock::time_point start_;
   bool shown_ = false;
+  size_t last_done_ = 0;
 };
 
 int RunReplay(ReplayFlags flags) {

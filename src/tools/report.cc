@@ -64,25 +64,33 @@ std::string LineChart(const std::string& title, const std::string& x_label,
                       const std::vector<Series>& series,
                       const std::function<std::string(double)>& x_tick,
                       const std::function<std::string(double)>& y_tick,
-                      const std::vector<double>& x_ticks) {
+                      const std::vector<double>& x_ticks,
+                      bool fit_y_to_data = false) {
   const double width = 720, height = 340, left = 80, right = 170, top = 36,
                bottom = 56;
-  double x_min = 1e300, x_max = -1e300, y_max = 0;
+  double x_min = 1e300, x_max = -1e300, y_max = 0, y_low = 1e300;
   for (const auto& s : series) {
     for (auto [x, y] : s.points) {
       x_min = std::min(x_min, x);
       x_max = std::max(x_max, x);
       y_max = std::max(y_max, y);
+      y_low = std::min(y_low, y);
     }
   }
   if (x_min > x_max) x_min = 0, x_max = 1;
   if (x_max == x_min) x_max = x_min + 1;
   if (y_max <= 0) y_max = 1;
+  // Zero-based unless asked to zoom in on the data (ratios bunched near the
+  // top would otherwise look identical).
+  const double y_min =
+      fit_y_to_data && y_low < y_max ? std::floor(y_low / 5) * 5 : 0.0;
   const double plot_w = width - left - right, plot_h = height - top - bottom;
   auto px = [&](double x) {
     return left + (x - x_min) / (x_max - x_min) * plot_w;
   };
-  auto py = [&](double y) { return top + plot_h - y / y_max * plot_h; };
+  auto py = [&](double y) {
+    return top + plot_h - (y - y_min) / (y_max - y_min) * plot_h;
+  };
   std::ostringstream svg;
   svg << "<svg xmlns=\"http://www.w3.org/2000/svg\" width=\"" << width
       << "\" height=\"" << height << "\" role=\"img\" aria-label=\""
@@ -94,7 +102,7 @@ std::string LineChart(const std::string& title, const std::string& x_label,
   svg << "<line x1=\"" << left << "\" y1=\"" << top << "\" x2=\"" << left
       << "\" y2=\"" << top + plot_h << "\" class=\"axis\"/>\n";
   for (int i = 0; i <= 4; ++i) {
-    const double y = y_max * i / 4;
+    const double y = y_min + (y_max - y_min) * i / 4;
     svg << "<line x1=\"" << left << "\" y1=\"" << py(y) << "\" x2=\""
         << left + plot_w << "\" y2=\"" << py(y) << "\" class=\"grid\"/>\n";
     svg << "<text x=\"" << left - 6 << "\" y=\"" << py(y) + 4
@@ -218,6 +226,12 @@ std::string HtmlReport(const Trace& trace, const std::string& title,
     cap_ticks.push_back(static_cast<double>(c) / gib);
   auto gib_tick = [](double x) { return Fixed(x, x < 10 ? 1 : 0) + " GiB"; };
 
+  uint64_t most_loaded = 0;
+  for (const RunResult& r : results)
+    most_loaded = std::max(most_loaded, r.bytes_loaded);
+  const bool in_tib = most_loaded >= (uint64_t{1} << 40);
+  const double loaded_unit = in_tib ? gib * 1024 : gib;
+  const std::string loaded_label = in_tib ? "TiB loaded" : "GiB loaded";
   std::vector<Series> hit_series, loaded_series;
   for (const std::string& policy : policies) {
     Series hit{policy, {}}, loaded{policy, {}};
@@ -225,7 +239,8 @@ std::string HtmlReport(const Trace& trace, const std::string& title,
       if (PolicyLabel(r) != policy) continue;
       const double x = static_cast<double>(r.capacity_bytes) / gib;
       hit.points.emplace_back(x, 100 * r.hit_ratio);
-      loaded.points.emplace_back(x, static_cast<double>(r.bytes_loaded) / gib);
+      loaded.points.emplace_back(
+          x, static_cast<double>(r.bytes_loaded) / loaded_unit);
     }
     std::sort(hit.points.begin(), hit.points.end());
     std::sort(loaded.points.begin(), loaded.points.end());
@@ -309,9 +324,10 @@ std::string HtmlReport(const Trace& trace, const std::string& title,
   html << "</table>\n";
   html << LineChart(
       "Hit ratio by capacity", "capacity", "hit ratio (%)", hit_series,
-      gib_tick, [](double y) { return Fixed(y, 0) + "%"; }, cap_ticks);
+      gib_tick, [](double y) { return Fixed(y, 1) + "%"; }, cap_ticks,
+      /*fit_y_to_data=*/true);
   html << LineChart(
-      "Bytes loaded by capacity", "capacity", "GiB loaded", loaded_series,
+      "Bytes loaded by capacity", "capacity", loaded_label, loaded_series,
       gib_tick, [](double y) { return Fixed(y, 0); }, cap_ticks);
   html << LineChart(
       "Resident bytes over trace time at " + FormatBytes(middle),

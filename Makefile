@@ -3,7 +3,9 @@
 JOBS ?= $(shell nproc)
 DEPS_STAMP := build/.deps-installed
 
-.PHONY: all deps build demo test test-release test-asan test-tsan test-tsa bench clean
+.PHONY: all deps build demo test test-release test-asan test-tsan test-tsa \
+	test-fuzz fuzz bench clean
+FUZZ_SECONDS ?= 600
 
 all: build
 
@@ -39,12 +41,21 @@ test-tsan: deps
 test-tsa: deps
 	$(call run_suite,clang-tsa,build/clang-tsa,)
 
+# The safetensors reader under libFuzzer (clang, ASan+UBSan), seeded with the
+# real files in ../shared/data/weights: 20 s in `make test`, longer on demand
+# with `make fuzz FUZZ_SECONDS=3600`.
+test-fuzz: deps
+	bash fuzz/run.sh 20 build/fuzz
+fuzz: deps
+	bash fuzz/run.sh $(FUZZ_SECONDS) build/fuzz
+
 # Every configuration; the release suite runs last so that ctest's summary
 # line closes the output.
 test: deps
 	$(MAKE) --no-print-directory test-tsa
 	$(MAKE) --no-print-directory test-asan
 	$(MAKE) --no-print-directory test-tsan
+	$(MAKE) --no-print-directory test-fuzz
 	$(MAKE) --no-print-directory test-release
 
 bench: build

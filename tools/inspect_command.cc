@@ -78,11 +78,11 @@ std::string TextListing(const std::string& file, const SafetensorsHeader& h) {
   std::vector<Row> rows;
   rows.push_back({"NAME", "DTYPE", "SHAPE", "DATA_OFFSETS", "BYTES"});
   for (const TensorInfo& t : h.tensors()) {
-    rows.push_back({Printable(t.name, kNoLimit), weights::DtypeName(t.dtype),
-                    ShapeText(t.shape),
-                    "[" + std::to_string(t.begin) + ", " +
-                        std::to_string(t.end) + "]",
-                    std::to_string(t.bytes())});
+    rows.push_back(
+        {Printable(t.name, kNoLimit), weights::DtypeName(t.dtype),
+         ShapeText(t.shape),
+         "[" + std::to_string(t.begin) + ", " + std::to_string(t.end) + "]",
+         std::to_string(t.bytes())});
   }
   size_t widths[4] = {0, 0, 0, 0};
   for (const Row& r : rows) {

@@ -1,6 +1,7 @@
 // The `modelcache` command.
 //
 //   modelcache replay [TRACE] [options]   predict a request mix under a budget
+//   modelcache inspect FILE [--json]      list a safetensors file's tensors
 //
 // With no TRACE, replay runs an embedded default: a generated model zoo and
 // an eight-hour request trace, several policies and capacities.
@@ -17,6 +18,7 @@
 #include <vector>
 
 #include "CLI/CLI.hpp"
+#include "inspect_command.h"
 #include "modelcache/tools/replay.h"
 
 namespace {
@@ -192,6 +194,15 @@ int main(int argc, char** argv) {
   replay_cmd->add_option("--threads", replay_flags.threads,
                          "Runs in parallel (default: one per core)");
 
+  std::string inspect_file;
+  bool inspect_json = false;
+  CLI::App* inspect_cmd = app.add_subcommand(
+      "inspect", "List the tensors, metadata and sizes of a safetensors file");
+  // Not CLI::ExistingFile: a missing file is reported like any bad file.
+  inspect_cmd->add_option("file", inspect_file, "A .safetensors file")
+      ->required();
+  inspect_cmd->add_flag("--json", inspect_json, "Print one JSON object");
+
   try {
     app.parse(argc, argv);
   } catch (const CLI::CallForHelp& e) {
@@ -205,6 +216,10 @@ int main(int argc, char** argv) {
 
   try {
     if (*replay_cmd) return RunReplay(replay_flags);
+    if (*inspect_cmd) {
+      return modelcache::tools::RunInspect(inspect_file, inspect_json,
+                                           std::cout, std::cerr);
+    }
   } catch (const std::exception& e) {
     std::cerr << "error: " << e.what() << "\n";
     return 1;

@@ -181,6 +181,13 @@ void Budget::Reserve(uint64_t bytes, WhenFull when_full,
   }
 }
 
+uint64_t Budget::ObtainableBytes() {
+  uint64_t unevictable = 0;
+  for (auto& member : Members()) unevictable += member->UnevictableBytes();
+  MutexLock lock(&mu_);
+  return capacity_ > unevictable ? capacity_ - unevictable : 0;
+}
+
 bool Budget::TryReserve(uint64_t bytes) {
   MutexLock lock(&mu_);
   if (used_ + bytes > capacity_ || bytes > capacity_) return false;

@@ -245,6 +245,7 @@ class CacheCore final : public BudgetMember,
                   VictimCandidate* out) override;
   EvictOutcome TryEvict(const VictimCandidate& victim) override;
   void DescribeHolders(std::vector<std::string>* out) override;
+  uint64_t UnevictableBytes() override;
 
  private:
   Shard& ShardFor(std::string_view key) {
@@ -803,6 +804,19 @@ void CacheCore::DescribeHolders(std::vector<std::string>* out) {
     }
     for (const auto& [ptr, rec] : shard.retired) describe(*rec);
   }
+}
+
+uint64_t CacheCore::UnevictableBytes() {
+  uint64_t bytes = 0;
+  for (size_t i = 0; i <= shard_mask_; ++i) {
+    Shard& shard = shards_[i];
+    MutexLock lock(&shard.mu);
+    for (const auto& [key, slot] : shard.map) {
+      if (slot.record && !Evictable(*slot.record)) bytes += slot.record->bytes;
+    }
+    for (const auto& [ptr, rec] : shard.retired) bytes += rec->bytes;
+  }
+  return bytes;
 }
 
 RemoveOutcome CacheCore::Remove(std::string_view key,

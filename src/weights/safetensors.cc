@@ -138,7 +138,8 @@ struct RawTensor {
   std::string name;
   std::string dtype;
   std::vector<uint64_t> shape;
-  std::vector<uint64_t> offsets;
+  uint64_t offsets[2] = {0, 0};
+  int offset_count = 0;
 };
 
 // The SAX handler: accepts exactly the structure of a safetensors header.
@@ -164,12 +165,12 @@ class HeaderSax {
       return true;
     }
     if (state_ == State::kOffsets) {
-      if (current_.offsets.size() == 2) {
+      if (current_.offset_count == 2) {
         return Fail("tensor " + Quoted(current_.name) +
                     ": data_offsets must be [begin, end], found more than 2 "
                     "numbers");
       }
-      current_.offsets.push_back(value);
+      current_.offsets[current_.offset_count++] = value;
       return true;
     }
     return Unexpected("a number");
@@ -234,8 +235,8 @@ class HeaderSax {
                       " (want exactly dtype, shape, data_offsets)");
         }
         if (fields_seen_ & (1u << field)) {
-          return Fail("tensor " + Quoted(current_.name) +
-                      ": duplicate field " + Quoted(key));
+          return Fail("tensor " + Quoted(current_.name) + ": duplicate field " +
+                      Quoted(key));
         }
         fields_seen_ |= 1u << field;
         field_ = field;
@@ -292,11 +293,11 @@ class HeaderSax {
       return true;
     }
     if (state_ == State::kOffsets) {
-      if (current_.offsets.size() != 2) {
+      if (current_.offset_count != 2) {
         return Fail("tensor " + Quoted(current_.name) +
                     ": data_offsets must be [begin, end], found " +
-                    std::to_string(current_.offsets.size()) + " number" +
-                    (current_.offsets.size() == 1 ? "" : "s"));
+                    std::to_string(current_.offset_count) + " number" +
+                    (current_.offset_count == 1 ? "" : "s"));
       }
       state_ = State::kTensor;
       return true;
@@ -369,8 +370,8 @@ class HeaderSax {
                         found);
         }
       case State::kShape:
-        return Fail(tensor +
-                    ": shape must hold non-negative integers, found " + found);
+        return Fail(tensor + ": shape must hold non-negative integers, found " +
+                    found);
       case State::kOffsets:
         return Fail(tensor +
                     ": data_offsets must hold non-negative integers, found " +
@@ -419,11 +420,10 @@ void CheckHeaderLength(uint64_t header_len, uint64_t file_bytes,
                                   std::to_string(kMaxHeaderBytes) + " bytes");
   }
   if (header_len > file_bytes - kLengthPrefixBytes) {
-    throw FormatError(source, "header length " + std::to_string(header_len) +
-                                  " exceeds file size " +
-                                  std::to_string(file_bytes) + " (8 + " +
-                                  std::to_string(header_len) +
-                                  " bytes needed)");
+    throw FormatError(
+        source, "header length " + std::to_string(header_len) +
+                    " exceeds file size " + std::to_string(file_bytes) +
+                    " (8 + " + std::to_string(header_len) + " bytes needed)");
   }
 }
 
@@ -453,10 +453,12 @@ class HeaderBuilder {
     h.tensors_.reserve(raw.size());
 
     for (RawTensor& r : raw) {
-      const std::string tensor = "tensor " + Quoted(r.name);
+      // Only for messages: built when there is one to throw.
+      const auto tensor = [&r] { return "tensor " + Quoted(r.name); };
       const std::optional<Dtype> dtype = ParseDtype(r.dtype);
       if (!dtype) {
-        throw FormatError(source, tensor + ": unknown dtype " + Quoted(r.dtype));
+        throw FormatError(source,
+                          tensor() + ": unknown dtype " + Quoted(r.dtype));
       }
       // The product of the nonzero dimensions must fit, so that strides
       // computed from the shape cannot overflow either.
@@ -466,14 +468,15 @@ class HeaderBuilder {
         if (d == 0) {
           has_zero = true;
         } else if (!MultiplyChecked(nonzero_product, d, &nonzero_product)) {
-          throw FormatError(source, tensor + ": shape " + FormatShape(r.shape) +
+          throw FormatError(source, tensor() + ": shape " +
+                                        FormatShape(r.shape) +
                                         " has more than 2^64 elements");
         }
       }
       uint64_t expected_bytes = 0;
       if (!MultiplyChecked(nonzero_product, DtypeSize(*dtype),
                            &expected_bytes)) {
-        throw FormatError(source, tensor + ": " + DtypeName(*dtype) +
+        throw FormatError(source, tensor() + ": " + DtypeName(*dtype) +
                                       " x shape " + FormatShape(r.shape) +
                                       " is more than 2^64 bytes");
       }
@@ -481,23 +484,23 @@ class HeaderBuilder {
       const uint64_t begin = r.offsets[0];
       const uint64_t end = r.offsets[1];
       if (begin > end) {
-        throw FormatError(source, tensor + ": data_offsets " +
+        throw FormatError(source, tensor() + ": data_offsets " +
                                       FormatRange(begin, end) +
                                       " have begin > end");
       }
       if (end > data_bytes) {
-        throw FormatError(source, tensor + ": data_offsets " +
+        throw FormatError(source, tensor() + ": data_offsets " +
                                       FormatRange(begin, end) +
                                       " run past the data buffer of " +
                                       std::to_string(data_bytes) + " bytes");
       }
       if (end - begin != expected_bytes) {
-        throw FormatError(
-            source, tensor + ": " + DtypeName(*dtype) + " x shape " +
-                        FormatShape(r.shape) + " is " +
-                        std::to_string(expected_bytes) +
-                        " bytes but data_offsets " + FormatRange(begin, end) +
-                        " span " + std::to_string(end - begin));
+        throw FormatError(source, tensor() + ": " + DtypeName(*dtype) +
+                                      " x shape " + FormatShape(r.shape) +
+                                      " is " + std::to_string(expected_bytes) +
+                                      " bytes but data_offsets " +
+                                      FormatRange(begin, end) + " span " +
+                                      std::to_string(end - begin));
       }
       TensorInfo info;
       info.name = std::move(r.name);
@@ -565,9 +568,10 @@ SafetensorsHeader ParseSafetensorsHeader(std::string_view header_json,
   // nlohmann's lexer takes a NUL byte for the end of the input, which would
   // let anything after one through. Valid JSON never holds a raw NUL (inside
   // strings it must be escaped), so any NUL makes the header invalid.
-  if (const void* nul = std::memchr(header_json.data(), 0, header_json.size())) {
-    const size_t at = static_cast<size_t>(static_cast<const char*>(nul) -
-                                          header_json.data());
+  if (const void* nul =
+          std::memchr(header_json.data(), 0, header_json.size())) {
+    const size_t at =
+        static_cast<size_t>(static_cast<const char*>(nul) - header_json.data());
     throw FormatError(source, "header is not valid JSON (at byte " +
                                   std::to_string(at) + "): NUL byte");
   }
@@ -578,8 +582,8 @@ SafetensorsHeader ParseSafetensorsHeader(std::string_view header_json,
       nlohmann::json::input_format_t::json, /*strict=*/true,
       /*ignore_comments=*/false);
   if (!ok) {
-    throw FormatError(source, sax.error().empty() ? "header is not valid JSON"
-                                                  : sax.error());
+    throw FormatError(
+        source, sax.error().empty() ? "header is not valid JSON" : sax.error());
   }
   const uint64_t data_bytes = file_bytes - kLengthPrefixBytes - header_len;
   return HeaderBuilder::Build(std::move(sax.tensors()),

@@ -1,8 +1,8 @@
 // Writing safetensors files by streaming.
 //
-// The header is built with nlohmann::ordered_json so its key order is the data
-// order ("__metadata__" first), then padded with spaces to a multiple of 8
-// bytes as the reference implementation does. Emit() produces the file as a
+// The header text lists "__metadata__" first, then the tensors in data order,
+// and is padded with spaces to a multiple of 8 bytes as the reference
+// implementation does. Emit() produces the file as a
 // sequence of byte ranges: the 8-byte length and header, then each tensor's
 // bytes a buffer at a time from its FillFn. Write() sends them to a file
 // descriptor, WriteToMemory() to a vector; both share Emit, so they produce
@@ -103,13 +103,11 @@ SafetensorsWriter& SafetensorsWriter::AddTensor(const std::string& name,
     throw std::invalid_argument("SafetensorsWriter: tensor '" + name +
                                 "' has no fill function");
   }
-  for (const Entry& e : entries_) {
-    if (e.name == name) {
-      throw std::invalid_argument("SafetensorsWriter: duplicate tensor '" +
-                                  name + "'");
-    }
-  }
   const uint64_t bytes = ByteSize(name, dtype, shape);
+  if (!names_.insert(name).second) {
+    throw std::invalid_argument("SafetensorsWriter: duplicate tensor '" + name +
+                                "'");
+  }
   entries_.push_back(
       Entry{name, dtype, std::move(shape), bytes, std::move(fill)});
   return *this;
@@ -120,20 +118,17 @@ SafetensorsWriter& SafetensorsWriter::AddTensor(
     std::span<const std::byte> bytes) {
   const uint64_t expected = ByteSize(name, dtype, shape);
   if (bytes.size() != expected) {
-    throw std::invalid_argument(
-        "SafetensorsWriter: tensor '" + name + "' needs " +
-        std::to_string(expected) + " bytes, got " +
-        std::to_string(bytes.size()));
+    throw std::invalid_argument("SafetensorsWriter: tensor '" + name +
+                                "' needs " + std::to_string(expected) +
+                                " bytes, got " + std::to_string(bytes.size()));
   }
   return AddTensor(name, dtype, std::move(shape),
                    [bytes](uint64_t offset, std::span<std::byte> out) {
-                     std::memcpy(out.data(), bytes.data() + offset,
-                                 out.size());
+                     std::memcpy(out.data(), bytes.data() + offset, out.size());
                    });
 }
 
-std::vector<const SafetensorsWriter::Entry*> SafetensorsWriter::Layout()
-    const {
+std::vector<const SafetensorsWriter::Entry*> SafetensorsWriter::Layout() const {
   std::vector<const Entry*> order;
   order.reserve(entries_.size());
   for (const Entry& e : entries_) order.push_back(&e);
@@ -145,22 +140,39 @@ std::vector<const SafetensorsWriter::Entry*> SafetensorsWriter::Layout()
 }
 
 std::string SafetensorsWriter::HeaderJson() const {
-  nlohmann::ordered_json header = nlohmann::ordered_json::object();
+  // Built as text, entry by entry (ordered_json's object lookup is linear,
+  // which would make headers of many tensors quadratic); nlohmann escapes
+  // the strings.
+  const auto quote = [](const std::string& s) {
+    return nlohmann::json(s).dump();
+  };
+  std::string text = "{";
   if (!metadata_.empty()) {
-    nlohmann::ordered_json meta = nlohmann::ordered_json::object();
-    for (const auto& [key, value] : metadata_) meta[key] = value;
-    header["__metadata__"] = std::move(meta);
+    text += "\"__metadata__\":{";
+    bool first = true;
+    for (const auto& [key, value] : metadata_) {
+      if (!first) text += ',';
+      first = false;
+      text += quote(key) + ':' + quote(value);
+    }
+    text += '}';
   }
   uint64_t offset = 0;
   for (const Entry* e : Layout()) {
-    nlohmann::ordered_json t = nlohmann::ordered_json::object();
-    t["dtype"] = DtypeName(e->dtype);
-    t["shape"] = e->shape;
-    t["data_offsets"] = {offset, offset + e->bytes};
-    header[e->name] = std::move(t);
+    if (text.size() > 1) text += ',';
+    text += quote(e->name);
+    text += ":{\"dtype\":\"";
+    text += DtypeName(e->dtype);
+    text += "\",\"shape\":[";
+    for (size_t i = 0; i < e->shape.size(); ++i) {
+      if (i > 0) text += ',';
+      text += std::to_string(e->shape[i]);
+    }
+    text += "],\"data_offsets\":[" + std::to_string(offset) + ',' +
+            std::to_string(offset + e->bytes) + "]}";
     offset += e->bytes;
   }
-  std::string text = header.dump();
+  text += '}';
   text.append((8 - text.size() % 8) % 8, ' ');
   return text;
 }
@@ -189,8 +201,8 @@ void SafetensorsWriter::Emit(
   std::vector<std::byte> buffer(std::max<size_t>(buffer_bytes, 1));
   for (const Entry* e : Layout()) {
     for (uint64_t done = 0; done < e->bytes;) {
-      const size_t n =
-          static_cast<size_t>(std::min<uint64_t>(buffer.size(), e->bytes - done));
+      const size_t n = static_cast<size_t>(
+          std::min<uint64_t>(buffer.size(), e->bytes - done));
       const std::span<std::byte> chunk(buffer.data(), n);
       e->fill(done, chunk);
       sink(chunk);

@@ -112,8 +112,8 @@ FileIdentity IdentityOf(const struct stat& st) {
   id.device = static_cast<uint64_t>(st.st_dev);
   id.inode = static_cast<uint64_t>(st.st_ino);
   id.size = static_cast<uint64_t>(st.st_size);
-  id.mtime_ns = static_cast<int64_t>(st.st_mtim.tv_sec) * 1000000000 +
-                st.st_mtim.tv_nsec;
+  id.mtime_ns =
+      static_cast<int64_t>(st.st_mtim.tv_sec) * 1000000000 + st.st_mtim.tv_nsec;
   return id;
 }
 
@@ -156,9 +156,8 @@ void ParallelPread(int fd, std::byte* dst, uint64_t offset, uint64_t length,
                    int threads, uint64_t chunk_bytes, const std::string& path) {
   if (length == 0) return;
   const uint64_t chunks = (length - 1) / chunk_bytes + 1;
-  const int workers =
-      static_cast<int>(std::min<uint64_t>(static_cast<uint64_t>(threads),
-                                          chunks));
+  const int workers = static_cast<int>(
+      std::min<uint64_t>(static_cast<uint64_t>(threads), chunks));
 
   std::atomic<uint64_t> next_chunk{0};
   std::atomic<bool> failed{false};
@@ -220,8 +219,8 @@ WeightSet WeightSet::Open(const std::string& path, const LoadOptions& options) {
       const int e = errno;
       throw IoError(path, "mmap failed: " + detail::ErrnoText(e), e);
     }
-    set.storage_ = std::make_unique<Storage>(Storage::Kind::kMapping, base,
-                                             file_bytes);
+    set.storage_ =
+        std::make_unique<Storage>(Storage::Kind::kMapping, base, file_bytes);
     CheckSizeUnchanged(fd.get(), file_bytes, path);
     set.data_ = std::span<const std::byte>(set.storage_->base() + data_offset,
                                            data_bytes);

@@ -187,23 +187,24 @@ TEST_F(InspectFileTest, MissingFileAndDirectory) {
 }
 
 TEST_F(InspectFileTest, InvalidHeadersFailWithOneLine) {
-  const std::string overlap = Write(
-      "overlap.safetensors",
-      Image(R"({"a":{"dtype":"U8","shape":[4],"data_offsets":[0,4]},)"
-            R"("b":{"dtype":"U8","shape":[4],"data_offsets":[2,6]}})",
-            6));
+  const std::string overlap =
+      Write("overlap.safetensors",
+            Image(R"({"a":{"dtype":"U8","shape":[4],"data_offsets":[0,4]},)"
+                  R"("b":{"dtype":"U8","shape":[4],"data_offsets":[2,6]}})",
+                  6));
   EXPECT_THAT(ExpectFailure(overlap, false), HasSubstr("overlap"));
-  const std::string dup = Write(
-      "dup.safetensors",
-      Image(R"({"a":{"dtype":"U8","shape":[1],"data_offsets":[0,1]},)"
-            R"("a":{"dtype":"U8","shape":[1],"data_offsets":[0,1]}})",
-            1));
+  const std::string dup =
+      Write("dup.safetensors",
+            Image(R"({"a":{"dtype":"U8","shape":[1],"data_offsets":[0,1]},)"
+                  R"("a":{"dtype":"U8","shape":[1],"data_offsets":[0,1]}})",
+                  1));
   EXPECT_THAT(ExpectFailure(dup, true), HasSubstr("duplicate entry 'a'"));
   // A name with a newline and a terminal escape stays on one line.
   const std::string evil = Write(
       "evil.safetensors",
-      Image(R"({"x\n\u001b[2J":{"dtype":"F99","shape":[],"data_offsets":[0,0]}})",
-            0));
+      Image(
+          R"({"x\n\u001b[2J":{"dtype":"F99","shape":[],"data_offsets":[0,0]}})",
+          0));
   EXPECT_THAT(ExpectFailure(evil, false),
               HasSubstr("tensor 'x\\n\\x1B[2J': unknown dtype 'F99'"));
   const std::string tiny = Write("tiny.safetensors", "abc");

@@ -249,7 +249,8 @@ const std::string kOk =
 
 std::vector<InvalidCase> InvalidCases() {
   return {
-      {"file shorter than the length", {std::byte{1}, std::byte{0}},
+      {"file shorter than the length",
+       {std::byte{1}, std::byte{0}},
        "file is 2 bytes, too small for the 8-byte header length"},
       {"empty file", {}, "file is 0 bytes"},
       {"header length over the limit", Image("{}", 0, uint64_t{101} << 20),
@@ -296,9 +297,8 @@ std::vector<InvalidCase> InvalidCases() {
       {"missing data_offsets", Image(R"({"a":{"dtype":"F32","shape":[1]}})", 4),
        "tensor 'a': missing data_offsets"},
       {"extra field",
-       Image(
-           R"({"a":{"dtype":"F32","shape":[1],"data_offsets":[0,4],"x":1}})",
-           4),
+       Image(R"({"a":{"dtype":"F32","shape":[1],"data_offsets":[0,4],"x":1}})",
+             4),
        "tensor 'a': unexpected field 'x'"},
       {"duplicate field",
        Image(
@@ -407,8 +407,8 @@ std::vector<InvalidCase> InvalidCases() {
        "data bytes [4, 5) belong to no tensor (after the last tensor)"},
       {"data but no tensors", Image("{}", 3),
        "data bytes [0, 3) belong to no tensor"},
-      {"duplicate tensor name",
-       Image("{" + kOk + "," + kOk + "}", 4), "duplicate entry 'ok'"},
+      {"duplicate tensor name", Image("{" + kOk + "," + kOk + "}", 4),
+       "duplicate entry 'ok'"},
       {"duplicate tensor name, second one different",
        Image("{" + kOk +
                  R"(,"ok":{"dtype":"U8","shape":[0],"data_offsets":[4,4]}})",
@@ -426,8 +426,7 @@ std::vector<InvalidCase> InvalidCases() {
       {"__metadata__ nested value",
        Image(R"({"__metadata__":{"k":{"x":"y"}}})", 0),
        "__metadata__: value of 'k' must be a string, found an object"},
-      {"__metadata__ boolean value",
-       Image(R"({"__metadata__":{"k":true}})", 0),
+      {"__metadata__ boolean value", Image(R"({"__metadata__":{"k":true}})", 0),
        "__metadata__: value of 'k' must be a string, found a boolean"},
       {"__metadata__ duplicate key",
        Image(R"({"__metadata__":{"k":"a","k":"b"}})", 0),
@@ -435,8 +434,8 @@ std::vector<InvalidCase> InvalidCases() {
       {"newline in a name is escaped",
        Image(R"({"a\nb":{"dtype":"X","shape":[],"data_offsets":[0,0]}})", 0),
        "tensor 'a\\nb': unknown dtype 'X'"},
-      {"escape sequence in a name is escaped",
-       Image(R"({"\u001b[31m":1})", 0), "tensor '\\x1B[31m' must be"},
+      {"escape sequence in a name is escaped", Image(R"({"\u001b[31m":1})", 0),
+       "tensor '\\x1B[31m' must be"},
   };
 }
 
@@ -490,18 +489,18 @@ TEST(SafetensorsValidTest, TrailingWhitespacePaddingIsAccepted) {
 }
 
 TEST(SafetensorsValidTest, ScalarsAndZeroSizeTensors) {
-  const SafetensorsHeader h = Parse(Image(
-      R"({"z_end":{"dtype":"F32","shape":[3,0],"data_offsets":[10,10]},)"
-      R"("scalar":{"dtype":"I64","shape":[],"data_offsets":[0,8]},)"
-      R"("z_mid_b":{"dtype":"U8","shape":[0],"data_offsets":[8,8]},)"
-      R"("z_mid_a":{"dtype":"BF16","shape":[0,7],"data_offsets":[8,8]},)"
-      R"("h":{"dtype":"F16","shape":[1],"data_offsets":[8,10]},)"
-      R"("z_start":{"dtype":"U8","shape":[0],"data_offsets":[0,0]}})",
-      10));
+  const SafetensorsHeader h = Parse(
+      Image(R"({"z_end":{"dtype":"F32","shape":[3,0],"data_offsets":[10,10]},)"
+            R"("scalar":{"dtype":"I64","shape":[],"data_offsets":[0,8]},)"
+            R"("z_mid_b":{"dtype":"U8","shape":[0],"data_offsets":[8,8]},)"
+            R"("z_mid_a":{"dtype":"BF16","shape":[0,7],"data_offsets":[8,8]},)"
+            R"("h":{"dtype":"F16","shape":[1],"data_offsets":[8,10]},)"
+            R"("z_start":{"dtype":"U8","shape":[0],"data_offsets":[0,0]}})",
+            10));
   std::vector<std::string> names;
   for (const TensorInfo& t : h.tensors()) names.push_back(t.name);
-  EXPECT_THAT(names, ElementsAre("z_start", "scalar", "z_mid_a", "z_mid_b",
-                                 "h", "z_end"));
+  EXPECT_THAT(names, ElementsAre("z_start", "scalar", "z_mid_a", "z_mid_b", "h",
+                                 "z_end"));
   const TensorInfo* scalar = h.Find("scalar");
   ASSERT_NE(scalar, nullptr);
   EXPECT_TRUE(scalar->shape.empty());
@@ -521,11 +520,11 @@ TEST(SafetensorsValidTest, OnlyZeroSizeTensorsAndNoData) {
 }
 
 TEST(SafetensorsValidTest, MetadataAndUtf8Names) {
-  const SafetensorsHeader h = Parse(Image(
-      R"({"__metadata__":{"format":"pt","note":"\u00e9t\u00e9"},)"
-      R"("caf\u00e9":{"dtype":"BOOL","shape":[2],"data_offsets":[0,2]},)"
-      R"("f8":{"dtype":"F8_E4M3","shape":[1],"data_offsets":[2,3]}})",
-      3));
+  const SafetensorsHeader h = Parse(
+      Image(R"({"__metadata__":{"format":"pt","note":"\u00e9t\u00e9"},)"
+            R"("caf\u00e9":{"dtype":"BOOL","shape":[2],"data_offsets":[0,2]},)"
+            R"("f8":{"dtype":"F8_E4M3","shape":[1],"data_offsets":[2,3]}})",
+            3));
   EXPECT_TRUE(h.has_metadata());
   EXPECT_EQ(h.metadata().at("format"), "pt");
   EXPECT_EQ(h.metadata().at("note"), "\xC3\xA9t\xC3\xA9");
@@ -574,11 +573,11 @@ TEST(PrintableTest, EscapesControlsAndInvalidUtf8KeepsValidUtf8) {
   EXPECT_EQ(Printable("\x1b[0m"), "\\x1B[0m");
   EXPECT_EQ(Printable("\x7f"), "\\x7F");
   EXPECT_EQ(Printable("caf\xC3\xA9"), "caf\xC3\xA9");
-  EXPECT_EQ(Printable("\xC2\x85"), "\\xC2\\x85");          // NEL
+  EXPECT_EQ(Printable("\xC2\x85"), "\\xC2\\x85");           // NEL
   EXPECT_EQ(Printable("\xE2\x80\xA8"), "\\xE2\\x80\\xA8");  // U+2028
   EXPECT_EQ(Printable("\xff\xfe"), "\\xFF\\xFE");
-  EXPECT_EQ(Printable("\xC3"), "\\xC3");              // truncated sequence
-  EXPECT_EQ(Printable("\xC0\xAF"), "\\xC0\\xAF");     // overlong
+  EXPECT_EQ(Printable("\xC3"), "\\xC3");           // truncated sequence
+  EXPECT_EQ(Printable("\xC0\xAF"), "\\xC0\\xAF");  // overlong
   EXPECT_EQ(Printable("\xED\xA0\x80"), "\\xED\\xA0\\x80");  // surrogate
   EXPECT_EQ(Printable(std::string(1, '\0')), "\\x00");
   EXPECT_EQ(Printable(std::string(10, 'x'), 4), "xxxx...");

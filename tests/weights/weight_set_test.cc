@@ -168,16 +168,16 @@ TEST_F(WeightSetTest, WriterCopiesSpansAndRejectsBadTensors) {
                std::invalid_argument);
   EXPECT_THROW(w.AddTensor("n", Dtype::kU8, {1}, FillFn()),
                std::invalid_argument);
-  EXPECT_THROW(w.AddTensor("s", Dtype::kF32, {2, 2},
-                           std::span<const std::byte>(bytes)),
-               std::invalid_argument);
-  EXPECT_THROW(w.AddTensor("big", Dtype::kF64, {uint64_t{1} << 62},
-                           PatternFill(0)),
-               std::invalid_argument);
-  EXPECT_THROW(w.AddTensor("big0", Dtype::kU8,
-                           {0, uint64_t{1} << 32, uint64_t{1} << 32},
-                           PatternFill(0)),
-               std::invalid_argument);
+  EXPECT_THROW(
+      w.AddTensor("s", Dtype::kF32, {2, 2}, std::span<const std::byte>(bytes)),
+      std::invalid_argument);
+  EXPECT_THROW(
+      w.AddTensor("big", Dtype::kF64, {uint64_t{1} << 62}, PatternFill(0)),
+      std::invalid_argument);
+  EXPECT_THROW(
+      w.AddTensor("big0", Dtype::kU8, {0, uint64_t{1} << 32, uint64_t{1} << 32},
+                  PatternFill(0)),
+      std::invalid_argument);
 
   const std::string path = PathFor("span.safetensors");
   w.Write(path, /*buffer_bytes=*/5);
@@ -203,8 +203,8 @@ TEST(FillPatternTest, AnyOffsetAndLengthGivesTheSameStream) {
       if (offset + len > whole.size()) continue;
       std::vector<std::byte> part(len);
       FillPattern(42, offset, part);
-      EXPECT_TRUE(SameBytes(part, std::span<const std::byte>(whole).subspan(
-                                      offset, len)))
+      EXPECT_TRUE(SameBytes(
+          part, std::span<const std::byte>(whole).subspan(offset, len)))
           << offset << "+" << len;
     }
   }
@@ -252,8 +252,9 @@ TEST_F(WeightSetTest, PreadRoundTripAtEveryThreadCountAndChunkSize) {
       const WeightSet set = WeightSet::Open(path, options);
       EXPECT_EQ(set.mode(), LoadMode::kPread);
       ExpectMixedContents(set);
-      EXPECT_TRUE(SameBytes(set.data(), std::span<const std::byte>(file).subspan(
-                                            set.header().data_offset())));
+      EXPECT_TRUE(
+          SameBytes(set.data(), std::span<const std::byte>(file).subspan(
+                                    set.header().data_offset())));
       EXPECT_EQ(reinterpret_cast<uintptr_t>(set.data().data()) % 4096, 0u);
     }
   }

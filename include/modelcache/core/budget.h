@@ -57,6 +57,8 @@ class BudgetMember {
   virtual EvictOutcome TryEvict(const VictimCandidate& victim) = 0;
   // Appends "key (size, why held)" items for a capacity error.
   virtual void DescribeHolders(std::vector<std::string>* out) = 0;
+  // Bytes no eviction could free now: leased, pinned, retired, or in flight.
+  virtual uint64_t UnevictableBytes() = 0;
 };
 
 }  // namespace detail
@@ -76,6 +78,11 @@ class Budget {
   uint64_t high_water() const EXCLUDES(mu_);
   // Reservations currently looking for room (evicting or waiting).
   int waiters() const { return waiters_.load(); }
+
+  // How many bytes a reservation could get now by evicting every unleased,
+  // unpinned record: capacity minus what nothing can evict. A snapshot; for
+  // deciding how much of a model to place (partial placement).
+  uint64_t ObtainableBytes() EXCLUDES(mu_);
 
   // Changes the capacity. When it shrinks, evicts unleased, unpinned records
   // of every member until used <= capacity or nothing more is evictable;

@@ -19,6 +19,7 @@
 #include <map>
 #include <span>
 #include <string>
+#include <unordered_set>
 #include <vector>
 
 #include "modelcache/weights/safetensors.h"
@@ -88,6 +89,7 @@ class SafetensorsWriter {
 
   std::map<std::string, std::string> metadata_;
   std::vector<Entry> entries_;
+  std::unordered_set<std::string> names_;
 };
 
 }  // namespace modelcache::weights

@@ -84,7 +84,8 @@ class WeightSet {
   // open, a directory, not a regular file, read or mmap failed, file shrank
   // while being read), FormatError (not a valid safetensors file) or
   // std::invalid_argument (bad options).
-  static WeightSet Open(const std::string& path, const LoadOptions& options = {});
+  static WeightSet Open(const std::string& path,
+                        const LoadOptions& options = {});
 
   WeightSet(WeightSet&& other) noexcept;
   WeightSet& operator=(WeightSet&& other) noexcept;

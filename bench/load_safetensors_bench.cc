@@ -175,14 +175,32 @@ void BM_LoadSafetensors_mmap_open(benchmark::State& state) {
   state.SetLabel(state.range(0) == 0 ? "1MiB" : "2GiB");
 }
 
-BENCHMARK(BM_LoadSafetensors_sequential_read)->Unit(benchmark::kMillisecond)->UseRealTime();
-BENCHMARK(BM_LoadSafetensors_memcpy)->ArgName("threads")->Arg(1)->Arg(2)->Arg(4)
-    ->Unit(benchmark::kMillisecond)->UseRealTime();
-BENCHMARK(BM_LoadSafetensors_pread)->ArgName("threads")->Arg(1)->Arg(2)->Arg(4)
-    ->Unit(benchmark::kMillisecond)->UseRealTime();
-BENCHMARK(BM_LoadSafetensors_mmap)->Unit(benchmark::kMillisecond)->UseRealTime();
-BENCHMARK(BM_LoadSafetensors_mmap_open)->ArgName("size")->Arg(0)->Arg(1)
-    ->Unit(benchmark::kMicrosecond)->UseRealTime();
+BENCHMARK(BM_LoadSafetensors_sequential_read)
+    ->Unit(benchmark::kMillisecond)
+    ->UseRealTime();
+BENCHMARK(BM_LoadSafetensors_memcpy)
+    ->ArgName("threads")
+    ->Arg(1)
+    ->Arg(2)
+    ->Arg(4)
+    ->Unit(benchmark::kMillisecond)
+    ->UseRealTime();
+BENCHMARK(BM_LoadSafetensors_pread)
+    ->ArgName("threads")
+    ->Arg(1)
+    ->Arg(2)
+    ->Arg(4)
+    ->Unit(benchmark::kMillisecond)
+    ->UseRealTime();
+BENCHMARK(BM_LoadSafetensors_mmap)
+    ->Unit(benchmark::kMillisecond)
+    ->UseRealTime();
+BENCHMARK(BM_LoadSafetensors_mmap_open)
+    ->ArgName("size")
+    ->Arg(0)
+    ->Arg(1)
+    ->Unit(benchmark::kMicrosecond)
+    ->UseRealTime();
 
 }  // namespace
 

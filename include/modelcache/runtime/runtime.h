@@ -1,0 +1,187 @@
+// The multi-device model runtime: real model weights on real devices.
+//
+//   ModelRuntime
+//     ├─ HostWeightStore   one canonical host copy per weight file, in one
+//     │                    host RAM budget, shared by every device
+//     └─ DeviceCache × N   one per device: a ModelCache of placed models in
+//                          that device's budget (its capacity minus a
+//                          working-memory reserve)
+//
+// A placed model holds references to its host copies for as long as it is
+// on the device, so a model in use on any device is never evicted from the
+// host store beneath it, and the host copy is read once however many devices
+// use it. Acquire returns a ModelLease: while it lives the model stays on the
+// device.
+//
+// Placement. kFull puts every tensor on the device, evicting unleased models
+// as needed, or fails (kTooLarge, kCapacity). kPartial places a full copy
+// whenever eviction of unleased models can make room for one; otherwise it
+// puts the tensors that fit (in file order) on the device and leaves the
+// rest on the host, and the lease says how much is where. A partial copy is
+// replaced by a full one at a later acquire once room has appeared.
+//
+// Failures leave the books unchanged: a failed read, device allocation or
+// copy returns every reserved byte and caches nothing.
+#ifndef MODELCACHE_RUNTIME_RUNTIME_H_
+#define MODELCACHE_RUNTIME_RUNTIME_H_
+
+#include <memory>
+#include <span>
+#include <string>
+#include <vector>
+
+#include "modelcache/core/cache.h"
+#include "modelcache/device/device.h"
+#include "modelcache/runtime/registry.h"
+#include "modelcache/weights/host_store.h"
+
+namespace modelcache::runtime {
+
+enum class Placement { kFull, kPartial };
+
+// One tensor of a placed model.
+struct PlacedTensor {
+  const weights::TensorInfo* info;  // name, dtype, shape
+  bool on_device;
+  uint64_t device_offset;           // into DeviceModel::buffer(), if on_device
+  std::span<const std::byte> host;  // its bytes in the host copy (always valid)
+};
+
+// A model's weights placed on one device. Immutable once loaded.
+class DeviceModel {
+ public:
+  const std::string& id() const { return id_; }
+  device::Device& device() const { return *buffer_.device(); }
+  uint64_t total_bytes() const { return total_bytes_; }
+  uint64_t bytes_on_device() const { return buffer_.size(); }
+  bool full() const { return bytes_on_device() == total_bytes_; }
+  const std::vector<PlacedTensor>& tensors() const { return tensors_; }
+  // Every on-device tensor, at its device_offset.
+  const device::DeviceBuffer& buffer() const { return buffer_; }
+
+ private:
+  friend class DeviceCache;
+  std::string id_;
+  uint64_t total_bytes_ = 0;
+  // Declared before buffer_ so that the device memory goes first.
+  std::vector<weights::HostWeights> host_;
+  device::DeviceBuffer buffer_;
+  std::vector<PlacedTensor> tensors_;
+};
+
+// A claim on a placed model: it stays on the device while the lease lives.
+class ModelLease {
+ public:
+  ModelLease() = default;
+  explicit operator bool() const { return static_cast<bool>(lease_); }
+  const DeviceModel& model() const { return *lease_.get<DeviceModel>(); }
+  const DeviceModel* operator->() const { return &model(); }
+  void Release() { lease_.Release(); }
+
+ private:
+  friend class DeviceCache;
+  explicit ModelLease(Lease lease) : lease_(std::move(lease)) {}
+  Lease lease_;
+};
+
+struct DeviceCacheOptions {
+  // The bytes models may use on the device; 0 means the device's capacity.
+  uint64_t capacity_bytes = 0;
+  // Kept free for activations and workspaces: the budget is capacity minus
+  // this.
+  uint64_t working_reserve_bytes = 0;
+  std::shared_ptr<const EvictionPolicy> policy;  // LRU when null
+  std::function<void(const CacheEvent&)> on_event;
+};
+
+// The models placed on one device.
+class DeviceCache {
+ public:
+  // REQUIRES: `host` and `device` outlive the cache.
+  DeviceCache(weights::HostWeightStore& host, device::Device& device,
+              DeviceCacheOptions options = {});
+  // Frees every placed model's device memory and returns its host
+  // references, without any explicit shutdown.
+  // REQUIRES: no lease is outstanding.
+  ~DeviceCache() = default;
+
+  // Places the model `id`, made of `files`, on this device (see the file
+  // comment for placement). Throws what the host store, the device or the
+  // cache throw: weights::IoError / FormatError, device::DeviceError,
+  // modelcache::Error.
+  ModelLease Acquire(const std::string& id,
+                     const std::vector<std::string>& files,
+                     Placement placement = Placement::kFull,
+                     const AcquireOptions& options = {});
+
+  device::Device& device() const { return device_; }
+  ModelCache& cache() { return cache_; }
+
+ private:
+  weights::HostWeightStore& host_;
+  device::Device& device_;
+  ModelCache cache_;
+};
+
+struct RuntimeDevice {
+  device::Device* device;  // not owned; must outlive the runtime
+  DeviceCacheOptions options;
+};
+
+struct RuntimeOptions {
+  // The host RAM budget; when null, one of host_capacity_bytes.
+  std::shared_ptr<Budget> host_budget;
+  uint64_t host_capacity_bytes = 0;
+  weights::LoadOptions load;
+  std::vector<RuntimeDevice> devices;
+};
+
+class ModelRuntime {
+ public:
+  // Names are resolved through the registry (ids and aliases), so the
+  // device caches only ever see model ids.
+  ModelRuntime(ModelRegistry registry, RuntimeOptions options);
+  // REQUIRES: no lease or patch scope is outstanding.
+  ~ModelRuntime();
+
+  // A lease on `model` (an id or alias) placed on device `device_index`.
+  // Throws Error kNotFound for an unknown model, kInvalidArgument for a bad
+  // device index, and whatever DeviceCache::Acquire throws.
+  ModelLease Acquire(std::string_view model, size_t device_index,
+                     Placement placement = Placement::kFull,
+                     const AcquireOptions& options = {});
+
+  const ModelRegistry& registry() const { return registry_; }
+  weights::HostWeightStore& host() { return *host_; }
+  size_t device_count() const { return devices_.size(); }
+  DeviceCache& device_cache(size_t index) { return *devices_.at(index); }
+
+ private:
+  ModelRegistry registry_;
+  std::unique_ptr<weights::HostWeightStore> host_;
+  std::vector<std::unique_ptr<DeviceCache>> devices_;
+};
+
+// Patches (LoRA adapters and the like) applied to a model for a region of
+// code: the scope holds a lease on every patch model, on one device, from
+// construction to destruction, so none can be evicted while it is applied.
+class PatchScope {
+ public:
+  // Acquires every patch (fully placed), or none: if one fails, those already
+  // acquired are released and the error propagates.
+  PatchScope(ModelRuntime& runtime, size_t device_index,
+             const std::vector<std::string>& patches,
+             const AcquireOptions& options = {});
+  ~PatchScope() = default;  // releases every patch
+  PatchScope(const PatchScope&) = delete;
+  PatchScope& operator=(const PatchScope&) = delete;
+
+  const std::vector<ModelLease>& patches() const { return patches_; }
+
+ private:
+  std::vector<ModelLease> patches_;
+};
+
+}  // namespace modelcache::runtime
+
+#endif  // MODELCACHE_RUNTIME_RUNTIME_H_

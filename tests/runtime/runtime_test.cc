@@ -1,0 +1,429 @@
+// The multi-device runtime on simulated devices: one host copy shared by
+// every device (InvokeAI's multi-GPU scenarios), partial placement, patch
+// scopes, failures that leave the books unchanged, and a stress run across
+// two devices.
+#include "modelcache/runtime/runtime.h"
+
+#include <unistd.h>
+
+#include <atomic>
+#include <filesystem>
+#include <fstream>
+#include <latch>
+#include <random>
+#include <thread>
+
+#include "gmock/gmock.h"
+#include "gtest/gtest.h"
+#include "modelcache/device/simulated_device.h"
+#include "modelcache/weights/safetensors_writer.h"
+
+namespace modelcache::runtime {
+namespace {
+
+namespace fs = std::filesystem;
+using device::SimulatedDevice;
+using device::SimulatedDeviceOptions;
+using ::testing::HasSubstr;
+
+constexpr uint64_t kKiB = 1024;
+
+class RuntimeTest : public ::testing::Test {
+ protected:
+  void SetUp() override {
+    dir_ = fs::temp_directory_path() /
+           ("modelcache_runtime_" + std::to_string(::getpid()) + "_" +
+            ::testing::UnitTest::GetInstance()->current_test_info()->name());
+    fs::create_directories(dir_);
+  }
+  void TearDown() override { fs::remove_all(dir_); }
+
+  // A model file of `tensors` F32 tensors of `kib_each` KiB.
+  std::string MakeModel(const std::string& name, int tensors,
+                        uint64_t kib_each) {
+    const std::string path = (dir_ / (name + ".safetensors")).string();
+    weights::SafetensorsWriter writer;
+    for (int i = 0; i < tensors; ++i) {
+      writer.AddTensor(name + ".t" + std::to_string(i), weights::Dtype::kF32,
+                       {kib_each * kKiB / 4}, weights::PatternFill(i));
+    }
+    writer.Write(path);
+    return path;
+  }
+
+  static std::unique_ptr<SimulatedDevice> Sim(const std::string& name,
+                                              uint64_t capacity) {
+    SimulatedDeviceOptions options;
+    options.name = name;
+    options.capacity_bytes = capacity;
+    options.bandwidth_bytes_per_second = 1e9;
+    return std::make_unique<SimulatedDevice>(options);
+  }
+
+  fs::path dir_;
+};
+
+// Device bytes hold exactly the host bytes of the placed tensors.
+void ExpectDeviceBytesMatchHost(const DeviceModel& model) {
+  for (const PlacedTensor& t : model.tensors()) {
+    if (!t.on_device) continue;
+    std::vector<std::byte> back(t.host.size());
+    model.device().CopyToHost(back, model.buffer(), t.device_offset);
+    EXPECT_TRUE(std::equal(back.begin(), back.end(), t.host.begin()))
+        << t.info->name;
+  }
+}
+
+TEST_F(RuntimeTest, TwoDeviceCachesShareOneHostCopyFreedOnlyWhenTheLastLetsGo) {
+  const std::string file = MakeModel("sdxl", 4, 16);  // 64 KiB
+  weights::HostWeightStore host({.capacity_bytes = 1 << 20});
+  auto gpu0 = Sim("gpu0", 1 << 20), gpu1 = Sim("gpu1", 1 << 20);
+  DeviceCache cache0(host, *gpu0), cache1(host, *gpu1);
+  ModelLease on0 = cache0.Acquire("sdxl", {file});
+  ModelLease on1 = cache1.Acquire("sdxl", {file});
+  EXPECT_EQ(host.Stats().loads, 1u);
+  EXPECT_EQ(host.budget().used(), 64 * kKiB);  // counted once
+  EXPECT_EQ(gpu0->bytes_allocated(), 64 * kKiB);
+  EXPECT_EQ(gpu1->bytes_allocated(), 64 * kKiB);
+  ExpectDeviceBytesMatchHost(on0.model());
+  ExpectDeviceBytesMatchHost(on1.model());
+
+  on0.Release();
+  cache0.cache().Prune();  // gpu0 lets go of the model
+  EXPECT_EQ(gpu0->bytes_allocated(), 0u);
+  EXPECT_EQ(host.Trim(), 0u);  // gpu1 still holds the host copy
+  on1.Release();
+  cache1.cache().Prune();
+  EXPECT_EQ(host.Trim(), 1u);
+  EXPECT_EQ(host.budget().used(), 0u);
+}
+
+TEST_F(RuntimeTest, DestroyingADeviceCacheWithoutShutdownReturnsEveryHostByte) {
+  const std::string a = MakeModel("a", 2, 16), b = MakeModel("b", 2, 8);
+  weights::HostWeightStore host({.capacity_bytes = 1 << 20});
+  auto gpu = Sim("gpu0", 1 << 20);
+  {
+    DeviceCache cache(host, *gpu);
+    cache.Acquire("a", {a});
+    cache.Acquire("b", {b});
+    EXPECT_EQ(gpu->bytes_allocated(), 48 * kKiB);
+  }  // no shutdown call
+  EXPECT_EQ(gpu->bytes_allocated(), 0u);
+  for (const EntryInfo& e : host.cache().Entries()) EXPECT_EQ(e.leases, 0);
+  EXPECT_EQ(host.Trim(), 2u);
+  EXPECT_EQ(host.budget().used(), 0u);
+}
+
+TEST_F(RuntimeTest, EvictionThenLaterReleaseIsExactlyOnce) {
+  const std::string a = MakeModel("a", 1, 32), b = MakeModel("b", 1, 32);
+  weights::HostWeightStore host({.capacity_bytes = 1 << 20});
+  auto gpu = Sim("gpu0", 48 * kKiB);  // room for one model
+  DeviceCache cache(host, *gpu);
+  ModelLease first = cache.Acquire("a", {a});
+  first.Release();
+  ModelLease second = cache.Acquire("b", {b});  // evicts a
+  EXPECT_FALSE(cache.cache().Entry("a").has_value());
+  first.Release();  // released already: nothing happens
+  EXPECT_EQ(gpu->bytes_allocated(), 32 * kKiB);
+  EXPECT_EQ(cache.cache().CheckInvariants(), cache.cache().budget().used());
+  // a's host copy is unreferenced now, b's is held by its placement.
+  EXPECT_EQ(host.Trim(), 1u);
+  EXPECT_EQ(host.budget().used(), 32 * kKiB);
+}
+
+TEST_F(RuntimeTest, ARetiredPlacementIsFreedByItsLastHolder) {
+  const std::string a = MakeModel("a", 2, 16);
+  weights::HostWeightStore host({.capacity_bytes = 1 << 20});
+  auto gpu = Sim("gpu0", 1 << 20);
+  DeviceCache cache(host, *gpu);
+  ModelLease old_lease = cache.Acquire("a", {a});
+  EXPECT_EQ(cache.cache().Invalidate("a"), RemoveOutcome::kRetired);
+  ModelLease new_lease = cache.Acquire("a", {a});
+  EXPECT_NE(&old_lease.model(), &new_lease.model());
+  EXPECT_EQ(gpu->bytes_allocated(), 64 * kKiB);  // both placed
+  old_lease.Release();
+  EXPECT_EQ(gpu->bytes_allocated(), 32 * kKiB);
+  EXPECT_EQ(host.Stats().loads, 1u);  // the host copy was shared throughout
+}
+
+TEST_F(RuntimeTest, PartialPlacementAtSixtyPercentThenFullWhenRoomAppears) {
+  const std::string big = MakeModel("big", 10, 10);     // 100 KiB
+  const std::string other = MakeModel("other", 4, 10);  // 40 KiB
+  weights::HostWeightStore host({.capacity_bytes = 1 << 20});
+  auto gpu = Sim("gpu0", 100 * kKiB);
+  DeviceCache cache(host, *gpu);
+  ModelLease held = cache.Acquire("other", {other});  // 40 KiB leased
+  // Only 60 KiB can be had: 60% of the model goes to the device.
+  ModelLease partial = cache.Acquire("big", {big}, Placement::kPartial);
+  EXPECT_GT(partial->bytes_on_device(), 0u);
+  EXPECT_LT(partial->bytes_on_device(), partial->total_bytes());
+  EXPECT_EQ(partial->bytes_on_device(), 60 * kKiB);
+  EXPECT_FALSE(partial->full());
+  size_t on_device = 0;
+  for (const PlacedTensor& t : partial->tensors()) on_device += t.on_device;
+  EXPECT_EQ(on_device, 6u);
+  ExpectDeviceBytesMatchHost(partial.model());
+  // A full placement is refused while "other" is leased.
+  try {
+    cache.Acquire("big", {big}, Placement::kFull);
+    FAIL() << "expected no room";
+  } catch (const Error& e) {
+    EXPECT_EQ(e.code(), ErrorCode::kCapacity);
+  }
+  // Room appears: the next acquire places it fully (evicting "other").
+  held.Release();
+  partial.Release();
+  ModelLease full = cache.Acquire("big", {big}, Placement::kPartial);
+  EXPECT_TRUE(full->full());
+  EXPECT_EQ(gpu->bytes_allocated(), 100 * kKiB);
+  EXPECT_FALSE(cache.cache().Entry("other").has_value());
+}
+
+TEST_F(RuntimeTest, PartialPlacementPrefersAFullOneWhenEvictionCanMakeRoom) {
+  const std::string big = MakeModel("big", 10, 10);
+  const std::string other = MakeModel("other", 4, 10);
+  weights::HostWeightStore host({.capacity_bytes = 1 << 20});
+  auto gpu = Sim("gpu0", 100 * kKiB);
+  DeviceCache cache(host, *gpu);
+  cache.Acquire("other", {other});  // resident but unleased
+  ModelLease lease = cache.Acquire("big", {big}, Placement::kPartial);
+  EXPECT_TRUE(lease->full());
+  EXPECT_FALSE(cache.cache().Entry("other").has_value());
+}
+
+TEST_F(RuntimeTest, ConcurrentAcquiresOnTwoDevicesReadTheFileOnce) {
+  const std::string file = MakeModel("m", 8, 64);
+  for (int round = 0; round < 10; ++round) {
+    weights::HostWeightStore host({.capacity_bytes = 1 << 22});
+    auto gpu0 = Sim("gpu0", 1 << 22), gpu1 = Sim("gpu1", 1 << 22);
+    DeviceCache cache0(host, *gpu0), cache1(host, *gpu1);
+    std::latch start(2);
+    std::thread t0([&] {
+      start.arrive_and_wait();
+      EXPECT_TRUE(cache0.Acquire("m", {file}));
+    });
+    std::thread t1([&] {
+      start.arrive_and_wait();
+      EXPECT_TRUE(cache1.Acquire("m", {file}));
+    });
+    t0.join();
+    t1.join();
+    EXPECT_EQ(host.Stats().loads, 1u);
+    EXPECT_EQ(host.Stats().bytes_loaded, 512 * kKiB);
+  }
+}
+
+TEST_F(RuntimeTest, AModelInUseOnOneDeviceIsNeverEvictedFromTheHostBeneathIt) {
+  const std::string a = MakeModel("a", 1, 64), b = MakeModel("b", 1, 64);
+  weights::HostWeightStore host({.capacity_bytes = 100 * kKiB});  // one copy
+  auto gpu0 = Sim("gpu0", 1 << 20), gpu1 = Sim("gpu1", 1 << 20);
+  DeviceCache cache0(host, *gpu0), cache1(host, *gpu1);
+  ModelLease in_use = cache0.Acquire("a", {a});
+  try {
+    cache1.Acquire("b", {b});
+    FAIL() << "expected no host room";
+  } catch (const Error& e) {
+    EXPECT_EQ(e.code(), ErrorCode::kCapacity);
+    EXPECT_THAT(e.what(), HasSubstr("1 lease"));
+  }
+  ExpectDeviceBytesMatchHost(in_use.model());  // its host copy is intact
+  EXPECT_EQ(gpu1->bytes_allocated(), 0u);
+}
+
+TEST_F(RuntimeTest, FailedAllocationOrCopyLeavesTheBooksUnchanged) {
+  const std::string a = MakeModel("a", 4, 16);
+  weights::HostWeightStore host({.capacity_bytes = 1 << 20});
+  auto gpu = Sim("gpu0", 1 << 20);
+  DeviceCache cache(host, *gpu);
+  gpu->FailAllocation(1);
+  EXPECT_THROW(cache.Acquire("a", {a}), device::DeviceError);
+  gpu->FailNextCopies(1);
+  try {
+    cache.Acquire("a", {a});
+    FAIL() << "expected a copy failure";
+  } catch (const device::DeviceError& e) {
+    EXPECT_EQ(e.code(), device::DeviceErrorCode::kCopyFailed);
+    EXPECT_THAT(e.what(), HasSubstr("gpu0"));
+  }
+  EXPECT_EQ(gpu->bytes_allocated(), 0u);
+  EXPECT_EQ(cache.cache().budget().used(), 0u);
+  EXPECT_FALSE(cache.cache().Entry("a").has_value());
+  EXPECT_EQ(cache.cache().Stats().load_failures, 2u);
+  // The host copy is unreferenced, not leaked.
+  EXPECT_EQ(host.Trim(), 1u);
+  // And the next attempt works.
+  EXPECT_TRUE(cache.Acquire("a", {a}));
+}
+
+TEST_F(RuntimeTest, WorkingReserveIsKeptFree) {
+  const std::string a = MakeModel("a", 1, 64);
+  weights::HostWeightStore host({.capacity_bytes = 1 << 20});
+  auto gpu = Sim("gpu0", 100 * kKiB);
+  DeviceCache cache(host, *gpu, {.working_reserve_bytes = 50 * kKiB});
+  try {
+    cache.Acquire("a", {a});
+    FAIL() << "64 KiB cannot fit in 100 KiB less a 50 KiB reserve";
+  } catch (const Error& e) {
+    EXPECT_EQ(e.code(), ErrorCode::kTooLarge);
+  }
+}
+
+class RuntimeWithRegistryTest : public RuntimeTest {
+ protected:
+  std::string WriteRegistry(const std::string& json) {
+    const std::string path = (dir_ / "models.json").string();
+    std::ofstream(path) << json;
+    return path;
+  }
+};
+
+TEST_F(RuntimeWithRegistryTest,
+       RegistryFromJsonResolvesAliasesAndRelativeFiles) {
+  MakeModel("base", 2, 8);
+  MakeModel("lora", 1, 4);
+  const std::string path = WriteRegistry(R"({"models": [
+      {"id": "base", "files": ["base.safetensors"], "aliases": ["latest"]},
+      {"id": "lora", "files": ["lora.safetensors"], "pinned": true, "size_bytes": 4096}]})");
+  ModelRegistry registry = ModelRegistry::FromJsonFile(path);
+  ASSERT_NE(registry.Find("latest"), nullptr);
+  EXPECT_EQ(registry.Find("latest")->id, "base");
+  EXPECT_EQ(registry.Find("lora")->files[0],
+            (dir_ / "lora.safetensors").string());
+  EXPECT_TRUE(registry.Find("lora")->pinned);
+
+  auto gpu = Sim("gpu0", 1 << 20);
+  ModelRuntime runtime(std::move(registry), {.host_capacity_bytes = 1 << 20,
+                                             .devices = {{gpu.get(), {}}}});
+  ModelLease lease = runtime.Acquire("latest", 0);
+  EXPECT_EQ(lease->id(), "base");
+  runtime.Acquire("lora", 0);
+  EXPECT_TRUE(runtime.device_cache(0).cache().Entry("lora")->pinned);
+  try {
+    runtime.Acquire("nope", 0);
+    FAIL();
+  } catch (const Error& e) {
+    EXPECT_EQ(e.code(), ErrorCode::kNotFound);
+  }
+  EXPECT_THROW(runtime.Acquire("base", 3), Error);
+}
+
+TEST_F(RuntimeWithRegistryTest, BadRegistriesAreClearErrors) {
+  auto error_of = [&](const std::string& json) {
+    try {
+      ModelRegistry::FromJsonFile(WriteRegistry(json));
+    } catch (const RegistryError& e) {
+      return std::string(e.what());
+    }
+    return std::string("no error");
+  };
+  EXPECT_THAT(error_of("{\"models\": [{\"id\": \"a\", \"files\": [\"x\"], "
+                       "\"colour\": 1}]}"),
+              HasSubstr("models[0]: unknown key 'colour'"));
+  EXPECT_THAT(
+      error_of("{\"models\": [{\"id\": \"a\", \"files\": [\"x\"]}, "
+               "{\"id\": \"b\", \"files\": [\"y\"], \"aliases\": [\"a\"]}]}"),
+      HasSubstr("the name 'a' is already taken by model 'a'"));
+  EXPECT_THAT(error_of("{\"models\": [{\"id\": \"a\"}]}"),
+              HasSubstr("model 'a' has no weight files"));
+  EXPECT_THAT(error_of("{\"models\": [{\"id\": \"a\", \"files\": \"x\"}]}"),
+              HasSubstr("models[0].files has the wrong type"));
+  EXPECT_THAT(error_of("{\"modelz\": []}"), HasSubstr("unknown key 'modelz'"));
+  EXPECT_THAT(error_of("{\"models\": ["), HasSubstr("not valid JSON"));
+}
+
+TEST_F(RuntimeWithRegistryTest, PatchScopeHoldsItsPatchesForItsRegionOnly) {
+  MakeModel("base", 1, 40);
+  MakeModel("lora-a", 1, 20);
+  MakeModel("lora-b", 1, 20);
+  MakeModel("other", 1, 40);
+  ModelRegistry registry =
+      ModelRegistry::FromJsonFile(WriteRegistry(R"({"models": [
+      {"id": "base", "files": ["base.safetensors"]},
+      {"id": "lora-a", "files": ["lora-a.safetensors"]},
+      {"id": "lora-b", "files": ["lora-b.safetensors"]},
+      {"id": "other", "files": ["other.safetensors"]}]})"));
+  auto gpu = Sim("gpu0", 100 * kKiB);
+  ModelRuntime runtime(std::move(registry), {.host_capacity_bytes = 1 << 20,
+                                             .devices = {{gpu.get(), {}}}});
+  ModelLease base = runtime.Acquire("base", 0);
+  {
+    PatchScope scope(runtime, 0, {"lora-a", "lora-b"});
+    EXPECT_EQ(scope.patches().size(), 2u);
+    EXPECT_EQ(runtime.device_cache(0).cache().Entry("lora-a")->leases, 1);
+    // Nothing can make room for "other" while the patches are applied.
+    try {
+      runtime.Acquire("other", 0);
+      FAIL() << "a patch was evicted while applied";
+    } catch (const Error& e) {
+      EXPECT_EQ(e.code(), ErrorCode::kCapacity);
+      EXPECT_THAT(e.what(), HasSubstr("'lora-a'"));
+    }
+  }
+  EXPECT_EQ(runtime.device_cache(0).cache().Entry("lora-a")->leases, 0);
+  base.Release();
+  EXPECT_TRUE(runtime.Acquire("other", 0));  // patches evictable again
+}
+
+TEST_F(RuntimeWithRegistryTest, PatchScopeTakesAllOrNothing) {
+  MakeModel("lora-a", 1, 20);
+  ModelRegistry registry =
+      ModelRegistry::FromJsonFile(WriteRegistry(R"({"models": [
+      {"id": "lora-a", "files": ["lora-a.safetensors"]},
+      {"id": "broken", "files": ["missing.safetensors"]}]})"));
+  auto gpu = Sim("gpu0", 100 * kKiB);
+  ModelRuntime runtime(std::move(registry), {.host_capacity_bytes = 1 << 20,
+                                             .devices = {{gpu.get(), {}}}});
+  EXPECT_THROW(PatchScope(runtime, 0, {"lora-a", "broken"}), weights::IoError);
+  EXPECT_EQ(runtime.device_cache(0).cache().Entry("lora-a")->leases, 0);
+}
+
+TEST_F(RuntimeTest, StressAcrossTwoDevicesKeepsEveryBookExact) {
+  std::vector<std::string> files;
+  for (int i = 0; i < 6; ++i) {
+    files.push_back(MakeModel("m" + std::to_string(i), 2, 8 * (1 + i % 3)));
+  }
+  weights::HostWeightStore host({.capacity_bytes = 160 * kKiB});
+  auto gpu0 = Sim("gpu0", 96 * kKiB), gpu1 = Sim("gpu1", 96 * kKiB);
+  DeviceCache caches[2] = {DeviceCache(host, *gpu0), DeviceCache(host, *gpu1)};
+  std::atomic<int> unexpected{0};
+  std::vector<std::thread> threads;
+  for (int t = 0; t < 8; ++t) {
+    threads.emplace_back([&, t] {
+      std::mt19937 rng(t);
+      std::vector<ModelLease> held;
+      for (int i = 0; i < 150; ++i) {
+        const int m = static_cast<int>(rng() % files.size());
+        DeviceCache& cache = caches[rng() % 2];
+        if (rng() % 4 == 0) gpu0->FailNextCopies(rng() % 2);
+        try {
+          AcquireOptions options;
+          options.when_full = WhenFull::kWait;
+          options.deadline = Clock::now() + std::chrono::milliseconds(20);
+          held.push_back(cache.Acquire(
+              "m" + std::to_string(m), {files[m]},
+              rng() % 2 ? Placement::kFull : Placement::kPartial, options));
+          if (held.size() > 2) held.erase(held.begin());
+        } catch (const Error&) {
+        } catch (const device::DeviceError&) {
+        } catch (const std::exception& e) {
+          unexpected.fetch_add(1);
+        }
+      }
+    });
+  }
+  for (auto& t : threads) t.join();
+  gpu0->ClearFaults();
+  EXPECT_EQ(unexpected.load(), 0);
+  for (DeviceCache& cache : caches) {
+    EXPECT_EQ(cache.cache().CheckInvariants(), cache.cache().budget().used());
+    EXPECT_EQ(cache.device().bytes_allocated(), cache.cache().budget().used());
+    cache.cache().Prune();
+    EXPECT_EQ(cache.device().bytes_allocated(), 0u);
+  }
+  EXPECT_EQ(host.cache().CheckInvariants(), host.budget().used());
+  host.Trim();
+  EXPECT_EQ(host.budget().used(), 0u);
+}
+
+}  // namespace
+}  // namespace modelcache::runtime

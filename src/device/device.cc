@@ -1,0 +1,266 @@
+// Device: the contract every backend shares (see device.h).
+//
+// The base class keeps the books; backends only move bytes. Every public
+// operation follows one pattern:
+//
+//   Allocate:     check and reserve under mu_  ->  DoAllocate (no lock)
+//                 -> on success count it; on failure return the reservation.
+//   Free:         DoFree (no lock)  ->  return the bytes under mu_.
+//   Copy*:        check the range (no lock)  ->  Do*Copy (no lock)
+//                 -> count it, or count a failure.
+//
+// Invariants, under mu_:
+//   stats_.bytes_allocated = sum of sizes of live buffers + reservations of
+//                            allocations in progress  <=  capacity_
+//   stats_.allocations - stats_.frees = live buffers
+//   stats_.high_water_bytes = max over time of bytes_allocated
+// Reserving before the backend allocates is what makes the capacity a hard
+// limit under concurrency: two racing allocations can never both see the
+// same free bytes. mu_ is a leaf: no backend code runs while it is held, so
+// backends may keep locks of their own in any order with respect to it.
+//
+// DeviceBuffer frees exactly once: Reset() clears device_ before it calls
+// Free, and a move leaves the source empty.
+#include "modelcache/device/device.h"
+
+#include <algorithm>
+#include <cassert>
+#include <cstdio>
+#include <utility>
+
+namespace modelcache::device {
+
+const char* DeviceKindName(DeviceKind kind) {
+  switch (kind) {
+    case DeviceKind::kHost:
+      return "host";
+    case DeviceKind::kSimulated:
+      return "simulated";
+    case DeviceKind::kCuda:
+      return "cuda";
+  }
+  return "unknown";
+}
+
+const char* DeviceErrorCodeName(DeviceErrorCode code) {
+  switch (code) {
+    case DeviceErrorCode::kOutOfMemory:
+      return "out_of_memory";
+    case DeviceErrorCode::kCopyFailed:
+      return "copy_failed";
+    case DeviceErrorCode::kInvalidArgument:
+      return "invalid_argument";
+    case DeviceErrorCode::kUnavailable:
+      return "unavailable";
+  }
+  return "unknown";
+}
+
+namespace {
+
+const char* Describe(DeviceErrorCode code) {
+  switch (code) {
+    case DeviceErrorCode::kOutOfMemory:
+      return "out of memory";
+    case DeviceErrorCode::kCopyFailed:
+      return "copy failed";
+    case DeviceErrorCode::kInvalidArgument:
+      return "invalid argument";
+    case DeviceErrorCode::kUnavailable:
+      return "unavailable";
+  }
+  return "error";
+}
+
+}  // namespace
+
+DeviceError::DeviceError(DeviceErrorCode code, const std::string& device,
+                         const std::string& message)
+    : std::runtime_error("device " + device + ": " + Describe(code) + ": " +
+                         message),
+      code_(code),
+      device_(device) {}
+
+std::string FormatBytes(uint64_t bytes) {
+  static const char* const kUnits[] = {"B", "KiB", "MiB", "GiB", "TiB", "PiB"};
+  double value = static_cast<double>(bytes);
+  int unit = 0;
+  while (value >= 1024.0 && unit < 5) {
+    value /= 1024.0;
+    ++unit;
+  }
+  char buf[48];
+  if (unit == 0) {
+    std::snprintf(buf, sizeof(buf), "%llu B",
+                  static_cast<unsigned long long>(bytes));
+  } else {
+    std::snprintf(buf, sizeof(buf), "%.2f %s", value, kUnits[unit]);
+  }
+  return buf;
+}
+
+// ---- DeviceBuffer ----
+
+DeviceBuffer::DeviceBuffer(DeviceBuffer&& other) noexcept
+    : device_(std::exchange(other.device_, nullptr)),
+      data_(std::exchange(other.data_, nullptr)),
+      size_(std::exchange(other.size_, 0)) {}
+
+DeviceBuffer& DeviceBuffer::operator=(DeviceBuffer&& other) noexcept {
+  if (this != &other) {
+    Reset();
+    device_ = std::exchange(other.device_, nullptr);
+    data_ = std::exchange(other.data_, nullptr);
+    size_ = std::exchange(other.size_, 0);
+  }
+  return *this;
+}
+
+void DeviceBuffer::Reset() noexcept {
+  Device* device = std::exchange(device_, nullptr);
+  void* data = std::exchange(data_, nullptr);
+  const uint64_t size = std::exchange(size_, 0);
+  if (device != nullptr) device->Free(data, size);
+}
+
+// ---- Device ----
+
+namespace {
+
+std::string CheckedName(std::string name) {
+  if (name.empty()) {
+    throw DeviceError(DeviceErrorCode::kInvalidArgument, "(unnamed)",
+                      "a device needs a name");
+  }
+  return name;
+}
+
+}  // namespace
+
+Device::Device(std::string name, DeviceKind kind, uint64_t capacity_bytes)
+    : name_(CheckedName(std::move(name))),
+      kind_(kind),
+      capacity_(capacity_bytes) {}
+
+Device::~Device() {
+  MutexLock lock(&mu_);
+  assert(stats_.allocations == stats_.frees &&
+         "a DeviceBuffer outlived its Device");
+  assert(stats_.bytes_allocated == 0 && "an allocation outlived its Device");
+}
+
+uint64_t Device::bytes_allocated() const {
+  MutexLock lock(&mu_);
+  return stats_.bytes_allocated;
+}
+
+DeviceStats Device::Stats() const {
+  MutexLock lock(&mu_);
+  DeviceStats stats = stats_;
+  stats.capacity_bytes = capacity_;
+  return stats;
+}
+
+void Device::Fail(DeviceErrorCode code, const std::string& message) const {
+  throw DeviceError(code, name_, message);
+}
+
+DeviceBuffer Device::Allocate(uint64_t bytes) {
+  {
+    MutexLock lock(&mu_);
+    assert(stats_.bytes_allocated <= capacity_);
+    if (bytes > capacity_ - stats_.bytes_allocated) {
+      ++stats_.failed_allocations;
+      Fail(DeviceErrorCode::kOutOfMemory,
+           "cannot allocate " + FormatBytes(bytes) + ": " +
+               FormatBytes(stats_.bytes_allocated) + " of " +
+               FormatBytes(capacity_) + " allocated");
+    }
+    stats_.bytes_allocated += bytes;
+    stats_.high_water_bytes =
+        std::max(stats_.high_water_bytes, stats_.bytes_allocated);
+  }
+  void* data = nullptr;
+  try {
+    data = DoAllocate(bytes);
+  } catch (...) {
+    MutexLock lock(&mu_);
+    stats_.bytes_allocated -= bytes;
+    ++stats_.failed_allocations;
+    throw;
+  }
+  {
+    MutexLock lock(&mu_);
+    ++stats_.allocations;
+  }
+  return DeviceBuffer(this, data, bytes);
+}
+
+void Device::Free(void* data, uint64_t bytes) noexcept {
+  DoFree(data, bytes);
+  MutexLock lock(&mu_);
+  assert(stats_.bytes_allocated >= bytes);
+  assert(stats_.allocations > stats_.frees);
+  stats_.bytes_allocated -= bytes;
+  ++stats_.frees;
+}
+
+void Device::CheckRange(const char* op, const DeviceBuffer& buffer,
+                        uint64_t offset, uint64_t bytes) const {
+  if (!buffer) {
+    Fail(DeviceErrorCode::kInvalidArgument,
+         std::string(op) + " with an empty DeviceBuffer");
+  }
+  if (buffer.device() != this) {
+    Fail(DeviceErrorCode::kInvalidArgument, std::string(op) +
+                                                " with a buffer of device " +
+                                                buffer.device()->name());
+  }
+  if (offset > buffer.size() || bytes > buffer.size() - offset) {
+    Fail(DeviceErrorCode::kInvalidArgument,
+         std::string(op) + " of " + std::to_string(bytes) +
+             " bytes at offset " + std::to_string(offset) +
+             " is outside a buffer of " + std::to_string(buffer.size()) +
+             " bytes");
+  }
+}
+
+void Device::CopyToDevice(DeviceBuffer& dst, uint64_t offset,
+                          std::span<const std::byte> src) {
+  CheckRange("CopyToDevice", dst, offset, src.size());
+  if (src.empty()) return;
+  try {
+    DoCopyToDevice(dst, offset, src);
+  } catch (...) {
+    MutexLock lock(&mu_);
+    ++stats_.failed_copies;
+    throw;
+  }
+  MutexLock lock(&mu_);
+  ++stats_.copies_to_device;
+  stats_.bytes_copied_to_device += src.size();
+}
+
+void Device::CopyToHost(std::span<std::byte> dst, const DeviceBuffer& src,
+                        uint64_t offset) {
+  CheckRange("CopyToHost", src, offset, dst.size());
+  if (dst.empty()) return;
+  try {
+    DoCopyToHost(dst, src, offset);
+  } catch (...) {
+    MutexLock lock(&mu_);
+    ++stats_.failed_copies;
+    throw;
+  }
+  MutexLock lock(&mu_);
+  ++stats_.copies_to_host;
+  stats_.bytes_copied_to_host += dst.size();
+}
+
+void Device::Synchronize() {
+  DoSynchronize();
+  MutexLock lock(&mu_);
+  ++stats_.synchronizations;
+}
+
+}  // namespace modelcache::device

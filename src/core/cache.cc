@@ -457,7 +457,11 @@ Lease CacheCore::JoinLoad(Shard& shard, const std::shared_ptr<Record>& rec,
       throw Error(ErrorCode::kTimeout,
                   "timed out waiting for the load of '" + rec->key + "'");
     }
-    // It completed as the deadline passed: the lease granted to us stands.
+    // It completed as the deadline passed (Complete() may not have run yet,
+    // but the outcome is visible under the lock): the lease granted to us
+    // stands, or the load's error is ours too.
+    if (rec->error) std::rethrow_exception(rec->error);
+    return MakeLease(rec.get());
   }
   // The outcome was published before `done` became ready; this acquire makes
   // that visible to ThreadSanitizer too, which cannot see inside the future.

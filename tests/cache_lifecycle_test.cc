@@ -113,7 +113,7 @@ TEST(CacheLifecycle,
   constexpr int kThreads = 4;
   std::vector<std::thread> threads;
   std::vector<const void*> error_objects(kThreads, nullptr);
-  // Held until the threads are joined (see tests/tsan.supp).
+  // Held until the threads are joined (see KeptErrors in tests/test_util.h).
   std::vector<std::exception_ptr> errors(kThreads);
   for (int i = 0; i < kThreads; ++i) {
     threads.emplace_back([&, i] {

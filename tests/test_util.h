@@ -9,8 +9,10 @@
 #include <functional>
 #include <future>
 #include <memory>
+#include <mutex>
 #include <string>
 #include <thread>
+#include <vector>
 
 #include "gtest/gtest.h"
 #include "modelcache/core/cache.h"
@@ -69,6 +71,23 @@ struct ConstructionCounter {
     }
   }
   void Leave() { running.fetch_sub(1); }
+};
+
+// Keeps caught exceptions alive until the test's threads are joined. A
+// failed load hands all its waiters one exception object, freed by whichever
+// thread lets go of it last through a reference count ThreadSanitizer cannot
+// see (libstdc++ is not instrumented); holding every reference until after
+// the join orders that free after every thread's reads.
+class KeptErrors {
+ public:
+  void Keep(std::exception_ptr error) {
+    std::lock_guard<std::mutex> lock(mu_);
+    errors_.push_back(std::move(error));
+  }
+
+ private:
+  std::mutex mu_;
+  std::vector<std::exception_ptr> errors_;
 };
 
 inline Loader SimpleLoader(const std::string& key, uint64_t bytes,

@@ -17,6 +17,7 @@
 #include "gtest/gtest.h"
 #include "modelcache/device/simulated_device.h"
 #include "modelcache/weights/safetensors_writer.h"
+#include "../test_util.h"
 
 namespace modelcache::runtime {
 namespace {
@@ -386,6 +387,7 @@ TEST_F(RuntimeTest, StressAcrossTwoDevicesKeepsEveryBookExact) {
   auto gpu0 = Sim("gpu0", 96 * kKiB), gpu1 = Sim("gpu1", 96 * kKiB);
   DeviceCache caches[2] = {DeviceCache(host, *gpu0), DeviceCache(host, *gpu1)};
   std::atomic<int> unexpected{0};
+  modelcache::testing::KeptErrors kept;  // declared before the threads
   std::vector<std::thread> threads;
   for (int t = 0; t < 8; ++t) {
     threads.emplace_back([&, t] {
@@ -404,8 +406,11 @@ TEST_F(RuntimeTest, StressAcrossTwoDevicesKeepsEveryBookExact) {
               rng() % 2 ? Placement::kFull : Placement::kPartial, options));
           if (held.size() > 2) held.erase(held.begin());
         } catch (const Error&) {
+          kept.Keep(std::current_exception());
         } catch (const device::DeviceError&) {
+          kept.Keep(std::current_exception());
         } catch (const std::exception& e) {
+          kept.Keep(std::current_exception());
           unexpected.fetch_add(1);
         }
       }

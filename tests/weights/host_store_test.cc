@@ -14,6 +14,7 @@
 
 #include "gtest/gtest.h"
 #include "modelcache/weights/safetensors_writer.h"
+#include "../test_util.h"
 
 namespace modelcache::weights {
 namespace {
@@ -182,6 +183,7 @@ TEST_F(HostStoreTest, EightThreadsTimesTwoHundredAcquireReleaseStayConsistent) {
   constexpr uint64_t kCapacity = 5120;
   HostWeightStore store(Options(kCapacity));
   std::atomic<int> failures{0};
+  modelcache::testing::KeptErrors kept;  // declared before the threads
   std::vector<std::thread> threads;
   for (int t = 0; t < 8; ++t) {
     threads.emplace_back([&, t] {
@@ -196,8 +198,10 @@ TEST_F(HostStoreTest, EightThreadsTimesTwoHundredAcquireReleaseStayConsistent) {
           try {
             mine.push_back(&holder.Acquire(files[rng() % files.size()], wait));
           } catch (const Error& e) {
+            kept.Keep(std::current_exception());
             if (e.code() != ErrorCode::kTimeout) failures.fetch_add(1);
           } catch (const std::exception&) {
+            kept.Keep(std::current_exception());
             failures.fetch_add(1);
           }
         } else if (!mine.empty()) {

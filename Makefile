@@ -69,6 +69,11 @@ bench: build
 	./build/bin/modelcache_replay_bench --benchmark_repetitions=5 \
 	  --benchmark_report_aggregates_only=true \
 	  --benchmark_out=build/bench-results/replay.json --benchmark_out_format=json
+	./build/bin/modelcache_load_safetensors_bench --benchmark_repetitions=5 \
+	  --benchmark_report_aggregates_only=true \
+	  --benchmark_out=build/bench-results/load_safetensors.json --benchmark_out_format=json
+	./build/bin/modelcache_multi_device_bench \
+	  --benchmark_out=build/bench-results/multi_device.json --benchmark_out_format=json
 
 clean:
 	rm -rf build

@@ -4,7 +4,9 @@
 //
 // Every schedule is driven by gates inside loaders and unloaders and by
 // waiting for observable state (EntryInfo::waiters), never by sleeping.
+#include <atomic>
 #include <latch>
+#include <optional>
 #include <stdexcept>
 #include <thread>
 #include <vector>
@@ -440,6 +442,81 @@ TEST(CacheLifecycle, InvalidateDuringLoadServesItsWaitersThenReloads) {
   EXPECT_EQ(cache.budget().used(), 20u);  // both counted until stale ends
   stale.Release();
   EXPECT_EQ(cache.budget().used(), 10u);
+}
+
+// Under LRU, hits do not advance the epoch, so a, b, c share one priority and
+// are ranked by access sequence alone: a failed unload must not re-file its
+// record with a fresh sequence either.
+TEST(CacheLifecycle, FailedRemovalKeepsItsPlaceAmongEquallyRankedModels) {
+  bool fail_unload = true;
+  std::vector<std::string> unloaded;  // outlives the cache and its unloaders
+  ModelCache cache(Options(30, /*shard_bits=*/0));
+  auto unload_of = [&](const std::string& key) {
+    return [&, key] {
+      if (key == "a" && fail_unload) {
+        fail_unload = false;
+        throw std::runtime_error("unload of a failed");
+      }
+      unloaded.push_back(key);
+    };
+  };
+  for (const char* key : {"a", "b", "c"}) {
+    cache.Prefetch(key, 10, SimpleLoader(key, 10, nullptr, unload_of(key)));
+  }
+  for (const char* key : {"a", "b", "c"}) ASSERT_TRUE(cache.Lookup(key));
+  EXPECT_THROW(cache.Remove("a"), std::runtime_error);
+  ASSERT_TRUE(cache.Entry("a").has_value());
+  cache.Prefetch("d", 10, SimpleLoader("d", 10, nullptr, unload_of("d")));
+  EXPECT_EQ(unloaded, std::vector<std::string>{"a"});
+  EXPECT_EQ(cache.CheckInvariants(), cache.budget().used());
+}
+
+TEST(CacheLifecycle, FailedEvictionKeepsItsPlaceAmongEquallyRankedModels) {
+  bool b_fails = true;
+  std::vector<std::string> unloaded;  // outlives the cache and its unloaders
+  ModelCache cache(Options(30, /*shard_bits=*/0));
+  auto unload_of = [&](const std::string& key) {
+    return [&, key] {
+      if (key == "b" && b_fails) throw std::runtime_error("b is stuck");
+      unloaded.push_back(key);
+    };
+  };
+  for (const char* key : {"a", "b", "c"}) {
+    cache.Prefetch(key, 10, SimpleLoader(key, 10, nullptr, unload_of(key)));
+  }
+  for (const char* key : {"b", "c", "a"}) ASSERT_TRUE(cache.Lookup(key));
+  // b fails to unload, c goes; b keeps its place at the front.
+  cache.Prefetch("d", 10, SimpleLoader("d", 10, nullptr, unload_of("d")));
+  EXPECT_EQ(unloaded, std::vector<std::string>{"c"});
+  b_fails = false;
+  cache.Prefetch("e", 10, SimpleLoader("e", 10, nullptr, unload_of("e")));
+  EXPECT_EQ(unloaded, (std::vector<std::string>{"c", "b"}));
+  EXPECT_EQ(cache.CheckInvariants(), cache.budget().used());
+}
+
+// A retired model's unloader is user code and may call back into its own
+// shard (Entry, ending another lease) when its last lease ends.
+TEST(CacheLifecycle, RetiredModelsUnloaderMayCallBackIntoTheCache) {
+  ModelCache cache(Options(1000, /*shard_bits=*/0));  // every key, one mutex
+  std::optional<Lease> other =
+      cache.Acquire("other", 10, SimpleLoader("other", 10));
+  std::atomic<bool> unloaded{false}, saw_other{false};
+  std::optional<Lease> retiree =
+      cache.Acquire("retiree", 10, SimpleLoader("retiree", 10, nullptr, [&] {
+                      saw_other.store(cache.Entry("other").has_value());
+                      other.reset();  // a lease of the same shard ends here
+                      unloaded.store(true);
+                    }));
+  ASSERT_EQ(cache.Remove("retiree"), RemoveOutcome::kRetired);
+  std::thread last([&] { retiree.reset(); });  // the unloader runs now
+  WaitUntil([&] { return unloaded.load(); },
+            "the retired model's unloader calls back without deadlock");
+  last.join();
+  EXPECT_TRUE(saw_other.load());
+  EXPECT_EQ(cache.Entry("other")->leases, 0);
+  EXPECT_EQ(cache.Stats().retired_bytes, 0u);
+  EXPECT_EQ(cache.budget().used(), 10u);
+  EXPECT_EQ(cache.CheckInvariants(), cache.budget().used());
 }
 
 }  // namespace

@@ -201,7 +201,8 @@ TEST_P(CacheStress, MixedOperationsKeepTheInvariants) {
           // Capacity, timeout, too large, not found, invalid alias: expected.
         } catch (const std::runtime_error& e) {
           // Other waiters of the same failed load share this object: keep
-          // it alive until the round's barrier (see KeptErrors in tests/test_util.h).
+          // it alive until the round's barrier (see KeptErrors in
+          // tests/test_util.h).
           caught.push_back(std::current_exception());
           if (std::string(e.what()).rfind("injected", 0) != 0) {
             unexpected.fetch_add(1);

@@ -13,11 +13,11 @@
 #include <random>
 #include <thread>
 
+#include "../test_util.h"
 #include "gmock/gmock.h"
 #include "gtest/gtest.h"
 #include "modelcache/device/simulated_device.h"
 #include "modelcache/weights/safetensors_writer.h"
-#include "../test_util.h"
 
 namespace modelcache::runtime {
 namespace {

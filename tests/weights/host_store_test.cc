@@ -12,9 +12,9 @@
 #include <thread>
 #include <vector>
 
+#include "../test_util.h"
 #include "gtest/gtest.h"
 #include "modelcache/weights/safetensors_writer.h"
-#include "../test_util.h"
 
 namespace modelcache::weights {
 namespace {

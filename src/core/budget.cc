@@ -188,14 +188,6 @@ uint64_t Budget::ObtainableBytes() {
   return capacity_ > unevictable ? capacity_ - unevictable : 0;
 }
 
-bool Budget::TryReserve(uint64_t bytes) {
-  MutexLock lock(&mu_);
-  if (used_ + bytes > capacity_ || bytes > capacity_) return false;
-  used_ += bytes;
-  high_water_ = std::max(high_water_, used_);
-  return true;
-}
-
 void Budget::Release(uint64_t bytes) {
   if (bytes == 0) return;
   {

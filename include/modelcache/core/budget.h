@@ -99,8 +99,6 @@ class Budget {
   // REQUIRES: the caller holds no lock of any member.
   void Reserve(uint64_t bytes, WhenFull when_full,
                std::chrono::steady_clock::time_point deadline) EXCLUDES(mu_);
-  // Reserves only if it fits without evicting. Returns false otherwise.
-  bool TryReserve(uint64_t bytes) EXCLUDES(mu_);
   void Release(uint64_t bytes) EXCLUDES(mu_);
   // A record just became evictable (its last lease ended or it was
   // unpinned): wakes acquires waiting for capacity. Cheap when none wait.

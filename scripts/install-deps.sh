@@ -8,6 +8,7 @@ packages=(
   cmake ninja-build make g++ clang libclang-rt-14-dev
   libgtest-dev libgmock-dev libbenchmark-dev
   nlohmann-json3-dev libcli11-dev
+  libabsl-dev
   librocksdb-dev libleveldb-dev
 )
 

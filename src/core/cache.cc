@@ -58,6 +58,7 @@
 #include <algorithm>
 #include <atomic>
 #include <cassert>
+#include <cstddef>
 #include <cstdio>
 #include <cstdlib>
 #include <future>
@@ -65,6 +66,7 @@
 #include <unordered_map>
 #include <utility>
 
+#include "absl/container/flat_hash_map.h"
 #include "format.h"
 #include "modelcache/core/thread_annotations.h"
 
@@ -85,20 +87,21 @@ std::atomic<uint64_t> next_record_id{1};
     if (!(cond)) InvariantFailed(what, key); \
   } while (0)
 
+size_t HashKey(std::string_view key) {
+  return std::hash<std::string_view>{}(key);
+}
+
 // A key with its hash computed once: it picks the shard and then finds the
 // slot without hashing again.
 struct HashedKey {
-  explicit HashedKey(std::string_view k)
-      : key(k), hash(std::hash<std::string_view>{}(k)) {}
+  explicit HashedKey(std::string_view k) : key(k), hash(HashKey(k)) {}
   std::string_view key;
   size_t hash;
 };
 
 struct KeyHash {
   using is_transparent = void;
-  size_t operator()(std::string_view s) const {
-    return std::hash<std::string_view>{}(s);
-  }
+  size_t operator()(std::string_view s) const { return HashKey(s); }
   size_t operator()(const HashedKey& k) const { return k.hash; }
 };
 
@@ -138,22 +141,38 @@ enum class RecordState { kLoading, kResident, kUnloading, kGone, kFailed };
 // CheckInvariants). `key`, `id`, `shard` are immutable. `value`, `bytes` are
 // not modified while a lease exists, which is what lets Lease read them
 // without a lock.
-struct Record {
+//
+// Layout: a hit reads and writes only the first cache line (state, flags,
+// lease count, the policy's inputs and the order key), and records are
+// cache-line aligned so that no other allocation shares that line. Two
+// threads hitting different models then never contend for a line, and a
+// thread hitting a model last touched by another core moves one line, not
+// three.
+struct alignas(64) Record {
   Record(std::string k, uint64_t i, uint32_t s)
       : key(std::move(k)), id(i), shard(s) {}
 
-  const std::string key;
-  const uint64_t id;
-  const uint32_t shard;
-
+  // ---- hot: read and written by every hit and lease release ----
   RecordState state = RecordState::kLoading;
   bool retired = false;
   bool pinned = false;
   bool stale = false;          // invalidated while loading
   bool unload_failed = false;  // retired record whose unloader threw
   bool in_order = false;
-  uint64_t bytes = 0;  // reserved while loading, resident size after
   int leases = 0;
+  uint64_t bytes = 0;  // reserved while loading, resident size after
+  uint64_t accesses = 0;
+  double load_seconds = 0;
+  double priority = 0;  // current order key
+  uint64_t seq = 0;
+  Clock::time_point last_use{};
+
+  // ---- cold ----
+  double order_priority = 0;  // key of its entry in the order set
+  uint64_t order_seq = 0;
+  const std::string key;
+  const uint64_t id;
+  const uint32_t shard;
   int waiters = 0;         // acquires waiting for this record's load
   int unload_waiters = 0;  // callers waiting for its unload to finish
   std::shared_ptr<void> value;
@@ -170,14 +189,12 @@ struct Record {
     completed.store(true, std::memory_order_release);
     if (promise) promise->set_value();
   }
-  uint64_t accesses = 0;
-  double load_seconds = 0;
-  double priority = 0;  // current order key
-  uint64_t seq = 0;
-  double order_priority = 0;  // key of its entry in the order set
-  uint64_t order_seq = 0;
-  Clock::time_point last_use{};
 };
+#pragma GCC diagnostic push
+#pragma GCC diagnostic ignored "-Winvalid-offsetof"
+static_assert(offsetof(Record, last_use) + sizeof(Clock::time_point) <= 64,
+              "a hit must touch only the record's first cache line");
+#pragma GCC diagnostic pop
 
 struct OrderKey {
   double priority;
@@ -196,19 +213,21 @@ struct Slot {
 };
 
 struct ShardCounters {
-  uint64_t hits = 0, misses = 0, refused = 0, loads = 0, load_failures = 0,
-           evictions = 0, expirations = 0, failed_unloads = 0, removals = 0,
-           bytes_loaded = 0;
+  uint64_t misses = 0, refused = 0, loads = 0, load_failures = 0, evictions = 0,
+           expirations = 0, failed_unloads = 0, removals = 0, bytes_loaded = 0;
   double load_seconds = 0;
 };
 
+// A hit locks `mu` and bumps `seq` and `hits`: they share the first cache
+// line, so a hit moves one shard line between cores, not three.
 struct alignas(64) Shard {
   Mutex mu;
+  uint64_t seq GUARDED_BY(mu) = 0;
+  uint64_t hits GUARDED_BY(mu) = 0;
+  absl::flat_hash_map<std::string, Slot, KeyHash, KeyEqual> map GUARDED_BY(mu);
   CondVar changed;  // a record of this shard changed state
-  std::unordered_map<std::string, Slot, KeyHash, KeyEqual> map GUARDED_BY(mu);
   std::set<OrderKey> order GUARDED_BY(mu);
   std::unordered_map<Record*, std::shared_ptr<Record>> retired GUARDED_BY(mu);
-  uint64_t seq GUARDED_BY(mu) = 0;
   ShardCounters counters GUARDED_BY(mu);
 };
 
@@ -249,7 +268,7 @@ class CacheCore final : public BudgetMember,
 
  private:
   Shard& ShardFor(std::string_view key) {
-    return shards_[ShardIndex(std::hash<std::string_view>{}(key))];
+    return shards_[ShardIndex(HashKey(key))];
   }
   Shard& ShardFor(const HashedKey& key) {
     return shards_[ShardIndex(key.hash)];
@@ -397,7 +416,7 @@ Lease CacheCore::Acquire(std::string_view key, uint64_t expected_bytes,
           case RecordState::kResident:
             TouchLocked(shard, r, options.policy_hint);
             ++r->leases;
-            ++shard.counters.hits;
+            ++shard.hits;
             return MakeLease(r);
           case RecordState::kLoading:
             // Join the load in flight; its completion grants us a lease.
@@ -601,7 +620,7 @@ std::optional<Lease> CacheCore::Lookup(std::string_view key) {
   Record* r = it->second.record.get();
   TouchLocked(shard, r);
   ++r->leases;
-  ++shard.counters.hits;
+  ++shard.hits;
   return MakeLease(r);
 }
 
@@ -1002,7 +1021,7 @@ CacheStats CacheCore::Stats() {
     Shard& shard = shards_[i];
     MutexLock lock(&shard.mu);
     const ShardCounters c = shard.counters;
-    stats.hits += c.hits;
+    stats.hits += shard.hits;
     stats.misses += c.misses;
     stats.refused += c.refused;
     stats.loads += c.loads;

@@ -59,31 +59,37 @@ const char* LoadModeName(LoadMode mode) {
   return "unknown";
 }
 
-// The memory behind a WeightSet's data: a file mapping or an aligned heap
-// buffer. Releases it on destruction.
+// The memory behind a WeightSet's data: a file mapping, or a host buffer
+// from an allocator. Releases it on destruction.
 class WeightSet::Storage {
  public:
-  enum class Kind { kMapping, kHeap };
-
-  Storage(Kind kind, void* base, size_t length)
-      : kind_(kind), base_(base), length_(length) {}
+  // A mapping of `length` bytes.
+  Storage(void* base, size_t length) : base_(base), length_(length) {}
+  // A buffer `allocator` returned for (`length`, `alignment`).
+  Storage(std::shared_ptr<HostBufferAllocator> allocator, void* base,
+          size_t length, size_t alignment)
+      : allocator_(std::move(allocator)),
+        base_(base),
+        length_(length),
+        alignment_(alignment) {}
   Storage(const Storage&) = delete;
   Storage& operator=(const Storage&) = delete;
   ~Storage() {
     if (base_ == nullptr) return;
-    if (kind_ == Kind::kMapping) {
-      ::munmap(base_, length_);
+    if (allocator_) {
+      allocator_->Deallocate(base_, length_, alignment_);
     } else {
-      std::free(base_);
+      ::munmap(base_, length_);
     }
   }
 
   std::byte* base() const { return static_cast<std::byte*>(base_); }
 
  private:
-  Kind kind_;
-  void* base_;
-  size_t length_;
+  const std::shared_ptr<HostBufferAllocator> allocator_;  // null: a mapping
+  void* const base_;
+  const size_t length_;
+  const size_t alignment_ = 0;
 };
 
 namespace {
@@ -219,8 +225,12 @@ WeightSet WeightSet::Open(const std::string& path, const LoadOptions& options) {
       const int e = errno;
       throw IoError(path, "mmap failed: " + detail::ErrnoText(e), e);
     }
-    set.storage_ =
-        std::make_unique<Storage>(Storage::Kind::kMapping, base, file_bytes);
+    try {
+      set.storage_ = std::make_unique<Storage>(base, file_bytes);
+    } catch (...) {
+      ::munmap(base, file_bytes);
+      throw;
+    }
     CheckSizeUnchanged(fd.get(), file_bytes, path);
     set.data_ = std::span<const std::byte>(set.storage_->base() + data_offset,
                                            data_bytes);
@@ -235,23 +245,23 @@ WeightSet WeightSet::Open(const std::string& path, const LoadOptions& options) {
   if (alignment == 0) {
     alignment = data_bytes >= kHugeAlignment ? kHugeAlignment : kSmallAlignment;
   }
-  // aligned_alloc wants a size that is a multiple of the alignment.
-  const uint64_t rounded = (data_bytes + alignment - 1) / alignment * alignment;
-  if (rounded < data_bytes) {
-    throw IoError(path, "data buffer too large to allocate", ENOMEM);
-  }
-  void* buffer = std::aligned_alloc(alignment, rounded);
-  if (buffer == nullptr) {
+  std::shared_ptr<HostBufferAllocator> allocator =
+      options.allocator ? options.allocator : DefaultHostBufferAllocator();
+  void* buffer = nullptr;
+  try {
+    buffer = allocator->Allocate(data_bytes, alignment);
+  } catch (const std::bad_alloc&) {
     throw IoError(path,
-                  "cannot allocate " + std::to_string(rounded) +
+                  "cannot allocate " + std::to_string(data_bytes) +
                       " bytes for the data buffer",
                   ENOMEM);
   }
-  set.storage_ =
-      std::make_unique<Storage>(Storage::Kind::kHeap, buffer, rounded);
-  if (alignment >= kHugeAlignment) {
-    // Advice only: fewer page faults when the buffer is first written.
-    ::madvise(buffer, rounded, MADV_HUGEPAGE);
+  try {
+    set.storage_ =
+        std::make_unique<Storage>(allocator, buffer, data_bytes, alignment);
+  } catch (...) {
+    allocator->Deallocate(buffer, data_bytes, alignment);
+    throw;
   }
   ParallelPread(fd.get(), set.storage_->base(), data_offset, data_bytes,
                 options.threads, options.chunk_bytes, path);

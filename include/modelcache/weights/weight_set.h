@@ -37,6 +37,7 @@
 #include <string_view>
 #include <vector>
 
+#include "modelcache/weights/host_buffer.h"
 #include "modelcache/weights/safetensors.h"
 
 namespace modelcache::weights {
@@ -62,9 +63,13 @@ struct LoadOptions {
   // they finish one.
   uint64_t chunk_bytes = uint64_t{8} << 20;
   // kPread: alignment of the host buffer, a power of two >= 8; 0 chooses
-  // 2 MiB (and advises transparent huge pages) when the data buffer is at
-  // least 2 MiB, 4 KiB otherwise.
+  // 2 MiB when the data buffer is at least 2 MiB, 4 KiB otherwise.
   size_t buffer_alignment = 0;
+  // kPread: where the host buffer comes from (it is given back when the
+  // WeightSet is destroyed); null means DefaultHostBufferAllocator(). A
+  // RecyclingHostBufferAllocator shared by the loads of a server turns each
+  // eviction's buffer into the next load's.
+  std::shared_ptr<HostBufferAllocator> allocator;
 };
 
 // What identifies the file a WeightSet was loaded from, as fstat saw it when

@@ -19,6 +19,7 @@
 #include <string>
 #include <vector>
 
+#include "modelcache/core/bytes.h"
 #include "modelcache/weights/safetensors.h"
 
 namespace modelcache::tools {
@@ -30,25 +31,6 @@ using weights::SafetensorsHeader;
 using weights::TensorInfo;
 
 constexpr size_t kNoLimit = std::numeric_limits<size_t>::max();
-
-// "1.50 GiB", "512 B".
-std::string HumanBytes(uint64_t bytes) {
-  static const char* const kUnits[] = {"B", "KiB", "MiB", "GiB", "TiB"};
-  double value = static_cast<double>(bytes);
-  int unit = 0;
-  while (value >= 1024.0 && unit < 4) {
-    value /= 1024.0;
-    ++unit;
-  }
-  char buf[32];
-  if (unit == 0) {
-    std::snprintf(buf, sizeof(buf), "%llu B",
-                  static_cast<unsigned long long>(bytes));
-  } else {
-    std::snprintf(buf, sizeof(buf), "%.2f %s", value, kUnits[unit]);
-  }
-  return buf;
-}
 
 std::string ShapeText(const std::vector<uint64_t>& shape) {
   std::string out = "[";
@@ -63,7 +45,7 @@ std::string TextListing(const std::string& file, const SafetensorsHeader& h) {
   std::ostringstream out;
   out << "file: " << Printable(file, kNoLimit) << "\n";
   out << "header: " << h.header_bytes() << " bytes\n";
-  out << "data: " << h.data_bytes() << " bytes (" << HumanBytes(h.data_bytes())
+  out << "data: " << h.data_bytes() << " bytes (" << FormatBytes(h.data_bytes())
       << ")\n";
   out << "metadata: " << h.metadata().size()
       << (h.metadata().size() == 1 ? " entry" : " entries") << "\n";
@@ -104,7 +86,7 @@ std::string TextListing(const std::string& file, const SafetensorsHeader& h) {
   }
   out << "total: " << h.tensors().size()
       << (h.tensors().size() == 1 ? " tensor, " : " tensors, ")
-      << h.data_bytes() << " bytes (" << HumanBytes(h.data_bytes())
+      << h.data_bytes() << " bytes (" << FormatBytes(h.data_bytes())
       << "); file " << h.file_bytes() << " bytes\n";
   return out.str();
 }

@@ -163,22 +163,6 @@ uint64_t ParseBytes(std::string_view text) {
                               "KB, MB, GB or TB)");
 }
 
-std::string FormatBytes(uint64_t bytes) {
-  char buf[32];
-  const double b = static_cast<double>(bytes);
-  if (bytes >= (uint64_t{1} << 40)) {
-    std::snprintf(buf, sizeof(buf), "%.2f TiB", b / 1099511627776.0);
-  } else if (bytes >= (uint64_t{1} << 30)) {
-    std::snprintf(buf, sizeof(buf), "%.2f GiB", b / 1073741824.0);
-  } else if (bytes >= (uint64_t{1} << 20)) {
-    std::snprintf(buf, sizeof(buf), "%.1f MiB", b / 1048576.0);
-  } else {
-    std::snprintf(buf, sizeof(buf), "%llu B",
-                  static_cast<unsigned long long>(bytes));
-  }
-  return buf;
-}
-
 SizeTable ReadSizes(const std::string& path) {
   std::ifstream in = Open(path);
   SizeTable sizes;

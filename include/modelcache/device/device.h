@@ -41,6 +41,7 @@
 #include <stdexcept>
 #include <string>
 
+#include "modelcache/core/bytes.h"
 #include "modelcache/core/thread_annotations.h"
 
 namespace modelcache::device {
@@ -79,8 +80,7 @@ class DeviceError : public std::runtime_error {
   std::string device_;
 };
 
-// "1.50 GiB", "12.00 MiB", "512 B", for messages.
-std::string FormatBytes(uint64_t bytes);
+using ::modelcache::FormatBytes;
 
 class Device;
 

@@ -17,6 +17,8 @@
 #include <string_view>
 #include <vector>
 
+#include "modelcache/core/bytes.h"
+
 namespace modelcache::replay {
 
 // A bad trace or sizes file: the message names the file and the line.
@@ -41,7 +43,7 @@ using SizeTable = std::map<std::string, uint64_t, std::less<>>;
 // "16GiB", "512MiB", "1.5 GiB", "4096" (bytes); KiB/MiB/GiB/TiB and
 // KB/MB/GB/TB. Throws std::invalid_argument on anything else.
 uint64_t ParseBytes(std::string_view text);
-std::string FormatBytes(uint64_t bytes);
+using ::modelcache::FormatBytes;
 
 // A `model,size_bytes` CSV with that header.
 SizeTable ReadSizes(const std::string& path);

@@ -3,9 +3,12 @@
 #ifndef MODELCACHE_TESTS_TEST_UTIL_H_
 #define MODELCACHE_TESTS_TEST_UTIL_H_
 
+#include <unistd.h>
+
 #include <atomic>
 #include <chrono>
 #include <cstdint>
+#include <filesystem>
 #include <functional>
 #include <future>
 #include <memory>
@@ -99,6 +102,33 @@ inline Loader SimpleLoader(const std::string& key, uint64_t bytes,
                   bytes, unload};
   };
 }
+
+// A fresh directory for the running test's files, removed with everything in
+// it when the object goes away.
+class TestDirectory {
+ public:
+  explicit TestDirectory(const std::string& prefix)
+      : path_(
+            std::filesystem::temp_directory_path() /
+            (prefix + "_" + std::to_string(::getpid()) + "_" +
+             ::testing::UnitTest::GetInstance()->current_test_info()->name())) {
+    std::filesystem::create_directories(path_);
+  }
+  ~TestDirectory() {
+    std::error_code ignored;
+    std::filesystem::remove_all(path_, ignored);
+  }
+  TestDirectory(const TestDirectory&) = delete;
+  TestDirectory& operator=(const TestDirectory&) = delete;
+
+  const std::filesystem::path& path() const { return path_; }
+  std::string PathFor(const std::string& name) const {
+    return (path_ / name).string();
+  }
+
+ private:
+  const std::filesystem::path path_;
+};
 
 }  // namespace modelcache::testing
 

@@ -31,18 +31,10 @@ constexpr uint64_t kKiB = 1024;
 
 class RuntimeTest : public ::testing::Test {
  protected:
-  void SetUp() override {
-    dir_ = fs::temp_directory_path() /
-           ("modelcache_runtime_" + std::to_string(::getpid()) + "_" +
-            ::testing::UnitTest::GetInstance()->current_test_info()->name());
-    fs::create_directories(dir_);
-  }
-  void TearDown() override { fs::remove_all(dir_); }
-
   // A model file of `tensors` F32 tensors of `kib_each` KiB.
   std::string MakeModel(const std::string& name, int tensors,
                         uint64_t kib_each) {
-    const std::string path = (dir_ / (name + ".safetensors")).string();
+    const std::string path = (dir_.path() / (name + ".safetensors")).string();
     weights::SafetensorsWriter writer;
     for (int i = 0; i < tensors; ++i) {
       writer.AddTensor(name + ".t" + std::to_string(i), weights::Dtype::kF32,
@@ -61,7 +53,7 @@ class RuntimeTest : public ::testing::Test {
     return std::make_unique<SimulatedDevice>(options);
   }
 
-  fs::path dir_;
+  modelcache::testing::TestDirectory dir_{"modelcache_runtime"};
 };
 
 // Device bytes hold exactly the host bytes of the placed tensors.
@@ -272,7 +264,7 @@ TEST_F(RuntimeTest, WorkingReserveIsKeptFree) {
 class RuntimeWithRegistryTest : public RuntimeTest {
  protected:
   std::string WriteRegistry(const std::string& json) {
-    const std::string path = (dir_ / "models.json").string();
+    const std::string path = (dir_.path() / "models.json").string();
     std::ofstream(path) << json;
     return path;
   }
@@ -289,7 +281,7 @@ TEST_F(RuntimeWithRegistryTest,
   ASSERT_NE(registry.Find("latest"), nullptr);
   EXPECT_EQ(registry.Find("latest")->id, "base");
   EXPECT_EQ(registry.Find("lora")->files[0],
-            (dir_ / "lora.safetensors").string());
+            (dir_.path() / "lora.safetensors").string());
   EXPECT_TRUE(registry.Find("lora")->pinned);
 
   auto gpu = Sim("gpu0", 1 << 20);

@@ -21,6 +21,7 @@
 #include <thread>
 #include <vector>
 
+#include "../test_util.h"
 #include "modelcache/core/errors.h"
 #include "modelcache/weights/host_store.h"
 #include "modelcache/weights/safetensors_writer.h"
@@ -89,17 +90,9 @@ class CheckingAllocator final : public HostBufferAllocator {
 
 class HostBufferTest : public ::testing::Test {
  protected:
-  void SetUp() override {
-    dir_ = fs::temp_directory_path() /
-           ("modelcache_host_buffer_" + std::to_string(::getpid()) + "_" +
-            ::testing::UnitTest::GetInstance()->current_test_info()->name());
-    fs::create_directories(dir_);
-  }
-  void TearDown() override { fs::remove_all(dir_); }
-
   // A file of `bytes` data bytes (a multiple of 4) filled from `seed`.
   std::string MakeFile(const std::string& name, uint64_t bytes, uint64_t seed) {
-    const std::string path = (dir_ / name).string();
+    const std::string path = (dir_.path() / name).string();
     SafetensorsWriter writer;
     writer.AddTensor("weight", Dtype::kF32, {bytes / 4}, PatternFill(seed));
     writer.Write(path);
@@ -122,7 +115,7 @@ class HostBufferTest : public ::testing::Test {
     return options;
   }
 
-  fs::path dir_;
+  modelcache::testing::TestDirectory dir_{"modelcache_host_buffer"};
 };
 
 TEST_F(HostBufferTest, AReleasedBufferServesTheNextLoadWhichSeesOnlyItsBytes) {

@@ -23,18 +23,10 @@ namespace fs = std::filesystem;
 
 class HostStoreTest : public ::testing::Test {
  protected:
-  void SetUp() override {
-    dir_ = fs::temp_directory_path() /
-           ("modelcache_host_store_" + std::to_string(::getpid()) + "_" +
-            ::testing::UnitTest::GetInstance()->current_test_info()->name());
-    fs::create_directories(dir_);
-  }
-  void TearDown() override { fs::remove_all(dir_); }
-
   // A safetensors file of `floats` F32 values; returns its path.
   std::string MakeFile(const std::string& name, uint64_t floats,
                        uint64_t seed = 1) {
-    const std::string path = (dir_ / name).string();
+    const std::string path = (dir_.path() / name).string();
     SafetensorsWriter writer;
     writer.AddTensor("weight", Dtype::kF32, {floats}, PatternFill(seed));
     writer.Write(path);
@@ -47,7 +39,7 @@ class HostStoreTest : public ::testing::Test {
     return options;
   }
 
-  fs::path dir_;
+  modelcache::testing::TestDirectory dir_{"modelcache_host_store"};
 };
 
 TEST_F(HostStoreTest, TwoHoldersShareOneCopyFreedOnlyWhenTheLastLetsGo) {
@@ -70,7 +62,7 @@ TEST_F(HostStoreTest, TwoHoldersShareOneCopyFreedOnlyWhenTheLastLetsGo) {
 
 TEST_F(HostStoreTest, TwoPathsToOneFileShareOneCopy) {
   const std::string path = MakeFile("a.safetensors", 256);
-  const std::string link = (dir_ / "link.safetensors").string();
+  const std::string link = (dir_.path() / "link.safetensors").string();
   fs::create_hard_link(path, link);
   HostWeightStore store(Options(1 << 20));
   HostWeights a = store.Acquire(path);
@@ -156,7 +148,7 @@ TEST_F(HostStoreTest, RewrittenFileIsANewIdentity) {
 }
 
 TEST_F(HostStoreTest, InvalidFileIsAClearErrorAndCachesNothing) {
-  const std::string path = (dir_ / "bad.safetensors").string();
+  const std::string path = (dir_.path() / "bad.safetensors").string();
   {
     std::FILE* f = std::fopen(path.c_str(), "wb");
     const unsigned char bogus[16] = {0xff, 0xff, 0xff, 0xff, 0, 0, 0, 0};
@@ -167,7 +159,8 @@ TEST_F(HostStoreTest, InvalidFileIsAClearErrorAndCachesNothing) {
   EXPECT_THROW(store.Acquire(path), FormatError);
   EXPECT_EQ(store.budget().used(), 0u);
   EXPECT_TRUE(store.cache().Entries().empty());
-  EXPECT_THROW(store.Acquire((dir_ / "missing.safetensors").string()), IoError);
+  EXPECT_THROW(store.Acquire((dir_.path() / "missing.safetensors").string()),
+               IoError);
 }
 
 TEST_F(HostStoreTest, EightThreadsTimesTwoHundredAcquireReleaseStayConsistent) {

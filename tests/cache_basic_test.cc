@@ -28,13 +28,17 @@
 #include <vector>
 
 #include "modelcache/core/cache.h"
+#include "test_util.h"
 
 namespace modelcache {
 namespace {
 
 using ::testing::ElementsAre;
+using testing::ErrorMessage;
+using testing::FailAtOnce;
 using ::testing::HasSubstr;
 using ::testing::IsEmpty;
+using testing::ResidentKeys;
 using ::testing::UnorderedElementsAre;
 
 // ---- Fake models and their counting loaders. ----
@@ -135,41 +139,11 @@ class Models {
 
 // ---- Helpers over the public API. ----
 
-AcquireOptions FailAtOnce() {
-  AcquireOptions options;
-  options.when_full = WhenFull::kFail;
-  return options;
-}
-
 AcquireOptions WaitUntil(Clock::time_point deadline) {
   AcquireOptions options;
   options.when_full = WhenFull::kWait;
   options.deadline = deadline;
   return options;
-}
-
-// Runs `f`, which must throw modelcache::Error with `code`; returns its
-// message.
-template <typename F>
-std::string ErrorMessage(F&& f, ErrorCode code) {
-  try {
-    f();
-  } catch (const Error& e) {
-    EXPECT_EQ(e.code(), code) << "message: " << e.what();
-    return e.what();
-  }
-  ADD_FAILURE() << "expected modelcache::Error with code "
-                << static_cast<int>(code) << ", nothing was thrown";
-  return "";
-}
-
-std::vector<std::string> ResidentKeys(const ModelCache& cache) {
-  std::vector<std::string> keys;
-  for (const EntryInfo& e : cache.Entries()) {
-    if (e.state == EntryState::kResident) keys.push_back(e.key);
-  }
-  std::sort(keys.begin(), keys.end());
-  return keys;
 }
 
 int LeasesOf(const ModelCache& cache, const std::string& key) {

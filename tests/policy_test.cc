@@ -30,12 +30,16 @@
 #include <vector>
 
 #include "modelcache/core/cache.h"
+#include "test_util.h"
 
 namespace modelcache {
 namespace {
 
 using ::testing::ElementsAre;
+using testing::ErrorMessage;
+using testing::FailAtOnce;
 using ::testing::HasSubstr;
+using testing::ResidentKeys;
 
 constexpr uint64_t kGiB = uint64_t{1} << 30;
 
@@ -122,34 +126,6 @@ class Models {
   std::set<std::string> failing_;
   std::atomic<int> live_{0};
 };
-
-AcquireOptions FailAtOnce() {
-  AcquireOptions options;
-  options.when_full = WhenFull::kFail;
-  return options;
-}
-
-template <typename F>
-std::string ErrorMessage(F&& f, ErrorCode code) {
-  try {
-    f();
-  } catch (const Error& e) {
-    EXPECT_EQ(e.code(), code) << "message: " << e.what();
-    return e.what();
-  }
-  ADD_FAILURE() << "expected modelcache::Error with code "
-                << static_cast<int>(code) << ", nothing was thrown";
-  return "";
-}
-
-std::vector<std::string> ResidentKeys(const ModelCache& cache) {
-  std::vector<std::string> keys;
-  for (const EntryInfo& e : cache.Entries()) {
-    if (e.state == EntryState::kResident) keys.push_back(e.key);
-  }
-  std::sort(keys.begin(), keys.end());
-  return keys;
-}
 
 bool IsResident(const ModelCache& cache, const std::string& key) {
   std::optional<EntryInfo> e = cache.Entry(key);

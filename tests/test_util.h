@@ -5,6 +5,7 @@
 
 #include <unistd.h>
 
+#include <algorithm>
 #include <atomic>
 #include <chrono>
 #include <cstdint>
@@ -19,6 +20,7 @@
 
 #include "gtest/gtest.h"
 #include "modelcache/core/cache.h"
+#include "modelcache/core/errors.h"
 
 namespace modelcache::testing {
 
@@ -101,6 +103,38 @@ inline Loader SimpleLoader(const std::string& key, uint64_t bytes,
     return Loaded{std::make_shared<FakeModel>(FakeModel{key, generation}),
                   bytes, unload};
   };
+}
+
+// Options that make a full budget an immediate kCapacity error.
+inline AcquireOptions FailAtOnce() {
+  AcquireOptions options;
+  options.when_full = WhenFull::kFail;
+  return options;
+}
+
+// Runs `f`, which must throw modelcache::Error with `code`; returns its
+// message.
+template <typename F>
+std::string ErrorMessage(F&& f, ErrorCode code) {
+  try {
+    f();
+  } catch (const Error& e) {
+    EXPECT_EQ(e.code(), code) << "message: " << e.what();
+    return e.what();
+  }
+  ADD_FAILURE() << "expected modelcache::Error with code "
+                << static_cast<int>(code) << ", nothing was thrown";
+  return "";
+}
+
+// The keys of `cache`'s resident records, sorted.
+inline std::vector<std::string> ResidentKeys(const ModelCache& cache) {
+  std::vector<std::string> keys;
+  for (const EntryInfo& e : cache.Entries()) {
+    if (e.state == EntryState::kResident) keys.push_back(e.key);
+  }
+  std::sort(keys.begin(), keys.end());
+  return keys;
 }
 
 // A fresh directory for the running test's files, removed with everything in

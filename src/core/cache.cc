@@ -33,6 +33,15 @@
 // the true minimum. Nothing is ever removed from the set except when its
 // record leaves the map, which is why a failed unload keeps its place.
 //
+// Hit path: a hit locks one shard, finds the key in a flat (open-addressing)
+// hash map, bumps the record's lease count and policy inputs, and unlocks;
+// releasing the lease locks the shard once more. Records are cache-line
+// aligned with everything a hit writes in their first line, and each shard's
+// mutex, sequence and hit counter share one line, so a hit moves two lines
+// between cores when another core touched them last. The shard mutexes spin
+// briefly before sleeping (see Mutex), because their critical sections are
+// shorter than a futex round trip.
+//
 // Bytes: reserved in the Budget before the loader runs (Budget::Reserve may
 // evict, from this cache or its peers, outside every lock), adjusted to the
 // real size after, returned on failure and when a record is unloaded.

@@ -11,6 +11,7 @@
 #include <thread>
 #include <vector>
 
+#include "../src/core/test_hooks.h"
 #include "gtest/gtest.h"
 #include "modelcache/core/cache.h"
 #include "test_util.h"
@@ -64,6 +65,48 @@ TEST(CacheLifecycle, ConcurrentAcquiresOfOneColdKeyConstructOnce) {
   EXPECT_EQ(stats.loads, 1u);
   EXPECT_EQ(stats.misses, static_cast<uint64_t>(kThreads));
   EXPECT_EQ(cache.CheckInvariants(), cache.budget().used());
+}
+
+// What the load's completion publishes, seen from the hook that runs after
+// the record became resident and before its waiters are woken.
+std::atomic<ModelCache*> published_cache{nullptr};
+std::atomic<int> leases_at_publication{-1};
+std::atomic<int> waiters_at_publication{-1};
+
+void RecordPublication(std::string_view key) {
+  const std::optional<EntryInfo> entry =
+      published_cache.load()->Entry(std::string(key));
+  leases_at_publication = entry ? entry->leases : -2;
+  waiters_at_publication = entry ? entry->waiters : -2;
+}
+
+// "Never evict a model in use" holds for waiters only if each holds its
+// lease from the moment the model is resident, not from when it wakes:
+// otherwise the owner could release, and an eviction take the model, before
+// a waiter runs. So the leases must all be there before any waiter wakes.
+TEST(CacheLifecycle, WaitersHoldTheirLeasesBeforeAnyOfThemWakes) {
+  ModelCache cache(Options(1000));
+  Gate release_load;
+  auto loader = [&] {
+    release_load.Pass();
+    return Loaded{std::make_shared<FakeModel>(FakeModel{"x", 1}), 10, {}};
+  };
+  constexpr int kThreads = 4;
+  std::vector<std::thread> threads;
+  for (int i = 0; i < kThreads; ++i) {
+    threads.emplace_back([&] { EXPECT_TRUE(cache.Acquire("x", 10, loader)); });
+  }
+  WaitUntil([&] { return WaitersOn(cache, "x") == kThreads - 1; },
+            "every other caller joins the load");
+  published_cache = &cache;
+  detail::after_load_published = &RecordPublication;
+  release_load.Open();
+  for (auto& t : threads) t.join();
+  detail::after_load_published = nullptr;
+  EXPECT_EQ(leases_at_publication.load(), kThreads);
+  EXPECT_EQ(waiters_at_publication.load(), 0);
+  EXPECT_EQ(cache.Entry("x")->leases, 0);
+  EXPECT_EQ(cache.CheckInvariants(), 10u);  // "x" resident, unleased
 }
 
 TEST(CacheLifecycle, TimedOutWaiterDoesNotRetireTheActiveLoad) {

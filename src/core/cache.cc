@@ -78,6 +78,7 @@
 #include "absl/container/flat_hash_map.h"
 #include "format.h"
 #include "modelcache/core/thread_annotations.h"
+#include "test_hooks.h"
 
 namespace modelcache {
 namespace detail {
@@ -573,6 +574,9 @@ Lease CacheCore::LoadAsOwner(Shard& shard, const std::shared_ptr<Record>& rec,
     } else {
       InsertOrderLocked(shard, rec.get());
     }
+  }
+  if (auto hook = after_load_published.load(std::memory_order_acquire)) {
+    hook(rec->key);
   }
   rec->Complete(waiters_promise);
   shard.changed.NotifyAll();

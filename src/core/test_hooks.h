@@ -1,0 +1,20 @@
+// Points in the core where a test can run code at a moment no public call can
+// reach. Null (and never called) unless a test sets them. Not part of the
+// public API: tests include this file by its path in the source tree.
+#ifndef MODELCACHE_SRC_CORE_TEST_HOOKS_H_
+#define MODELCACHE_SRC_CORE_TEST_HOOKS_H_
+
+#include <atomic>
+#include <string_view>
+
+namespace modelcache::detail {
+
+// Called by a load's owner, with no lock held, after the record became
+// resident and every waiter's lease was granted, and before the waiters are
+// woken: the moment at which the waiters hold leases they have not yet seen.
+inline std::atomic<void (*)(std::string_view key)> after_load_published{
+    nullptr};
+
+}  // namespace modelcache::detail
+
+#endif  // MODELCACHE_SRC_CORE_TEST_HOOKS_H_

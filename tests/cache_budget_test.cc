@@ -4,6 +4,7 @@
 #include <stdexcept>
 #include <thread>
 
+#include "../src/core/test_hooks.h"
 #include "gtest/gtest.h"
 #include "modelcache/core/cache.h"
 #include "test_util.h"
@@ -221,6 +222,64 @@ TEST(CacheBudget, PeerEvictionDuringACacheDestructionIsSafe) {
     peer.join();
     EXPECT_EQ(budget->used(), survivor.CheckInvariants());
   }
+}
+
+std::atomic<int> shutdowns_waiting{0};
+void CountShutdownWaiting() { shutdowns_waiting.fetch_add(1); }
+
+TEST(CacheBudget, DestructionWaitsForAPeerEvictionStillUnloading) {
+  // A peer found a victim in `doomed` before `doomed` began to go away, and
+  // its unloader is still running. The destructor must wait for it rather
+  // than unload the victim a second time and return its bytes twice.
+  auto budget = std::make_shared<Budget>(20, "host");
+  ModelCache survivor(On(budget, "survivor"));
+  auto doomed = std::make_unique<ModelCache>(On(budget, "doomed"));
+  Gate release_unload;
+  std::atomic<int> unloads_started{0};
+  std::atomic<int> unloads_done{0};
+  auto blocking_loader = [&](const std::string& key) -> Loader {
+    return [&, key] {
+      return Loaded{std::make_shared<FakeModel>(FakeModel{key, 1}), 10, [&] {
+                      unloads_started.fetch_add(1);
+                      release_unload.Pass();
+                      unloads_done.fetch_add(1);
+                    }};
+    };
+  };
+  doomed->Prefetch("d1", 10, blocking_loader("d1"));
+  doomed->Prefetch("d2", 10, blocking_loader("d2"));
+  std::thread peer([&] {
+    AcquireOptions wait;
+    wait.when_full = WhenFull::kWait;
+    survivor.Prefetch("s", 10, SimpleLoader("s", 10), wait);
+  });
+  WaitUntil([&] { return unloads_started.load() == 1; },
+            "the peer's eviction runs its unloader");
+  shutdowns_waiting = 0;
+  detail::shutdown_waits_for_unload = &CountShutdownWaiting;
+  std::atomic<bool> destroyed{false};
+  std::thread destroyer([&] {
+    doomed.reset();
+    destroyed = true;
+  });
+  // Without the wait, the destructor unloads the victim again (a second
+  // unloader start) or finishes while the first unload is still running.
+  WaitUntil(
+      [&] {
+        return shutdowns_waiting.load() > 0 || unloads_started.load() > 1 ||
+               destroyed.load();
+      },
+      "the destructor reaches the record being unloaded");
+  EXPECT_GT(shutdowns_waiting.load(), 0);
+  EXPECT_EQ(unloads_started.load(), 1);
+  EXPECT_FALSE(destroyed.load());
+  release_unload.Open();
+  peer.join();
+  destroyer.join();
+  detail::shutdown_waits_for_unload = nullptr;
+  EXPECT_EQ(unloads_done.load(), 2);  // each model unloaded exactly once
+  EXPECT_EQ(budget->used(), 10u);     // only the survivor's model
+  EXPECT_EQ(survivor.CheckInvariants(), 10u);
 }
 
 }  // namespace

@@ -1163,6 +1163,17 @@ void CacheCore::Shutdown() {
   for (size_t i = 0; i <= shard_mask_; ++i) {
     Shard& shard = shards_[i];
     MutexLock lock(&shard.mu);
+    // A peer cache sharing the budget may be evicting from this one: it
+    // found its victim before Unregister above, and its unloader may still
+    // be running. Let it finish; a victim it failed to unload is resident
+    // again and is unloaded below, one it unloaded is gone with its bytes.
+    while (std::any_of(shard.map.begin(), shard.map.end(), [](const auto& kv) {
+      return kv.second.record &&
+             kv.second.record->state == RecordState::kUnloading;
+    })) {
+      if (auto hook = shutdown_waits_for_unload.load()) hook();
+      shard.changed.Wait(&shard.mu);
+    }
     for (auto& [key, slot] : shard.map) {
       if (!slot.record) continue;
       assert(slot.record->leases == 0 && "cache destroyed with a lease out");

@@ -15,6 +15,11 @@ namespace modelcache::detail {
 inline std::atomic<void (*)(std::string_view key)> after_load_published{
     nullptr};
 
+// Called by a cache's shutdown (its destructor) each time it finds a peer's
+// eviction still unloading one of its records and is about to wait for it.
+// Runs under a shard mutex: it must not call into the cache.
+inline std::atomic<void (*)()> shutdown_waits_for_unload{nullptr};
+
 }  // namespace modelcache::detail
 
 #endif  // MODELCACHE_SRC_CORE_TEST_HOOKS_H_

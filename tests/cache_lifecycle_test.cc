@@ -33,6 +33,36 @@ CacheOptions Options(uint64_t capacity, int shard_bits = 4) {
   return options;
 }
 
+// Unloaders for a test's 10-byte models. Each records its key in `unloaded`
+// when it succeeds; the unloader of `failing` throws "unload of KEY failed"
+// instead, only once when `once`, otherwise until StopFailing(). Declare it
+// before the cache, so that it outlives the cache and its unloaders.
+class Unloads {
+ public:
+  Unloads(std::string failing, bool once)
+      : failing_(std::move(failing)), once_(once) {}
+  std::function<void()> Of(const std::string& key) {
+    return [this, key] {
+      if (key == failing_ && fails_) {
+        if (once_) fails_ = false;
+        throw std::runtime_error("unload of " + key + " failed");
+      }
+      unloaded.push_back(key);
+    };
+  }
+  Loader LoaderOf(const std::string& key) {
+    return SimpleLoader(key, 10, nullptr, Of(key));
+  }
+  void StopFailing() { fails_ = false; }
+
+  std::vector<std::string> unloaded;
+
+ private:
+  const std::string failing_;
+  const bool once_;
+  bool fails_ = true;
+};
+
 TEST(CacheLifecycle, ConcurrentAcquiresOfOneColdKeyConstructOnce) {
   ModelCache cache(Options(1000));
   ConstructionCounter constructions;
@@ -204,20 +234,10 @@ TEST(CacheLifecycle, FailuresAreNotCachedAndTheNextAcquireLoadsAgain) {
 }
 
 TEST(CacheLifecycle, FailedRemovalKeepsTheModelAndItsPlaceInTheOrder) {
-  bool fail_unload = true;
-  std::vector<std::string> unloaded;  // outlives the cache and its unloaders
+  Unloads unloads("a", /*once=*/true);
   ModelCache cache(Options(30, /*shard_bits=*/0));
-  auto unload_of = [&](const std::string& key) {
-    return [&, key] {
-      if (key == "a" && fail_unload) {
-        fail_unload = false;
-        throw std::runtime_error("unload of a failed");
-      }
-      unloaded.push_back(key);
-    };
-  };
   for (const char* key : {"a", "b", "c"}) {
-    cache.Prefetch(key, 10, SimpleLoader(key, 10, nullptr, unload_of(key)));
+    cache.Prefetch(key, 10, unloads.LoaderOf(key));
   }
   try {
     cache.Remove("a");
@@ -231,8 +251,8 @@ TEST(CacheLifecycle, FailedRemovalKeepsTheModelAndItsPlaceInTheOrder) {
   EXPECT_EQ(cache.Stats().failed_unloads, 1u);
 
   // "a" is still the least recently used: the next load evicts it first.
-  cache.Prefetch("d", 10, SimpleLoader("d", 10, nullptr, unload_of("d")));
-  EXPECT_EQ(unloaded, std::vector<std::string>{"a"});
+  cache.Prefetch("d", 10, unloads.LoaderOf("d"));
+  EXPECT_EQ(unloads.unloaded, std::vector<std::string>{"a"});
   EXPECT_FALSE(cache.Entry("a").has_value());
   EXPECT_EQ(cache.CheckInvariants(), cache.budget().used());
 }
@@ -364,31 +384,24 @@ TEST(CacheLifecycle, ConcurrentColdAcquiresLeaveOneOrderEntry) {
 }
 
 TEST(CacheLifecycle, FailedEvictionRestoresSkippedPinnedEntriesInOrder) {
-  std::vector<std::string> unloaded;  // outlives the cache and its unloaders
-  bool b_fails = true;
+  Unloads unloads("b", /*once=*/false);
   ModelCache cache(Options(40, /*shard_bits=*/0));
-  auto unload_of = [&](const std::string& key) {
-    return [&, key] {
-      if (key == "b" && b_fails) throw std::runtime_error("b is stuck");
-      unloaded.push_back(key);
-    };
-  };
   for (const char* key : {"a", "b", "c", "d"}) {
-    cache.Prefetch(key, 10, SimpleLoader(key, 10, nullptr, unload_of(key)));
+    cache.Prefetch(key, 10, unloads.LoaderOf(key));
   }
   cache.Pin("a");
   // Room for "e": skip pinned a, fail on b, evict c.
-  cache.Prefetch("e", 10, SimpleLoader("e", 10, nullptr, unload_of("e")));
-  EXPECT_EQ(unloaded, std::vector<std::string>{"c"});
+  cache.Prefetch("e", 10, unloads.LoaderOf("e"));
+  EXPECT_EQ(unloads.unloaded, std::vector<std::string>{"c"});
   EXPECT_EQ(cache.Stats().failed_unloads, 1u);
 
   // The order is still a, b, d, e: unpinned a goes next, then b.
   cache.Unpin("a");
-  b_fails = false;
-  cache.Prefetch("f", 10, SimpleLoader("f", 10, nullptr, unload_of("f")));
-  cache.Prefetch("g", 10, SimpleLoader("g", 10, nullptr, unload_of("g")));
-  cache.Prefetch("h", 10, SimpleLoader("h", 10, nullptr, unload_of("h")));
-  EXPECT_EQ(unloaded, (std::vector<std::string>{"c", "a", "b", "d"}));
+  unloads.StopFailing();
+  cache.Prefetch("f", 10, unloads.LoaderOf("f"));
+  cache.Prefetch("g", 10, unloads.LoaderOf("g"));
+  cache.Prefetch("h", 10, unloads.LoaderOf("h"));
+  EXPECT_EQ(unloads.unloaded, (std::vector<std::string>{"c", "a", "b", "d"}));
   EXPECT_EQ(cache.CheckInvariants(), cache.budget().used());
 }
 
@@ -491,49 +504,32 @@ TEST(CacheLifecycle, InvalidateDuringLoadServesItsWaitersThenReloads) {
 // are ranked by access sequence alone: a failed unload must not re-file its
 // record with a fresh sequence either.
 TEST(CacheLifecycle, FailedRemovalKeepsItsPlaceAmongEquallyRankedModels) {
-  bool fail_unload = true;
-  std::vector<std::string> unloaded;  // outlives the cache and its unloaders
+  Unloads unloads("a", /*once=*/true);
   ModelCache cache(Options(30, /*shard_bits=*/0));
-  auto unload_of = [&](const std::string& key) {
-    return [&, key] {
-      if (key == "a" && fail_unload) {
-        fail_unload = false;
-        throw std::runtime_error("unload of a failed");
-      }
-      unloaded.push_back(key);
-    };
-  };
   for (const char* key : {"a", "b", "c"}) {
-    cache.Prefetch(key, 10, SimpleLoader(key, 10, nullptr, unload_of(key)));
+    cache.Prefetch(key, 10, unloads.LoaderOf(key));
   }
   for (const char* key : {"a", "b", "c"}) ASSERT_TRUE(cache.Lookup(key));
   EXPECT_THROW(cache.Remove("a"), std::runtime_error);
   ASSERT_TRUE(cache.Entry("a").has_value());
-  cache.Prefetch("d", 10, SimpleLoader("d", 10, nullptr, unload_of("d")));
-  EXPECT_EQ(unloaded, std::vector<std::string>{"a"});
+  cache.Prefetch("d", 10, unloads.LoaderOf("d"));
+  EXPECT_EQ(unloads.unloaded, std::vector<std::string>{"a"});
   EXPECT_EQ(cache.CheckInvariants(), cache.budget().used());
 }
 
 TEST(CacheLifecycle, FailedEvictionKeepsItsPlaceAmongEquallyRankedModels) {
-  bool b_fails = true;
-  std::vector<std::string> unloaded;  // outlives the cache and its unloaders
+  Unloads unloads("b", /*once=*/false);
   ModelCache cache(Options(30, /*shard_bits=*/0));
-  auto unload_of = [&](const std::string& key) {
-    return [&, key] {
-      if (key == "b" && b_fails) throw std::runtime_error("b is stuck");
-      unloaded.push_back(key);
-    };
-  };
   for (const char* key : {"a", "b", "c"}) {
-    cache.Prefetch(key, 10, SimpleLoader(key, 10, nullptr, unload_of(key)));
+    cache.Prefetch(key, 10, unloads.LoaderOf(key));
   }
   for (const char* key : {"b", "c", "a"}) ASSERT_TRUE(cache.Lookup(key));
   // b fails to unload, c goes; b keeps its place at the front.
-  cache.Prefetch("d", 10, SimpleLoader("d", 10, nullptr, unload_of("d")));
-  EXPECT_EQ(unloaded, std::vector<std::string>{"c"});
-  b_fails = false;
-  cache.Prefetch("e", 10, SimpleLoader("e", 10, nullptr, unload_of("e")));
-  EXPECT_EQ(unloaded, (std::vector<std::string>{"c", "b"}));
+  cache.Prefetch("d", 10, unloads.LoaderOf("d"));
+  EXPECT_EQ(unloads.unloaded, std::vector<std::string>{"c"});
+  unloads.StopFailing();
+  cache.Prefetch("e", 10, unloads.LoaderOf("e"));
+  EXPECT_EQ(unloads.unloaded, (std::vector<std::string>{"c", "b"}));
   EXPECT_EQ(cache.CheckInvariants(), cache.budget().used());
 }
 

@@ -13,7 +13,8 @@
 //   stats_.bytes_allocated = sum of sizes of live buffers + reservations of
 //                            allocations in progress  <=  capacity_
 //   stats_.allocations - stats_.frees = live buffers
-//   stats_.high_water_bytes = max over time of bytes_allocated
+//   stats_.high_water_bytes = max of bytes_allocated seen when an
+//                             allocation succeeded (a failed one leaves it)
 // Reserving before the backend allocates is what makes the capacity a hard
 // limit under concurrency: two racing allocations can never both see the
 // same free bytes. mu_ is a leaf: no backend code runs while it is held, so
@@ -158,9 +159,7 @@ DeviceBuffer Device::Allocate(uint64_t bytes) {
                FormatBytes(stats_.bytes_allocated) + " of " +
                FormatBytes(capacity_) + " allocated");
     }
-    stats_.bytes_allocated += bytes;
-    stats_.high_water_bytes =
-        std::max(stats_.high_water_bytes, stats_.bytes_allocated);
+    stats_.bytes_allocated += bytes;  // reserved while the backend allocates
   }
   void* data = nullptr;
   try {
@@ -174,6 +173,10 @@ DeviceBuffer Device::Allocate(uint64_t bytes) {
   {
     MutexLock lock(&mu_);
     ++stats_.allocations;
+    // Only now: a backend failure above must leave the high-water mark as
+    // it was.
+    stats_.high_water_bytes =
+        std::max(stats_.high_water_bytes, stats_.bytes_allocated);
   }
   return DeviceBuffer(this, data, bytes);
 }

@@ -26,6 +26,7 @@
 #include <utility>
 #include <vector>
 
+#include "device_test_util.h"
 #include "modelcache/device/device.h"
 
 // ASan reserves the low address range CUDA maps device memory into; without
@@ -61,18 +62,6 @@ namespace {
 using ::testing::HasSubstr;
 
 constexpr uint64_t kMiB = uint64_t{1} << 20;
-
-std::vector<std::byte> Pattern(uint64_t seed, size_t bytes) {
-  std::vector<std::byte> out(bytes);
-  uint64_t x = seed * 0x9E3779B97F4A7C15ull + 1;
-  for (size_t i = 0; i < bytes; ++i) {
-    x ^= x << 13;
-    x ^= x >> 7;
-    x ^= x << 17;
-    out[i] = static_cast<std::byte>(x);
-  }
-  return out;
-}
 
 class CudaDeviceTest : public ::testing::Test {
  protected:

@@ -29,6 +29,7 @@
 #include <utility>
 #include <vector>
 
+#include "device_test_util.h"
 #include "modelcache/device/device.h"
 
 namespace modelcache::device::testing {
@@ -47,30 +48,6 @@ using ::testing::HasSubstr;
 
 constexpr uint64_t kKiB = uint64_t{1} << 10;
 constexpr uint64_t kMiB = uint64_t{1} << 20;
-
-std::vector<std::byte> Pattern(uint64_t seed, size_t bytes) {
-  std::vector<std::byte> out(bytes);
-  uint64_t x = seed * 0x9E3779B97F4A7C15ull + 1;
-  for (size_t i = 0; i < bytes; ++i) {
-    x ^= x << 13;
-    x ^= x >> 7;
-    x ^= x << 17;
-    out[i] = static_cast<std::byte>(x);
-  }
-  return out;
-}
-
-// Books that a failure must leave alone (failure counters excluded).
-void ExpectSameBooks(const DeviceStats& before, const DeviceStats& after) {
-  EXPECT_EQ(after.bytes_allocated, before.bytes_allocated);
-  EXPECT_EQ(after.allocations, before.allocations);
-  EXPECT_EQ(after.frees, before.frees);
-  EXPECT_EQ(after.copies_to_device, before.copies_to_device);
-  EXPECT_EQ(after.copies_to_host, before.copies_to_host);
-  EXPECT_EQ(after.bytes_copied_to_device, before.bytes_copied_to_device);
-  EXPECT_EQ(after.bytes_copied_to_host, before.bytes_copied_to_host);
-  EXPECT_EQ(after.high_water_bytes, before.high_water_bytes);
-}
 
 DeviceErrorCode CodeOf(const std::function<void()>& call) {
   try {

@@ -24,6 +24,8 @@
 #include <thread>
 #include <vector>
 
+#include "device_test_util.h"
+
 namespace modelcache::device {
 namespace {
 
@@ -42,15 +44,10 @@ SimulatedDeviceOptions Options(uint64_t capacity = 64 * kMiB) {
                                 .bandwidth_bytes_per_second = 1e9};
 }
 
-// Books a failure must leave alone.
-void ExpectSameBooks(const DeviceStats& before, const DeviceStats& after) {
-  EXPECT_EQ(after.bytes_allocated, before.bytes_allocated);
-  EXPECT_EQ(after.allocations, before.allocations);
-  EXPECT_EQ(after.frees, before.frees);
-  EXPECT_EQ(after.copies_to_device, before.copies_to_device);
-  EXPECT_EQ(after.copies_to_host, before.copies_to_host);
-  EXPECT_EQ(after.bytes_copied_to_device, before.bytes_copied_to_device);
-  EXPECT_EQ(after.bytes_copied_to_host, before.bytes_copied_to_host);
+// Books a failure must leave alone, simulated time included.
+void ExpectSameSimulatedBooks(const DeviceStats& before,
+                              const DeviceStats& after) {
+  testing::ExpectSameBooks(before, after);
   EXPECT_EQ(after.simulated_transfer_seconds,
             before.simulated_transfer_seconds);
 }
@@ -157,7 +154,7 @@ TEST(SimulatedDeviceFaultTest, NthAllocationFailsOnceWithBooksUnchanged) {
                  "injected fault (FailAllocation)");
   }
   const DeviceStats after = sim.Stats();
-  ExpectSameBooks(before, after);
+  ExpectSameSimulatedBooks(before, after);
   EXPECT_EQ(after.failed_allocations, 1u);
   EXPECT_EQ(after.bytes_allocated, 2 * kMiB);
   EXPECT_EQ(sim.injected_faults(), 1u);
@@ -231,7 +228,7 @@ TEST(SimulatedDeviceFaultTest, NextCopiesFailAndLeaveDestinationUntouched) {
   }
   EXPECT_EQ(back, Filled(64 * kKiB, 0)) << "a failed copy wrote to the host";
   const DeviceStats after = sim.Stats();
-  ExpectSameBooks(before, after);
+  ExpectSameSimulatedBooks(before, after);
   EXPECT_EQ(after.failed_copies, 2u);
   EXPECT_EQ(sim.injected_faults(), 2u);
 

@@ -119,17 +119,17 @@ class DefaultBuffer {
  public:
   explicit DefaultBuffer(uint64_t size)
       : size_(size),
-        data_(static_cast<char*>(
-            w::DefaultHostBufferAllocator()->Allocate(size, kHugePage))) {}
+        data_(static_cast<char*>(w::DefaultHostBufferAllocator()->Allocate(
+            size, w::kHugePageBytes))) {}
   ~DefaultBuffer() {
-    w::DefaultHostBufferAllocator()->Deallocate(data_, size_, kHugePage);
+    w::DefaultHostBufferAllocator()->Deallocate(data_, size_,
+                                                w::kHugePageBytes);
   }
   DefaultBuffer(const DefaultBuffer&) = delete;
   DefaultBuffer& operator=(const DefaultBuffer&) = delete;
   char* get() const { return data_; }
 
  private:
-  static constexpr size_t kHugePage = size_t{2} << 20;
   const uint64_t size_;
   char* const data_;
 };

@@ -20,8 +20,6 @@
 namespace modelcache::weights {
 namespace {
 
-constexpr size_t kHugePage = size_t{2} << 20;
-
 class AlignedAllocator final : public HostBufferAllocator {
  public:
   void* Allocate(uint64_t bytes, size_t alignment) override {
@@ -31,7 +29,7 @@ class AlignedAllocator final : public HostBufferAllocator {
     void* buffer = std::aligned_alloc(alignment, rounded);
     if (buffer == nullptr) throw std::bad_alloc();
     // Advice only: fewer page faults when the buffer is first written.
-    if (alignment >= kHugePage) ::madvise(buffer, rounded, MADV_HUGEPAGE);
+    if (alignment >= kHugePageBytes) ::madvise(buffer, rounded, MADV_HUGEPAGE);
     return buffer;
   }
   void Deallocate(void* buffer, uint64_t, size_t) noexcept override {

@@ -45,7 +45,6 @@ static_assert(sizeof(size_t) == sizeof(uint64_t),
 namespace {
 
 constexpr size_t kSmallAlignment = size_t{4} << 10;
-constexpr size_t kHugeAlignment = size_t{2} << 20;
 
 }  // namespace
 
@@ -243,7 +242,7 @@ WeightSet WeightSet::Open(const std::string& path, const LoadOptions& options) {
   }
   size_t alignment = options.buffer_alignment;
   if (alignment == 0) {
-    alignment = data_bytes >= kHugeAlignment ? kHugeAlignment : kSmallAlignment;
+    alignment = data_bytes >= kHugePageBytes ? kHugePageBytes : kSmallAlignment;
   }
   std::shared_ptr<HostBufferAllocator> allocator =
       options.allocator ? options.allocator : DefaultHostBufferAllocator();

@@ -25,6 +25,11 @@
 
 namespace modelcache::weights {
 
+// A transparent huge page on x86-64: the alignment LoadOptions picks for data
+// buffers of at least this size, and from which the default allocator
+// advises huge pages.
+inline constexpr size_t kHugePageBytes = size_t{2} << 20;
+
 // Where a kPread load gets its data buffer. Implementations must be safe to
 // call from several threads at once.
 class HostBufferAllocator {

@@ -153,7 +153,7 @@ enum class RecordState { kLoading, kResident, kUnloading, kGone, kFailed };
 // without a lock.
 //
 // Layout: a hit reads and writes only the first cache line (state, flags,
-// lease count, the policy's inputs and the order key), and records are
+// lease count, the policy's inputs, priority and sequence), and records are
 // cache-line aligned so that no other allocation shares that line. Two
 // threads hitting different models then never contend for a line, and a
 // thread hitting a model last touched by another core moves one line, not

@@ -116,7 +116,8 @@ std::string Budget::HoldersMessage() {
 }
 
 void Budget::Reserve(uint64_t bytes, WhenFull when_full,
-                     std::chrono::steady_clock::time_point deadline) {
+                     std::chrono::steady_clock::time_point deadline,
+                     uint64_t already_reserved) {
   std::unordered_set<uint64_t> skip;  // victims whose unload failed
   bool registered = false;
   auto leave = [&] {
@@ -128,14 +129,20 @@ void Budget::Reserve(uint64_t bytes, WhenFull when_full,
     uint64_t capacity = 0, used = 0;
     {
       MutexLock lock(&mu_);
-      if (bytes > capacity_) {
+      // Written so that no sum can wrap: already_reserved + bytes may pass
+      // 2^64, and used_ may exceed capacity_ after a shrink.
+      if (bytes > capacity_ || already_reserved > capacity_ - bytes) {
         const uint64_t cap = capacity_;
         leave();
-        throw Error(ErrorCode::kTooLarge,
-                    "needs " + FormatBytes(bytes) + " but budget '" + name_ +
-                        "' has a capacity of " + FormatBytes(cap));
+        const std::string needs =
+            already_reserved == 0
+                ? FormatBytes(bytes)
+                : FormatBytes(already_reserved) + " + " + FormatBytes(bytes);
+        throw Error(ErrorCode::kTooLarge, "needs " + needs + " but budget '" +
+                                              name_ + "' has a capacity of " +
+                                              FormatBytes(cap));
       }
-      if (used_ + bytes <= capacity_) {
+      if (used_ <= capacity_ && bytes <= capacity_ - used_) {
         used_ += bytes;
         high_water_ = std::max(high_water_, used_);
         leave();
@@ -194,37 +201,51 @@ void Budget::Release(uint64_t bytes) {
     MutexLock lock(&mu_);
     assert(used_ >= bytes && "released more bytes than reserved");
     used_ -= bytes;
+    if (used_ <= capacity_) over_capacity_.store(false);
     ++change_count_;
   }
   changed_.NotifyAll();
 }
 
 void Budget::NotifyEvictable() {
-  if (waiters_.load() == 0) return;
-  {
-    MutexLock lock(&mu_);
-    ++change_count_;
+  if (waiters_.load() != 0) {
+    {
+      MutexLock lock(&mu_);
+      ++change_count_;
+    }
+    changed_.NotifyAll();
   }
-  changed_.NotifyAll();
+  // Usage is over a capacity that shrank under leases or pins: what just
+  // became evictable goes now, in policy order, rather than lingering until
+  // the next reservation.
+  if (over_capacity_.load()) EvictToCapacity();
+}
+
+uint64_t Budget::EvictToCapacity() {
+  std::unordered_set<uint64_t> skip;
+  for (;;) {
+    {
+      MutexLock lock(&mu_);
+      if (used_ <= capacity_) {
+        over_capacity_.store(false);
+        return 0;
+      }
+    }
+    if (!EvictOne(&skip)) break;
+  }
+  MutexLock lock(&mu_);
+  return used_ > capacity_ ? used_ - capacity_ : 0;
 }
 
 uint64_t Budget::SetCapacity(uint64_t capacity_bytes) {
   {
     MutexLock lock(&mu_);
     capacity_ = capacity_bytes;
+    over_capacity_.store(used_ > capacity_);
     ++change_count_;
   }
   changed_.NotifyAll();
-  std::unordered_set<uint64_t> skip;
-  for (;;) {
-    {
-      MutexLock lock(&mu_);
-      if (used_ <= capacity_) return 0;
-    }
-    if (!EvictOne(&skip)) break;
-  }
-  MutexLock lock(&mu_);
-  return used_ > capacity_ ? used_ - capacity_ : 0;
+  return EvictToCapacity();
 }
 
 }  // namespace modelcache

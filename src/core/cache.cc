@@ -56,6 +56,8 @@
 //   I4. Bytes the budget holds for this cache = sum of resident, unloading
 //       and retired sizes + reservations of loads in flight.
 //   I5. No record with a lease is ever unloaded.
+//   I6. Aliases are one level deep: no alias target is an alias, and each
+//       alias slot in a shard map matches the alias table.
 //
 // Locking: shard mutexes are never nested and never held while user code
 // runs (loader, unloader, value deleter, event callback) or while the budget
@@ -72,6 +74,7 @@
 #include <cstdlib>
 #include <future>
 #include <set>
+#include <thread>
 #include <unordered_map>
 #include <utility>
 
@@ -185,6 +188,10 @@ struct alignas(64) Record {
   const uint32_t shard;
   int waiters = 0;         // acquires waiting for this record's load
   int unload_waiters = 0;  // callers waiting for its unload to finish
+  // The thread running this record's loader (kLoading) or unloader
+  // (kUnloading); meaningless in other states. A call from that thread that
+  // would wait for this record would wait for itself: it fails instead.
+  std::thread::id owner;
   std::shared_ptr<void> value;
   std::function<void()> unload;
   // The load's outcome, for its waiters: `error` (null on success) is set
@@ -303,6 +310,11 @@ class CacheCore final : public BudgetMember,
   void RetireLocked(Shard& shard, const std::shared_ptr<Record>& r)
       REQUIRES(shard.mu);
 
+  // Waits, up to `deadline`, until `rec` leaves its current state (a load
+  // or an unload in progress), counted among its waiters meanwhile.
+  void WaitWhileBusy(Shard& shard, const std::shared_ptr<Record>& rec,
+                     Clock::time_point deadline, const char* what)
+      REQUIRES(shard.mu);
   Lease JoinLoad(Shard& shard, const std::shared_ptr<Record>& rec,
                  const std::shared_future<void>& done,
                  Clock::time_point deadline);
@@ -325,9 +337,20 @@ class CacheCore final : public BudgetMember,
                                 EventType reason,
                                 Clock::time_point idle_before);
 
+  // A throwing callback must not unwind through the cache: the event is
+  // emitted after the state change it reports, and a lease or a load
+  // abandoned halfway would leave books nobody can fix.
   void Emit(CacheEvent event) {
-    if (options_.on_event) options_.on_event(event);
+    if (!options_.on_event) return;
+    try {
+      options_.on_event(event);
+    } catch (...) {
+      callback_errors_.fetch_add(1, std::memory_order_relaxed);
+    }
   }
+  // Throws kFailedPrecondition if this thread is running `r`'s loader or
+  // unloader, which `what` would otherwise wait for forever.
+  void CheckNotOwnThread(const Record& r, const char* what) const;
   bool Observed() const { return static_cast<bool>(options_.on_event); }
 
   const CacheOptions options_;
@@ -337,6 +360,19 @@ class CacheCore final : public BudgetMember,
   const size_t shard_mask_;
   std::unique_ptr<Shard[]> shards_;
   std::atomic<bool> shut_down_{false};
+  std::atomic<uint64_t> callback_errors_{0};
+
+  // Alias mutations are serialised here so that the checks that keep
+  // aliases one level deep (no target is an alias, no alias is a target)
+  // and the insertion of the alias's slot happen as one step. Lock order:
+  // alias_mu_, then a shard mutex. Lookups never take it: they read the
+  // alias slots in the shard maps.
+  Mutex alias_mu_;
+  // alias -> canonical, and canonical -> its aliases.
+  absl::flat_hash_map<std::string, std::string> alias_target_
+      GUARDED_BY(alias_mu_);
+  absl::flat_hash_map<std::string, std::vector<std::string>> aliases_of_
+      GUARDED_BY(alias_mu_);
 };
 
 CacheCore::CacheCore(CacheOptions options)
@@ -400,6 +436,19 @@ void CacheCore::RetireLocked(Shard& shard, const std::shared_ptr<Record>& r) {
   ++shard.counters.removals;
 }
 
+void CacheCore::CheckNotOwnThread(const Record& r, const char* what) const {
+  if ((r.state != RecordState::kLoading &&
+       r.state != RecordState::kUnloading) ||
+      r.owner != std::this_thread::get_id()) {
+    return;
+  }
+  throw Error(ErrorCode::kFailedPrecondition,
+              std::string(what) + " '" + r.key + "' in cache '" +
+                  options_.name + "' from its own " +
+                  (r.state == RecordState::kLoading ? "loader" : "unloader") +
+                  ": it would wait for itself");
+}
+
 Lease CacheCore::Acquire(std::string_view key, uint64_t expected_bytes,
                          const Loader& loader, const AcquireOptions& options) {
   std::string alias_target;
@@ -416,6 +465,7 @@ Lease CacheCore::Acquire(std::string_view key, uint64_t expected_bytes,
         owned = std::make_shared<Record>(
             std::string(key), next_record_id++,
             static_cast<uint32_t>(&shard - shards_.get()));
+        owned->owner = std::this_thread::get_id();
         shard.map.emplace(owned->key, Slot{owned, {}});
         ++shard.counters.misses;
       } else if (!it->second.record) {
@@ -429,6 +479,15 @@ Lease CacheCore::Acquire(std::string_view key, uint64_t expected_bytes,
             ++shard.hits;
             return MakeLease(r);
           case RecordState::kLoading:
+            CheckNotOwnThread(*r, "acquired");
+            if (r->stale) {
+              // Invalidated while loading: this acquire came after the
+              // invalidation, so it must not receive the stale model. Wait
+              // for that load to end (it is then retired), then load afresh.
+              WaitWhileBusy(shard, it->second.record, options.deadline,
+                            "the invalidated load of");
+              continue;
+            }
             // Join the load in flight; its completion grants us a lease.
             joined = it->second.record;
             if (!joined->done_promise) {
@@ -439,23 +498,13 @@ Lease CacheCore::Acquire(std::string_view key, uint64_t expected_bytes,
             ++joined->waiters;
             ++shard.counters.misses;
             break;
-          case RecordState::kUnloading: {
+          case RecordState::kUnloading:
             // An eviction or removal is running its unloader: wait for the
             // outcome, then look again.
-            std::shared_ptr<Record> rec = it->second.record;
-            ++rec->unload_waiters;
-            while (rec->state == RecordState::kUnloading) {
-              if (!shard.changed.WaitUntil(&shard.mu, options.deadline) &&
-                  rec->state == RecordState::kUnloading) {
-                --rec->unload_waiters;
-                throw Error(
-                    ErrorCode::kTimeout,
-                    "timed out waiting for the unload of '" + rec->key + "'");
-              }
-            }
-            --rec->unload_waiters;
+            CheckNotOwnThread(*r, "acquired");
+            WaitWhileBusy(shard, it->second.record, options.deadline,
+                          "the unload of");
             continue;
-          }
           case RecordState::kGone:
           case RecordState::kFailed:
             InvariantFailed("a gone record is still in the map", r->key);
@@ -466,8 +515,31 @@ Lease CacheCore::Acquire(std::string_view key, uint64_t expected_bytes,
       return LoadAsOwner(shard, owned, expected_bytes, loader, options);
     }
     if (joined) return JoinLoad(shard, joined, done, options.deadline);
-    key = alias_target;  // an alias: look the canonical key up
+    // An alias: look the canonical key up. Targets are never aliases, but
+    // an alias re-pointed between two lookups could be met again; the
+    // deadline bounds even that.
+    if (options.deadline != Clock::time_point::max() &&
+        Clock::now() >= options.deadline) {
+      throw Error(ErrorCode::kTimeout,
+                  "timed out resolving '" + std::string(key) + "'");
+    }
+    key = alias_target;
   }
+}
+
+void CacheCore::WaitWhileBusy(Shard& shard, const std::shared_ptr<Record>& rec,
+                              Clock::time_point deadline, const char* what) {
+  const RecordState busy = rec->state;
+  ++rec->unload_waiters;
+  while (rec->state == busy) {
+    if (!shard.changed.WaitUntil(&shard.mu, deadline) && rec->state == busy) {
+      --rec->unload_waiters;
+      throw Error(
+          ErrorCode::kTimeout,
+          "timed out waiting for " + std::string(what) + " '" + rec->key + "'");
+    }
+  }
+  --rec->unload_waiters;
 }
 
 Lease CacheCore::JoinLoad(Shard& shard, const std::shared_ptr<Record>& rec,
@@ -527,11 +599,29 @@ Lease CacheCore::LoadAsOwner(Shard& shard, const std::shared_ptr<Record>& rec,
   const double seconds =
       std::chrono::duration<double>(Clock::now() - start).count();
 
-  // Adjust the reservation to the real size.
+  // Adjust the reservation to the real size. A real size over the whole
+  // budget can never fit: Reserve refuses it before evicting anything.
   if (loaded.bytes > expected_bytes) {
     try {
       budget_->Reserve(loaded.bytes - expected_bytes, options.when_full,
-                       options.deadline);
+                       options.deadline, /*already_reserved=*/expected_bytes);
+    } catch (const Error& e) {
+      auto error = std::current_exception();
+      if (e.code() == ErrorCode::kTooLarge) {
+        error = std::make_exception_ptr(
+            Error(ErrorCode::kTooLarge,
+                  "'" + rec->key + "' loaded at " + FormatBytes(loaded.bytes) +
+                      " (expected " + FormatBytes(expected_bytes) +
+                      "), more than the whole budget: " + e.what()));
+      }
+      try {
+        if (loaded.unload) loaded.unload();
+      } catch (...) {
+        // The load is refused either way; its own cleanup error is secondary.
+      }
+      loaded.value.reset();
+      FailLoad(shard, rec, error, expected_bytes, false);
+      std::rethrow_exception(error);
     } catch (...) {
       auto error = std::current_exception();
       try {
@@ -580,11 +670,12 @@ Lease CacheCore::LoadAsOwner(Shard& shard, const std::shared_ptr<Record>& rec,
   }
   rec->Complete(waiters_promise);
   shard.changed.NotifyAll();
+  Lease lease = MakeLease(rec.get());
   if (Observed()) {
     Emit({EventType::kLoaded, rec->key, rec->bytes, seconds, {}});
     if (retired_now) Emit({EventType::kRetired, rec->key, rec->bytes, 0, {}});
   }
-  return MakeLease(rec.get());
+  return lease;
 }
 
 void CacheCore::FailLoad(Shard& shard, const std::shared_ptr<Record>& rec,
@@ -650,7 +741,10 @@ void CacheCore::ReleaseLease(Record* r) {
         assert(it != shard.retired.end());
         to_free = it->second;
         r->state = RecordState::kUnloading;
+        r->owner = std::this_thread::get_id();
       } else {
+        // Idle from now: an idle TTL counts from the end of the last lease.
+        r->last_use = Now();
         now_evictable = !r->pinned;
       }
     }
@@ -811,6 +905,7 @@ EvictOutcome CacheCore::EvictIfEvictable(const std::shared_ptr<Record>& rec,
       return EvictOutcome::kChanged;
     }
     rec->state = RecordState::kUnloading;
+    rec->owner = std::this_thread::get_id();
   }
   return UnloadResident(shard, rec, reason) ? EvictOutcome::kUnloadFailed
                                             : EvictOutcome::kEvicted;
@@ -874,6 +969,7 @@ RemoveOutcome CacheCore::Remove(std::string_view key,
         rec->stale = true;  // retired the moment its load completes
         return RemoveOutcome::kRetired;
       }
+      CheckNotOwnThread(*rec, invalidate ? "invalidated" : "removed");
       if (rec->state == RecordState::kLoading ||
           rec->state == RecordState::kUnloading) {
         // Serialised after the mutation in progress.
@@ -893,6 +989,7 @@ RemoveOutcome CacheCore::Remove(std::string_view key,
         retired = true;
       } else {
         rec->state = RecordState::kUnloading;
+        rec->owner = std::this_thread::get_id();
       }
       break;
     }
@@ -930,42 +1027,64 @@ void CacheCore::SetPinned(std::string_view key, bool pinned) {
 }
 
 void CacheCore::AddAlias(std::string_view alias, std::string_view canonical) {
+  const std::string alias_key(alias);
+  const std::string canonical_key(canonical);
   if (alias == canonical) {
     throw Error(ErrorCode::kInvalidArgument,
-                "alias '" + std::string(alias) + "' names itself");
+                "alias '" + alias_key + "' names itself");
+  }
+  MutexLock aliases(&alias_mu_);
+  if (auto it = alias_target_.find(canonical_key); it != alias_target_.end()) {
+    throw Error(ErrorCode::kInvalidArgument,
+                "cannot alias '" + alias_key + "' to '" + canonical_key +
+                    "': '" + canonical_key + "' is itself an alias of '" +
+                    it->second + "'");
+  }
+  if (auto it = aliases_of_.find(alias_key); it != aliases_of_.end()) {
+    throw Error(ErrorCode::kInvalidArgument,
+                "cannot make '" + alias_key + "' an alias: alias '" +
+                    it->second.front() + "' names it");
   }
   {
-    Shard& shard = ShardFor(canonical);
+    Shard& shard = ShardFor(alias);
     MutexLock lock(&shard.mu);
-    auto it = shard.map.find(canonical);
-    if (it != shard.map.end() && !it->second.record) {
-      throw Error(ErrorCode::kInvalidArgument, "'" + std::string(canonical) +
-                                                   "' is itself an alias of '" +
-                                                   it->second.alias_of + "'");
+    auto it = shard.map.find(alias);
+    if (it != shard.map.end() && it->second.record) {
+      throw Error(
+          ErrorCode::kInvalidArgument,
+          "cannot alias '" + alias_key + "': a model is loaded under that key");
+    }
+    if (it == shard.map.end()) {
+      shard.map.emplace(alias_key, Slot{nullptr, canonical_key});
+    } else {
+      it->second.alias_of = canonical_key;
     }
   }
-  Shard& shard = ShardFor(alias);
-  MutexLock lock(&shard.mu);
-  auto it = shard.map.find(alias);
-  if (it != shard.map.end() && it->second.record) {
-    throw Error(ErrorCode::kInvalidArgument,
-                "cannot alias '" + std::string(alias) +
-                    "': a model is loaded under that key");
+  if (auto old = alias_target_.find(alias_key); old != alias_target_.end()) {
+    auto& names = aliases_of_[old->second];
+    std::erase(names, alias_key);
+    if (names.empty()) aliases_of_.erase(old->second);
   }
-  if (it == shard.map.end()) {
-    shard.map.emplace(std::string(alias),
-                      Slot{nullptr, std::string(canonical)});
-  } else {
-    it->second.alias_of = std::string(canonical);
-  }
+  alias_target_[alias_key] = canonical_key;
+  aliases_of_[canonical_key].push_back(alias_key);
 }
 
 bool CacheCore::RemoveAlias(std::string_view alias) {
-  Shard& shard = ShardFor(alias);
-  MutexLock lock(&shard.mu);
-  auto it = shard.map.find(alias);
-  if (it == shard.map.end() || it->second.record) return false;
-  shard.map.erase(it);
+  const std::string alias_key(alias);
+  MutexLock aliases(&alias_mu_);
+  auto target = alias_target_.find(alias_key);
+  if (target == alias_target_.end()) return false;
+  {
+    Shard& shard = ShardFor(alias);
+    MutexLock lock(&shard.mu);
+    auto it = shard.map.find(alias);
+    assert(it != shard.map.end() && !it->second.record);
+    shard.map.erase(it);
+  }
+  auto& names = aliases_of_[target->second];
+  std::erase(names, alias_key);
+  if (names.empty()) aliases_of_.erase(target->second);
+  alias_target_.erase(target);
   return true;
 }
 
@@ -1013,6 +1132,7 @@ size_t CacheCore::Prune() {
       if (rec->unload_failed && rec->leases == 0 &&
           rec->state == RecordState::kResident) {
         rec->state = RecordState::kUnloading;
+        rec->owner = std::this_thread::get_id();
         failed_retired.emplace_back(&shard, rec);
       }
     }
@@ -1059,6 +1179,7 @@ CacheStats CacheCore::Stats() {
   stats.capacity_bytes = budget_->capacity();
   stats.budget_used_bytes = budget_->used();
   stats.high_water_bytes = budget_->high_water();
+  stats.callback_errors = callback_errors_.load(std::memory_order_relaxed);
   return stats;
 }
 
@@ -1107,13 +1228,23 @@ std::optional<EntryInfo> CacheCore::Entry(std::string_view key) {
 
 uint64_t CacheCore::CheckInvariants() {
   uint64_t accounted = 0;
+  MutexLock aliases(&alias_mu_);  // I6: before any shard mutex
+  size_t alias_slots = 0;
+  for (const auto& [alias, target] : alias_target_) {
+    MC_CHECK(!alias_target_.contains(target), "alias of an alias", alias);
+    MC_CHECK(!aliases_of_.contains(alias), "an alias is a target", alias);
+  }
   for (size_t i = 0; i <= shard_mask_; ++i) {
     Shard& shard = shards_[i];
     MutexLock lock(&shard.mu);
     size_t ordered_records = 0;
     for (const auto& [key, slot] : shard.map) {
       if (!slot.record) {
-        MC_CHECK(!slot.alias_of.empty(), "alias without a target", key);
+        auto target = alias_target_.find(key);
+        MC_CHECK(
+            target != alias_target_.end() && target->second == slot.alias_of,
+            "alias slot out of step with the alias table", key);
+        ++alias_slots;
         continue;
       }
       const Record& r = *slot.record;
@@ -1152,6 +1283,7 @@ uint64_t CacheCore::CheckInvariants() {
       accounted += rec->bytes;
     }
   }
+  MC_CHECK(alias_slots == alias_target_.size(), "alias without a slot", "");
   return accounted;
 }
 

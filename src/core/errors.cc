@@ -14,6 +14,8 @@ const char* ErrorCodeName(ErrorCode code) {
       return "not_found";
     case ErrorCode::kInvalidArgument:
       return "invalid_argument";
+    case ErrorCode::kFailedPrecondition:
+      return "failed_precondition";
   }
   return "unknown";
 }

@@ -8,7 +8,11 @@
 //      can be had.
 //   3. If the model is resident with at least that much on the device, that
 //      is a hit. A partial copy when more can be placed now is retired
-//      (current users keep it) and placed again.
+//      (current users keep it) and placed again, once the room for the new
+//      copy is known to be there: a full placement that cannot be had fails
+//      with the partial copy still resident. (A concurrent load may still
+//      take that room between the check and the new placement; then the new
+//      placement fails like any other.)
 //   4. Otherwise the device cache reserves the bytes (evicting) and the
 //      loader allocates one device buffer, copies the placed tensors into
 //      it, and synchronizes. The record's value is a DeviceModel that owns
@@ -69,7 +73,18 @@ ModelLease DeviceCache::Acquire(const std::string& id,
     if (lease->get<DeviceModel>()->bytes_on_device() >= want) {
       return ModelLease(std::move(*lease));
     }
-    // More fits now than when it was placed: place it again.
+    // More is wanted than this copy has on the device: place it again. The
+    // old copy's bytes come back only once it is unloaded, so first make
+    // sure the room is there, holding the old copy (our lease keeps it from
+    // being evicted meanwhile). If it is not, the failure leaves the old
+    // copy and the books as they were.
+    const auto entry = cache_.Entry(key);
+    const bool sole_holder = entry && entry->leases == 1;
+    const uint64_t freed = sole_holder ? lease->bytes() : 0;
+    const uint64_t more = want > freed ? want - freed : 0;
+    cache_.budget().Reserve(more, options.when_full, options.deadline,
+                            /*already_reserved=*/freed);
+    cache_.budget().Release(more);
     lease->Release();
     cache_.Invalidate(key);
   }

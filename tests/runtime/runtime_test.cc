@@ -172,6 +172,64 @@ TEST_F(RuntimeTest, PartialPlacementAtSixtyPercentThenFullWhenRoomAppears) {
   EXPECT_FALSE(cache.cache().Entry("other").has_value());
 }
 
+TEST_F(RuntimeTest, FailedFullPlacementKeepsThePartialCopyItMeantToReplace) {
+  const std::string big = MakeModel("big", 10, 10);     // 100 KiB
+  const std::string other = MakeModel("other", 4, 10);  // 40 KiB
+  weights::HostWeightStore host({.capacity_bytes = 1 << 20});
+  auto gpu = Sim("gpu0", 100 * kKiB);
+  DeviceCache cache(host, *gpu);
+  ModelLease held = cache.Acquire("other", {other});           // 40 KiB leased
+  cache.Acquire("big", {big}, Placement::kPartial).Release();  // 60 KiB, idle
+  const device::DeviceStats before = gpu->Stats();
+  const uint64_t host_before = host.budget().used();
+  ASSERT_EQ(before.bytes_allocated, 100 * kKiB);
+
+  // The full copy cannot be had while "other" is leased. The partial copy is
+  // idle, but giving it up would not make room for the full one: it stays.
+  try {
+    cache.Acquire("big", {big}, Placement::kFull);
+    FAIL() << "expected no room";
+  } catch (const Error& e) {
+    EXPECT_EQ(e.code(), ErrorCode::kCapacity) << e.what();
+  }
+  const auto entry = cache.cache().Entry("big");
+  ASSERT_TRUE(entry.has_value());
+  EXPECT_EQ(entry->state, EntryState::kResident);
+  EXPECT_EQ(entry->bytes, 60 * kKiB);
+  const device::DeviceStats after = gpu->Stats();
+  EXPECT_EQ(after.bytes_allocated, before.bytes_allocated);
+  EXPECT_EQ(after.allocations, before.allocations);
+  EXPECT_EQ(after.frees, before.frees);
+  EXPECT_EQ(after.bytes_copied_to_device, before.bytes_copied_to_device);
+  EXPECT_EQ(host.budget().used(), host_before);
+  EXPECT_EQ(cache.cache().CheckInvariants(), cache.cache().budget().used());
+
+  // The partial copy is still served, without copying anything again.
+  ModelLease partial = cache.Acquire("big", {big}, Placement::kPartial);
+  EXPECT_EQ(partial->bytes_on_device(), 60 * kKiB);
+  EXPECT_EQ(gpu->Stats().bytes_copied_to_device, before.bytes_copied_to_device);
+  partial.Release();
+
+  // A full placement larger than the device is refused the same way.
+  auto small_gpu = Sim("gpu1", 80 * kKiB);
+  DeviceCache small(host, *small_gpu);
+  small.Acquire("big", {big}, Placement::kPartial).Release();  // 80 KiB
+  try {
+    small.Acquire("big", {big}, Placement::kFull);
+    FAIL() << "expected too large";
+  } catch (const Error& e) {
+    EXPECT_EQ(e.code(), ErrorCode::kTooLarge) << e.what();
+  }
+  ASSERT_TRUE(small.cache().Entry("big").has_value());
+  EXPECT_EQ(small_gpu->bytes_allocated(), 80 * kKiB);
+
+  // Once room appears, the full placement replaces the partial one.
+  held.Release();
+  ModelLease full = cache.Acquire("big", {big}, Placement::kFull);
+  EXPECT_TRUE(full->full());
+  EXPECT_EQ(gpu->bytes_allocated(), 100 * kKiB);
+}
+
 TEST_F(RuntimeTest, PartialPlacementPrefersAFullOneWhenEvictionCanMakeRoom) {
   const std::string big = MakeModel("big", 10, 10);
   const std::string other = MakeModel("other", 4, 10);

@@ -87,21 +87,31 @@ class Budget {
   // Changes the capacity. When it shrinks, evicts unleased, unpinned records
   // of every member until used <= capacity or nothing more is evictable;
   // returns the bytes still over the new capacity (held by leases or pins).
+  // While usage stays over capacity, each record that becomes evictable (its
+  // last lease ends, or it is unpinned) triggers the same eviction, on the
+  // thread that released it, until usage is back within capacity.
   uint64_t SetCapacity(uint64_t capacity_bytes) EXCLUDES(mu_);
 
   PolicyClock& policy_clock() { return clock_; }
 
   // ---- For cache and store implementations. ----
 
-  // Reserves `bytes`, evicting from members (lowest priority first) as
-  // needed. Throws Error kTooLarge when bytes > capacity, kCapacity when
-  // nothing is evictable and `when_full` is kFail, kTimeout at the deadline.
+  // Reserves `bytes` more for a reservation that already holds
+  // `already_reserved` (0 for a new one), evicting from members (lowest
+  // priority first) as needed. Throws Error kTooLarge when already_reserved
+  // + bytes > capacity (before evicting anything), kCapacity when nothing is
+  // evictable and `when_full` is kFail, kTimeout at the deadline. Exact for
+  // every byte count: sums that would pass 2^64 are too large, never wrapped.
   // REQUIRES: the caller holds no lock of any member.
   void Reserve(uint64_t bytes, WhenFull when_full,
-               std::chrono::steady_clock::time_point deadline) EXCLUDES(mu_);
+               std::chrono::steady_clock::time_point deadline,
+               uint64_t already_reserved = 0) EXCLUDES(mu_);
+  // REQUIRES: bytes <= used().
   void Release(uint64_t bytes) EXCLUDES(mu_);
   // A record just became evictable (its last lease ended or it was
-  // unpinned): wakes acquires waiting for capacity. Cheap when none wait.
+  // unpinned): wakes acquires waiting for capacity, and evicts while usage
+  // is over capacity (see SetCapacity). Cheap when neither applies.
+  // REQUIRES: the caller holds no lock of any member.
   void NotifyEvictable() EXCLUDES(mu_);
 
   void Register(std::weak_ptr<detail::BudgetMember> member) EXCLUDES(mu_);
@@ -110,6 +120,9 @@ class Budget {
  private:
   // Evicts one victim among all members. Returns false when none exists.
   bool EvictOne(std::unordered_set<uint64_t>* skip) EXCLUDES(mu_);
+  // Evicts until used <= capacity or nothing is evictable; returns the bytes
+  // still over capacity.
+  uint64_t EvictToCapacity() EXCLUDES(mu_);
   std::vector<std::shared_ptr<detail::BudgetMember>> Members() EXCLUDES(mu_);
   std::string HoldersMessage() EXCLUDES(mu_);
 
@@ -129,6 +142,10 @@ class Budget {
   std::vector<MemberSlot> members_ GUARDED_BY(mu_);
   // Read without the lock by NotifyEvictable; written under it.
   std::atomic<int> waiters_{0};
+  // used_ > capacity_ after a shrink. Read without the lock by
+  // NotifyEvictable (a stale read only delays the eviction to the next
+  // release); written under mu_.
+  std::atomic<bool> over_capacity_{false};
 };
 
 }  // namespace modelcache

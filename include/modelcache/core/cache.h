@@ -22,12 +22,20 @@
 //    order and reports the error; eviction moves on to the next victim.
 //  * User code (loaders, unloaders, value deleters, event callbacks) always
 //    runs outside the cache's locks, so it may acquire, release and remove
-//    freely; a Lease may be destroyed on any thread and in any context.
+//    freely; a Lease may be destroyed on any thread and in any context. The
+//    one call that cannot succeed is waiting for oneself: a loader (or
+//    unloader) that acquires or removes the very key it is loading (or
+//    unloading), directly or through an alias, gets ErrorCode::
+//    kFailedPrecondition at once instead of a deadlock.
+//  * An event callback that throws changes nothing: the exception is caught
+//    and counted in CacheStats::callback_errors, and the call that emitted
+//    the event completes as if the callback had returned.
 //
 // Example:
 //
-//   modelcache::ModelCache cache({.name = "models", .capacity_bytes = 8 <<
-//   30}); modelcache::Lease lease = cache.Acquire("sdxl", 6 << 30, [] {
+//   modelcache::ModelCache cache(
+//       {.name = "models", .capacity_bytes = 8ull << 30});
+//   modelcache::Lease lease = cache.Acquire("sdxl", 6ull << 30, [] {
 //     auto model = std::make_shared<Model>(LoadFromDisk("sdxl"));
 //     return modelcache::Loaded{model, model->bytes()};
 //   });
@@ -56,7 +64,9 @@ using Clock = std::chrono::steady_clock;
 struct Loaded {
   // The model. Its deleter runs after a successful unload, outside locks.
   std::shared_ptr<void> value;
-  // Real resident size; the reservation is adjusted to it.
+  // Real resident size; the reservation is adjusted to it. A real size
+  // larger than the whole budget is refused with kTooLarge (the value is
+  // unloaded, nothing is evicted for it).
   uint64_t bytes = 0;
   // Optional: releases resources before the value is dropped (for example
   // device memory). May throw; then the record stays resident and counted.
@@ -77,7 +87,7 @@ struct AcquireOptions {
 enum class EventType {
   kLoaded,        // a load completed; bytes and seconds set
   kLoadFailed,    // a load threw; error set
-  kEvicted,       // a record was evicted to make room, by SetCapacity/Prune
+  kEvicted,       // a record was evicted: to make room, or by SetCapacity/Prune
   kExpired,       // a record idle past the TTL was evicted
   kUnloadFailed,  // an unloader threw; the record stays resident
   kRemoved,       // Remove/Invalidate unloaded a record
@@ -104,21 +114,30 @@ struct CacheOptions {
   // Eviction order; LRU when null.
   std::shared_ptr<const EvictionPolicy> policy;
   // Records unleased for longer than this are evicted by EvictExpired(),
-  // which every miss also runs. Zero disables it.
+  // which every miss also runs. A record's idle time counts from the later
+  // of its last acquire and the end of its last lease, so a model held for
+  // longer than the TTL is not expired the moment it is released. Zero
+  // disables it.
   std::chrono::nanoseconds idle_ttl{0};
-  // Time source for idle_ttl and last-use stamps; steady_clock when empty.
+  // Time source for idle_ttl and last-use stamps. When empty, the coarse
+  // monotonic clock (the steady_clock's clock, read at a few milliseconds'
+  // resolution, which idle TTLs do not need finer). Called under the cache's
+  // locks: it must not call into the cache.
   std::function<Clock::time_point()> now;
   // log2 of the number of lock shards. 0 gives one shard and an exact global
   // eviction order; more shards let concurrent hits on different keys
   // proceed without contention.
   int shard_bits = 4;
-  // Called outside every lock, on the thread that caused the event.
+  // Called outside every lock, on the thread that caused the event. If it
+  // throws, the exception is caught and counted (CacheStats::
+  // callback_errors); the cache's state is the same as if it had returned.
   std::function<void(const CacheEvent&)> on_event;
 };
 
 struct CacheStats {
-  uint64_t hits = 0;
-  uint64_t misses = 0;  // acquires that started or joined a load
+  uint64_t hits = 0;    // acquires and lookups that found the key resident
+  uint64_t misses = 0;  // acquires that started or joined a load, and
+                        // lookups that did not find the key resident
   // Misses whose load never ran or was not admitted: too large, no capacity,
   // timed out waiting for room.
   uint64_t refused = 0;
@@ -137,6 +156,8 @@ struct CacheStats {
   uint64_t capacity_bytes = 0;     // of the budget
   uint64_t budget_used_bytes = 0;  // of the budget, all members together
   uint64_t high_water_bytes = 0;   // of the budget
+  // Event callbacks that threw (and were caught).
+  uint64_t callback_errors = 0;
 };
 
 enum class EntryState { kLoading, kResident, kUnloading, kRetired };
@@ -213,7 +234,8 @@ class ModelCache {
   // Returns a lease on `key` (or the key it aliases), loading it with
   // `loader` if it is not resident. `expected_bytes` is reserved before the
   // loader runs. Throws Error (kTooLarge, kCapacity, kTimeout) or the
-  // loader's own exception.
+  // loader's own exception; kFailedPrecondition when called from the loader
+  // or unloader of that same key on the same thread.
   Lease Acquire(std::string_view key, uint64_t expected_bytes,
                 const Loader& loader, const AcquireOptions& options = {});
 
@@ -225,16 +247,22 @@ class ModelCache {
   void Prefetch(std::string_view key, uint64_t expected_bytes,
                 const Loader& loader, const AcquireOptions& options = {});
 
-  // Removes `key`, waiting (up to the deadline) for its load or unload in
-  // progress. Unleased: unloaded now; if the unloader throws, the record
-  // stays resident at its place in the eviction order and the exception
-  // propagates. Leased: retired.
+  // Removes the model `key` names, waiting (up to the deadline) for its load
+  // or unload in progress. Unleased: unloaded now; if the unloader throws,
+  // the record stays resident at its place in the eviction order and the
+  // exception propagates. Leased: retired. When `key` is an alias, the model
+  // it names is removed and the alias stays (RemoveAlias drops it): an alias
+  // is a name, not a model. Throws kFailedPrecondition when called from the
+  // loader or unloader of that same key.
   RemoveOutcome Remove(std::string_view key,
                        Clock::time_point deadline = Clock::time_point::max());
 
   // Like Remove, but a load in progress is not waited for: it is marked
-  // stale, its waiters still receive it, and it is retired as soon as it
-  // completes, so later acquires load afresh.
+  // stale, the acquires already waiting for it still receive it, and it is
+  // retired as soon as it completes. An acquire that arrives after
+  // Invalidate returned never receives the stale load: it waits for that
+  // load to end and then loads afresh, so there is still at most one load of
+  // the key in flight.
   RemoveOutcome Invalidate(std::string_view key, Clock::time_point deadline =
                                                      Clock::time_point::max());
 
@@ -243,12 +271,16 @@ class ModelCache {
   void Pin(std::string_view key);
   void Unpin(std::string_view key);
 
-  // Makes `alias` another name of `canonical`. Throws kInvalidArgument if
-  // `alias` names a record, or if `canonical` is itself an alias. Re-pointing
-  // an existing alias is allowed.
+  // Makes `alias` another name of `canonical`. Aliases are one level deep:
+  // every call resolves a name to its canonical key in one step, and no
+  // chain or cycle can form. Throws kInvalidArgument if `alias` == canonical,
+  // if a model is loaded under the key `alias`, if `canonical` is itself an
+  // alias, or if `alias` is the target of other aliases. Re-pointing an
+  // existing alias is allowed.
   void AddAlias(std::string_view alias, std::string_view canonical);
+  // Drops the alias; false if `alias` is not one.
   bool RemoveAlias(std::string_view alias);
-  // The canonical key for `key`.
+  // The canonical key for `key`: its alias target, or `key` itself.
   std::string Resolve(std::string_view key) const;
 
   // Evicts unleased, unpinned records idle past idle_ttl; returns how many.

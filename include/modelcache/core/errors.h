@@ -23,9 +23,13 @@ enum class ErrorCode {
   // The key (or alias) is not known where it must be, e.g. pin() of a key
   // that is not resident.
   kNotFound,
-  // The call is not valid in the current state, e.g. an alias that would
-  // shadow a loaded key.
+  // The arguments are wrong whatever the state, e.g. an alias naming itself,
+  // or an alias that would shadow a loaded key.
   kInvalidArgument,
+  // The call is not valid in the current state of the calling thread or the
+  // cache, e.g. a loader that acquires the key it is loading, which would
+  // wait for itself forever.
+  kFailedPrecondition,
 };
 
 const char* ErrorCodeName(ErrorCode code);

@@ -18,7 +18,9 @@
 // whenever eviction of unleased models can make room for one; otherwise it
 // puts the tensors that fit (in file order) on the device and leaves the
 // rest on the host, and the lease says how much is where. A partial copy is
-// replaced by a full one at a later acquire once room has appeared.
+// replaced by a full one at a later acquire once room has appeared; a kFull
+// acquire that cannot get that room fails and leaves the partial copy
+// resident, with its device bytes, as it was.
 //
 // Failures leave the books unchanged: a failed read, device allocation or
 // copy returns every reserved byte and caches nothing.

@@ -4,8 +4,9 @@ JOBS ?= $(shell nproc)
 DEPS_STAMP := build/.deps-installed
 
 .PHONY: all deps build demo test test-release test-asan test-tsan test-tsa \
-	test-fuzz fuzz bench clean
+	test-fuzz fuzz property bench clean
 FUZZ_SECONDS ?= 600
+PROPERTY_CASES ?= 100000
 
 all: build
 
@@ -62,6 +63,13 @@ test: deps
 	$(MAKE) --no-print-directory test-tsan
 	$(MAKE) --no-print-directory test-fuzz
 	$(MAKE) --no-print-directory test-release
+
+# The stateful property test of the cache API, far longer than in `make
+# test` and with a fresh random seed each time (printed, with the minimal
+# failing sequence, if it finds one).
+property: build
+	RC_PARAMS="max_success=$(PROPERTY_CASES) max_size=100" \
+	  ./build/bin/cache_property_test
 
 bench: build
 	mkdir -p build/bench-results

@@ -6,7 +6,7 @@ set -euo pipefail
 
 packages=(
   cmake ninja-build make g++ clang libclang-rt-14-dev
-  libgtest-dev libgmock-dev libbenchmark-dev
+  libgtest-dev libgmock-dev libbenchmark-dev librapidcheck-dev
   nlohmann-json3-dev libcli11-dev
   libabsl-dev
   librocksdb-dev libleveldb-dev

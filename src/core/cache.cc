@@ -15,7 +15,11 @@
 //   kUnloading --unloader ok--> kGone (out of the map)
 //   kUnloading --unloader threw--> kResident (same place in the order)
 //   kResident --remove/invalidate while leased--> retired (out of the map,
-//       still counted) --last lease ends--> unloaded and kGone
+//       still counted) --last lease ends--> kUnloading --unloader ok--> kGone
+//   retired kUnloading --unloader threw--> retired kResident, unload_failed
+//       (still counted) --Prune--> kUnloading again
+//   kLoading --Invalidate--> kLoading, stale --load ok--> retired at once
+//       (the waiters that joined before the invalidation hold it)
 //
 // Single flight: a new record is created only when the map has no slot for
 // the key, and it leaves the map only in a transition above, under the shard
@@ -24,7 +28,21 @@
 // that meet a kLoading record wait on it (holding a reference and counted in
 // `waiters`); the load's completion grants each of them a lease in the same
 // critical section that makes the record resident, so no eviction can slip
-// in between. Callers that meet kUnloading wait and look the key up again.
+// in between. Callers that meet kUnloading, or a stale kLoading record,
+// wait for it to leave that state and look the key up again: an acquire that
+// comes after Invalidate loads afresh, after the stale load, never beside it.
+//
+// Waiting for oneself: a record in kLoading or kUnloading remembers the
+// thread running its loader or unloader (`owner`). That thread's own acquire
+// or removal of the key would wait for itself; it fails with
+// kFailedPrecondition instead.
+//
+// Aliases: an alias is a slot in the shard its name hashes to, so a lookup
+// resolves it under that shard's mutex in the same probe that finds records.
+// Mutations go through alias_mu_ as well, which keeps the alias table and
+// its reverse (target -> aliases) and lets AddAlias check "the target is not
+// an alias, the alias is not a target" and insert as one step: no chain or
+// cycle can form, so every call resolves a name in one step.
 //
 // Eviction order: an ordered set of (priority, seq, record) per shard. A hit
 // only updates the record's own (priority, seq); its set entry is re-sorted
@@ -44,7 +62,14 @@
 //
 // Bytes: reserved in the Budget before the loader runs (Budget::Reserve may
 // evict, from this cache or its peers, outside every lock), adjusted to the
-// real size after, returned on failure and when a record is unloaded.
+// real size after (a real size over the whole budget is refused before any
+// eviction), returned on failure and when a record is unloaded. When a
+// record becomes evictable while the budget is over a shrunken capacity, the
+// budget evicts until usage is back within it (Budget::NotifyEvictable).
+//
+// Events: emitted after the state change they report, outside every lock; a
+// callback's exception is caught and counted, so it can never leave a lease
+// or a load half done.
 //
 // Invariants (CheckInvariants, and asserted in debug builds):
 //   I1. Every map record has the key it is filed under, lives in this shard
@@ -52,7 +77,7 @@
 //   I2. A record has exactly one order entry iff it is kResident or
 //       kUnloading in the map; the entry's key is <= the record's key.
 //   I3. Retired records are out of the map and the order; they hold leases,
-//       or their unloader failed.
+//       are being unloaded (kUnloading), or their unloader failed.
 //   I4. Bytes the budget holds for this cache = sum of resident, unloading
 //       and retired sizes + reservations of loads in flight.
 //   I5. No record with a lease is ever unloaded.
@@ -62,6 +87,7 @@
 // Locking: shard mutexes are never nested and never held while user code
 // runs (loader, unloader, value deleter, event callback) or while the budget
 // evicts. The budget's mutex may be taken under a shard mutex (it is a leaf).
+// alias_mu_ comes before any shard mutex and is never taken under one.
 #include "modelcache/core/cache.h"
 
 #include <time.h>
@@ -311,8 +337,10 @@ class CacheCore final : public BudgetMember,
       REQUIRES(shard.mu);
 
   // Waits, up to `deadline`, until `rec` leaves its current state (a load
-  // or an unload in progress), counted among its waiters meanwhile.
-  void WaitWhileBusy(Shard& shard, const std::shared_ptr<Record>& rec,
+  // or an unload in progress), counted among its waiters meanwhile. Takes
+  // its own reference: the map slot the caller found it in may be erased
+  // while this waits.
+  void WaitWhileBusy(Shard& shard, std::shared_ptr<Record> rec,
                      Clock::time_point deadline, const char* what)
       REQUIRES(shard.mu);
   Lease JoinLoad(Shard& shard, const std::shared_ptr<Record>& rec,
@@ -527,7 +555,7 @@ Lease CacheCore::Acquire(std::string_view key, uint64_t expected_bytes,
   }
 }
 
-void CacheCore::WaitWhileBusy(Shard& shard, const std::shared_ptr<Record>& rec,
+void CacheCore::WaitWhileBusy(Shard& shard, std::shared_ptr<Record> rec,
                               Clock::time_point deadline, const char* what) {
   const RecordState busy = rec->state;
   ++rec->unload_waiters;

@@ -21,6 +21,7 @@
 #include "modelcache/runtime/runtime.h"
 
 #include <algorithm>
+#include <cstdint>
 
 namespace modelcache::runtime {
 
@@ -58,7 +59,12 @@ ModelLease DeviceCache::Acquire(const std::string& id,
   uint64_t total = 0;
   for (const std::string& file : files) {
     host.push_back(host_.Acquire(file, options));
-    total += host.back().weights().data_bytes();
+    const uint64_t bytes = host.back().weights().data_bytes();
+    if (bytes > UINT64_MAX - total) {
+      throw Error(ErrorCode::kTooLarge,
+                  "model '" + id + "': its files hold more than 2^64 bytes");
+    }
+    total += bytes;
   }
 
   // 2. How much to place.
@@ -101,7 +107,7 @@ ModelLease DeviceCache::Acquire(const std::string& id,
         uint64_t placed = 0;
         for (const weights::HostWeights& h : host) {
           for (const weights::TensorInfo& tensor : h.weights().tensors()) {
-            const bool fits = placed + tensor.bytes() <= want;
+            const bool fits = tensor.bytes() <= want - placed;
             model->tensors_.push_back(PlacedTensor{
                 &tensor, fits, fits ? placed : 0, h.weights().data(tensor)});
             if (fits) placed += tensor.bytes();

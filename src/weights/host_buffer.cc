@@ -13,6 +13,7 @@
 
 #include <algorithm>
 #include <cassert>
+#include <cstdint>
 #include <cstdlib>
 #include <new>
 #include <utility>
@@ -60,7 +61,10 @@ RecyclingHostBufferAllocator::~RecyclingHostBufferAllocator() {
 void* RecyclingHostBufferAllocator::Allocate(uint64_t bytes, size_t alignment) {
   {
     MutexLock lock(&mu_);
-    const uint64_t most = bytes + bytes / 4;
+    // At most a quarter larger; saturating, since `bytes` is the caller's.
+    const uint64_t quarter = bytes / 4;
+    const uint64_t most =
+        bytes > UINT64_MAX - quarter ? UINT64_MAX : bytes + quarter;
     auto best = retained_.end();
     for (auto it = retained_.begin(); it != retained_.end(); ++it) {
       if (it->bytes >= bytes && it->bytes <= most &&

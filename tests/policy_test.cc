@@ -175,6 +175,11 @@ std::vector<PolicyCase> AllPolicyCases() {
     cases.push_back({"GdsfUniform" + shards,
                      [] { return NewGdsfPolicy(ReloadCost::kUniform); },
                      shard_bits, true});
+    cases.push_back({"GdsfClassic" + shards,
+                     [] { return NewClassicGdsfPolicy(); }, shard_bits, true});
+    cases.push_back({"FaasCache" + shards,
+                     [] { return NewFaasCachePolicy(0.1, 2e9); }, shard_bits,
+                     true});
   }
   return cases;
 }
@@ -477,7 +482,9 @@ INSTANTIATE_TEST_SUITE_P(
         NamedPolicy{"GdsfLoadTime",
                     [] { return NewGdsfPolicy(ReloadCost::kLoadTime); }},
         NamedPolicy{"GdsfUniform",
-                    [] { return NewGdsfPolicy(ReloadCost::kUniform); }}),
+                    [] { return NewGdsfPolicy(ReloadCost::kUniform); }},
+        NamedPolicy{"GdsfClassic", [] { return NewClassicGdsfPolicy(); }},
+        NamedPolicy{"FaasCache", [] { return NewFaasCachePolicy(0.1, 2e9); }}),
     [](const ::testing::TestParamInfo<NamedPolicy>& info) {
       return info.param.name;
     });
@@ -505,8 +512,10 @@ TEST(PolicyByNameTest, MapsEachNameToItsPolicy) {
       expected = {{"lru", NewLruPolicy()},
                   {"gdsf", NewGdsfPolicy(ReloadCost::kBytes)},
                   {"gdsf-time", NewGdsfPolicy(ReloadCost::kLoadTime)},
-                  {"gdsf-uniform", NewGdsfPolicy(ReloadCost::kUniform)}};
-  // The fingerprints tell the four policies apart...
+                  {"gdsf-uniform", NewGdsfPolicy(ReloadCost::kUniform)},
+                  {"gdsf-classic", NewClassicGdsfPolicy()},
+                  {"faascache", NewFaasCachePolicy(0.1, 2e9)}};
+  // The fingerprints tell the policies apart...
   for (size_t i = 0; i < expected.size(); ++i) {
     for (size_t j = i + 1; j < expected.size(); ++j) {
       ASSERT_NE(Fingerprint(*expected[i].second),
@@ -522,6 +531,26 @@ TEST(PolicyByNameTest, MapsEachNameToItsPolicy) {
     EXPECT_EQ(Fingerprint(*policy), Fingerprint(*reference));
     EXPECT_EQ(policy->name(), reference->name());
   }
+}
+
+TEST(GdsfPolicyTest, ClassicPriorityIsInflationPlusRawAccesses) {
+  auto policy = NewClassicGdsfPolicy();
+  PolicyClock clock;
+  clock.inflation = 2.5;
+  EXPECT_EQ(policy->Priority(AccessInfo{kGiB, 7, 0.3}, clock), 9.5);
+  EXPECT_EQ(policy->Priority(AccessInfo{40 * kGiB, 7, 9.0}, clock), 9.5);
+}
+
+TEST(FaasCachePolicyTest, PriorityIsInflationPlusAccessesTimesLoadTimePerGiB) {
+  // 100 ms latency, 1 GiB/s: a 1 GiB model costs 1.1 s per GiB, a 4 GiB one
+  // 4.1 s / 4 GiB.
+  auto policy = NewFaasCachePolicy(0.1, static_cast<double>(kGiB));
+  PolicyClock clock;
+  clock.inflation = 1.0;
+  EXPECT_DOUBLE_EQ(policy->Priority(AccessInfo{kGiB, 3, 0}, clock),
+                   1.0 + 3 * 1.1);
+  EXPECT_DOUBLE_EQ(policy->Priority(AccessInfo{4 * kGiB, 2, 0}, clock),
+                   1.0 + 2 * 4.1 / 4);
 }
 
 TEST(PolicyByNameTest, UnknownNameGivesNull) {

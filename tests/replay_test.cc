@@ -327,6 +327,16 @@ Command RunCli(const std::string& args) {
                  slurp(err.path())};
 }
 
+TEST(ReplayCli, NoTimeGivesANullTimeModel) {
+  TempFile trace("t_ms,model,size_bytes\n1,a,10\n2,a,10\n");
+  Command c =
+      RunCli("replay " + trace.path() + " --no-time --json --capacity 1KiB");
+  ASSERT_EQ(c.status, 0) << c.err;
+  auto doc = nlohmann::json::parse(c.out);
+  EXPECT_TRUE(doc["time_model"].is_null());
+  EXPECT_EQ(doc["results"][0]["hits"], 1);
+}
+
 TEST(ReplayCli, BadTraceExitsOneWithOneErrorLineAndNoOutput) {
   TempFile unsorted("t_ms,model,size_bytes\n5,a,1\n3,a,1\n");
   Command c = RunCli("replay " + unsorted.path() + " --capacity 1GiB");
@@ -348,6 +358,46 @@ TEST(ReplayCli, BadCapacityAndPolicyAreClearErrors) {
   EXPECT_THAT(policy.err, StartsWith("error: unknown policy 'fifo'"));
 }
 
+TEST(ReplayCli, BadInputOfTheTimeModelIsAnErrorWithFileAndLine) {
+  TempFile negative_t("t_ms,model,size_bytes\n1,a,10\n-5,a,10\n");
+  Command t = RunCli("replay " + negative_t.path() + " --capacity 1GiB");
+  EXPECT_EQ(t.status, 1);
+  EXPECT_THAT(t.err, StartsWith("error: " + negative_t.path() +
+                                ":3: negative t_ms -5"));
+
+  TempFile negative_d(
+      "t_ms,model,size_bytes,duration_ms\n1,a,10,5\n2,a,10,-1\n");
+  Command d = RunCli("replay " + negative_d.path() + " --capacity 1GiB");
+  EXPECT_EQ(d.status, 1);
+  EXPECT_THAT(d.err, StartsWith("error: " + negative_d.path() +
+                                ":3: negative duration_ms -1"));
+
+  TempFile durations(
+      "HashOwner,HashApp,HashFunction,percentile_Average_0,percentile_Average_"
+      "1,percentile_Average_25,percentile_Average_50,percentile_Average_75,"
+      "percentile_Average_99,percentile_Average_100\n"
+      "o,a,f,1,2,3,four,5,6,7\n");
+  Command bad_durations = RunCli("replay " + kAzureTrace +
+                                 " --format azure-functions --durations " +
+                                 durations.path() + " --capacity 1GiB");
+  EXPECT_EQ(bad_durations.status, 1);
+  EXPECT_THAT(bad_durations.err,
+              StartsWith("error: " + durations.path() +
+                         ":2: percentile_Average_50 'four' is not a number"));
+
+  TempFile trace("t_ms,model,size_bytes\n1,a,10\n");
+  Command ttl =
+      RunCli("replay " + trace.path() + " --policy ttl-xm --capacity 1GiB");
+  EXPECT_EQ(ttl.status, 1);
+  EXPECT_THAT(ttl.err, StartsWith("error: unknown policy 'ttl-xm'"));
+
+  const std::string directory = std::filesystem::temp_directory_path().string();
+  Command dir = RunCli("replay " + directory + " --capacity 1GiB");
+  EXPECT_EQ(dir.status, 1);
+  EXPECT_THAT(dir.err,
+              StartsWith("error: " + directory + ":1: is a directory"));
+}
+
 TEST(ReplayCli, JsonOnTheSharedTrace) {
   TempFile report("", ".html");
   Command c = RunCli("replay " + kAzureTrace +
@@ -360,6 +410,20 @@ TEST(ReplayCli, JsonOnTheSharedTrace) {
   EXPECT_EQ(doc["requests"], 339657);
   EXPECT_EQ(doc["results"].size(), 4u);
   EXPECT_EQ(doc["results"][1]["capacity_bytes"], uint64_t{32} << 30);
+  EXPECT_EQ(doc["time_model"]["slots"], 4);
+  EXPECT_EQ(doc["time_model"]["latency_ms"], 100.0);
+  EXPECT_EQ(doc["time_model"]["bandwidth_bytes_per_second"], 2e9);
+  EXPECT_EQ(doc["slo"]["ms"], 1000.0);
+  EXPECT_EQ(doc["slo"]["answers"].size(), 2u);
+  for (const char* key :
+       {"cold_starts", "cold_start_ratio", "rejected", "load_seconds",
+        "disk_busy_ratio", "load_queue_peak", "load_queue_mean",
+        "idle_gib_hours", "p75_model_cold_start_ratio", "overloaded"}) {
+    EXPECT_TRUE(doc["results"][0].contains(key)) << key;
+  }
+  for (const char* key : {"p50", "p95", "p99", "p999", "max"}) {
+    EXPECT_TRUE(doc["results"][0]["wait_ms"].contains(key)) << key;
+  }
   std::ifstream html(report.path());
   EXPECT_TRUE(html.good());
 }

@@ -12,6 +12,7 @@
 #include <filesystem>
 #include <fstream>
 #include <iostream>
+#include <limits>
 #include <numeric>
 #include <string>
 #include <thread>
@@ -33,6 +34,16 @@ struct ReplayFlags {
   std::vector<std::string> policies;
   std::vector<std::string> capacities;
   double hold_ms = 0;
+  bool no_time = false;
+  std::string load_bandwidth = "2GB/s";
+  std::string load_latency = "100ms";
+  uint32_t load_slots = 4;
+  std::string max_wait;
+  std::string arrivals = "even";
+  std::string memory;
+  double memory_scale = 1;
+  std::string durations;
+  double slo_ms = 1000;
   bool json = false;
   std::string report;
   uint64_t seed = 42;
@@ -68,8 +79,48 @@ class Progress {
   size_t last_done_ = 0;
 };
 
+// "2GB/s", "500MiB/s", or "inf".
+double ParseBandwidth(const std::string& text) {
+  if (text == "inf") return std::numeric_limits<double>::infinity();
+  std::string_view bytes = text;
+  if (bytes.size() > 2 && bytes.substr(bytes.size() - 2) == "/s")
+    bytes.remove_suffix(2);
+  try {
+    const uint64_t b = replay::ParseBytes(bytes);
+    if (b == 0) throw std::invalid_argument("zero");
+    return static_cast<double>(b);
+  } catch (const std::invalid_argument&) {
+    throw std::invalid_argument(
+        "--load-bandwidth: not a bandwidth: '" + text +
+        "' (use bytes per second, as in 2GB/s, or inf)");
+  }
+}
+
+double ParseDurationFlag(const std::string& flag, const std::string& text) {
+  try {
+    return replay::ParseDurationMs(text);
+  } catch (const std::invalid_argument& e) {
+    throw std::invalid_argument(flag + ": " + e.what());
+  }
+}
+
 int RunReplay(ReplayFlags flags) {
   const bool embedded = flags.trace.empty();
+  replay::ReplayOptions options;
+  options.timed = !flags.no_time;
+  options.hold_ms = flags.hold_ms;
+  options.time.bandwidth_bytes_per_second =
+      ParseBandwidth(flags.load_bandwidth);
+  options.time.latency_ms =
+      ParseDurationFlag("--load-latency", flags.load_latency);
+  options.time.slots = flags.load_slots;
+  if (!flags.max_wait.empty()) {
+    options.max_wait_ms = ParseDurationFlag("--max-wait", flags.max_wait);
+  }
+  replay::RunInfo info;
+  info.timed = options.timed;
+  info.time = options.time;
+  info.slo_ms = flags.slo_ms;
   replay::Trace trace;
   std::vector<uint64_t> capacities;
   for (const std::string& c : flags.capacities) {
@@ -81,8 +132,11 @@ int RunReplay(ReplayFlags flags) {
   }
   if (embedded) {
     trace = replay::GenerateDefaultTrace(flags.seed);
-    if (flags.policies.empty())
-      flags.policies = {"lru", "gdsf", "gdsf-uniform", "belady"};
+    if (flags.policies.empty()) {
+      flags.policies = {
+          "lru",          "gdsf",  "faascache", "ttl-10m", "hybrid-histogram",
+          "gdsf-prewarm", "belady"};
+    }
     if (capacities.empty()) {
       for (const char* c : {"16GiB", "32GiB", "48GiB", "64GiB"}) {
         capacities.push_back(replay::ParseBytes(c));
@@ -99,10 +153,23 @@ int RunReplay(ReplayFlags flags) {
     const replay::SizeTable* size_table =
         flags.sizes.empty() ? nullptr : &sizes;
     if (flags.format == "csv") {
+      if (!flags.memory.empty() || !flags.durations.empty() ||
+          flags.arrivals != "even") {
+        throw std::invalid_argument(
+            "--memory, --durations and --arrivals apply to --format "
+            "azure-functions");
+      }
       trace = replay::ReadCsvTrace(flags.trace, size_table);
     } else {
-      trace = replay::ReadAzureFunctionsTrace(flags.trace, flags.models,
-                                              size_table, flags.seed);
+      replay::AzureOptions azure;
+      azure.num_models = flags.models;
+      azure.sizes = size_table;
+      azure.seed = flags.seed;
+      azure.poisson = flags.arrivals == "poisson";
+      azure.memory_path = flags.memory;
+      azure.memory_scale = flags.memory_scale;
+      azure.durations_path = flags.durations;
+      trace = replay::ReadAzureFunctionsTrace(flags.trace, azure);
     }
     if (flags.policies.empty()) flags.policies = {"lru", "gdsf"};
     if (capacities.empty()) {
@@ -120,12 +187,12 @@ int RunReplay(ReplayFlags flags) {
   {
     Progress progress;
     results = replay::ReplayAll(
-        trace, flags.policies, capacities, flags.hold_ms, threads,
+        trace, flags.policies, capacities, options, threads,
         [&](size_t done, size_t total) { progress.Update(done, total); });
   }
 
   if (flags.json) {
-    std::cout << replay::ResultsJson(trace, results);
+    std::cout << replay::ResultsJson(trace, results, info);
   } else {
     if (embedded) {
       std::cout
@@ -138,14 +205,14 @@ int RunReplay(ReplayFlags flags) {
              "memory budget. Try: modelcache replay TRACE.csv --capacity "
              "24GiB\n\n";
     }
-    std::cout << replay::ResultsTable(trace, results);
+    std::cout << replay::ResultsTable(trace, results, info);
   }
   if (!flags.report.empty()) {
     const std::string title = embedded
                                   ? "modelcache replay: embedded default trace"
                                   : "modelcache replay: " + flags.trace;
     std::ofstream out(flags.report);
-    out << replay::HtmlReport(trace, title, results);
+    out << replay::HtmlReport(trace, title, results, info);
     if (!out)
       throw std::runtime_error("cannot write the report to " + flags.report);
     (flags.json ? std::cerr : std::cout)
@@ -173,9 +240,8 @@ int main(int argc, char** argv) {
   replay_cmd->add_option("--models", replay_flags.models,
                          "azure-functions: map function i to model i % N");
   replay_cmd
-      ->add_option(
-          "--policy", replay_flags.policies,
-          "Policies: lru, gdsf, gdsf-time, gdsf-uniform, belady (offline)")
+      ->add_option("--policy", replay_flags.policies,
+                   "Policies: " + replay::PolicyNames() + " (offline)")
       ->delimiter(',');
   replay_cmd
       ->add_option("--capacity", replay_flags.capacities,
@@ -184,6 +250,40 @@ int main(int argc, char** argv) {
   replay_cmd
       ->add_option("--hold-ms", replay_flags.hold_ms,
                    "Keep each lease this long in trace time")
+      ->check(CLI::NonNegativeNumber);
+  replay_cmd->add_flag("--no-time", replay_flags.no_time,
+                       "Untimed replay: loads take no time, nothing waits");
+  replay_cmd->add_option("--load-bandwidth", replay_flags.load_bandwidth,
+                         "Bytes per second shared by the loads in flight, or "
+                         "inf (default 2GB/s)");
+  replay_cmd->add_option("--load-latency", replay_flags.load_latency,
+                         "Fixed time per load before its bytes move (default "
+                         "100ms)");
+  replay_cmd->add_option("--load-slots", replay_flags.load_slots,
+                         "Loads in flight at most; more queue in FIFO order; 0 "
+                         "for unlimited (default 4)");
+  replay_cmd->add_option("--max-wait", replay_flags.max_wait,
+                         "A request still waiting this long leaves, counted as "
+                         "rejected (default: none)");
+  replay_cmd
+      ->add_option("--arrivals", replay_flags.arrivals,
+                   "azure-functions: spread each minute's requests evenly, "
+                   "or as a seeded Poisson process (default even)")
+      ->check(CLI::IsMember({"even", "poisson"}));
+  replay_cmd->add_option("--memory", replay_flags.memory,
+                         "azure-functions: size models from this memory file "
+                         "(50th-percentile MB x --memory-scale MiB)");
+  replay_cmd
+      ->add_option("--memory-scale", replay_flags.memory_scale,
+                   "MiB per MB of --memory (default 1)")
+      ->check(CLI::PositiveNumber);
+  replay_cmd->add_option("--durations", replay_flags.durations,
+                         "azure-functions: draw each request's service time "
+                         "from this durations file");
+  replay_cmd
+      ->add_option("--slo-ms", replay_flags.slo_ms,
+                   "Print the smallest capacity whose p99 wait is within "
+                   "this, per policy (default 1000)")
       ->check(CLI::NonNegativeNumber);
   replay_cmd->add_flag("--json", replay_flags.json,
                        "Print JSON instead of a table");

@@ -8,6 +8,16 @@ namespace {
 
 constexpr double kGiB = 1024.0 * 1024.0 * 1024.0;
 
+// GreedyDual's L only rises: this is what ages entries nobody asks for any
+// more.
+void RaiseInflation(double victim_priority, PolicyClock& clock) {
+  double current = clock.inflation.load(std::memory_order_relaxed);
+  while (victim_priority > current &&
+         !clock.inflation.compare_exchange_weak(current, victim_priority,
+                                                std::memory_order_relaxed)) {
+  }
+}
+
 class LruPolicy final : public EvictionPolicy {
  public:
   std::string name() const override { return "lru"; }
@@ -60,16 +70,51 @@ class GdsfPolicy final : public EvictionPolicy {
   }
 
   void OnEvict(double victim_priority, PolicyClock& clock) const override {
-    // L only rises: this is what ages entries nobody asks for any more.
-    double current = clock.inflation.load(std::memory_order_relaxed);
-    while (victim_priority > current &&
-           !clock.inflation.compare_exchange_weak(current, victim_priority,
-                                                  std::memory_order_relaxed)) {
-    }
+    RaiseInflation(victim_priority, clock);
   }
 
  private:
   const ReloadCost cost_;
+};
+
+class ClassicGdsfPolicy final : public EvictionPolicy {
+ public:
+  std::string name() const override { return "gdsf-classic"; }
+  double Priority(const AccessInfo& entry,
+                  const PolicyClock& clock) const override {
+    return clock.inflation.load(std::memory_order_relaxed) +
+           static_cast<double>(std::max<uint64_t>(1, entry.accesses));
+  }
+  void OnEvict(double victim_priority, PolicyClock& clock) const override {
+    RaiseInflation(victim_priority, clock);
+  }
+};
+
+class FaasCachePolicy final : public EvictionPolicy {
+ public:
+  FaasCachePolicy(double latency_seconds, double bytes_per_second)
+      : latency_seconds_(latency_seconds),
+        bytes_per_second_(bytes_per_second) {}
+  std::string name() const override { return "faascache"; }
+  double Priority(const AccessInfo& entry,
+                  const PolicyClock& clock) const override {
+    const double bytes =
+        std::max<double>(1.0, static_cast<double>(entry.bytes));
+    // Seconds of reload per GiB held: the GiB scale keeps the terms of a
+    // magnitude where adding them to L does not lose precision.
+    const double cost_per_gib =
+        (latency_seconds_ + bytes / bytes_per_second_) / (bytes / kGiB);
+    return clock.inflation.load(std::memory_order_relaxed) +
+           static_cast<double>(std::max<uint64_t>(1, entry.accesses)) *
+               cost_per_gib;
+  }
+  void OnEvict(double victim_priority, PolicyClock& clock) const override {
+    RaiseInflation(victim_priority, clock);
+  }
+
+ private:
+  const double latency_seconds_;
+  const double bytes_per_second_;
 };
 
 class BeladyPolicy final : public EvictionPolicy {
@@ -97,9 +142,20 @@ std::shared_ptr<const EvictionPolicy> NewGdsfPolicy(ReloadCost cost) {
   return std::make_shared<GdsfPolicy>(cost);
 }
 
+std::shared_ptr<const EvictionPolicy> NewClassicGdsfPolicy() {
+  return std::make_shared<ClassicGdsfPolicy>();
+}
+
+std::shared_ptr<const EvictionPolicy> NewFaasCachePolicy(
+    double latency_seconds, double bytes_per_second) {
+  return std::make_shared<FaasCachePolicy>(latency_seconds, bytes_per_second);
+}
+
 std::shared_ptr<const EvictionPolicy> PolicyByName(const std::string& name) {
   if (name == "lru") return NewLruPolicy();
   if (name == "gdsf") return NewGdsfPolicy(ReloadCost::kBytes);
+  if (name == "gdsf-classic") return NewClassicGdsfPolicy();
+  if (name == "faascache") return NewFaasCachePolicy(0.1, 2e9);
   if (name == "gdsf-time") return NewGdsfPolicy(ReloadCost::kLoadTime);
   if (name == "gdsf-uniform") return NewGdsfPolicy(ReloadCost::kUniform);
   if (name == "belady") return NewBeladyPolicy();

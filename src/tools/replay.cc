@@ -13,6 +13,7 @@
 #include <chrono>
 #include <cmath>
 #include <condition_variable>
+#include <filesystem>
 #include <fstream>
 #include <limits>
 #include <mutex>
@@ -71,8 +72,12 @@ std::string_view Trim(std::string_view s) {
 }
 
 std::ifstream Open(const std::string& path) {
+  std::error_code ec;
+  if (std::filesystem::is_directory(path, ec)) {
+    throw TraceError(path + ":1: is a directory, not a file");
+  }
   std::ifstream in(path);
-  if (!in) throw TraceError(path + ": cannot open file");
+  if (!in) throw TraceError(path + ":1: cannot open file");
   return in;
 }
 
@@ -163,6 +168,44 @@ uint64_t ParseBytes(std::string_view text) {
                               "KB, MB, GB or TB)");
 }
 
+double ParseDurationMs(std::string_view text) {
+  std::string_view s = Trim(text);
+  double value = 0;
+  auto [end, ec] = std::from_chars(s.data(), s.data() + s.size(), value);
+  if (ec != std::errc() || end == s.data() || value < 0 ||
+      !std::isfinite(value)) {
+    throw std::invalid_argument("not a duration: '" + std::string(text) + "'");
+  }
+  const std::string_view unit =
+      Trim(s.substr(static_cast<size_t>(end - s.data())));
+  static const std::pair<std::string_view, double> kUnits[] = {
+      {"", 1},      {"ms", 1},      {"s", 1000},
+      {"m", 60000}, {"min", 60000}, {"h", 3600000}};
+  for (const auto& [name, factor] : kUnits) {
+    if (unit == name) return value * factor;
+  }
+  throw std::invalid_argument("not a duration: '" + std::string(text) +
+                              "' (use a number with ms, s, m or h)");
+}
+
+std::vector<std::pair<std::string, uint64_t>> SloAnswers(
+    const std::vector<RunResult>& results, double slo_ms) {
+  std::vector<std::pair<std::string, uint64_t>> answers;
+  for (const RunResult& r : results) {
+    auto it = std::find_if(answers.begin(), answers.end(),
+                           [&](const auto& a) { return a.first == r.policy; });
+    if (it == answers.end()) {
+      answers.emplace_back(r.policy, 0);
+      it = answers.end() - 1;
+    }
+    if (r.timed && r.wait_ms.p99 <= slo_ms && r.rejected == 0 &&
+        (it->second == 0 || r.capacity_bytes < it->second)) {
+      it->second = r.capacity_bytes;
+    }
+  }
+  return answers;
+}
+
 SizeTable ReadSizes(const std::string& path) {
   std::ifstream in = Open(path);
   SizeTable sizes;
@@ -212,7 +255,7 @@ Trace ReadCsvTrace(const std::string& path, const SizeTable* sizes) {
   std::string line;
   std::vector<std::string> fields;
   size_t line_no = 0;
-  int t_col = -1, model_col = -1, size_col = -1;
+  int t_col = -1, model_col = -1, size_col = -1, duration_col = -1;
   size_t needed = 0;
   double previous_t = -std::numeric_limits<double>::infinity();
   while (std::getline(in, line)) {
@@ -225,6 +268,7 @@ Trace ReadCsvTrace(const std::string& path, const SizeTable* sizes) {
         if (name == "t_ms") t_col = static_cast<int>(i);
         if (name == "model") model_col = static_cast<int>(i);
         if (name == "size_bytes") size_col = static_cast<int>(i);
+        if (name == "duration_ms") duration_col = static_cast<int>(i);
       }
       if (t_col < 0 || model_col < 0) {
         Fail(
@@ -232,7 +276,9 @@ Trace ReadCsvTrace(const std::string& path, const SizeTable* sizes) {
             std::string("the header must name the columns 't_ms' and 'model'") +
                 (t_col < 0 ? " (no 't_ms')" : " (no 'model')"));
       }
-      needed = static_cast<size_t>(std::max({t_col, model_col, size_col})) + 1;
+      needed = static_cast<size_t>(
+                   std::max({t_col, model_col, size_col, duration_col})) +
+               1;
       continue;
     }
     if (fields.size() < needed) {
@@ -244,6 +290,9 @@ Trace ReadCsvTrace(const std::string& path, const SizeTable* sizes) {
     if (!ParseNumber(fields[t_col], &t)) {
       Fail(path, line_no,
            "t_ms '" + std::string(Trim(fields[t_col])) + "' is not a number");
+    }
+    if (t < 0) {
+      Fail(path, line_no, "negative t_ms " + std::string(Trim(fields[t_col])));
     }
     if (t < previous_t) {
       Fail(path, line_no,
@@ -268,11 +317,24 @@ Trace ReadCsvTrace(const std::string& path, const SizeTable* sizes) {
       builder.trace.sizes[model] = size;
       builder.sized[model] = true;
     }
+    if (duration_col >= 0) {
+      double duration = 0;
+      const std::string_view text = Trim(fields[duration_col]);
+      if (!text.empty() && !ParseNumber(text, &duration)) {
+        Fail(path, line_no,
+             "duration_ms '" + std::string(text) + "' is not a number");
+      }
+      if (duration < 0) {
+        Fail(path, line_no, "negative duration_ms " + std::string(text));
+      }
+      builder.trace.hold_ms.push_back(static_cast<float>(duration));
+    }
     builder.trace.requests.push_back(
         Request{static_cast<int64_t>(std::llround(t)), model});
   }
   if (t_col < 0)
     Fail(path, 1, "empty file: expected a header naming 't_ms' and 'model'");
+  if (builder.trace.requests.empty()) builder.trace.hold_ms.clear();
   for (uint32_t m = 0; m < builder.trace.models.size(); ++m) {
     if (builder.sized[m]) continue;
     const std::string& name = builder.trace.models[m];
@@ -287,8 +349,89 @@ Trace ReadCsvTrace(const std::string& path, const SizeTable* sizes) {
   return std::move(builder.trace);
 }
 
+namespace {
+
+// Reads a per-function CSV keyed by the column `key`, returning for each
+// function the numbers in `columns` (whole-field, finite, not negative).
+std::unordered_map<std::string, std::vector<double>> ReadPerFunction(
+    const std::string& path, const std::string& key,
+    const std::vector<std::string>& columns) {
+  std::ifstream in = Open(path);
+  std::unordered_map<std::string, std::vector<double>> out;
+  std::string line;
+  std::vector<std::string> fields;
+  size_t line_no = 0;
+  int key_col = -1;
+  std::vector<int> cols;
+  size_t needed = 0;
+  while (std::getline(in, line)) {
+    ++line_no;
+    if (Trim(line).empty()) continue;
+    SplitCsv(line, &fields);
+    if (key_col < 0) {
+      for (size_t i = 0; i < fields.size(); ++i) {
+        if (Trim(fields[i]) == key) key_col = static_cast<int>(i);
+      }
+      if (key_col < 0) {
+        Fail(path, line_no, "the header must name the column '" + key + "'");
+      }
+      for (const std::string& c : columns) {
+        auto it =
+            std::find_if(fields.begin(), fields.end(),
+                         [&](const std::string& f) { return Trim(f) == c; });
+        if (it == fields.end()) {
+          Fail(path, line_no, "the header must name the column '" + c + "'");
+        }
+        cols.push_back(static_cast<int>(it - fields.begin()));
+      }
+      needed = static_cast<size_t>(std::max(
+                   key_col, *std::max_element(cols.begin(), cols.end()))) +
+               1;
+      continue;
+    }
+    if (fields.size() < needed) {
+      Fail(path, line_no,
+           "expected at least " + std::to_string(needed) + " fields, found " +
+               std::to_string(fields.size()));
+    }
+    std::vector<double> values;
+    for (size_t k = 0; k < cols.size(); ++k) {
+      double v = 0;
+      const std::string_view text = Trim(fields[cols[k]]);
+      if (!ParseNumber(text, &v)) {
+        Fail(path, line_no,
+             columns[k] + " '" + std::string(text) + "' is not a number");
+      }
+      if (v < 0) {
+        Fail(path, line_no, "negative " + columns[k] + " " + std::string(text));
+      }
+      values.push_back(v);
+    }
+    out[std::string(Trim(fields[key_col]))] = std::move(values);
+  }
+  if (key_col < 0) {
+    Fail(path, 1, "empty file: expected a header naming '" + key + "'");
+  }
+  return out;
+}
+
+}  // namespace
+
 Trace ReadAzureFunctionsTrace(const std::string& path, uint32_t num_models,
                               const SizeTable* sizes, uint64_t seed) {
+  AzureOptions options;
+  options.num_models = num_models;
+  options.sizes = sizes;
+  options.seed = seed;
+  return ReadAzureFunctionsTrace(path, options);
+}
+
+Trace ReadAzureFunctionsTrace(const std::string& path,
+                              const AzureOptions& options) {
+  const uint32_t num_models = options.num_models;
+  const SizeTable* sizes = options.sizes;
+  const uint64_t seed = options.seed;
+  std::mt19937_64 arrivals_rng(seed ^ 0x5DEECE66DULL);
   std::ifstream in = Open(path);
   std::string line;
   std::vector<std::string> fields;
@@ -300,7 +443,9 @@ Trace ReadAzureFunctionsTrace(const std::string& path, uint32_t num_models,
     uint32_t j;
   };
   std::vector<Burst> bursts;
+  std::vector<std::string> hashes;  // per kept function
   uint32_t function = 0;
+  std::vector<int64_t> offsets;
   while (std::getline(in, line)) {
     ++line_no;
     if (Trim(line).empty()) continue;
@@ -349,15 +494,26 @@ Trace ReadAzureFunctionsTrace(const std::string& path, uint32_t num_models,
              "invocation count '" + std::string(text) +
                  "' is not a whole number");
       }
+      if (options.poisson && count > 0) {
+        // Given the minute's count, Poisson arrival times are that many
+        // uniform draws, sorted.
+        offsets.resize(count);
+        std::uniform_int_distribution<int64_t> within(0, 59999);
+        for (auto& o : offsets) o = within(arrivals_rng);
+        std::sort(offsets.begin(), offsets.end());
+      }
       for (uint64_t j = 0; j < count; ++j) {
         const int64_t t =
             minutes[c] * 60000 +
-            static_cast<int64_t>(((2 * j + 1) * 60000) / (2 * count));
+            (options.poisson
+                 ? offsets[j]
+                 : static_cast<int64_t>(((2 * j + 1) * 60000) / (2 * count)));
         mine.push_back(Burst{t, function, static_cast<uint32_t>(j)});
       }
     }
     if (mine.empty()) continue;  // never invoked: dropped
     bursts.insert(bursts.end(), mine.begin(), mine.end());
+    hashes.emplace_back(Trim(fields[2]));
     ++function;
   }
   if (minutes.empty())
@@ -369,6 +525,11 @@ Trace ReadAzureFunctionsTrace(const std::string& path, uint32_t num_models,
   });
   const uint32_t models =
       num_models == 0 ? std::max<uint32_t>(function, 1) : num_models;
+  std::unordered_map<std::string, std::vector<double>> memory;
+  if (!options.memory_path.empty()) {
+    memory = ReadPerFunction(options.memory_path, "HashFunction",
+                             {"AverageAllocatedMb_pct50"});
+  }
   Trace trace;
   for (uint32_t m = 0; m < models; ++m) {
     trace.models.push_back("model-" + std::to_string(m));
@@ -381,12 +542,52 @@ Trace ReadAzureFunctionsTrace(const std::string& path, uint32_t num_models,
         throw TraceError(path + ": --sizes has no size for '" +
                          trace.models.back() + "'");
       }
+    } else if (!options.memory_path.empty() && m < function) {
+      auto it = memory.find(hashes[m]);
+      if (it == memory.end()) {
+        throw TraceError(options.memory_path + ":1: no row for function " +
+                         hashes[m]);
+      }
+      size = static_cast<uint64_t>(
+          std::llround(it->second[0] * options.memory_scale * 1048576.0));
     }
     trace.sizes.push_back(size);
   }
   trace.requests.reserve(bursts.size());
   for (const Burst& b : bursts)
     trace.requests.push_back(Request{b.t_ms, b.function % models});
+  if (!options.durations_path.empty()) {
+    static const double kAt[] = {0, 0.01, 0.25, 0.5, 0.75, 0.99, 1};
+    const std::vector<std::string> columns = {
+        "percentile_Average_0",  "percentile_Average_1",
+        "percentile_Average_25", "percentile_Average_50",
+        "percentile_Average_75", "percentile_Average_99",
+        "percentile_Average_100"};
+    auto durations =
+        ReadPerFunction(options.durations_path, "HashFunction", columns);
+    std::vector<const std::vector<double>*> per_function(function);
+    for (uint32_t f = 0; f < function; ++f) {
+      auto it = durations.find(hashes[f]);
+      if (it == durations.end()) {
+        throw TraceError(options.durations_path + ":1: no row for function " +
+                         hashes[f]);
+      }
+      per_function[f] = &it->second;
+    }
+    std::mt19937_64 rng(seed ^ 0xD0A710ULL);
+    std::uniform_real_distribution<double> uniform(0, 1);
+    trace.hold_ms.reserve(bursts.size());
+    for (const Burst& b : bursts) {
+      // The inverse of the CDF the percentiles sketch, linear between them.
+      const std::vector<double>& p = *per_function[b.function];
+      const double u = uniform(rng);
+      size_t k = 1;
+      while (k + 1 < std::size(kAt) && u > kAt[k]) ++k;
+      const double f = (u - kAt[k - 1]) / (kAt[k] - kAt[k - 1]);
+      trace.hold_ms.push_back(
+          static_cast<float>(p[k - 1] + f * (p[k] - p[k - 1])));
+    }
+  }
   return trace;
 }
 
@@ -446,9 +647,8 @@ RunResult Replay(const Trace& trace, const std::string& policy_name,
                  uint64_t capacity_bytes, double hold_ms) {
   auto policy = PolicyByName(policy_name);
   if (!policy) {
-    throw std::invalid_argument(
-        "unknown policy '" + policy_name +
-        "' (known: lru, gdsf, gdsf-time, gdsf-uniform, belady)");
+    throw std::invalid_argument("unknown policy '" + policy_name +
+                                "' (known: " + PolicyNames() + ")");
   }
   const bool belady = !policy->monotone();
   const size_t n = trace.requests.size();
@@ -582,8 +782,18 @@ std::vector<RunResult> ReplayAll(
     const Trace& trace, const std::vector<std::string>& policies,
     const std::vector<uint64_t>& capacities, double hold_ms, unsigned threads,
     const std::function<void(size_t, size_t)>& progress) {
+  ReplayOptions options;
+  options.timed = false;
+  options.hold_ms = hold_ms;
+  return ReplayAll(trace, policies, capacities, options, threads, progress);
+}
+
+std::vector<RunResult> ReplayAll(
+    const Trace& trace, const std::vector<std::string>& policies,
+    const std::vector<uint64_t>& capacities, const ReplayOptions& options,
+    unsigned threads, const std::function<void(size_t, size_t)>& progress) {
   for (const std::string& p : policies) {
-    if (!PolicyByName(p)) Replay(Trace{}, p, 0);  // throws the clear error
+    Replay(Trace{}, p, 0, options);  // throws the clear error
   }
   const size_t total = policies.size() * capacities.size();
   std::vector<RunResult> results(total);
@@ -596,7 +806,7 @@ std::vector<RunResult> ReplayAll(
     for (size_t task; (task = next.fetch_add(1)) < total;) {
       try {
         results[task] = Replay(trace, policies[task / capacities.size()],
-                               capacities[task % capacities.size()], hold_ms);
+                               capacities[task % capacities.size()], options);
       } catch (...) {
         std::lock_guard<std::mutex> lock(mu);
         if (!error) error = std::current_exception();

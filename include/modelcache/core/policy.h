@@ -84,6 +84,19 @@ enum class ReloadCost {
 std::shared_ptr<const EvictionPolicy> NewGdsfPolicy(
     ReloadCost cost = ReloadCost::kBytes);
 
+// Classic GDSF with raw access counts: priority = L + accesses (cost =
+// bytes). Kept beside the logarithmic variant because neither wins on every
+// workload (README, "Replay").
+std::shared_ptr<const EvictionPolicy> NewClassicGdsfPolicy();
+
+// FaaSCache's Greedy-Dual keep-alive (Fuerst & Sharma, ASPLOS 2021):
+// priority = L + accesses * cost / size with cost the modelled load time,
+// latency + size / bandwidth. Not gdsf-time: that one takes the log of the
+// count and the load time the loader measured, which in a replay (or behind
+// a page cache) says nothing about what a reload from storage costs.
+std::shared_ptr<const EvictionPolicy> NewFaasCachePolicy(
+    double latency_seconds, double bytes_per_second);
+
 // Belady's offline policy: evicts the entry whose next request is furthest
 // in the future. It needs the future, so it is a reference for replaying a
 // known trace, not a policy for serving: every acquire must pass
@@ -92,8 +105,9 @@ std::shared_ptr<const EvictionPolicy> NewGdsfPolicy(
 // there is none.
 std::shared_ptr<const EvictionPolicy> NewBeladyPolicy();
 
-// Looks a policy up by name: "lru", "gdsf" (cost = bytes), "gdsf-time",
-// "gdsf-uniform", "belady" (offline). Returns nullptr for an unknown name.
+// Looks a policy up by name: "lru", "gdsf" (cost = bytes), "gdsf-classic"
+// (raw counts), "gdsf-time", "gdsf-uniform", "faascache" (100 ms latency,
+// 2 GB/s), "belady" (offline). Returns nullptr for an unknown name.
 std::shared_ptr<const EvictionPolicy> PolicyByName(const std::string& name);
 
 }  // namespace modelcache

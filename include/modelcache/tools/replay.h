@@ -11,6 +11,7 @@
 
 #include <cstdint>
 #include <functional>
+#include <limits>
 #include <map>
 #include <stdexcept>
 #include <string>
@@ -18,6 +19,7 @@
 #include <vector>
 
 #include "modelcache/core/bytes.h"
+#include "modelcache/core/cache.h"
 
 namespace modelcache::replay {
 
@@ -36,6 +38,9 @@ struct Trace {
   std::vector<std::string> models;  // index -> name
   std::vector<uint64_t> sizes;      // index -> bytes
   std::vector<Request> requests;    // ordered by time
+  // Per request, how long it holds its lease (its service time) in ms; empty
+  // when the trace has none (ReplayOptions::hold_ms applies).
+  std::vector<float> hold_ms;
 };
 
 using SizeTable = std::map<std::string, uint64_t, std::less<>>;
@@ -48,8 +53,13 @@ using ::modelcache::FormatBytes;
 // A `model,size_bytes` CSV with that header.
 SizeTable ReadSizes(const std::string& path);
 
+// "100ms", "2s", "10m", "1.5h", or a bare number of milliseconds. Throws
+// std::invalid_argument on anything else, negative values included.
+double ParseDurationMs(std::string_view text);
+
 // A CSV whose header names at least `t_ms` and `model`, optionally
-// `size_bytes`; other columns are ignored. A model's size comes from its
+// `size_bytes` and `duration_ms` (the request's service time); other columns
+// are ignored. A model's size comes from its
 // rows' size_bytes, else from `sizes`; a model with neither is an error, as
 // are negative sizes, malformed numbers and times earlier than the previous
 // request's.
@@ -65,6 +75,24 @@ Trace ReadCsvTrace(const std::string& path, const SizeTable* sizes);
 Trace ReadAzureFunctionsTrace(const std::string& path, uint32_t num_models,
                               const SizeTable* sizes, uint64_t seed);
 
+struct AzureOptions {
+  uint32_t num_models = 0;
+  const SizeTable* sizes = nullptr;
+  uint64_t seed = 42;
+  // Spread each minute's c requests as a seeded Poisson process (c uniform
+  // times in the minute, sorted) instead of evenly.
+  bool poisson = false;
+  // The trace's memory file: model i is sized by the 50th-percentile MB of
+  // the first function mapped to it, times `memory_scale`, in MiB.
+  std::string memory_path;
+  double memory_scale = 1;
+  // The trace's durations file: each request's service time is a seeded draw
+  // from its function's duration percentiles (piecewise linear between them).
+  std::string durations_path;
+};
+Trace ReadAzureFunctionsTrace(const std::string& path,
+                              const AzureOptions& options);
+
 // A realistic serving mix, deterministic in (model, seed): 40% small vision
 // and embedding models (20-300 MiB), 30% mid-size models and adapters
 // (300 MiB-1.5 GiB), 20% diffusion checkpoints (2-7 GiB), 10% LLMs
@@ -75,6 +103,38 @@ uint64_t DefaultModelSize(uint32_t model, uint64_t seed);
 // 200,000 requests over 8 hours with Zipf-like popularity that drifts over
 // the day (what is hot in the morning cools by the afternoon).
 Trace GenerateDefaultTrace(uint64_t seed);
+
+// The load path in trace time: `latency_ms + bytes / bandwidth` per load,
+// loads in flight sharing the bandwidth equally, at most `slots` in flight.
+struct TimeModel {
+  double bandwidth_bytes_per_second = 2e9;  // may be infinity
+  double latency_ms = 100;
+  uint32_t slots = 4;  // 0: unlimited
+};
+
+struct ReplayOptions {
+  // Service time of requests whose trace gives none.
+  double hold_ms = 0;
+  // False: the untimed replay (every load instantaneous, no queue).
+  bool timed = true;
+  TimeModel time;
+  // A request still waiting this long leaves, counted as rejected; a queued
+  // load whose every requester left never starts. Infinity: none.
+  double max_wait_ms = std::numeric_limits<double>::infinity();
+  // Prewarms at fixed times, beside any the policy makes (what-if runs and
+  // tests).
+  std::vector<Request> prewarms;
+  // Told every cache event with the trace time it happened at (tests).
+  std::function<void(double t_ms, const CacheEvent& event)> on_event;
+};
+
+// Nearest-rank percentile (p in [0, 1]) of `sorted`, which must be sorted
+// ascending; 0 when empty.
+double Percentile(const std::vector<double>& sorted, double p);
+
+struct WaitSummary {
+  double p50 = 0, p95 = 0, p99 = 0, p999 = 0, max = 0;
+};
 
 struct RunResult {
   std::string policy;
@@ -96,12 +156,54 @@ struct RunResult {
   // Resident bytes at evenly spaced points of trace time: (t_ms, bytes).
   std::vector<std::pair<int64_t, uint64_t>> resident_over_time;
   std::vector<uint32_t> loads_per_model;
+
+  // ---- the time model (zero when untimed) ----
+  bool timed = false;
+  uint64_t cold_starts =
+      0;  // requests that waited for a load, started or joined
+  double cold_start_ratio = 0;
+  WaitSummary
+      wait_ms;  // over the requests served (not too large, not rejected)
+  uint64_t rejected = 0;       // left after ReplayOptions::max_wait_ms
+  uint64_t prewarms = 0;       // loads the policy started ahead of demand
+  double load_seconds = 0;     // trace time spent loading, summed over loads
+  double disk_busy_ratio = 0;  // of trace time, at least one load in flight
+  // Loads waiting for a slot or for room, time-weighted over the trace.
+  uint64_t load_queue_peak = 0;
+  double load_queue_mean = 0;
+  double idle_gib_hours = 0;  // resident with no lease and not loading
+  double p75_model_cold_start_ratio = 0;
+  // The loads need the link at least 90% of the trace: the queue drains only
+  // by requests joining loads already queued, and grows without bound.
+  bool overloaded = false;
+  // The wait distribution at 1000 evenly spaced quantiles (for the CDF).
+  std::vector<double> wait_quantiles;
+  // Evenly spaced bins of trace time: (t_ms, min, mean, max) resident bytes
+  // and the load queue's length at the bin's end.
+  struct Bin {
+    int64_t t_ms;
+    double min_bytes, mean_bytes, max_bytes;
+    uint32_t queue;
+  };
+  std::vector<Bin> bins;
 };
 
 // One replay through a fresh cache. `policy` is a PolicyByName name.
 // Throws std::invalid_argument for an unknown policy.
+// This is the untimed replay; see the overload below for the time model.
 RunResult Replay(const Trace& trace, const std::string& policy,
                  uint64_t capacity_bytes, double hold_ms = 0);
+
+// Replay in trace time (a discrete-event simulation, see simulate.cc), or the
+// untimed replay when !options.timed. Policies: PolicyByName's names, plus
+// ttl-<N>m (LRU with an N-minute idle keep-alive; s and h also work),
+// faascache, hybrid-histogram and gdsf-prewarm (PolicyNames lists them).
+// Throws std::invalid_argument for an unknown policy.
+RunResult Replay(const Trace& trace, const std::string& policy,
+                 uint64_t capacity_bytes, const ReplayOptions& options);
+
+// Every policy name Replay accepts, for messages and --help.
+std::string PolicyNames();
 
 // Every (policy, capacity) pair, on up to `threads` threads; results in
 // policy-major order. `progress` (may be empty) is called with the number of
@@ -110,14 +212,34 @@ std::vector<RunResult> ReplayAll(
     const Trace& trace, const std::vector<std::string>& policies,
     const std::vector<uint64_t>& capacities, double hold_ms, unsigned threads,
     const std::function<void(size_t done, size_t total)>& progress = {});
+std::vector<RunResult> ReplayAll(
+    const Trace& trace, const std::vector<std::string>& policies,
+    const std::vector<uint64_t>& capacities, const ReplayOptions& options,
+    unsigned threads,
+    const std::function<void(size_t done, size_t total)>& progress = {});
+
+// Per policy, the smallest capacity whose p99 wait is within `slo_ms`, or 0
+// if none is; in the order policies first appear in `results`.
+std::vector<std::pair<std::string, uint64_t>> SloAnswers(
+    const std::vector<RunResult>& results, double slo_ms);
+
+// How the table, JSON and report describe the run.
+struct RunInfo {
+  bool timed = false;
+  TimeModel time;
+  double slo_ms = 1000;
+};
 
 std::string ResultsTable(const Trace& trace,
-                         const std::vector<RunResult>& results);
+                         const std::vector<RunResult>& results,
+                         const RunInfo& info = {});
 std::string ResultsJson(const Trace& trace,
-                        const std::vector<RunResult>& results);
+                        const std::vector<RunResult>& results,
+                        const RunInfo& info = {});
 // One self-contained HTML page (inline SVG, no scripts, no network).
 std::string HtmlReport(const Trace& trace, const std::string& title,
-                       const std::vector<RunResult>& results);
+                       const std::vector<RunResult>& results,
+                       const RunInfo& info = {});
 
 }  // namespace modelcache::replay
 

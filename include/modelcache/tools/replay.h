@@ -100,8 +100,8 @@ Trace ReadAzureFunctionsTrace(const std::string& path,
 uint64_t DefaultModelSize(uint32_t model, uint64_t seed);
 
 // The embedded default: a zoo of 60 models sized by DefaultModelSize and
-// 200,000 requests over 8 hours with Zipf-like popularity that drifts over
-// the day (what is hot in the morning cools by the afternoon).
+// 200,000 requests over 8 hours with Zipf popularity (exponent 2.2) that
+// drifts over the day (what is hot in the morning cools by the afternoon).
 Trace GenerateDefaultTrace(uint64_t seed);
 
 // The load path in trace time: `latency_ms + bytes / bandwidth` per load,

@@ -429,7 +429,6 @@ void CacheCore::TouchLocked(Shard& shard, Record* r, double hint) {
       AccessInfo{r->bytes, r->accesses, r->load_seconds, hint},
       budget_->policy_clock());
   r->seq = ++shard.seq;
-  r->last_use = Now();
   if (!policy_monotone_ && r->in_order) {
     // The new key may be smaller than the filed one: re-file it now.
     EraseOrderLocked(shard, r);
@@ -682,6 +681,7 @@ Lease CacheCore::LoadAsOwner(Shard& shard, const std::shared_ptr<Record>& rec,
     rec->accesses = static_cast<uint64_t>(rec->waiters);
     rec->waiters = 0;  // each of them now holds its lease
     TouchLocked(shard, rec.get(), options.policy_hint);
+    rec->last_use = Now();
     ++shard.counters.loads;
     shard.counters.bytes_loaded += rec->bytes;
     shard.counters.load_seconds += seconds;
@@ -772,6 +772,9 @@ void CacheCore::ReleaseLease(Record* r) {
         r->owner = std::this_thread::get_id();
       } else {
         // Idle from now: an idle TTL counts from the end of the last lease.
+        // (Only here and at the load: a hit leaves a lease, so stamping it
+        // too would add a clock read to every hit and change nothing an
+        // expiry can see.)
         r->last_use = Now();
         now_evictable = !r->pinned;
       }

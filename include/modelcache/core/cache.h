@@ -172,6 +172,8 @@ struct EntryInfo {
   int waiters = 0;
   bool pinned = false;
   uint64_t accesses = 0;
+  // When it last became idle: its load, or the end of its last lease. An
+  // idle TTL counts from here.
   Clock::time_point last_use;
 };
 

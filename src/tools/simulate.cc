@@ -165,13 +165,13 @@ struct Waiter {
 struct ModelState {
   State state = State::kAbsent;
   bool prewarm_class = false;
-  bool cancel_pending = false;
+  uint64_t load_id = 0;  // stale latency-end events
   int leases = 0;        // load lease + request leases the simulation holds
   double remaining = 0;  // bytes left to transfer
   double load_start = 0;
   Lease load_lease;
   std::vector<Waiter> waiters;
-  uint64_t generation = 0;  // stale keep-alive and prewarm events
+  uint64_t generation = 0;  // stale prewarm events
   bool ttl_check_pending = false;
   double idle_since = -kInf;  // when its last lease ended
   double last_end = -kInf;    // ditto, kept across unloads
@@ -180,6 +180,12 @@ struct ModelState {
   // Idle-time histogram.
   std::vector<uint32_t> bins;
   uint32_t samples = 0, out_of_range = 0;
+  double sum_squares = 0;  // of the bin counts, for their CV in O(1)
+  // One live keep-alive event, at keep_alive_event: when it fires before
+  // keep_until (a later request moved it on), it files itself again; a plan
+  // with an earlier end files a new one and leaves the old one stale.
+  double keep_until = kInf;
+  double keep_alive_event = kInf;
   std::deque<double> recent_idle;
 };
 
@@ -427,7 +433,7 @@ void Simulation::HandleEvent(const Event& e) {
       DropLease(e.model, /*request_ended=*/true);
       break;
     case EventType::kLatencyEnd:
-      EnterTransfer(e.model);
+      if (e.arg == s.load_id) EnterTransfer(e.model);
       break;
     case EventType::kTtlCheck:
       s.ttl_check_pending = false;
@@ -441,8 +447,13 @@ void Simulation::HandleEvent(const Event& e) {
       }
       break;
     case EventType::kKeepAliveEnd:
-      if (after_trace || e.arg != s.generation) break;
-      if (s.state == State::kResident && s.leases == 0) {
+      if (e.t != s.keep_alive_event) break;  // superseded
+      s.keep_alive_event = kInf;
+      if (after_trace) break;
+      if (now_ < s.keep_until) {
+        s.keep_alive_event = s.keep_until;
+        Schedule(s.keep_until, EventType::kKeepAliveEnd, e.model, 0);
+      } else if (s.state == State::kResident && s.leases == 0) {
         cache_->Remove(trace_.models[e.model]);
       }
       break;
@@ -475,7 +486,7 @@ void Simulation::HandleEvent(const Event& e) {
 void Simulation::AddLease(uint32_t m) {
   ModelState& s = models_[m];
   if (s.leases++ == 0 && s.state == State::kResident) idle_bytes_ -= Size(m);
-  ++s.generation;  // cancels a planned keep-alive end or prewarm
+  ++s.generation;  // cancels a planned prewarm
 }
 
 void Simulation::DropLease(uint32_t m, bool request_ended) {
@@ -567,7 +578,9 @@ void Simulation::TakeLease(uint32_t m, size_t request, Lease* given) {
 void Simulation::RecordIdle(ModelState& s, double idle_ms) {
   const double bin = std::floor(idle_ms / kMinute);
   if (bin < kHistogramBins) {
-    ++s.bins[static_cast<size_t>(bin)];
+    uint32_t& count = s.bins[static_cast<size_t>(bin)];
+    s.sum_squares += 2.0 * count + 1;  // (c+1)^2 - c^2
+    ++count;
   } else {
     ++s.out_of_range;
   }
@@ -607,7 +620,7 @@ void Simulation::Arrive(size_t i) {
   const uint64_t id = next_waiter_id_++;
   s.waiters.push_back(Waiter{i, now_, id});
   ++live_waiters_;
-  ++s.generation;  // no keep-alive end or prewarm applies now
+  ++s.generation;  // no planned prewarm applies now
   if (std::isfinite(options_.max_wait_ms)) {
     Schedule(now_ + options_.max_wait_ms, EventType::kDeadline, m, id);
   }
@@ -656,8 +669,7 @@ bool Simulation::CancelOnePrewarm() {
       prewarm_transfers_.erase(
           std::find(prewarm_transfers_.begin(), prewarm_transfers_.end(), m));
     }
-    // A latency-end event may still come; the generation makes it a no-op.
-    s.cancel_pending = s.state == State::kLatency;
+    // A latency-end event may still come: the load id makes it a no-op.
     --prewarm_in_flight_;
     s.prewarm_class = false;
     s.state = State::kAbsent;
@@ -689,14 +701,14 @@ bool Simulation::StartLoad(uint32_t m, bool prewarm) {
   }
   s.state = State::kLatency;
   s.prewarm_class = prewarm;
-  s.cancel_pending = false;
+  ++s.load_id;
   s.leases = 1;
   s.load_start = now_;
   s.remaining = static_cast<double>(Size(m));
   (prewarm ? prewarm_in_flight_ : demand_in_flight_)++;
   ++result_.loads_per_model[m];
   if (time_.latency_ms > 0) {
-    Schedule(now_ + time_.latency_ms, EventType::kLatencyEnd, m, 0);
+    Schedule(now_ + time_.latency_ms, EventType::kLatencyEnd, m, s.load_id);
   } else {
     EnterTransfer(m);
   }
@@ -792,12 +804,11 @@ void Simulation::PlanKeepAlive(uint32_t m) {
       keep_until = 1.15 * predicted;
       representative = true;
     } else {
-      double mean = 0;
-      for (uint32_t c : s.bins) mean += c;
-      mean /= kHistogramBins;
-      double var = 0;
-      for (uint32_t c : s.bins) var += (c - mean) * (c - mean);
-      const double cv = std::sqrt(var / kHistogramBins) / mean;
+      const double in_bins = s.samples - s.out_of_range;
+      const double mean = in_bins / kHistogramBins;
+      const double var =
+          std::max(0.0, s.sum_squares / kHistogramBins - mean * mean);
+      const double cv = mean > 0 ? std::sqrt(var) / mean : 0;
       if (cv >= kMinCv) {
         // The 5th and 99th percentiles of the in-range idle times, as the
         // start and end of their bins.
@@ -828,7 +839,11 @@ void Simulation::PlanKeepAlive(uint32_t m) {
     cache_->Remove(trace_.models[m]);
     Schedule(now_ + prewarm_at, EventType::kPrewarm, m, generation);
   }
-  Schedule(now_ + keep_until, EventType::kKeepAliveEnd, m, generation);
+  s.keep_until = now_ + keep_until;
+  if (s.keep_until < s.keep_alive_event) {
+    s.keep_alive_event = s.keep_until;
+    Schedule(s.keep_until, EventType::kKeepAliveEnd, m, 0);
+  }
 }
 
 void Simulation::Run() {

@@ -258,7 +258,8 @@ std::string TimeCharts(const std::vector<RunResult>& results,
   out += LineChart(
       "Request wait CDF at " + FormatBytes(middle),
       "wait (log scale; hits drawn at 1 ms)", "requests (%)", cdf, ms_tick,
-      [](double y) { return Fixed(y, 0) + "%"; }, LogTicks(0, wait_hi));
+      [](double y) { return Fixed(y, 0) + "%"; }, LogTicks(0, wait_hi),
+      /*fit_y_to_data=*/true);
   out += LineChart(
       "p99 wait by capacity", "capacity", "p99 wait (log scale)",
       p99_by_capacity,
@@ -266,11 +267,11 @@ std::string TimeCharts(const std::vector<RunResult>& results,
       cap_ticks);
   out += LineChart(
       "p99 wait against idle memory-time (one point per capacity)",
-      "idle GiBÂ·h (memory held with no lease)", "p99 wait (log scale)",
+      "idle GiB·h (memory held with no lease)", "p99 wait (log scale)",
       p99_by_idle, [](double x) { return Fixed(x, 0); }, ms_tick, idle_ticks);
   out += LineChart(
       "Load queue length over trace time at " + FormatBytes(middle) +
-          " (at each bin's end)",
+          " (most in each bin)",
       "trace time (hours)", "loads queued", queue,
       [](double x) { return Fixed(x, 1) + " h"; },
       [](double y) { return Fixed(y, 0); }, t_ticks);
@@ -503,7 +504,8 @@ std::string HtmlReport(const Trace& trace, const std::string& title,
           "auto;max-width:980px;color:#222}\n"
        << "table{border-collapse:collapse;margin:1em 0}td,th{padding:3px 10px;"
           "border-bottom:1px solid #ddd;text-align:right}th{background:#f4f4f4}"
-          "td:first-child,th:first-child{text-align:left}\n"
+          "td:first-child,th:first-child{text-align:left}td{white-space:nowrap}"
+          "\n"
        << ".axis{stroke:#444}.grid{stroke:#e4e4e4}.tick{font-size:11px;fill:#"
           "444}"
           ".label{font-size:12px;fill:#222}.legend{font-size:12px}"

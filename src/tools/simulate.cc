@@ -325,7 +325,8 @@ class Simulation {
   // Bins of trace time.
   size_t bin_ = 0;
   double bin_width_ = 0;
-  double bin_min_ = kInf, bin_max_ = 0, bin_area_ = 0, bin_start_ = 0;
+  double bin_min_ = kInf, bin_max_ = 0, bin_area_ = 0;
+  uint32_t bin_queue_max_ = 0;
 };
 
 // ---- time ----
@@ -355,7 +356,9 @@ void Simulation::AdvanceTo(double t) {
         b.min_bytes = bin_min_;
         b.max_bytes = bin_max_;
         b.mean_bytes = bin_area_ / bin_width_;
-        b.queue = static_cast<uint32_t>(demand_queue_.size());
+        b.queue = std::max(bin_queue_max_,
+                           static_cast<uint32_t>(demand_queue_.size()));
+        bin_queue_max_ = static_cast<uint32_t>(demand_queue_.size());
         ++bin_;
         bin_min_ = kInf, bin_max_ = 0, bin_area_ = 0;
       }
@@ -654,6 +657,8 @@ void Simulation::Arrive(size_t i) {
 void Simulation::Enqueue(uint32_t m) {
   models_[m].state = State::kQueued;
   demand_queue_.push_back(m);
+  bin_queue_max_ =
+      std::max(bin_queue_max_, static_cast<uint32_t>(demand_queue_.size()));
   result_.load_queue_peak =
       std::max<uint64_t>(result_.load_queue_peak, demand_queue_.size());
 }

@@ -178,8 +178,8 @@ struct RunResult {
   bool overloaded = false;
   // The wait distribution at 1000 evenly spaced quantiles (for the CDF).
   std::vector<double> wait_quantiles;
-  // Evenly spaced bins of trace time: (t_ms, min, mean, max) resident bytes
-  // and the load queue's length at the bin's end.
+  // Evenly spaced bins of trace time: (t_ms at the bin's end, min, mean, max)
+  // resident bytes and the load queue's longest within the bin.
   struct Bin {
     int64_t t_ms;
     double min_bytes, mean_bytes, max_bytes;

@@ -19,8 +19,8 @@
 #include <vector>
 
 #include "gtest/gtest.h"
+#include "modelcache/base/errors.h"
 #include "modelcache/core/cache.h"
-#include "modelcache/core/errors.h"
 
 namespace modelcache::testing {
 

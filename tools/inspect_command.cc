@@ -19,7 +19,7 @@
 #include <string>
 #include <vector>
 
-#include "modelcache/core/bytes.h"
+#include "modelcache/base/bytes.h"
 #include "modelcache/weights/safetensors.h"
 
 namespace modelcache::tools {

@@ -19,7 +19,7 @@
 #include <utility>
 
 #include "format.h"
-#include "modelcache/core/errors.h"
+#include "modelcache/base/errors.h"
 
 namespace modelcache {
 
@@ -32,7 +32,7 @@ Budget::Budget(uint64_t capacity_bytes, std::string name)
     : name_(std::move(name)), capacity_(capacity_bytes) {}
 
 Budget::~Budget() {
-  MutexLock lock(&mu_);
+  base::MutexLock lock(&mu_);
   assert(
       std::none_of(members_.begin(), members_.end(),
                    [](const MemberSlot& m) { return !m.member.expired(); }) &&
@@ -40,35 +40,35 @@ Budget::~Budget() {
 }
 
 uint64_t Budget::capacity() const {
-  MutexLock lock(&mu_);
+  base::MutexLock lock(&mu_);
   return capacity_;
 }
 
 uint64_t Budget::used() const {
-  MutexLock lock(&mu_);
+  base::MutexLock lock(&mu_);
   return used_;
 }
 
 uint64_t Budget::high_water() const {
-  MutexLock lock(&mu_);
+  base::MutexLock lock(&mu_);
   return high_water_;
 }
 
 void Budget::Register(std::weak_ptr<BudgetMember> member) {
-  MutexLock lock(&mu_);
+  base::MutexLock lock(&mu_);
   const BudgetMember* id = member.lock().get();
   members_.push_back(MemberSlot{id, std::move(member)});
 }
 
 void Budget::Unregister(const BudgetMember* member) {
-  MutexLock lock(&mu_);
+  base::MutexLock lock(&mu_);
   std::erase_if(members_,
                 [member](const MemberSlot& m) { return m.id == member; });
 }
 
 std::vector<std::shared_ptr<BudgetMember>> Budget::Members() {
   std::vector<std::shared_ptr<BudgetMember>> members;
-  MutexLock lock(&mu_);
+  base::MutexLock lock(&mu_);
   members.reserve(members_.size());
   for (const MemberSlot& slot : members_) {
     if (auto member = slot.member.lock()) members.push_back(std::move(member));
@@ -128,7 +128,7 @@ void Budget::Reserve(uint64_t bytes, WhenFull when_full,
     uint64_t seen_changes = 0;
     uint64_t capacity = 0, used = 0;
     {
-      MutexLock lock(&mu_);
+      base::MutexLock lock(&mu_);
       // Written so that no sum can wrap: already_reserved + bytes may pass
       // 2^64, and used_ may exceed capacity_ after a shrink.
       if (bytes > capacity_ || already_reserved > capacity_ - bytes) {
@@ -169,7 +169,7 @@ void Budget::Reserve(uint64_t bytes, WhenFull when_full,
     }
     bool timed_out = false;
     {
-      MutexLock lock(&mu_);
+      base::MutexLock lock(&mu_);
       while (change_count_ == seen_changes) {
         if (!changed_.WaitUntil(&mu_, deadline) &&
             change_count_ == seen_changes) {
@@ -191,14 +191,14 @@ void Budget::Reserve(uint64_t bytes, WhenFull when_full,
 uint64_t Budget::ObtainableBytes() {
   uint64_t unevictable = 0;
   for (auto& member : Members()) unevictable += member->UnevictableBytes();
-  MutexLock lock(&mu_);
+  base::MutexLock lock(&mu_);
   return capacity_ > unevictable ? capacity_ - unevictable : 0;
 }
 
 void Budget::Release(uint64_t bytes) {
   if (bytes == 0) return;
   {
-    MutexLock lock(&mu_);
+    base::MutexLock lock(&mu_);
     assert(used_ >= bytes && "released more bytes than reserved");
     used_ -= bytes;
     if (used_ <= capacity_) over_capacity_.store(false);
@@ -210,7 +210,7 @@ void Budget::Release(uint64_t bytes) {
 void Budget::NotifyEvictable() {
   if (waiters_.load() != 0) {
     {
-      MutexLock lock(&mu_);
+      base::MutexLock lock(&mu_);
       ++change_count_;
     }
     changed_.NotifyAll();
@@ -225,7 +225,7 @@ uint64_t Budget::EvictToCapacity() {
   std::unordered_set<uint64_t> skip;
   for (;;) {
     {
-      MutexLock lock(&mu_);
+      base::MutexLock lock(&mu_);
       if (used_ <= capacity_) {
         over_capacity_.store(false);
         return 0;
@@ -233,13 +233,13 @@ uint64_t Budget::EvictToCapacity() {
     }
     if (!EvictOne(&skip)) break;
   }
-  MutexLock lock(&mu_);
+  base::MutexLock lock(&mu_);
   return used_ > capacity_ ? used_ - capacity_ : 0;
 }
 
 uint64_t Budget::SetCapacity(uint64_t capacity_bytes) {
   {
-    MutexLock lock(&mu_);
+    base::MutexLock lock(&mu_);
     capacity_ = capacity_bytes;
     over_capacity_.store(used_ > capacity_);
     ++change_count_;

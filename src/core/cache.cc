@@ -57,8 +57,8 @@
 // aligned with everything a hit writes in their first line, and each shard's
 // mutex, sequence and hit counter share one line, so a hit moves two lines
 // between cores when another core touched them last. The shard mutexes spin
-// briefly before sleeping (see Mutex), because their critical sections are
-// shorter than a futex round trip.
+// briefly before sleeping (see base::Mutex), because their critical sections
+// are shorter than a futex round trip.
 //
 // Bytes: reserved in the Budget before the loader runs (Budget::Reserve may
 // evict, from this cache or its peers, outside every lock), adjusted to the
@@ -106,7 +106,7 @@
 
 #include "absl/container/flat_hash_map.h"
 #include "format.h"
-#include "modelcache/core/thread_annotations.h"
+#include "modelcache/base/mutex.h"
 #include "test_hooks.h"
 
 namespace modelcache {
@@ -264,14 +264,16 @@ struct ShardCounters {
 // A hit locks `mu` and bumps `seq` and `hits`: they share the first cache
 // line, so a hit moves one shard line between cores, not three.
 struct alignas(64) Shard {
-  Mutex mu;
-  uint64_t seq GUARDED_BY(mu) = 0;
-  uint64_t hits GUARDED_BY(mu) = 0;
-  absl::flat_hash_map<std::string, Slot, KeyHash, KeyEqual> map GUARDED_BY(mu);
-  CondVar changed;  // a record of this shard changed state
-  std::set<OrderKey> order GUARDED_BY(mu);
-  std::unordered_map<Record*, std::shared_ptr<Record>> retired GUARDED_BY(mu);
-  ShardCounters counters GUARDED_BY(mu);
+  base::Mutex mu;
+  uint64_t seq MC_GUARDED_BY(mu) = 0;
+  uint64_t hits MC_GUARDED_BY(mu) = 0;
+  absl::flat_hash_map<std::string, Slot, KeyHash, KeyEqual> map
+      MC_GUARDED_BY(mu);
+  base::CondVar changed;  // a record of this shard changed state
+  std::set<OrderKey> order MC_GUARDED_BY(mu);
+  std::unordered_map<Record*, std::shared_ptr<Record>> retired
+      MC_GUARDED_BY(mu);
+  ShardCounters counters MC_GUARDED_BY(mu);
 };
 
 class CacheCore final : public BudgetMember,
@@ -330,11 +332,12 @@ class CacheCore final : public BudgetMember,
     return r.state == RecordState::kResident && !r.retired && r.leases == 0 &&
            !r.pinned;
   }
-  void TouchLocked(Shard& shard, Record* r, double hint = 0) REQUIRES(shard.mu);
-  void InsertOrderLocked(Shard& shard, Record* r) REQUIRES(shard.mu);
-  void EraseOrderLocked(Shard& shard, Record* r) REQUIRES(shard.mu);
+  void TouchLocked(Shard& shard, Record* r, double hint = 0)
+      MC_REQUIRES(shard.mu);
+  void InsertOrderLocked(Shard& shard, Record* r) MC_REQUIRES(shard.mu);
+  void EraseOrderLocked(Shard& shard, Record* r) MC_REQUIRES(shard.mu);
   void RetireLocked(Shard& shard, const std::shared_ptr<Record>& r)
-      REQUIRES(shard.mu);
+      MC_REQUIRES(shard.mu);
 
   // Waits, up to `deadline`, until `rec` leaves its current state (a load
   // or an unload in progress), counted among its waiters meanwhile. Takes
@@ -342,7 +345,7 @@ class CacheCore final : public BudgetMember,
   // while this waits.
   void WaitWhileBusy(Shard& shard, std::shared_ptr<Record> rec,
                      Clock::time_point deadline, const char* what)
-      REQUIRES(shard.mu);
+      MC_REQUIRES(shard.mu);
   Lease JoinLoad(Shard& shard, const std::shared_ptr<Record>& rec,
                  const std::shared_future<void>& done,
                  Clock::time_point deadline);
@@ -395,12 +398,12 @@ class CacheCore final : public BudgetMember,
   // and the insertion of the alias's slot happen as one step. Lock order:
   // alias_mu_, then a shard mutex. Lookups never take it: they read the
   // alias slots in the shard maps.
-  Mutex alias_mu_;
+  base::Mutex alias_mu_;
   // alias -> canonical, and canonical -> its aliases.
   absl::flat_hash_map<std::string, std::string> alias_target_
-      GUARDED_BY(alias_mu_);
+      MC_GUARDED_BY(alias_mu_);
   absl::flat_hash_map<std::string, std::vector<std::string>> aliases_of_
-      GUARDED_BY(alias_mu_);
+      MC_GUARDED_BY(alias_mu_);
 };
 
 CacheCore::CacheCore(CacheOptions options)
@@ -416,7 +419,7 @@ CacheCore::CacheCore(CacheOptions options)
 std::string_view CacheCore::Canonical(std::string_view key,
                                       std::string* storage) {
   Shard& shard = ShardFor(key);
-  MutexLock lock(&shard.mu);
+  base::MutexLock lock(&shard.mu);
   auto it = shard.map.find(key);
   if (it == shard.map.end() || it->second.record) return key;
   *storage = it->second.alias_of;
@@ -486,7 +489,7 @@ Lease CacheCore::Acquire(std::string_view key, uint64_t expected_bytes,
     std::shared_ptr<Record> joined;  // set when it waits for another's load
     std::shared_future<void> done;   // completed with `joined`'s load
     {
-      MutexLock lock(&shard.mu);
+      base::MutexLock lock(&shard.mu);
       auto it = shard.map.find(hashed);
       if (it == shard.map.end()) {
         owned = std::make_shared<Record>(
@@ -579,7 +582,7 @@ Lease CacheCore::JoinLoad(Shard& shard, const std::shared_ptr<Record>& rec,
           ? (done.wait(), true)
           : done.wait_until(deadline) == std::future_status::ready;
   if (!ready) {
-    MutexLock lock(&shard.mu);
+    base::MutexLock lock(&shard.mu);
     if (rec->state == RecordState::kLoading) {
       --rec->waiters;
       throw Error(ErrorCode::kTimeout,
@@ -611,7 +614,7 @@ Lease CacheCore::LoadAsOwner(Shard& shard, const std::shared_ptr<Record>& rec,
     throw;
   }
   {
-    MutexLock lock(&shard.mu);
+    base::MutexLock lock(&shard.mu);
     rec->bytes = expected_bytes;
   }
 
@@ -667,7 +670,7 @@ Lease CacheCore::LoadAsOwner(Shard& shard, const std::shared_ptr<Record>& rec,
   bool retired_now = false;
   std::shared_ptr<std::promise<void>> waiters_promise;
   {
-    MutexLock lock(&shard.mu);
+    base::MutexLock lock(&shard.mu);
     assert(rec->state == RecordState::kLoading && rec->leases == 0);
     waiters_promise = rec->done_promise;
     rec->state = RecordState::kResident;
@@ -715,7 +718,7 @@ void CacheCore::FailLoad(Shard& shard, const std::shared_ptr<Record>& rec,
   if (Observed() && loader_threw) message = DescribeException(error);
   std::shared_ptr<std::promise<void>> waiters_promise;
   {
-    MutexLock lock(&shard.mu);
+    base::MutexLock lock(&shard.mu);
     waiters_promise = rec->done_promise;
     auto it = shard.map.find(rec->key);
     assert(it != shard.map.end() && it->second.record == rec);
@@ -742,7 +745,7 @@ std::optional<Lease> CacheCore::Lookup(std::string_view key) {
   std::string storage;
   key = Canonical(key, &storage);
   Shard& shard = ShardFor(key);
-  MutexLock lock(&shard.mu);
+  base::MutexLock lock(&shard.mu);
   auto it = shard.map.find(key);
   if (it == shard.map.end() || !it->second.record ||
       it->second.record->state != RecordState::kResident) {
@@ -761,7 +764,7 @@ void CacheCore::ReleaseLease(Record* r) {
   std::shared_ptr<Record> to_free;
   bool now_evictable = false;
   {
-    MutexLock lock(&shard.mu);
+    base::MutexLock lock(&shard.mu);
     assert(r->leases > 0);
     if (--r->leases == 0) {
       if (r->retired) {
@@ -797,7 +800,7 @@ void CacheCore::FreeRetired(Shard& shard, const std::shared_ptr<Record>& rec) {
   std::shared_ptr<void> value;
   uint64_t bytes = 0;
   {
-    MutexLock lock(&shard.mu);
+    base::MutexLock lock(&shard.mu);
     if (error) {
       // Keep it counted; Prune() tries again.
       rec->state = RecordState::kResident;
@@ -835,7 +838,7 @@ std::exception_ptr CacheCore::UnloadResident(Shard& shard,
   uint64_t bytes = 0;
   double priority = 0;
   {
-    MutexLock lock(&shard.mu);
+    base::MutexLock lock(&shard.mu);
     assert(rec->state == RecordState::kUnloading && rec->leases == 0);
     if (error) {
       rec->state = RecordState::kResident;  // its order entry never moved
@@ -886,7 +889,7 @@ bool CacheCore::BestVictim(const std::unordered_set<uint64_t>& skip,
   bool found = false;
   for (size_t i = 0; i <= shard_mask_; ++i) {
     Shard& shard = shards_[i];
-    MutexLock lock(&shard.mu);
+    base::MutexLock lock(&shard.mu);
     for (auto it = shard.order.begin(); it != shard.order.end();) {
       Record* r = it->record;
       if (it->priority != r->priority || it->seq != r->seq) {
@@ -931,7 +934,7 @@ EvictOutcome CacheCore::EvictIfEvictable(const std::shared_ptr<Record>& rec,
                                          Clock::time_point idle_before) {
   Shard& shard = shards_[rec->shard];
   {
-    MutexLock lock(&shard.mu);
+    base::MutexLock lock(&shard.mu);
     if (!Evictable(*rec) || rec->last_use >= idle_before) {
       return EvictOutcome::kChanged;
     }
@@ -945,7 +948,7 @@ EvictOutcome CacheCore::EvictIfEvictable(const std::shared_ptr<Record>& rec,
 void CacheCore::DescribeHolders(std::vector<std::string>* out) {
   for (size_t i = 0; i <= shard_mask_; ++i) {
     Shard& shard = shards_[i];
-    MutexLock lock(&shard.mu);
+    base::MutexLock lock(&shard.mu);
     auto describe = [&](const Record& r) {
       std::string why;
       if (r.state == RecordState::kLoading) why = "loading";
@@ -972,7 +975,7 @@ uint64_t CacheCore::UnevictableBytes() {
   uint64_t bytes = 0;
   for (size_t i = 0; i <= shard_mask_; ++i) {
     Shard& shard = shards_[i];
-    MutexLock lock(&shard.mu);
+    base::MutexLock lock(&shard.mu);
     for (const auto& [key, slot] : shard.map) {
       if (slot.record && !Evictable(*slot.record)) bytes += slot.record->bytes;
     }
@@ -989,7 +992,7 @@ RemoveOutcome CacheCore::Remove(std::string_view key,
   std::shared_ptr<Record> rec;
   bool retired = false;
   {
-    MutexLock lock(&shard.mu);
+    base::MutexLock lock(&shard.mu);
     for (;;) {
       auto it = shard.map.find(key);
       if (it == shard.map.end() || !it->second.record) {
@@ -1041,7 +1044,7 @@ void CacheCore::SetPinned(std::string_view key, bool pinned) {
   Shard& shard = ShardFor(key);
   bool now_evictable = false;
   {
-    MutexLock lock(&shard.mu);
+    base::MutexLock lock(&shard.mu);
     auto it = shard.map.find(key);
     if (it == shard.map.end() || !it->second.record ||
         it->second.record->state != RecordState::kResident) {
@@ -1064,7 +1067,7 @@ void CacheCore::AddAlias(std::string_view alias, std::string_view canonical) {
     throw Error(ErrorCode::kInvalidArgument,
                 "alias '" + alias_key + "' names itself");
   }
-  MutexLock aliases(&alias_mu_);
+  base::MutexLock aliases(&alias_mu_);
   if (auto it = alias_target_.find(canonical_key); it != alias_target_.end()) {
     throw Error(ErrorCode::kInvalidArgument,
                 "cannot alias '" + alias_key + "' to '" + canonical_key +
@@ -1078,7 +1081,7 @@ void CacheCore::AddAlias(std::string_view alias, std::string_view canonical) {
   }
   {
     Shard& shard = ShardFor(alias);
-    MutexLock lock(&shard.mu);
+    base::MutexLock lock(&shard.mu);
     auto it = shard.map.find(alias);
     if (it != shard.map.end() && it->second.record) {
       throw Error(
@@ -1102,12 +1105,12 @@ void CacheCore::AddAlias(std::string_view alias, std::string_view canonical) {
 
 bool CacheCore::RemoveAlias(std::string_view alias) {
   const std::string alias_key(alias);
-  MutexLock aliases(&alias_mu_);
+  base::MutexLock aliases(&alias_mu_);
   auto target = alias_target_.find(alias_key);
   if (target == alias_target_.end()) return false;
   {
     Shard& shard = ShardFor(alias);
-    MutexLock lock(&shard.mu);
+    base::MutexLock lock(&shard.mu);
     auto it = shard.map.find(alias);
     assert(it != shard.map.end() && !it->second.record);
     shard.map.erase(it);
@@ -1131,7 +1134,7 @@ size_t CacheCore::EvictExpired() {
   std::vector<std::shared_ptr<Record>> expired;
   for (size_t i = 0; i <= shard_mask_; ++i) {
     Shard& shard = shards_[i];
-    MutexLock lock(&shard.mu);
+    base::MutexLock lock(&shard.mu);
     for (const auto& [key, slot] : shard.map) {
       if (slot.record && Evictable(*slot.record) &&
           slot.record->last_use < idle_before) {
@@ -1154,7 +1157,7 @@ size_t CacheCore::Prune() {
   std::vector<std::pair<Shard*, std::shared_ptr<Record>>> failed_retired;
   for (size_t i = 0; i <= shard_mask_; ++i) {
     Shard& shard = shards_[i];
-    MutexLock lock(&shard.mu);
+    base::MutexLock lock(&shard.mu);
     for (const auto& [key, slot] : shard.map) {
       if (slot.record && Evictable(*slot.record))
         victims.push_back(slot.record);
@@ -1183,7 +1186,7 @@ CacheStats CacheCore::Stats() {
   CacheStats stats;
   for (size_t i = 0; i <= shard_mask_; ++i) {
     Shard& shard = shards_[i];
-    MutexLock lock(&shard.mu);
+    base::MutexLock lock(&shard.mu);
     const ShardCounters c = shard.counters;
     stats.hits += shard.hits;
     stats.misses += c.misses;
@@ -1234,7 +1237,7 @@ std::vector<EntryInfo> CacheCore::Entries() {
   std::vector<EntryInfo> entries;
   for (size_t i = 0; i <= shard_mask_; ++i) {
     Shard& shard = shards_[i];
-    MutexLock lock(&shard.mu);
+    base::MutexLock lock(&shard.mu);
     for (const auto& [key, slot] : shard.map) {
       if (slot.record) entries.push_back(InfoOf(*slot.record));
     }
@@ -1251,7 +1254,7 @@ std::optional<EntryInfo> CacheCore::Entry(std::string_view key) {
   std::string storage;
   key = Canonical(key, &storage);
   Shard& shard = ShardFor(key);
-  MutexLock lock(&shard.mu);
+  base::MutexLock lock(&shard.mu);
   auto it = shard.map.find(key);
   if (it == shard.map.end() || !it->second.record) return std::nullopt;
   return InfoOf(*it->second.record);
@@ -1259,7 +1262,7 @@ std::optional<EntryInfo> CacheCore::Entry(std::string_view key) {
 
 uint64_t CacheCore::CheckInvariants() {
   uint64_t accounted = 0;
-  MutexLock aliases(&alias_mu_);  // I6: before any shard mutex
+  base::MutexLock aliases(&alias_mu_);  // I6: before any shard mutex
   size_t alias_slots = 0;
   for (const auto& [alias, target] : alias_target_) {
     MC_CHECK(!alias_target_.contains(target), "alias of an alias", alias);
@@ -1267,7 +1270,7 @@ uint64_t CacheCore::CheckInvariants() {
   }
   for (size_t i = 0; i <= shard_mask_; ++i) {
     Shard& shard = shards_[i];
-    MutexLock lock(&shard.mu);
+    base::MutexLock lock(&shard.mu);
     size_t ordered_records = 0;
     for (const auto& [key, slot] : shard.map) {
       if (!slot.record) {
@@ -1325,7 +1328,7 @@ void CacheCore::Shutdown() {
   std::vector<std::shared_ptr<Record>> records;
   for (size_t i = 0; i <= shard_mask_; ++i) {
     Shard& shard = shards_[i];
-    MutexLock lock(&shard.mu);
+    base::MutexLock lock(&shard.mu);
     // A peer cache sharing the budget may be evicting from this one: it
     // found its victim before Unregister above, and its unloader may still
     // be running. Let it finish; a victim it failed to unload is resident

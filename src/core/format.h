@@ -5,7 +5,7 @@
 #include <exception>
 #include <string>
 
-#include "modelcache/core/bytes.h"
+#include "modelcache/base/bytes.h"
 
 namespace modelcache::detail {
 

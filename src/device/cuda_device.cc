@@ -47,7 +47,7 @@
 #include <utility>
 #include <vector>
 
-#include "modelcache/core/thread_annotations.h"
+#include "modelcache/base/mutex.h"
 
 namespace modelcache::device {
 
@@ -111,7 +111,7 @@ class CudaDevice final : public Device {
       cudaStreamSynchronize(stream_);
       cudaStreamDestroy(stream_);
     }
-    MutexLock lock(&staging_mu_);
+    base::MutexLock lock(&staging_mu_);
     for (Slot& slot : slots_) {
       if (slot.event != nullptr) cudaEventDestroy(slot.event);
       if (slot.host != nullptr) cudaFreeHost(slot.host);
@@ -125,7 +125,7 @@ class CudaDevice final : public Device {
     Check(scope.error(), "cudaSetDevice", DeviceErrorCode::kUnavailable);
     Check(cudaStreamCreateWithFlags(&stream_, cudaStreamNonBlocking),
           "cudaStreamCreateWithFlags", DeviceErrorCode::kUnavailable);
-    MutexLock lock(&staging_mu_);
+    base::MutexLock lock(&staging_mu_);
     slots_.resize(static_cast<size_t>(slot_count_));
     for (Slot& slot : slots_) {
       Check(cudaHostAlloc(&slot.host, chunk_bytes_, cudaHostAllocPortable),
@@ -162,11 +162,11 @@ class CudaDevice final : public Device {
 
   void DoCopyToDevice(const DeviceBuffer& dst, uint64_t offset,
                       std::span<const std::byte> src)
-      EXCLUDES(staging_mu_) override {
+      MC_EXCLUDES(staging_mu_) override {
     DeviceScope scope(ordinal_);
     Check(scope.error(), "cudaSetDevice", DeviceErrorCode::kCopyFailed);
     auto* device = static_cast<std::byte*>(dst.data()) + offset;
-    MutexLock lock(&staging_mu_);
+    base::MutexLock lock(&staging_mu_);
     for (uint64_t done = 0; done < src.size();) {
       const uint64_t n = std::min<uint64_t>(chunk_bytes_, src.size() - done);
       Slot& slot = slots_[next_slot_];
@@ -184,11 +184,11 @@ class CudaDevice final : public Device {
   }
 
   void DoCopyToHost(std::span<std::byte> dst, const DeviceBuffer& src,
-                    uint64_t offset) EXCLUDES(staging_mu_) override {
+                    uint64_t offset) MC_EXCLUDES(staging_mu_) override {
     DeviceScope scope(ordinal_);
     Check(scope.error(), "cudaSetDevice", DeviceErrorCode::kCopyFailed);
     const auto* device = static_cast<const std::byte*>(src.data()) + offset;
-    MutexLock lock(&staging_mu_);
+    base::MutexLock lock(&staging_mu_);
     const uint64_t chunks = (dst.size() + chunk_bytes_ - 1) / chunk_bytes_;
     const size_t first_slot = next_slot_;
     uint64_t issued = 0;
@@ -242,9 +242,9 @@ class CudaDevice final : public Device {
   const int slot_count_;
   cudaStream_t stream_ = nullptr;  // set in Init, then read-only
 
-  Mutex staging_mu_;
-  std::vector<Slot> slots_ GUARDED_BY(staging_mu_);
-  size_t next_slot_ GUARDED_BY(staging_mu_) = 0;
+  base::Mutex staging_mu_;
+  std::vector<Slot> slots_ MC_GUARDED_BY(staging_mu_);
+  size_t next_slot_ MC_GUARDED_BY(staging_mu_) = 0;
 };
 
 void CheckOptions(const CudaDeviceOptions& options) {

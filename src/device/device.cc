@@ -75,11 +75,25 @@ const char* Describe(DeviceErrorCode code) {
 
 }  // namespace
 
+ErrorCode CoarseCode(DeviceErrorCode code) {
+  switch (code) {
+    case DeviceErrorCode::kOutOfMemory:
+      return ErrorCode::kCapacity;
+    case DeviceErrorCode::kCopyFailed:
+      return ErrorCode::kIo;
+    case DeviceErrorCode::kInvalidArgument:
+      return ErrorCode::kInvalidArgument;
+    case DeviceErrorCode::kUnavailable:
+      return ErrorCode::kUnavailable;
+  }
+  return ErrorCode::kIo;
+}
+
 DeviceError::DeviceError(DeviceErrorCode code, const std::string& device,
                          const std::string& message)
-    : std::runtime_error("device " + device + ": " + Describe(code) + ": " +
-                         message),
-      code_(code),
+    : Error(CoarseCode(code),
+            "device " + device + ": " + Describe(code) + ": " + message),
+      device_code_(code),
       device_(device) {}
 
 // ---- DeviceBuffer ----
@@ -126,19 +140,19 @@ Device::Device(std::string name, DeviceKind kind, uint64_t capacity_bytes)
       capacity_(capacity_bytes) {}
 
 Device::~Device() {
-  MutexLock lock(&mu_);
+  base::MutexLock lock(&mu_);
   assert(stats_.allocations == stats_.frees &&
          "a DeviceBuffer outlived its Device");
   assert(stats_.bytes_allocated == 0 && "an allocation outlived its Device");
 }
 
 uint64_t Device::bytes_allocated() const {
-  MutexLock lock(&mu_);
+  base::MutexLock lock(&mu_);
   return stats_.bytes_allocated;
 }
 
 DeviceStats Device::Stats() const {
-  MutexLock lock(&mu_);
+  base::MutexLock lock(&mu_);
   DeviceStats stats = stats_;
   stats.capacity_bytes = capacity_;
   return stats;
@@ -150,7 +164,7 @@ void Device::Fail(DeviceErrorCode code, const std::string& message) const {
 
 DeviceBuffer Device::Allocate(uint64_t bytes) {
   {
-    MutexLock lock(&mu_);
+    base::MutexLock lock(&mu_);
     assert(stats_.bytes_allocated <= capacity_);
     if (bytes > capacity_ - stats_.bytes_allocated) {
       ++stats_.failed_allocations;
@@ -165,13 +179,13 @@ DeviceBuffer Device::Allocate(uint64_t bytes) {
   try {
     data = DoAllocate(bytes);
   } catch (...) {
-    MutexLock lock(&mu_);
+    base::MutexLock lock(&mu_);
     stats_.bytes_allocated -= bytes;
     ++stats_.failed_allocations;
     throw;
   }
   {
-    MutexLock lock(&mu_);
+    base::MutexLock lock(&mu_);
     ++stats_.allocations;
     // Only now: a backend failure above must leave the high-water mark as
     // it was.
@@ -183,7 +197,7 @@ DeviceBuffer Device::Allocate(uint64_t bytes) {
 
 void Device::Free(void* data, uint64_t bytes) noexcept {
   DoFree(data, bytes);
-  MutexLock lock(&mu_);
+  base::MutexLock lock(&mu_);
   assert(stats_.bytes_allocated >= bytes);
   assert(stats_.allocations > stats_.frees);
   stats_.bytes_allocated -= bytes;
@@ -217,11 +231,11 @@ void Device::CopyToDevice(DeviceBuffer& dst, uint64_t offset,
   try {
     DoCopyToDevice(dst, offset, src);
   } catch (...) {
-    MutexLock lock(&mu_);
+    base::MutexLock lock(&mu_);
     ++stats_.failed_copies;
     throw;
   }
-  MutexLock lock(&mu_);
+  base::MutexLock lock(&mu_);
   ++stats_.copies_to_device;
   stats_.bytes_copied_to_device += src.size();
 }
@@ -233,18 +247,18 @@ void Device::CopyToHost(std::span<std::byte> dst, const DeviceBuffer& src,
   try {
     DoCopyToHost(dst, src, offset);
   } catch (...) {
-    MutexLock lock(&mu_);
+    base::MutexLock lock(&mu_);
     ++stats_.failed_copies;
     throw;
   }
-  MutexLock lock(&mu_);
+  base::MutexLock lock(&mu_);
   ++stats_.copies_to_host;
   stats_.bytes_copied_to_host += dst.size();
 }
 
 void Device::Synchronize() {
   DoSynchronize();
-  MutexLock lock(&mu_);
+  base::MutexLock lock(&mu_);
   ++stats_.synchronizations;
 }
 

@@ -86,17 +86,17 @@ double SimulatedDevice::simulated_seconds() const {
 }
 
 void SimulatedDevice::FailAllocation(uint64_t nth) {
-  MutexLock lock(&fault_mu_);
+  base::MutexLock lock(&fault_mu_);
   fail_allocation_in_ = nth;
 }
 
 void SimulatedDevice::FailAllocationsAbove(std::optional<uint64_t> bytes) {
-  MutexLock lock(&fault_mu_);
+  base::MutexLock lock(&fault_mu_);
   fail_allocations_above_ = bytes;
 }
 
 void SimulatedDevice::FailNextCopies(uint64_t count) {
-  MutexLock lock(&fault_mu_);
+  base::MutexLock lock(&fault_mu_);
   fail_next_copies_ = count;
 }
 
@@ -106,12 +106,12 @@ void SimulatedDevice::FailCopiesWhere(
       predicate ? std::make_shared<const std::function<bool(const CopyInfo&)>>(
                       std::move(predicate))
                 : nullptr;
-  MutexLock lock(&fault_mu_);
+  base::MutexLock lock(&fault_mu_);
   copy_predicate_ = std::move(shared);
 }
 
 void SimulatedDevice::ClearFaults() {
-  MutexLock lock(&fault_mu_);
+  base::MutexLock lock(&fault_mu_);
   fail_allocation_in_ = 0;
   fail_allocations_above_.reset();
   fail_next_copies_ = 0;
@@ -119,13 +119,13 @@ void SimulatedDevice::ClearFaults() {
 }
 
 uint64_t SimulatedDevice::injected_faults() const {
-  MutexLock lock(&fault_mu_);
+  base::MutexLock lock(&fault_mu_);
   return injected_faults_;
 }
 
 void* SimulatedDevice::DoAllocate(uint64_t bytes) {
   {
-    MutexLock lock(&fault_mu_);
+    base::MutexLock lock(&fault_mu_);
     if (fail_allocation_in_ > 0 && --fail_allocation_in_ == 0) {
       ++injected_faults_;
       Fail(DeviceErrorCode::kOutOfMemory,
@@ -161,7 +161,7 @@ void SimulatedDevice::DoFree(void* data, uint64_t /*bytes*/) noexcept {
 void SimulatedDevice::MaybeFailCopy(CopyInfo info) {
   std::shared_ptr<const std::function<bool(const CopyInfo&)>> predicate;
   {
-    MutexLock lock(&fault_mu_);
+    base::MutexLock lock(&fault_mu_);
     info.index = ++backend_copies_;
     if (fail_next_copies_ > 0) {
       --fail_next_copies_;
@@ -173,7 +173,7 @@ void SimulatedDevice::MaybeFailCopy(CopyInfo info) {
   }
   if (predicate != nullptr) {
     if (!(*predicate)(info)) return;
-    MutexLock lock(&fault_mu_);
+    base::MutexLock lock(&fault_mu_);
     ++injected_faults_;
   }
   Fail(DeviceErrorCode::kCopyFailed,

@@ -54,13 +54,13 @@ RecyclingHostBufferAllocator::RecyclingHostBufferAllocator(
 
 RecyclingHostBufferAllocator::~RecyclingHostBufferAllocator() {
   Trim();
-  MutexLock lock(&mu_);
+  base::MutexLock lock(&mu_);
   assert(outstanding_.empty());
 }
 
 void* RecyclingHostBufferAllocator::Allocate(uint64_t bytes, size_t alignment) {
   {
-    MutexLock lock(&mu_);
+    base::MutexLock lock(&mu_);
     // At most a quarter larger; saturating, since `bytes` is the caller's.
     const uint64_t quarter = bytes / 4;
     const uint64_t most =
@@ -85,7 +85,7 @@ void* RecyclingHostBufferAllocator::Allocate(uint64_t bytes, size_t alignment) {
     }
   }
   void* data = upstream_->Allocate(bytes, alignment);
-  MutexLock lock(&mu_);
+  base::MutexLock lock(&mu_);
   try {
     outstanding_.push_back(Buffer{data, bytes, alignment});
   } catch (...) {
@@ -101,7 +101,7 @@ void RecyclingHostBufferAllocator::Deallocate(void* data, uint64_t bytes,
   std::vector<Buffer> to_free;
   Buffer buffer{data, bytes, alignment};
   {
-    MutexLock lock(&mu_);
+    base::MutexLock lock(&mu_);
     auto it = std::find_if(outstanding_.begin(), outstanding_.end(),
                            [&](const Buffer& b) { return b.data == data; });
     assert(it != outstanding_.end());
@@ -142,7 +142,7 @@ void RecyclingHostBufferAllocator::Deallocate(void* data, uint64_t bytes,
 void RecyclingHostBufferAllocator::Trim() {
   std::vector<Buffer> to_free;
   {
-    MutexLock lock(&mu_);
+    base::MutexLock lock(&mu_);
     to_free.swap(retained_);
     retained_bytes_ = 0;
   }
@@ -152,7 +152,7 @@ void RecyclingHostBufferAllocator::Trim() {
 }
 
 RecyclingStats RecyclingHostBufferAllocator::Stats() const {
-  MutexLock lock(&mu_);
+  base::MutexLock lock(&mu_);
   RecyclingStats stats;
   stats.reused = reused_;
   stats.allocated = allocated_;

@@ -88,7 +88,7 @@ const WeightSet& HostWeightHolder::Acquire(const std::string& path,
                                            const AcquireOptions& options) {
   HostWeights reference = store_.Acquire(path, options);
   const WeightSet& weights = reference.weights();
-  MutexLock lock(&mu_);
+  base::MutexLock lock(&mu_);
   held_.push_back(std::move(reference));
   return weights;
 }
@@ -96,7 +96,7 @@ const WeightSet& HostWeightHolder::Acquire(const std::string& path,
 bool HostWeightHolder::Release(const WeightSet& weights) {
   HostWeights reference;
   {
-    MutexLock lock(&mu_);
+    base::MutexLock lock(&mu_);
     for (auto it = held_.begin(); it != held_.end(); ++it) {
       if (&it->weights() == &weights) {
         reference = std::move(*it);
@@ -113,14 +113,14 @@ bool HostWeightHolder::Release(const WeightSet& weights) {
 void HostWeightHolder::ReleaseAll() {
   std::vector<HostWeights> all;
   {
-    MutexLock lock(&mu_);
+    base::MutexLock lock(&mu_);
     all.swap(held_);
   }
   all.clear();  // outside the lock
 }
 
 size_t HostWeightHolder::held() const {
-  MutexLock lock(&mu_);
+  base::MutexLock lock(&mu_);
   return held_.size();
 }
 

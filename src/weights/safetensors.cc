@@ -36,15 +36,16 @@ using detail::Quoted;
 
 // ---- errors ----
 
-WeightsError::WeightsError(const std::string& path, const std::string& problem)
-    : std::runtime_error(Printable(path, 4096) + ": " +
-                         Printable(problem, 1024)),
+WeightsError::WeightsError(ErrorCode code, const std::string& path,
+                           const std::string& problem)
+    : Error(code, Printable(path, 4096) + ": " + Printable(problem, 1024)),
       path_(path),
       problem_(problem) {}
 
 IoError::IoError(const std::string& path, const std::string& problem,
                  int error_number)
-    : WeightsError(path, problem), error_number_(error_number) {}
+    : WeightsError(ErrorCode::kIo, path, problem),
+      error_number_(error_number) {}
 
 // ---- dtypes ----
 

@@ -40,7 +40,7 @@ uint64_t PatternWord(uint64_t seed, uint64_t word) {
   return SplitMix64(SplitMix64(seed) ^ word);
 }
 
-// dtype size x product(shape), or throws std::invalid_argument. Applies the
+// dtype size x product(shape), or throws Error kInvalidArgument. Applies the
 // reader's rule: the product of the nonzero dimensions times the dtype size
 // must fit in 64 bits even when a zero dimension makes the tensor empty.
 uint64_t ByteSize(const std::string& name, Dtype dtype,
@@ -51,8 +51,9 @@ uint64_t ByteSize(const std::string& name, Dtype dtype,
     if (d == 0) {
       has_zero = true;
     } else if (__builtin_mul_overflow(n, d, &n)) {
-      throw std::invalid_argument("SafetensorsWriter: tensor '" + name +
-                                  "' is more than 2^64 bytes");
+      throw Error(
+          ErrorCode::kInvalidArgument,
+          "SafetensorsWriter: tensor '" + name + "' is more than 2^64 bytes");
     }
   }
   return has_zero ? 0 : n;
@@ -96,17 +97,18 @@ SafetensorsWriter& SafetensorsWriter::AddTensor(const std::string& name,
                                                 std::vector<uint64_t> shape,
                                                 FillFn fill) {
   if (name == "__metadata__") {
-    throw std::invalid_argument("SafetensorsWriter: invalid tensor name '" +
-                                name + "'");
+    throw Error(ErrorCode::kInvalidArgument,
+                "SafetensorsWriter: invalid tensor name '" + name + "'");
   }
   if (!fill) {
-    throw std::invalid_argument("SafetensorsWriter: tensor '" + name +
-                                "' has no fill function");
+    throw Error(
+        ErrorCode::kInvalidArgument,
+        "SafetensorsWriter: tensor '" + name + "' has no fill function");
   }
   const uint64_t bytes = ByteSize(name, dtype, shape);
   if (!names_.insert(name).second) {
-    throw std::invalid_argument("SafetensorsWriter: duplicate tensor '" + name +
-                                "'");
+    throw Error(ErrorCode::kInvalidArgument,
+                "SafetensorsWriter: duplicate tensor '" + name + "'");
   }
   entries_.push_back(
       Entry{name, dtype, std::move(shape), bytes, std::move(fill)});
@@ -118,9 +120,10 @@ SafetensorsWriter& SafetensorsWriter::AddTensor(
     std::span<const std::byte> bytes) {
   const uint64_t expected = ByteSize(name, dtype, shape);
   if (bytes.size() != expected) {
-    throw std::invalid_argument("SafetensorsWriter: tensor '" + name +
-                                "' needs " + std::to_string(expected) +
-                                " bytes, got " + std::to_string(bytes.size()));
+    throw Error(ErrorCode::kInvalidArgument,
+                "SafetensorsWriter: tensor '" + name + "' needs " +
+                    std::to_string(expected) + " bytes, got " +
+                    std::to_string(bytes.size()));
   }
   return AddTensor(name, dtype, std::move(shape),
                    [bytes](uint64_t offset, std::span<std::byte> out) {

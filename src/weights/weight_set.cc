@@ -33,8 +33,8 @@
 #include <utility>
 #include <vector>
 
-#include "modelcache/core/errors.h"
-#include "modelcache/core/thread_annotations.h"
+#include "modelcache/base/errors.h"
+#include "modelcache/base/mutex.h"
 #include "util.h"
 
 namespace modelcache::weights {
@@ -96,18 +96,21 @@ namespace {
 void CheckOptions(const LoadOptions& options) {
   if (options.mode == LoadMode::kPread) {
     if (options.threads < 1) {
-      throw std::invalid_argument("LoadOptions::threads must be >= 1, got " +
-                                  std::to_string(options.threads));
+      throw Error(ErrorCode::kInvalidArgument,
+                  "LoadOptions::threads must be >= 1, got " +
+                      std::to_string(options.threads));
     }
     if (options.chunk_bytes < 1) {
-      throw std::invalid_argument("LoadOptions::chunk_bytes must be >= 1");
+      throw Error(ErrorCode::kInvalidArgument,
+                  "LoadOptions::chunk_bytes must be >= 1");
     }
     const size_t a = options.buffer_alignment;
     if (a != 0 && (a < sizeof(void*) || (a & (a - 1)) != 0)) {
-      throw std::invalid_argument(
+      throw Error(
+          ErrorCode::kInvalidArgument,
           "LoadOptions::buffer_alignment must be 0 or a power of two >= 8, "
           "got " +
-          std::to_string(a));
+              std::to_string(a));
     }
   }
 }
@@ -141,18 +144,18 @@ void CheckSizeUnchanged(int fd, uint64_t expected, const std::string& path) {
 // The first of the exceptions several threads may raise.
 class FirstError {
  public:
-  void Offer(std::exception_ptr error) EXCLUDES(mu_) {
-    MutexLock lock(&mu_);
+  void Offer(std::exception_ptr error) MC_EXCLUDES(mu_) {
+    base::MutexLock lock(&mu_);
     if (!error_) error_ = std::move(error);
   }
-  void RethrowIfAny() EXCLUDES(mu_) {
-    MutexLock lock(&mu_);
+  void RethrowIfAny() MC_EXCLUDES(mu_) {
+    base::MutexLock lock(&mu_);
     if (error_) std::rethrow_exception(error_);
   }
 
  private:
-  Mutex mu_;
-  std::exception_ptr error_ GUARDED_BY(mu_);
+  base::Mutex mu_;
+  std::exception_ptr error_ MC_GUARDED_BY(mu_);
 };
 
 // Reads `length` bytes at file offset `offset` into `dst` with up to `threads`

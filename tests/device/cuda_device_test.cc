@@ -85,7 +85,7 @@ TEST_F(CudaDeviceTest, EnumeratesEveryGpu) {
     MakeCudaDevice(CudaDeviceCount());
     FAIL() << "a GPU past the last one was made";
   } catch (const DeviceError& e) {
-    EXPECT_EQ(e.code(), DeviceErrorCode::kUnavailable);
+    EXPECT_EQ(e.device_code(), DeviceErrorCode::kUnavailable);
     EXPECT_THAT(e.what(), HasSubstr("no such GPU"));
   }
 }
@@ -162,7 +162,7 @@ TEST_F(CudaDeviceTest, AbsurdSizeBeyondCapacityIsOutOfMemory) {
     gpu->Allocate(uint64_t{1} << 50);  // 1 PiB
     FAIL() << "1 PiB allocated";
   } catch (const DeviceError& e) {
-    EXPECT_EQ(e.code(), DeviceErrorCode::kOutOfMemory);
+    EXPECT_EQ(e.device_code(), DeviceErrorCode::kOutOfMemory);
     EXPECT_THAT(e.what(), HasSubstr("device cuda:0: out of memory"));
   }
   EXPECT_EQ(gpu->Stats().bytes_allocated, before.bytes_allocated);
@@ -177,7 +177,7 @@ TEST_F(CudaDeviceTest, CudaMallocFailureIsOutOfMemoryAndNotSticky) {
     gpu->Allocate(uint64_t{1} << 50);
     FAIL() << "cudaMalloc of 1 PiB succeeded";
   } catch (const DeviceError& e) {
-    EXPECT_EQ(e.code(), DeviceErrorCode::kOutOfMemory);
+    EXPECT_EQ(e.device_code(), DeviceErrorCode::kOutOfMemory);
     EXPECT_THAT(e.what(), HasSubstr("cudaMalloc"));
   }
   DeviceStats stats = gpu->Stats();

@@ -53,7 +53,7 @@ DeviceErrorCode CodeOf(const std::function<void()>& call) {
   try {
     call();
   } catch (const DeviceError& e) {
-    return e.code();
+    return e.device_code();
   }
   ADD_FAILURE() << "no DeviceError thrown";
   return DeviceErrorCode::kUnavailable;
@@ -190,7 +190,7 @@ TEST_P(DeviceContractTest, RefusalBeyondCapacityLeavesBooksUnchanged) {
     device->Allocate(4 * kMiB + 1);
     FAIL() << "allocation beyond capacity succeeded";
   } catch (const DeviceError& e) {
-    EXPECT_EQ(e.code(), DeviceErrorCode::kOutOfMemory);
+    EXPECT_EQ(e.device_code(), DeviceErrorCode::kOutOfMemory);
     EXPECT_EQ(e.device(), device->name());
     EXPECT_THAT(e.what(), HasSubstr("device " + device->name() + ": "));
     EXPECT_THAT(e.what(), HasSubstr("out of memory"));
@@ -245,7 +245,7 @@ TEST_P(DeviceContractTest, InvalidCopiesAreRejectedAndChangeNothing) {
     device->CopyToDevice(foreign, 0, src);
     FAIL() << "copy into another device's buffer succeeded";
   } catch (const DeviceError& e) {
-    EXPECT_EQ(e.code(), DeviceErrorCode::kInvalidArgument);
+    EXPECT_EQ(e.device_code(), DeviceErrorCode::kInvalidArgument);
     EXPECT_THAT(e.what(), HasSubstr("a buffer of device"));
   }
 
@@ -334,7 +334,7 @@ TEST_P(DeviceContractTest, ConcurrentAllocationsNeverExceedCapacity) {
         try {
           held.push_back(device->Allocate(size));
         } catch (const DeviceError& e) {
-          EXPECT_EQ(e.code(), DeviceErrorCode::kOutOfMemory);
+          EXPECT_EQ(e.device_code(), DeviceErrorCode::kOutOfMemory);
           refused.fetch_add(1);
           if (!held.empty()) held.erase(held.begin());  // make room
         }

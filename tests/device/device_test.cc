@@ -83,7 +83,7 @@ TEST(HostDeviceTest, BadOptionsAreInvalidArguments) {
     HostDevice host(HostDeviceOptions{.alignment = 48});
     FAIL() << "alignment 48 accepted";
   } catch (const DeviceError& e) {
-    EXPECT_EQ(e.code(), DeviceErrorCode::kInvalidArgument);
+    EXPECT_EQ(e.device_code(), DeviceErrorCode::kInvalidArgument);
     EXPECT_THAT(e.what(), HasSubstr("device host: invalid argument: "
                                     "alignment 48 is not a power of two"));
   }
@@ -93,8 +93,17 @@ TEST(HostDeviceTest, BadOptionsAreInvalidArguments) {
 TEST(DeviceErrorTest, MessageNamesDeviceAndKind) {
   DeviceError error(DeviceErrorCode::kCopyFailed, "cuda:1", "it broke");
   EXPECT_STREQ(error.what(), "device cuda:1: copy failed: it broke");
-  EXPECT_EQ(error.code(), DeviceErrorCode::kCopyFailed);
+  EXPECT_EQ(error.device_code(), DeviceErrorCode::kCopyFailed);
   EXPECT_EQ(error.device(), "cuda:1");
+  // One root: a DeviceError is a modelcache::Error with the coarse kind.
+  const Error& root = error;
+  EXPECT_EQ(root.code(), ErrorCode::kIo);
+  EXPECT_EQ(DeviceError(DeviceErrorCode::kOutOfMemory, "d", "m").code(),
+            ErrorCode::kCapacity);
+  EXPECT_EQ(DeviceError(DeviceErrorCode::kUnavailable, "d", "m").code(),
+            ErrorCode::kUnavailable);
+  EXPECT_EQ(DeviceError(DeviceErrorCode::kInvalidArgument, "d", "m").code(),
+            ErrorCode::kInvalidArgument);
 }
 
 TEST(DeviceErrorTest, CodeAndKindNames) {
@@ -146,7 +155,7 @@ TEST(CudaEntryPointsTest, AgreeWithEachOtherAndNeverCrash) {
     MakeCudaDevice(0);
     FAIL() << "MakeCudaDevice succeeded without CUDA";
   } catch (const DeviceError& e) {
-    EXPECT_EQ(e.code(), DeviceErrorCode::kUnavailable);
+    EXPECT_EQ(e.device_code(), DeviceErrorCode::kUnavailable);
     EXPECT_EQ(e.device(), "cuda:0");
     EXPECT_THAT(e.what(), HasSubstr(reason));
   }

@@ -118,7 +118,7 @@ TEST(SimulatedDeviceTest, BadOptionsAreInvalidArguments) {
     try {
       SimulatedDevice sim(options);
     } catch (const DeviceError& e) {
-      return e.code();
+      return e.device_code();
     }
     return DeviceErrorCode::kUnavailable;  // not thrown
   };
@@ -148,7 +148,7 @@ TEST(SimulatedDeviceFaultTest, NthAllocationFailsOnceWithBooksUnchanged) {
     sim.Allocate(1 * kMiB);
     FAIL() << "third allocation succeeded";
   } catch (const DeviceError& e) {
-    EXPECT_EQ(e.code(), DeviceErrorCode::kOutOfMemory);
+    EXPECT_EQ(e.device_code(), DeviceErrorCode::kOutOfMemory);
     EXPECT_STREQ(e.what(),
                  "device sim0: out of memory: cannot allocate 1.00 MiB: "
                  "injected fault (FailAllocation)");
@@ -188,7 +188,7 @@ TEST(SimulatedDeviceFaultTest, AllocationsAboveASizeFailUntilCleared) {
       sim.Allocate(1 * kMiB + 1);
       FAIL() << "allocation above the limit succeeded";
     } catch (const DeviceError& e) {
-      EXPECT_EQ(e.code(), DeviceErrorCode::kOutOfMemory);
+      EXPECT_EQ(e.device_code(), DeviceErrorCode::kOutOfMemory);
       EXPECT_THAT(e.what(),
                   HasSubstr("injected fault (FailAllocationsAbove 1.00 MiB)"));
     }
@@ -213,7 +213,7 @@ TEST(SimulatedDeviceFaultTest, NextCopiesFailAndLeaveDestinationUntouched) {
     sim.CopyToDevice(buffer, 4 * kKiB, Filled(8 * kKiB, 0xCD));
     FAIL() << "copy succeeded";
   } catch (const DeviceError& e) {
-    EXPECT_EQ(e.code(), DeviceErrorCode::kCopyFailed);
+    EXPECT_EQ(e.device_code(), DeviceErrorCode::kCopyFailed);
     EXPECT_STREQ(e.what(),
                  "device sim0: copy failed: copy of 8.00 KiB at offset 4096: "
                  "injected fault (FailNextCopies)");
@@ -223,7 +223,7 @@ TEST(SimulatedDeviceFaultTest, NextCopiesFailAndLeaveDestinationUntouched) {
     sim.CopyToHost(back, buffer, 0);
     FAIL() << "copy back succeeded";
   } catch (const DeviceError& e) {
-    EXPECT_EQ(e.code(), DeviceErrorCode::kCopyFailed);
+    EXPECT_EQ(e.device_code(), DeviceErrorCode::kCopyFailed);
     EXPECT_THAT(e.what(), HasSubstr("copy back of 64.00 KiB at offset 0"));
   }
   EXPECT_EQ(back, Filled(64 * kKiB, 0)) << "a failed copy wrote to the host";
@@ -251,7 +251,7 @@ TEST(SimulatedDeviceFaultTest, PredicatePicksWhichCopiesFail) {
     sim.CopyToHost(back, buffer, kKiB);
     FAIL();
   } catch (const DeviceError& e) {
-    EXPECT_EQ(e.code(), DeviceErrorCode::kCopyFailed);
+    EXPECT_EQ(e.device_code(), DeviceErrorCode::kCopyFailed);
     EXPECT_THAT(e.what(), HasSubstr("injected fault (FailCopiesWhere)"));
   }
   ASSERT_EQ(seen.size(), 3u);
@@ -293,13 +293,13 @@ TEST(SimulatedDeviceFaultTest,
         try {
           sim.CopyToDevice(buffer, id * kKiB, data);
         } catch (const DeviceError& e) {
-          EXPECT_EQ(e.code(), DeviceErrorCode::kCopyFailed);
+          EXPECT_EQ(e.device_code(), DeviceErrorCode::kCopyFailed);
           copy_failures.fetch_add(1);
         }
         try {
           DeviceBuffer scratch = sim.Allocate(kKiB);
         } catch (const DeviceError& e) {
-          EXPECT_EQ(e.code(), DeviceErrorCode::kOutOfMemory);
+          EXPECT_EQ(e.device_code(), DeviceErrorCode::kOutOfMemory);
           allocation_failures.fetch_add(1);
         }
       }

@@ -22,7 +22,7 @@
 #include <vector>
 
 #include "../test_util.h"
-#include "modelcache/core/errors.h"
+#include "modelcache/base/errors.h"
 #include "modelcache/weights/host_store.h"
 #include "modelcache/weights/safetensors_writer.h"
 #include "modelcache/weights/weight_set.h"

@@ -25,7 +25,7 @@
 #include <thread>
 #include <vector>
 
-#include "modelcache/core/errors.h"
+#include "modelcache/base/errors.h"
 #include "modelcache/weights/safetensors.h"
 #include "modelcache/weights/safetensors_writer.h"
 
@@ -162,22 +162,20 @@ TEST_F(WeightSetTest, WriterCopiesSpansAndRejectsBadTensors) {
   const std::vector<std::byte> bytes = Pattern(9, 24);
   SafetensorsWriter w;
   w.AddTensor("t", Dtype::kF32, {2, 3}, std::span<const std::byte>(bytes));
-  EXPECT_THROW(w.AddTensor("t", Dtype::kU8, {1}, PatternFill(0)),
-               std::invalid_argument);
+  EXPECT_THROW(w.AddTensor("t", Dtype::kU8, {1}, PatternFill(0)), Error);
   EXPECT_THROW(w.AddTensor("__metadata__", Dtype::kU8, {1}, PatternFill(0)),
-               std::invalid_argument);
-  EXPECT_THROW(w.AddTensor("n", Dtype::kU8, {1}, FillFn()),
-               std::invalid_argument);
+               Error);
+  EXPECT_THROW(w.AddTensor("n", Dtype::kU8, {1}, FillFn()), Error);
   EXPECT_THROW(
       w.AddTensor("s", Dtype::kF32, {2, 2}, std::span<const std::byte>(bytes)),
-      std::invalid_argument);
+      Error);
   EXPECT_THROW(
       w.AddTensor("big", Dtype::kF64, {uint64_t{1} << 62}, PatternFill(0)),
-      std::invalid_argument);
+      Error);
   EXPECT_THROW(
       w.AddTensor("big0", Dtype::kU8, {0, uint64_t{1} << 32, uint64_t{1} << 32},
                   PatternFill(0)),
-      std::invalid_argument);
+      Error);
 
   const std::string path = PathFor("span.safetensors");
   w.Write(path, /*buffer_bytes=*/5);
@@ -453,15 +451,15 @@ TEST_F(WeightSetTest, BadOptionsAreRejected) {
   LoadOptions options;
   options.mode = LoadMode::kPread;
   options.threads = 0;
-  EXPECT_THROW(WeightSet::Open(path, options), std::invalid_argument);
+  EXPECT_THROW(WeightSet::Open(path, options), Error);
   options.threads = 1;
   options.chunk_bytes = 0;
-  EXPECT_THROW(WeightSet::Open(path, options), std::invalid_argument);
+  EXPECT_THROW(WeightSet::Open(path, options), Error);
   options.chunk_bytes = 1;
   options.buffer_alignment = 3;
-  EXPECT_THROW(WeightSet::Open(path, options), std::invalid_argument);
+  EXPECT_THROW(WeightSet::Open(path, options), Error);
   options.buffer_alignment = 4;
-  EXPECT_THROW(WeightSet::Open(path, options), std::invalid_argument);
+  EXPECT_THROW(WeightSet::Open(path, options), Error);
 }
 
 TEST_F(WeightSetTest, UnknownTensorNameIsNotFound) {

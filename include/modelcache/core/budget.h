@@ -19,8 +19,8 @@
 #include <unordered_set>
 #include <vector>
 
+#include "modelcache/base/mutex.h"
 #include "modelcache/core/policy.h"
-#include "modelcache/core/thread_annotations.h"
 
 namespace modelcache {
 
@@ -66,23 +66,23 @@ class BudgetMember {
 class Budget {
  public:
   explicit Budget(uint64_t capacity_bytes, std::string name = "budget");
-  ~Budget();  // REQUIRES: no member is registered
+  ~Budget();  // MC_REQUIRES: no member is registered
   Budget(const Budget&) = delete;
   Budget& operator=(const Budget&) = delete;
 
   const std::string& name() const { return name_; }
-  uint64_t capacity() const EXCLUDES(mu_);
+  uint64_t capacity() const MC_EXCLUDES(mu_);
   // Bytes held: resident and retired records plus outstanding reservations.
-  uint64_t used() const EXCLUDES(mu_);
+  uint64_t used() const MC_EXCLUDES(mu_);
   // The largest `used` ever seen.
-  uint64_t high_water() const EXCLUDES(mu_);
+  uint64_t high_water() const MC_EXCLUDES(mu_);
   // Reservations currently looking for room (evicting or waiting).
   int waiters() const { return waiters_.load(); }
 
   // How many bytes a reservation could get now by evicting every unleased,
   // unpinned record: capacity minus what nothing can evict. A snapshot; for
   // deciding how much of a model to place (partial placement).
-  uint64_t ObtainableBytes() EXCLUDES(mu_);
+  uint64_t ObtainableBytes() MC_EXCLUDES(mu_);
 
   // Changes the capacity. When it shrinks, evicts unleased, unpinned records
   // of every member until used <= capacity or nothing more is evictable;
@@ -90,7 +90,7 @@ class Budget {
   // While usage stays over capacity, each record that becomes evictable (its
   // last lease ends, or it is unpinned) triggers the same eviction, on the
   // thread that released it, until usage is back within capacity.
-  uint64_t SetCapacity(uint64_t capacity_bytes) EXCLUDES(mu_);
+  uint64_t SetCapacity(uint64_t capacity_bytes) MC_EXCLUDES(mu_);
 
   PolicyClock& policy_clock() { return clock_; }
 
@@ -102,44 +102,45 @@ class Budget {
   // + bytes > capacity (before evicting anything), kCapacity when nothing is
   // evictable and `when_full` is kFail, kTimeout at the deadline. Exact for
   // every byte count: sums that would pass 2^64 are too large, never wrapped.
-  // REQUIRES: the caller holds no lock of any member.
+  // MC_REQUIRES: the caller holds no lock of any member.
   void Reserve(uint64_t bytes, WhenFull when_full,
                std::chrono::steady_clock::time_point deadline,
-               uint64_t already_reserved = 0) EXCLUDES(mu_);
-  // REQUIRES: bytes <= used().
-  void Release(uint64_t bytes) EXCLUDES(mu_);
+               uint64_t already_reserved = 0) MC_EXCLUDES(mu_);
+  // MC_REQUIRES: bytes <= used().
+  void Release(uint64_t bytes) MC_EXCLUDES(mu_);
   // A record just became evictable (its last lease ended or it was
   // unpinned): wakes acquires waiting for capacity, and evicts while usage
   // is over capacity (see SetCapacity). Cheap when neither applies.
-  // REQUIRES: the caller holds no lock of any member.
-  void NotifyEvictable() EXCLUDES(mu_);
+  // MC_REQUIRES: the caller holds no lock of any member.
+  void NotifyEvictable() MC_EXCLUDES(mu_);
 
-  void Register(std::weak_ptr<detail::BudgetMember> member) EXCLUDES(mu_);
-  void Unregister(const detail::BudgetMember* member) EXCLUDES(mu_);
+  void Register(std::weak_ptr<detail::BudgetMember> member) MC_EXCLUDES(mu_);
+  void Unregister(const detail::BudgetMember* member) MC_EXCLUDES(mu_);
 
  private:
   // Evicts one victim among all members. Returns false when none exists.
-  bool EvictOne(std::unordered_set<uint64_t>* skip) EXCLUDES(mu_);
+  bool EvictOne(std::unordered_set<uint64_t>* skip) MC_EXCLUDES(mu_);
   // Evicts until used <= capacity or nothing is evictable; returns the bytes
   // still over capacity.
-  uint64_t EvictToCapacity() EXCLUDES(mu_);
-  std::vector<std::shared_ptr<detail::BudgetMember>> Members() EXCLUDES(mu_);
-  std::string HoldersMessage() EXCLUDES(mu_);
+  uint64_t EvictToCapacity() MC_EXCLUDES(mu_);
+  std::vector<std::shared_ptr<detail::BudgetMember>> Members() MC_EXCLUDES(mu_);
+  std::string HoldersMessage() MC_EXCLUDES(mu_);
 
   const std::string name_;
   PolicyClock clock_;
 
-  mutable Mutex mu_;
-  CondVar changed_;  // signalled when bytes are released or become evictable
-  uint64_t capacity_ GUARDED_BY(mu_);
-  uint64_t used_ GUARDED_BY(mu_) = 0;
-  uint64_t high_water_ GUARDED_BY(mu_) = 0;
-  uint64_t change_count_ GUARDED_BY(mu_) = 0;
+  mutable base::Mutex mu_;
+  base::CondVar
+      changed_;  // signalled when bytes are released or become evictable
+  uint64_t capacity_ MC_GUARDED_BY(mu_);
+  uint64_t used_ MC_GUARDED_BY(mu_) = 0;
+  uint64_t high_water_ MC_GUARDED_BY(mu_) = 0;
+  uint64_t change_count_ MC_GUARDED_BY(mu_) = 0;
   struct MemberSlot {
     const detail::BudgetMember* id;
     std::weak_ptr<detail::BudgetMember> member;
   };
-  std::vector<MemberSlot> members_ GUARDED_BY(mu_);
+  std::vector<MemberSlot> members_ MC_GUARDED_BY(mu_);
   // Read without the lock by NotifyEvictable; written under it.
   std::atomic<int> waiters_{0};
   // used_ > capacity_ after a shrink. Read without the lock by

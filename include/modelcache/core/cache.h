@@ -52,8 +52,8 @@
 #include <string_view>
 #include <vector>
 
+#include "modelcache/base/errors.h"
 #include "modelcache/core/budget.h"
-#include "modelcache/core/errors.h"
 #include "modelcache/core/policy.h"
 
 namespace modelcache {

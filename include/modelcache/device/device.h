@@ -41,8 +41,9 @@
 #include <stdexcept>
 #include <string>
 
-#include "modelcache/core/bytes.h"
-#include "modelcache/core/thread_annotations.h"
+#include "modelcache/base/bytes.h"
+#include "modelcache/base/errors.h"
+#include "modelcache/base/mutex.h"
 
 namespace modelcache::device {
 
@@ -65,18 +66,21 @@ enum class DeviceErrorCode {
 // "out_of_memory", "copy_failed", "invalid_argument", "unavailable".
 const char* DeviceErrorCodeName(DeviceErrorCode code);
 
-// Every failure of a Device. what() reads
+// Every failure of a Device: a modelcache::Error whose code() is the coarse
+// kind (kCapacity for out of memory, kIo for a failed copy,
+// kInvalidArgument, kUnavailable) and whose device_code() is the device's
+// own. what() reads
 //   "device sim0: out of memory: cannot allocate 2.00 GiB: 1.50 GiB of
 //    2.00 GiB allocated"
-class DeviceError : public std::runtime_error {
+class DeviceError : public Error {
  public:
   DeviceError(DeviceErrorCode code, const std::string& device,
               const std::string& message);
-  DeviceErrorCode code() const { return code_; }
+  DeviceErrorCode device_code() const { return device_code_; }
   const std::string& device() const { return device_; }
 
  private:
-  DeviceErrorCode code_;
+  DeviceErrorCode device_code_;
   std::string device_;
 };
 
@@ -87,7 +91,7 @@ class Device;
 // A block of a Device's memory. Move-only; frees the memory exactly once:
 // when destroyed, when Reset(), or when assigned over. A moved-from or
 // default-constructed buffer is empty and frees nothing.
-// REQUIRES: the device outlives its buffers.
+// MC_REQUIRES: the device outlives its buffers.
 class DeviceBuffer {
  public:
   DeviceBuffer() = default;
@@ -144,7 +148,7 @@ struct DeviceStats {
 
 class Device {
  public:
-  // REQUIRES: every buffer of this device has been freed. (Checked by an
+  // MC_REQUIRES: every buffer of this device has been freed. (Checked by an
   // assert in debug builds.)
   virtual ~Device();
   Device(const Device&) = delete;
@@ -154,14 +158,14 @@ class Device {
   const std::string& name() const { return name_; }
   DeviceKind kind() const { return kind_; }
   uint64_t capacity_bytes() const { return capacity_; }
-  uint64_t bytes_allocated() const EXCLUDES(mu_);
-  virtual DeviceStats Stats() const EXCLUDES(mu_);
+  uint64_t bytes_allocated() const MC_EXCLUDES(mu_);
+  virtual DeviceStats Stats() const MC_EXCLUDES(mu_);
 
   // Allocates `bytes` (zero is allowed and yields a non-empty buffer of size
   // zero). Contents are unspecified. Throws DeviceError kOutOfMemory when
   // bytes_allocated() + bytes would exceed capacity_bytes() or the backend
   // cannot allocate; the books are then unchanged.
-  DeviceBuffer Allocate(uint64_t bytes) EXCLUDES(mu_);
+  DeviceBuffer Allocate(uint64_t bytes) MC_EXCLUDES(mu_);
 
   // Copies `src` into `dst` at byte `offset`. The source may be reused once
   // this returns; the bytes are on the device once Synchronize() returns.
@@ -169,16 +173,16 @@ class Device {
   // and offset + src.size() <= dst.size(); kCopyFailed if the backend fails.
   // A zero-byte copy does nothing.
   void CopyToDevice(DeviceBuffer& dst, uint64_t offset,
-                    std::span<const std::byte> src) EXCLUDES(mu_);
+                    std::span<const std::byte> src) MC_EXCLUDES(mu_);
 
   // Copies dst.size() bytes of `src` from byte `offset` into `dst`; returns
   // once `dst` holds them. Throws like CopyToDevice.
   void CopyToHost(std::span<std::byte> dst, const DeviceBuffer& src,
-                  uint64_t offset) EXCLUDES(mu_);
+                  uint64_t offset) MC_EXCLUDES(mu_);
 
   // Waits for every copy issued before it. Throws kCopyFailed if one of them
   // failed after it was issued (the CUDA backend reports such errors here).
-  void Synchronize() EXCLUDES(mu_);
+  void Synchronize() MC_EXCLUDES(mu_);
 
  protected:
   // Throws DeviceError kInvalidArgument if `name` is empty.
@@ -192,10 +196,10 @@ class Device {
   virtual void* DoAllocate(uint64_t bytes) = 0;
   // Frees what DoAllocate returned. Must not throw.
   virtual void DoFree(void* data, uint64_t bytes) noexcept = 0;
-  // REQUIRES: offset + src.size() <= dst.size(), src is not empty.
+  // MC_REQUIRES: offset + src.size() <= dst.size(), src is not empty.
   virtual void DoCopyToDevice(const DeviceBuffer& dst, uint64_t offset,
                               std::span<const std::byte> src) = 0;
-  // REQUIRES: offset + dst.size() <= src.size(), dst is not empty.
+  // MC_REQUIRES: offset + dst.size() <= src.size(), dst is not empty.
   virtual void DoCopyToHost(std::span<std::byte> dst, const DeviceBuffer& src,
                             uint64_t offset) = 0;
   virtual void DoSynchronize() = 0;
@@ -207,7 +211,7 @@ class Device {
  private:
   friend class DeviceBuffer;
   // Called by DeviceBuffer::Reset, exactly once per successful Allocate.
-  void Free(void* data, uint64_t bytes) noexcept EXCLUDES(mu_);
+  void Free(void* data, uint64_t bytes) noexcept MC_EXCLUDES(mu_);
   void CheckRange(const char* op, const DeviceBuffer& buffer, uint64_t offset,
                   uint64_t bytes) const;
 
@@ -215,8 +219,8 @@ class Device {
   const DeviceKind kind_;
   const uint64_t capacity_;
 
-  mutable Mutex mu_;
-  DeviceStats stats_ GUARDED_BY(mu_);
+  mutable base::Mutex mu_;
+  DeviceStats stats_ MC_GUARDED_BY(mu_);
 };
 
 }  // namespace modelcache::device

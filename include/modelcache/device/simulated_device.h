@@ -31,7 +31,7 @@
 #include <span>
 #include <string>
 
-#include "modelcache/core/thread_annotations.h"
+#include "modelcache/base/mutex.h"
 #include "modelcache/device/device.h"
 
 namespace modelcache::device {
@@ -85,48 +85,49 @@ class SimulatedDevice : public Device {
   // backend, i.e. that passed the argument and capacity checks.
 
   // The `nth` allocation from now fails (1: the next one), once. 0 disarms.
-  void FailAllocation(uint64_t nth) EXCLUDES(fault_mu_);
+  void FailAllocation(uint64_t nth) MC_EXCLUDES(fault_mu_);
   // Every allocation larger than `bytes` fails until cleared (nullopt).
-  void FailAllocationsAbove(std::optional<uint64_t> bytes) EXCLUDES(fault_mu_);
+  void FailAllocationsAbove(std::optional<uint64_t> bytes)
+      MC_EXCLUDES(fault_mu_);
   // The next `count` copies fail (in either direction).
-  void FailNextCopies(uint64_t count) EXCLUDES(fault_mu_);
+  void FailNextCopies(uint64_t count) MC_EXCLUDES(fault_mu_);
   // Every copy for which `predicate` returns true fails until cleared (an
   // empty function). The predicate runs outside the device's locks, on the
   // copying thread, and must be thread-safe.
   void FailCopiesWhere(std::function<bool(const CopyInfo&)> predicate)
-      EXCLUDES(fault_mu_);
+      MC_EXCLUDES(fault_mu_);
   // Disarms every fault.
-  void ClearFaults() EXCLUDES(fault_mu_);
+  void ClearFaults() MC_EXCLUDES(fault_mu_);
   // Faults injected so far (allocations and copies that failed because of
   // one).
-  uint64_t injected_faults() const EXCLUDES(fault_mu_);
+  uint64_t injected_faults() const MC_EXCLUDES(fault_mu_);
 
  protected:
-  void* DoAllocate(uint64_t bytes) EXCLUDES(fault_mu_) override;
+  void* DoAllocate(uint64_t bytes) MC_EXCLUDES(fault_mu_) override;
   void DoFree(void* data, uint64_t bytes) noexcept override;
   void DoCopyToDevice(const DeviceBuffer& dst, uint64_t offset,
                       std::span<const std::byte> src)
-      EXCLUDES(fault_mu_) override;
+      MC_EXCLUDES(fault_mu_) override;
   void DoCopyToHost(std::span<std::byte> dst, const DeviceBuffer& src,
-                    uint64_t offset) EXCLUDES(fault_mu_) override;
+                    uint64_t offset) MC_EXCLUDES(fault_mu_) override;
   void DoSynchronize() override {}
 
  private:
   // Throws kCopyFailed if a copy fault applies to this copy.
-  void MaybeFailCopy(CopyInfo info) EXCLUDES(fault_mu_);
+  void MaybeFailCopy(CopyInfo info) MC_EXCLUDES(fault_mu_);
   void Spend(CopyDirection direction, uint64_t bytes) const;
 
   const SimulatedDeviceOptions options_;
   const double to_host_bandwidth_;
 
-  mutable Mutex fault_mu_;
-  uint64_t fail_allocation_in_ GUARDED_BY(fault_mu_) = 0;
-  std::optional<uint64_t> fail_allocations_above_ GUARDED_BY(fault_mu_);
-  uint64_t fail_next_copies_ GUARDED_BY(fault_mu_) = 0;
+  mutable base::Mutex fault_mu_;
+  uint64_t fail_allocation_in_ MC_GUARDED_BY(fault_mu_) = 0;
+  std::optional<uint64_t> fail_allocations_above_ MC_GUARDED_BY(fault_mu_);
+  uint64_t fail_next_copies_ MC_GUARDED_BY(fault_mu_) = 0;
   std::shared_ptr<const std::function<bool(const CopyInfo&)>> copy_predicate_
-      GUARDED_BY(fault_mu_);
-  uint64_t backend_copies_ GUARDED_BY(fault_mu_) = 0;
-  uint64_t injected_faults_ GUARDED_BY(fault_mu_) = 0;
+      MC_GUARDED_BY(fault_mu_);
+  uint64_t backend_copies_ MC_GUARDED_BY(fault_mu_) = 0;
+  uint64_t injected_faults_ MC_GUARDED_BY(fault_mu_) = 0;
 };
 
 }  // namespace modelcache::device

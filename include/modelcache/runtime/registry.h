@@ -10,6 +10,8 @@
 #include <string_view>
 #include <vector>
 
+#include "modelcache/base/errors.h"
+
 namespace modelcache::runtime {
 
 struct ModelSpec {
@@ -22,9 +24,10 @@ struct ModelSpec {
 
 // A bad registry: duplicate names, missing fields, unknown keys. The message
 // names the file (for FromJsonFile) and the model.
-class RegistryError : public std::runtime_error {
+class RegistryError : public Error {
  public:
-  using std::runtime_error::runtime_error;
+  explicit RegistryError(const std::string& message)
+      : Error(ErrorCode::kInvalidData, message) {}
 };
 
 class ModelRegistry {

@@ -18,7 +18,7 @@
 #include <string_view>
 #include <vector>
 
-#include "modelcache/core/bytes.h"
+#include "modelcache/base/bytes.h"
 #include "modelcache/core/cache.h"
 
 namespace modelcache::replay {

@@ -21,7 +21,7 @@
 #include <memory>
 #include <vector>
 
-#include "modelcache/core/thread_annotations.h"
+#include "modelcache/base/mutex.h"
 
 namespace modelcache::weights {
 
@@ -83,13 +83,13 @@ class RecyclingHostBufferAllocator final : public HostBufferAllocator {
                                  DefaultHostBufferAllocator());
   ~RecyclingHostBufferAllocator() override;
 
-  void* Allocate(uint64_t bytes, size_t alignment) override EXCLUDES(mu_);
+  void* Allocate(uint64_t bytes, size_t alignment) override MC_EXCLUDES(mu_);
   void Deallocate(void* buffer, uint64_t bytes,
-                  size_t alignment) noexcept override EXCLUDES(mu_);
+                  size_t alignment) noexcept override MC_EXCLUDES(mu_);
 
   // Returns every retained buffer to the upstream allocator.
-  void Trim() EXCLUDES(mu_);
-  RecyclingStats Stats() const EXCLUDES(mu_);
+  void Trim() MC_EXCLUDES(mu_);
+  RecyclingStats Stats() const MC_EXCLUDES(mu_);
   uint64_t retain_bytes() const { return retain_bytes_; }
 
  private:
@@ -101,12 +101,12 @@ class RecyclingHostBufferAllocator final : public HostBufferAllocator {
 
   const uint64_t retain_bytes_;
   const std::shared_ptr<HostBufferAllocator> upstream_;
-  mutable Mutex mu_;
-  std::vector<Buffer> retained_ GUARDED_BY(mu_);  // oldest first
-  std::vector<Buffer> outstanding_ GUARDED_BY(mu_);
-  uint64_t retained_bytes_ GUARDED_BY(mu_) = 0;
-  uint64_t reused_ GUARDED_BY(mu_) = 0;
-  uint64_t allocated_ GUARDED_BY(mu_) = 0;
+  mutable base::Mutex mu_;
+  std::vector<Buffer> retained_ MC_GUARDED_BY(mu_);  // oldest first
+  std::vector<Buffer> outstanding_ MC_GUARDED_BY(mu_);
+  uint64_t retained_bytes_ MC_GUARDED_BY(mu_) = 0;
+  uint64_t reused_ MC_GUARDED_BY(mu_) = 0;
+  uint64_t allocated_ MC_GUARDED_BY(mu_) = 0;
 };
 
 }  // namespace modelcache::weights

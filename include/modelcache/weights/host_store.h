@@ -20,8 +20,8 @@
 #include <string>
 #include <vector>
 
+#include "modelcache/base/mutex.h"
 #include "modelcache/core/cache.h"
-#include "modelcache/core/thread_annotations.h"
 #include "modelcache/weights/weight_set.h"
 
 namespace modelcache::weights {
@@ -42,7 +42,7 @@ class HostWeights {
  public:
   HostWeights() = default;
   explicit operator bool() const { return static_cast<bool>(lease_); }
-  // REQUIRES: *this holds a reference.
+  // MC_REQUIRES: *this holds a reference.
   const WeightSet& weights() const { return *lease_.get<WeightSet>(); }
   void Release() { lease_.Release(); }
 
@@ -55,7 +55,7 @@ class HostWeights {
 class HostWeightStore {
  public:
   explicit HostWeightStore(HostStoreOptions options);
-  // REQUIRES: every HostWeights and HostWeightHolder of this store is gone.
+  // MC_REQUIRES: every HostWeights and HostWeightHolder of this store is gone.
   ~HostWeightStore();
 
   // A reference to the canonical copy of the file at `path` (by identity, so
@@ -97,22 +97,22 @@ class HostWeightHolder {
   // Takes one more reference to the copy of `path` and returns its weights,
   // valid until that reference is released.
   const WeightSet& Acquire(const std::string& path,
-                           const AcquireOptions& options = {}) EXCLUDES(mu_);
+                           const AcquireOptions& options = {}) MC_EXCLUDES(mu_);
 
   // Gives back one reference to `weights` taken through this holder. A set
   // this holder holds no reference to (already released, retired and
   // replaced, or another holder's) is left alone: returns false.
-  bool Release(const WeightSet& weights) EXCLUDES(mu_);
+  bool Release(const WeightSet& weights) MC_EXCLUDES(mu_);
 
   // Gives back everything; the holder stays usable.
-  void ReleaseAll() EXCLUDES(mu_);
+  void ReleaseAll() MC_EXCLUDES(mu_);
 
-  size_t held() const EXCLUDES(mu_);
+  size_t held() const MC_EXCLUDES(mu_);
 
  private:
   HostWeightStore& store_;
-  mutable Mutex mu_;
-  std::vector<HostWeights> held_ GUARDED_BY(mu_);
+  mutable base::Mutex mu_;
+  std::vector<HostWeights> held_ MC_GUARDED_BY(mu_);
 };
 
 }  // namespace modelcache::weights

@@ -44,6 +44,8 @@
 #include <unordered_map>
 #include <vector>
 
+#include "modelcache/base/errors.h"
+
 namespace modelcache::weights {
 
 // The largest header accepted (the reference implementation's bound).
@@ -54,11 +56,14 @@ inline constexpr uint64_t kLengthPrefixBytes = 8;
 
 // ---- errors ----
 
-// Base of every error the weights layer raises. what() is one line:
-// "<path>: <problem>".
-class WeightsError : public std::runtime_error {
+// An error about a weights file (or an in-memory image of one): what() is
+// one line, "<path>: <problem>". Invalid arguments to the weights layer's
+// calls (writer input, load options) are plain modelcache::Errors with
+// kInvalidArgument.
+class WeightsError : public Error {
  public:
-  WeightsError(const std::string& path, const std::string& problem);
+  WeightsError(ErrorCode code, const std::string& path,
+               const std::string& problem);
   // The file (or, for in-memory images, the source name) the error is about.
   const std::string& path() const { return path_; }
   // The problem alone, without the path.
@@ -69,14 +74,15 @@ class WeightsError : public std::runtime_error {
   std::string problem_;
 };
 
-// The bytes are not a valid safetensors file.
+// The bytes are not a valid safetensors file (code kInvalidData).
 class FormatError : public WeightsError {
  public:
-  using WeightsError::WeightsError;
+  FormatError(const std::string& path, const std::string& problem)
+      : WeightsError(ErrorCode::kInvalidData, path, problem) {}
 };
 
 // The operating system refused: open, stat, read, write or mmap failed, or the
-// file is not a regular file, or it shrank while being read.
+// file is not a regular file, or it shrank while being read (code kIo).
 class IoError : public WeightsError {
  public:
   IoError(const std::string& path, const std::string& problem,

@@ -44,14 +44,14 @@ class SafetensorsWriter {
   SafetensorsWriter& SetMetadata(const std::string& key,
                                  const std::string& value);
 
-  // Adds a tensor whose bytes come from `fill`. Throws std::invalid_argument
+  // Adds a tensor whose bytes come from `fill`. Throws Error kInvalidArgument
   // for a duplicate name, the name "__metadata__", a null `fill`, or
   // a byte size that does not fit in 64 bits (counting the nonzero dimensions
   // only, as the reader does). Names and metadata must be valid UTF-8.
   SafetensorsWriter& AddTensor(const std::string& name, Dtype dtype,
                                std::vector<uint64_t> shape, FillFn fill);
   // Adds a tensor whose bytes are `bytes` (not copied: they must outlive the
-  // writes). Throws std::invalid_argument as above, and when bytes.size() is
+  // writes). Throws Error kInvalidArgument as above, and when bytes.size() is
   // not dtype size x product(shape).
   SafetensorsWriter& AddTensor(const std::string& name, Dtype dtype,
                                std::vector<uint64_t> shape,

@@ -88,7 +88,7 @@ class WeightSet {
   // Opens, validates and loads the file at `path`. Throws IoError (cannot
   // open, a directory, not a regular file, read or mmap failed, file shrank
   // while being read), FormatError (not a valid safetensors file) or
-  // std::invalid_argument (bad options).
+  // Error kInvalidArgument (bad options).
   static WeightSet Open(const std::string& path,
                         const LoadOptions& options = {});
 

@@ -1,11 +1,7 @@
-// Clang thread-safety annotations and a thin annotated mutex.
-//
-// Lock discipline in modelcache is checked by the compiler: every member
-// guarded by a mutex says so with GUARDED_BY, and every function that needs a
-// lock held says so with REQUIRES. The clang build (preset `clang-tsa`)
-// compiles with -Wthread-safety -Werror; other compilers see empty macros.
-#ifndef MODELCACHE_CORE_THREAD_ANNOTATIONS_H_
-#define MODELCACHE_CORE_THREAD_ANNOTATIONS_H_
+// Mutex, MutexLock and CondVar: the thin annotated locking primitives every
+// layer uses, in the manner of leveldb's port::Mutex and util/mutexlock.h.
+#ifndef MODELCACHE_BASE_MUTEX_H_
+#define MODELCACHE_BASE_MUTEX_H_
 
 #include <pthread.h>
 #include <time.h>
@@ -13,27 +9,9 @@
 #include <cerrno>
 #include <chrono>
 
-#if defined(__clang__)
-#define MC_THREAD_ANNOTATION(x) __attribute__((x))
-#else
-#define MC_THREAD_ANNOTATION(x)
-#endif
+#include "modelcache/base/thread_annotations.h"
 
-#define CAPABILITY(x) MC_THREAD_ANNOTATION(capability(x))
-#define SCOPED_CAPABILITY MC_THREAD_ANNOTATION(scoped_lockable)
-#define GUARDED_BY(x) MC_THREAD_ANNOTATION(guarded_by(x))
-#define PT_GUARDED_BY(x) MC_THREAD_ANNOTATION(pt_guarded_by(x))
-#define ACQUIRED_BEFORE(...) MC_THREAD_ANNOTATION(acquired_before(__VA_ARGS__))
-#define ACQUIRED_AFTER(...) MC_THREAD_ANNOTATION(acquired_after(__VA_ARGS__))
-#define REQUIRES(...) MC_THREAD_ANNOTATION(requires_capability(__VA_ARGS__))
-#define EXCLUDES(...) MC_THREAD_ANNOTATION(locks_excluded(__VA_ARGS__))
-#define ACQUIRE(...) MC_THREAD_ANNOTATION(acquire_capability(__VA_ARGS__))
-#define RELEASE(...) MC_THREAD_ANNOTATION(release_capability(__VA_ARGS__))
-#define ASSERT_CAPABILITY(x) MC_THREAD_ANNOTATION(assert_capability(x))
-#define NO_THREAD_SAFETY_ANALYSIS \
-  MC_THREAD_ANNOTATION(no_thread_safety_analysis)
-
-namespace modelcache {
+namespace modelcache::base {
 
 // A mutex the analysis can see.
 //
@@ -42,7 +20,7 @@ namespace modelcache {
 // few counters on the hit path), so a waiter almost always gets the lock
 // within the spin; without it, two threads colliding on one cache shard
 // paid a futex sleep and wake-up (microseconds) for a 20 ns critical section.
-class CAPABILITY("mutex") Mutex {
+class MC_CAPABILITY("mutex") Mutex {
  public:
   Mutex() {
     pthread_mutexattr_t attr;
@@ -57,10 +35,8 @@ class CAPABILITY("mutex") Mutex {
   Mutex(const Mutex&) = delete;
   Mutex& operator=(const Mutex&) = delete;
 
-  void Lock() ACQUIRE() { pthread_mutex_lock(&mu_); }
-  void Unlock() RELEASE() { pthread_mutex_unlock(&mu_); }
-  // For documentation and for the analysis only; no runtime check.
-  void AssertHeld() const ASSERT_CAPABILITY(this) {}
+  void Lock() MC_ACQUIRE() { pthread_mutex_lock(&mu_); }
+  void Unlock() MC_RELEASE() { pthread_mutex_unlock(&mu_); }
 
  private:
   friend class CondVar;
@@ -68,10 +44,10 @@ class CAPABILITY("mutex") Mutex {
 };
 
 // Holds a Mutex for a scope.
-class SCOPED_CAPABILITY MutexLock {
+class MC_SCOPED_CAPABILITY MutexLock {
  public:
-  explicit MutexLock(Mutex* mu) ACQUIRE(mu) : mu_(mu) { mu_->Lock(); }
-  ~MutexLock() RELEASE() { mu_->Unlock(); }
+  explicit MutexLock(Mutex* mu) MC_ACQUIRE(mu) : mu_(mu) { mu_->Lock(); }
+  ~MutexLock() MC_RELEASE() { mu_->Unlock(); }
   MutexLock(const MutexLock&) = delete;
   MutexLock& operator=(const MutexLock&) = delete;
 
@@ -95,10 +71,10 @@ class CondVar {
   CondVar(const CondVar&) = delete;
   CondVar& operator=(const CondVar&) = delete;
 
-  void Wait(Mutex* mu) REQUIRES(mu) { pthread_cond_wait(&cv_, &mu->mu_); }
+  void Wait(Mutex* mu) MC_REQUIRES(mu) { pthread_cond_wait(&cv_, &mu->mu_); }
   // Returns false when the deadline passed before a notification.
   bool WaitUntil(Mutex* mu, std::chrono::steady_clock::time_point deadline)
-      REQUIRES(mu) {
+      MC_REQUIRES(mu) {
     if (deadline == std::chrono::steady_clock::time_point::max()) {
       Wait(mu);
       return true;
@@ -119,12 +95,11 @@ class CondVar {
     return pthread_cond_timedwait(&cv_, &mu->mu_, &ts) != ETIMEDOUT;
   }
   void NotifyAll() { pthread_cond_broadcast(&cv_); }
-  void NotifyOne() { pthread_cond_signal(&cv_); }
 
  private:
   pthread_cond_t cv_;
 };
 
-}  // namespace modelcache
+}  // namespace modelcache::base
 
-#endif  // MODELCACHE_CORE_THREAD_ANNOTATIONS_H_
+#endif  // MODELCACHE_BASE_MUTEX_H_

@@ -1,4 +1,4 @@
-#include "modelcache/core/errors.h"
+#include "modelcache/base/errors.h"
 
 namespace modelcache {
 
@@ -16,6 +16,12 @@ const char* ErrorCodeName(ErrorCode code) {
       return "invalid_argument";
     case ErrorCode::kFailedPrecondition:
       return "failed_precondition";
+    case ErrorCode::kInvalidData:
+      return "invalid_data";
+    case ErrorCode::kIo:
+      return "io";
+    case ErrorCode::kUnavailable:
+      return "unavailable";
   }
   return "unknown";
 }

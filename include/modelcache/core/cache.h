@@ -158,6 +158,8 @@ struct CacheStats {
   uint64_t high_water_bytes = 0;   // of the budget
   // Event callbacks that threw (and were caught).
   uint64_t callback_errors = 0;
+
+  bool operator==(const CacheStats&) const = default;
 };
 
 enum class EntryState { kLoading, kResident, kUnloading, kRetired };
@@ -175,6 +177,8 @@ struct EntryInfo {
   // When it last became idle: its load, or the end of its last lease. An
   // idle TTL counts from here.
   Clock::time_point last_use;
+
+  bool operator==(const EntryInfo&) const = default;
 };
 
 enum class RemoveOutcome {

@@ -64,9 +64,20 @@ TEST(ParseBytes, AcceptsBinaryAndDecimalUnits) {
   EXPECT_EQ(ParseBytes("512MiB"), uint64_t{512} << 20);
   EXPECT_EQ(ParseBytes("4096"), 4096u);
   EXPECT_EQ(ParseBytes("2GB"), 2000000000u);
-  EXPECT_THROW(ParseBytes("16 gigs"), std::invalid_argument);
-  EXPECT_THROW(ParseBytes("-1GiB"), std::invalid_argument);
-  EXPECT_THROW(ParseBytes(""), std::invalid_argument);
+  EXPECT_THROW(ParseBytes("16 gigs"), Error);
+  EXPECT_THROW(ParseBytes("-1GiB"), Error);
+  EXPECT_THROW(ParseBytes(""), Error);
+}
+
+TEST(ParseDurationMs, AcceptsMillisecondsSecondsMinutesAndHours) {
+  EXPECT_EQ(ParseDurationMs("100ms"), 100);
+  EXPECT_EQ(ParseDurationMs("1.5s"), 1500);
+  EXPECT_EQ(ParseDurationMs("10m"), 600000);
+  EXPECT_EQ(ParseDurationMs("2h"), 7200000);
+  EXPECT_EQ(ParseDurationMs("250"), 250);
+  EXPECT_THROW(ParseDurationMs("-1s"), std::invalid_argument);
+  EXPECT_THROW(ParseDurationMs("xm"), std::invalid_argument);
+  EXPECT_THROW(ParseDurationMs("5 days"), std::invalid_argument);
 }
 
 TEST(CsvTrace, ReadsRequestsSizesAndIgnoresOtherColumns) {

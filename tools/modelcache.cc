@@ -87,13 +87,12 @@ double ParseBandwidth(const std::string& text) {
     bytes.remove_suffix(2);
   try {
     const uint64_t b = replay::ParseBytes(bytes);
-    if (b == 0) throw std::invalid_argument("zero");
-    return static_cast<double>(b);
-  } catch (const std::invalid_argument&) {
-    throw std::invalid_argument(
-        "--load-bandwidth: not a bandwidth: '" + text +
-        "' (use bytes per second, as in 2GB/s, or inf)");
+    if (b > 0) return static_cast<double>(b);
+  } catch (const modelcache::Error&) {
+    // Reported below with what a bandwidth looks like.
   }
+  throw std::invalid_argument("--load-bandwidth: not a bandwidth: '" + text +
+                              "' (use bytes per second, as in 2GB/s, or inf)");
 }
 
 double ParseDurationFlag(const std::string& flag, const std::string& text) {
@@ -126,7 +125,7 @@ int RunReplay(ReplayFlags flags) {
   for (const std::string& c : flags.capacities) {
     try {
       capacities.push_back(replay::ParseBytes(c));
-    } catch (const std::invalid_argument& e) {
+    } catch (const modelcache::Error& e) {
       throw std::invalid_argument(std::string("--capacity: ") + e.what());
     }
   }

@@ -141,53 +141,20 @@ double Zipf(size_t rank) {
 
 }  // namespace
 
-uint64_t ParseBytes(std::string_view text) {
-  std::string_view s = Trim(text);
-  double value = 0;
-  auto [end, ec] = std::from_chars(s.data(), s.data() + s.size(), value);
-  if (ec != std::errc() || end == s.data() || value < 0 ||
-      !std::isfinite(value)) {
-    throw std::invalid_argument("not a byte size: '" + std::string(text) + "'");
-  }
-  std::string_view unit = Trim(s.substr(static_cast<size_t>(end - s.data())));
-  static const std::pair<std::string_view, double> kUnits[] = {
-      {"", 1},
-      {"B", 1},
-      {"KiB", 1024.0},
-      {"MiB", 1048576.0},
-      {"GiB", 1073741824.0},
-      {"TiB", 1099511627776.0},
-      {"KB", 1e3},
-      {"MB", 1e6},
-      {"GB", 1e9},
-      {"TB", 1e12}};
-  for (const auto& [name, factor] : kUnits) {
-    if (unit == name) {
-      const double bytes = value * factor;
-      if (bytes > 1.8e19) break;
-      return static_cast<uint64_t>(std::llround(bytes));
-    }
-  }
-  throw std::invalid_argument("not a byte size: '" + std::string(text) +
-                              "' (use a number with B, KiB, MiB, GiB, TiB, "
-                              "KB, MB, GB or TB)");
-}
-
 double ParseDurationMs(std::string_view text) {
-  std::string_view s = Trim(text);
+  const std::string_view s = Trim(text);
   double value = 0;
   auto [end, ec] = std::from_chars(s.data(), s.data() + s.size(), value);
-  if (ec != std::errc() || end == s.data() || value < 0 ||
-      !std::isfinite(value)) {
-    throw std::invalid_argument("not a duration: '" + std::string(text) + "'");
-  }
-  const std::string_view unit =
-      Trim(s.substr(static_cast<size_t>(end - s.data())));
-  static const std::pair<std::string_view, double> kUnits[] = {
-      {"", 1},      {"ms", 1},      {"s", 1000},
-      {"m", 60000}, {"min", 60000}, {"h", 3600000}};
-  for (const auto& [name, factor] : kUnits) {
-    if (unit == name) return value * factor;
+  if (ec == std::errc() && end != s.data() && value >= 0 &&
+      std::isfinite(value)) {
+    const std::string_view unit =
+        Trim(s.substr(static_cast<size_t>(end - s.data())));
+    static const std::pair<std::string_view, double> kUnits[] = {
+        {"", 1},      {"ms", 1},      {"s", 1000},
+        {"m", 60000}, {"min", 60000}, {"h", 3600000}};
+    for (const auto& [name, factor] : kUnits) {
+      if (unit == name) return value * factor;
+    }
   }
   throw std::invalid_argument("not a duration: '" + std::string(text) +
                               "' (use a number with ms, s, m or h)");

@@ -45,10 +45,8 @@ struct Trace {
 
 using SizeTable = std::map<std::string, uint64_t, std::less<>>;
 
-// "16GiB", "512MiB", "1.5 GiB", "4096" (bytes); KiB/MiB/GiB/TiB and
-// KB/MB/GB/TB. Throws std::invalid_argument on anything else.
-uint64_t ParseBytes(std::string_view text);
 using ::modelcache::FormatBytes;
+using ::modelcache::ParseBytes;  // throws Error kInvalidArgument
 
 // A `model,size_bytes` CSV with that header.
 SizeTable ReadSizes(const std::string& path);

@@ -15,7 +15,8 @@ namespace {
 using testing::FakeModel;
 using testing::Gate;
 using testing::SimpleLoader;
-using testing::WaitUntil;
+using testing::SpinUntil;
+using testing::WaitForRoom;
 
 CacheOptions On(std::shared_ptr<Budget> budget, const std::string& name) {
   CacheOptions options;
@@ -31,7 +32,7 @@ TEST(CacheBudget, BytesAreReservedBeforeTheLoaderRuns) {
   uint64_t used_during_load = 0;
   cache.Prefetch("x", 60, [&] {
     used_during_load = budget->used();
-    return Loaded{std::make_shared<FakeModel>(FakeModel{"x", 1}), 40, {}};
+    return Loaded{std::make_shared<FakeModel>("x", 1), 40, {}};
   });
   EXPECT_EQ(used_during_load, 60u);
   EXPECT_EQ(budget->used(), 40u);  // adjusted to the real size
@@ -45,7 +46,7 @@ TEST(CacheBudget, RealSizeLargerThanRoomRefusesTheLoadAndKeepsTheBooks) {
   int unloads = 0;
   try {
     cache.Acquire("x", 20, [&] {
-      return Loaded{std::make_shared<FakeModel>(FakeModel{"x", 1}), 50,
+      return Loaded{std::make_shared<FakeModel>("x", 1), 50,
                     [&] { ++unloads; }};
     });
     FAIL() << "expected a capacity error";
@@ -111,13 +112,12 @@ TEST(CacheBudget, AcquireWaitsForALeaseToEndWhenAsked) {
   Lease b = cache.Acquire("b", 10, SimpleLoader("b", 10));
   std::atomic<bool> served{false};
   std::thread waiter([&] {
-    AcquireOptions wait;
-    wait.when_full = WhenFull::kWait;
+    const AcquireOptions wait = WaitForRoom();
     Lease c = cache.Acquire("c", 10, SimpleLoader("c", 10), wait);
     EXPECT_TRUE(c);
     served.store(true);
   });
-  WaitUntil([&] { return budget->waiters() == 1; }, "acquire waits for room");
+  SpinUntil([&] { return budget->waiters() == 1; }, "acquire waits for room");
   EXPECT_FALSE(served.load());
   a.Release();  // "a" becomes evictable: the waiter evicts it and loads
   waiter.join();
@@ -130,9 +130,7 @@ TEST(CacheBudget, WaitForCapacityTimesOutWithBooksUnchanged) {
   auto budget = std::make_shared<Budget>(20, "host");
   ModelCache cache(On(budget, "models"));
   Lease a = cache.Acquire("a", 20, SimpleLoader("a", 20));
-  AcquireOptions wait;
-  wait.when_full = WhenFull::kWait;
-  wait.deadline = Clock::now();
+  const AcquireOptions wait = WaitForRoom(Clock::now());
   int calls = 0;
   try {
     cache.Acquire(
@@ -213,8 +211,7 @@ TEST(CacheBudget, PeerEvictionDuringACacheDestructionIsSafe) {
     doomed->Prefetch("d1", 10, SimpleLoader("d1", 10));
     doomed->Prefetch("d2", 10, SimpleLoader("d2", 10));
     std::thread peer([&] {
-      AcquireOptions wait;
-      wait.when_full = WhenFull::kWait;
+      const AcquireOptions wait = WaitForRoom();
       const std::string key = std::to_string(round) + "-survivor";
       survivor.Prefetch(key, 10, SimpleLoader(key, 10), wait);
     });
@@ -239,7 +236,7 @@ TEST(CacheBudget, DestructionWaitsForAPeerEvictionStillUnloading) {
   std::atomic<int> unloads_done{0};
   auto blocking_loader = [&](const std::string& key) -> Loader {
     return [&, key] {
-      return Loaded{std::make_shared<FakeModel>(FakeModel{key, 1}), 10, [&] {
+      return Loaded{std::make_shared<FakeModel>(key, 1), 10, [&] {
                       unloads_started.fetch_add(1);
                       release_unload.Pass();
                       unloads_done.fetch_add(1);
@@ -249,11 +246,10 @@ TEST(CacheBudget, DestructionWaitsForAPeerEvictionStillUnloading) {
   doomed->Prefetch("d1", 10, blocking_loader("d1"));
   doomed->Prefetch("d2", 10, blocking_loader("d2"));
   std::thread peer([&] {
-    AcquireOptions wait;
-    wait.when_full = WhenFull::kWait;
+    const AcquireOptions wait = WaitForRoom();
     survivor.Prefetch("s", 10, SimpleLoader("s", 10), wait);
   });
-  WaitUntil([&] { return unloads_started.load() == 1; },
+  SpinUntil([&] { return unloads_started.load() == 1; },
             "the peer's eviction runs its unloader");
   shutdowns_waiting = 0;
   detail::shutdown_waits_for_unload = &CountShutdownWaiting;
@@ -264,7 +260,7 @@ TEST(CacheBudget, DestructionWaitsForAPeerEvictionStillUnloading) {
   });
   // Without the wait, the destructor unloads the victim again (a second
   // unloader start) or finishes while the first unload is still running.
-  WaitUntil(
+  SpinUntil(
       [&] {
         return shutdowns_waiting.load() > 0 || unloads_started.load() > 1 ||
                destroyed.load();

@@ -333,7 +333,7 @@ TEST(CacheContract, LoaderAcquiringItsOwnKeyFailsAtOnceNamingTheKey) {
     expect_precondition([&] { cache.Remove("alias"); });
     // A different key of the same cache is fine.
     cache.Acquire("other", 10, SimpleLoader("other", 10)).Release();
-    return Loaded{std::make_shared<FakeModel>(FakeModel{"self", 1}), 10};
+    return Loaded{std::make_shared<FakeModel>("self", 1), 10};
   });
   ASSERT_EQ(errors.size(), 4u);
   for (const std::string& error : errors) {
@@ -375,20 +375,19 @@ TEST(CacheContract, AnotherThreadStillWaitsForTheLoadInFlight) {
   std::atomic<int> loads{0};
   std::thread owner([&] {
     cache
-        .Acquire(
-            "k", 10,
-            [&] {
-              gate.Pass();
-              ++loads;
-              return Loaded{std::make_shared<FakeModel>(FakeModel{"k", 1}), 10};
-            })
+        .Acquire("k", 10,
+                 [&] {
+                   gate.Pass();
+                   ++loads;
+                   return Loaded{std::make_shared<FakeModel>("k", 1), 10};
+                 })
         .Release();
   });
-  testing::WaitUntil([&] { return cache.Entry("k").has_value(); }, "loading");
+  testing::SpinUntil([&] { return cache.Entry("k").has_value(); }, "loading");
   std::thread waiter([&] {
     EXPECT_EQ(cache.Acquire("k", 10, SimpleLoader("k", 10)).key(), "k");
   });
-  testing::WaitUntil([&] { return testing::WaitersOn(cache, "k") == 1; },
+  testing::SpinUntil([&] { return testing::WaitersOn(cache, "k") == 1; },
                      "the waiter joined");
   gate.Open();
   owner.join();
@@ -430,21 +429,21 @@ TEST(CacheContract, AcquireAfterInvalidateWaitsForTheStaleLoadThenLoadsAfresh) {
   auto loader = [&] {
     const int g = ++generation;
     if (g == 1) gate.Pass();
-    return Loaded{std::make_shared<FakeModel>(FakeModel{"k", g}), 10};
+    return Loaded{std::make_shared<FakeModel>("k", g), 10};
   };
   std::optional<int> owner_got, early_got, late_got;
   std::thread owner(
       [&] { owner_got = GenerationOf(cache.Acquire("k", 10, loader)); });
-  testing::WaitUntil([&] { return cache.Entry("k").has_value(); }, "loading");
+  testing::SpinUntil([&] { return cache.Entry("k").has_value(); }, "loading");
   std::thread early(
       [&] { early_got = GenerationOf(cache.Acquire("k", 10, loader)); });
-  testing::WaitUntil([&] { return testing::WaitersOn(cache, "k") == 1; },
+  testing::SpinUntil([&] { return testing::WaitersOn(cache, "k") == 1; },
                      "the early waiter joined");
   EXPECT_EQ(cache.Invalidate("k"), RemoveOutcome::kRetired);
   // Invalidate has returned: this acquire must not receive generation 1.
   std::thread late(
       [&] { late_got = GenerationOf(cache.Acquire("k", 10, loader)); });
-  testing::WaitUntil([&] { return testing::WaitersOn(cache, "k") == 2; },
+  testing::SpinUntil([&] { return testing::WaitersOn(cache, "k") == 2; },
                      "the late acquire waits");
   gate.Open();
   owner.join();

@@ -23,8 +23,9 @@ using testing::ConstructionCounter;
 using testing::FakeModel;
 using testing::Gate;
 using testing::SimpleLoader;
+using testing::SpinUntil;
 using testing::WaitersOn;
-using testing::WaitUntil;
+using testing::WaitForRoom;
 
 CacheOptions Options(uint64_t capacity, int shard_bits = 4) {
   CacheOptions options;
@@ -63,16 +64,23 @@ class Unloads {
   bool fails_ = true;
 };
 
+// A loader of a 10-byte model of `key` that counts its construction in
+// `constructions` and blocks in it until `gate` opens.
+Loader GatedLoader(const std::string& key, ConstructionCounter* constructions,
+                   Gate* gate) {
+  return [key, constructions, gate] {
+    constructions->Enter();
+    gate->Pass();
+    constructions->Leave();
+    return Loaded{std::make_shared<FakeModel>(key, 1), 10, {}};
+  };
+}
+
 TEST(CacheLifecycle, ConcurrentAcquiresOfOneColdKeyConstructOnce) {
   ModelCache cache(Options(1000));
   ConstructionCounter constructions;
   Gate release_load;
-  auto loader = [&] {
-    constructions.Enter();
-    release_load.Pass();
-    constructions.Leave();
-    return Loaded{std::make_shared<FakeModel>(FakeModel{"x", 1}), 10, {}};
-  };
+  Loader loader = GatedLoader("x", &constructions, &release_load);
   constexpr int kThreads = 8;
   std::vector<std::thread> threads;
   std::atomic<int> served{0};
@@ -84,7 +92,7 @@ TEST(CacheLifecycle, ConcurrentAcquiresOfOneColdKeyConstructOnce) {
       served.fetch_add(1);
     });
   }
-  WaitUntil([&] { return WaitersOn(cache, "x") == kThreads - 1; },
+  SpinUntil([&] { return WaitersOn(cache, "x") == kThreads - 1; },
             "every other caller joins the load");
   EXPECT_EQ(served.load(), 0);
   release_load.Open();
@@ -119,14 +127,14 @@ TEST(CacheLifecycle, WaitersHoldTheirLeasesBeforeAnyOfThemWakes) {
   Gate release_load;
   auto loader = [&] {
     release_load.Pass();
-    return Loaded{std::make_shared<FakeModel>(FakeModel{"x", 1}), 10, {}};
+    return Loaded{std::make_shared<FakeModel>("x", 1), 10, {}};
   };
   constexpr int kThreads = 4;
   std::vector<std::thread> threads;
   for (int i = 0; i < kThreads; ++i) {
     threads.emplace_back([&] { EXPECT_TRUE(cache.Acquire("x", 10, loader)); });
   }
-  WaitUntil([&] { return WaitersOn(cache, "x") == kThreads - 1; },
+  SpinUntil([&] { return WaitersOn(cache, "x") == kThreads - 1; },
             "every other caller joins the load");
   published_cache = &cache;
   detail::after_load_published = &RecordPublication;
@@ -147,11 +155,11 @@ TEST(CacheLifecycle, TimedOutWaiterDoesNotRetireTheActiveLoad) {
     Lease lease = cache.Acquire("x", 10, [&] {
       calls.fetch_add(1);
       release_load.Pass();
-      return Loaded{std::make_shared<FakeModel>(FakeModel{"x", 1}), 10, {}};
+      return Loaded{std::make_shared<FakeModel>("x", 1), 10, {}};
     });
     EXPECT_TRUE(lease);
   });
-  WaitUntil([&] { return cache.Entry("x").has_value(); }, "load starts");
+  SpinUntil([&] { return cache.Entry("x").has_value(); }, "load starts");
 
   // A waiter whose deadline has already passed gives up at once.
   AcquireOptions impatient;
@@ -202,7 +210,7 @@ TEST(CacheLifecycle,
       }
     });
   }
-  WaitUntil([&] { return WaitersOn(cache, "x") == kThreads - 1; },
+  SpinUntil([&] { return WaitersOn(cache, "x") == kThreads - 1; },
             "every other caller joins the failing load");
   release_load.Open();
   for (auto& t : threads) t.join();
@@ -223,8 +231,7 @@ TEST(CacheLifecycle, FailuresAreNotCachedAndTheNextAcquireLoadsAgain) {
   int attempts = 0;
   auto flaky = [&]() -> Loaded {
     if (++attempts == 1) throw std::runtime_error("transient");
-    return Loaded{
-        std::make_shared<FakeModel>(FakeModel{"x", attempts}), 10, {}};
+    return Loaded{std::make_shared<FakeModel>("x", attempts), 10, {}};
   };
   EXPECT_THROW(cache.Acquire("x", 10, flaky), std::runtime_error);
   EXPECT_FALSE(cache.Entry("x").has_value());
@@ -262,21 +269,15 @@ TEST(CacheLifecycle, AliasesShareOneLifecycle) {
   cache.AddAlias("latest", "model-v2");
   ConstructionCounter constructions;
   Gate release_load;
-  auto loader = [&] {
-    constructions.Enter();
-    release_load.Pass();
-    constructions.Leave();
-    return Loaded{
-        std::make_shared<FakeModel>(FakeModel{"model-v2", 1}), 10, {}};
-  };
+  Loader loader = GatedLoader("model-v2", &constructions, &release_load);
   std::thread by_key(
       [&] { EXPECT_TRUE(cache.Acquire("model-v2", 10, loader)); });
-  WaitUntil([&] { return cache.Entry("model-v2").has_value(); }, "load starts");
+  SpinUntil([&] { return cache.Entry("model-v2").has_value(); }, "load starts");
   std::thread by_alias([&] {
     Lease lease = cache.Acquire("latest", 10, loader);
     EXPECT_EQ(lease.key(), "model-v2");
   });
-  WaitUntil([&] { return WaitersOn(cache, "model-v2") == 1; },
+  SpinUntil([&] { return WaitersOn(cache, "model-v2") == 1; },
             "the alias joins the canonical load");
   release_load.Open();
   by_key.join();
@@ -298,8 +299,8 @@ TEST(CacheLifecycle, LoadsOfDifferentKeysRunInParallel) {
   auto loader = [&](const std::string& key) {
     return [&, key] {
       both_loading.count_down();
-      WaitUntil([&] { return both_loading.try_wait(); }, "other load starts");
-      return Loaded{std::make_shared<FakeModel>(FakeModel{key, 1}), 10, {}};
+      SpinUntil([&] { return both_loading.try_wait(); }, "other load starts");
+      return Loaded{std::make_shared<FakeModel>(key, 1), 10, {}};
     };
   };
   std::thread a([&] { EXPECT_TRUE(cache.Acquire("a", 10, loader("a"))); });
@@ -322,10 +323,10 @@ TEST(CacheLifecycle,
     constructions.Enter();
     EXPECT_TRUE(unload_finished.load()) << "constructed during the removal";
     constructions.Leave();
-    return Loaded{std::make_shared<FakeModel>(FakeModel{"x", 2}), 10, {}};
+    return Loaded{std::make_shared<FakeModel>("x", 2), 10, {}};
   };
   cache.Prefetch("x", 10, [&] {
-    return Loaded{std::make_shared<FakeModel>(FakeModel{"x", 1}), 10, [&] {
+    return Loaded{std::make_shared<FakeModel>("x", 1), 10, [&] {
                     unload_may_finish.Pass();
                     unload_finished.store(true);
                   }};
@@ -333,7 +334,7 @@ TEST(CacheLifecycle,
 
   std::thread remover(
       [&] { EXPECT_EQ(cache.Remove("x"), RemoveOutcome::kRemoved); });
-  WaitUntil([&] { return cache.Entry("x")->state == EntryState::kUnloading; },
+  SpinUntil([&] { return cache.Entry("x")->state == EntryState::kUnloading; },
             "removal is unloading");
   std::atomic<int> returned{0};
   std::thread waiter([&] {
@@ -341,13 +342,13 @@ TEST(CacheLifecycle,
     EXPECT_EQ(lease.get<FakeModel>()->generation, 2);
     returned.fetch_add(1);
   });
-  WaitUntil([&] { return WaitersOn(cache, "x") == 1; }, "waiter blocks");
+  SpinUntil([&] { return WaitersOn(cache, "x") == 1; }, "waiter blocks");
   std::thread newcomer([&] {
     Lease lease = cache.Acquire("x", 10, loader);
     EXPECT_EQ(lease.get<FakeModel>()->generation, 2);
     returned.fetch_add(1);
   });
-  WaitUntil([&] { return WaitersOn(cache, "x") == 2; }, "newcomer blocks");
+  SpinUntil([&] { return WaitersOn(cache, "x") == 2; }, "newcomer blocks");
   EXPECT_EQ(returned.load(), 0) << "an acquire bypassed the removal";
 
   unload_may_finish.Open();
@@ -413,7 +414,7 @@ TEST(CacheLifecycle,
   std::atomic<int> x_loads{0};
   auto x_loader = [&] {
     int generation = x_loads.fetch_add(1) + 1;
-    return Loaded{std::make_shared<FakeModel>(FakeModel{"x", generation}), 10,
+    return Loaded{std::make_shared<FakeModel>("x", generation), 10,
                   [&, generation] {
                     if (generation == 1) {
                       evicting.store(true);
@@ -426,14 +427,13 @@ TEST(CacheLifecycle,
   // Loading z evicts x (least recently used); x's unloader blocks.
   std::thread loader_of_z(
       [&] { EXPECT_TRUE(cache.Acquire("z", 10, SimpleLoader("z", 10))); });
-  WaitUntil([&] { return evicting.load(); }, "x is being evicted");
+  SpinUntil([&] { return evicting.load(); }, "x is being evicted");
   std::thread wants_x([&] {
-    AcquireOptions wait;
-    wait.when_full = WhenFull::kWait;
+    const AcquireOptions wait = WaitForRoom();
     Lease lease = cache.Acquire("x", 10, x_loader, wait);
     EXPECT_EQ(lease.get<FakeModel>()->generation, 2);
   });
-  WaitUntil([&] { return WaitersOn(cache, "x") == 1; },
+  SpinUntil([&] { return WaitersOn(cache, "x") == 1; },
             "x's acquire waits for the eviction");
   unload_may_finish.Open();
   loader_of_z.join();
@@ -451,16 +451,16 @@ TEST(CacheLifecycle, RemoveWaitsForTheLoadInFlightThenRetiresTheLeasedResult) {
   std::thread owner([&] {
     owner_lease.set_value(cache.Acquire("x", 10, [&] {
       release_load.Pass();
-      return Loaded{std::make_shared<FakeModel>(FakeModel{"x", 1}), 10, {}};
+      return Loaded{std::make_shared<FakeModel>("x", 1), 10, {}};
     }));
   });
-  WaitUntil([&] { return cache.Entry("x").has_value(); }, "load starts");
+  SpinUntil([&] { return cache.Entry("x").has_value(); }, "load starts");
   std::atomic<bool> removed{false};
   std::thread remover([&] {
     EXPECT_EQ(cache.Remove("x"), RemoveOutcome::kRetired);
     removed.store(true);
   });
-  WaitUntil([&] { return WaitersOn(cache, "x") == 1; }, "remove waits");
+  SpinUntil([&] { return WaitersOn(cache, "x") == 1; }, "remove waits");
   EXPECT_FALSE(removed.load());
   release_load.Open();
   owner.join();
@@ -483,11 +483,10 @@ TEST(CacheLifecycle, InvalidateDuringLoadServesItsWaitersThenReloads) {
     first.set_value(cache.Acquire("x", 10, [&] {
       int generation = calls.fetch_add(1) + 1;
       release_load.Pass();
-      return Loaded{
-          std::make_shared<FakeModel>(FakeModel{"x", generation}), 10, {}};
+      return Loaded{std::make_shared<FakeModel>("x", generation), 10, {}};
     }));
   });
-  WaitUntil([&] { return cache.Entry("x").has_value(); }, "load starts");
+  SpinUntil([&] { return cache.Entry("x").has_value(); }, "load starts");
   EXPECT_EQ(cache.Invalidate("x"), RemoveOutcome::kRetired);  // does not wait
   release_load.Open();
   owner.join();
@@ -548,7 +547,7 @@ TEST(CacheLifecycle, RetiredModelsUnloaderMayCallBackIntoTheCache) {
                     }));
   ASSERT_EQ(cache.Remove("retiree"), RemoveOutcome::kRetired);
   std::thread last([&] { retiree.reset(); });  // the unloader runs now
-  WaitUntil([&] { return unloaded.load(); },
+  SpinUntil([&] { return unloaded.load(); },
             "the retired model's unloader calls back without deadlock");
   last.join();
   EXPECT_TRUE(saw_other.load());

@@ -14,17 +14,14 @@
 #include <gtest/gtest.h>
 
 #include <algorithm>
-#include <atomic>
 #include <cstdint>
 #include <functional>
 #include <map>
 #include <memory>
-#include <mutex>
 #include <optional>
 #include <ostream>
 #include <random>
 #include <set>
-#include <stdexcept>
 #include <string>
 #include <utility>
 #include <vector>
@@ -39,93 +36,10 @@ using ::testing::ElementsAre;
 using testing::ErrorMessage;
 using testing::FailAtOnce;
 using ::testing::HasSubstr;
+using testing::Models;
 using testing::ResidentKeys;
 
 constexpr uint64_t kGiB = uint64_t{1} << 30;
-
-// ---- Fake models and their counting loaders. ----
-
-struct FakeModel {
-  FakeModel(std::string k, std::atomic<int>* live)
-      : key(std::move(k)), live_(live) {
-    ++*live_;
-  }
-  ~FakeModel() { --*live_; }
-  FakeModel(const FakeModel&) = delete;
-  FakeModel& operator=(const FakeModel&) = delete;
-
-  std::string key;
-
- private:
-  std::atomic<int>* live_;
-};
-
-struct UnloadError : std::runtime_error {
-  using std::runtime_error::runtime_error;
-};
-
-// Makes loaders of fake models and counts loads and unloads per key.
-// REQUIRES: outlives every cache that holds its models.
-class Models {
- public:
-  Loader For(const std::string& key, uint64_t bytes) {
-    return [this, key, bytes] {
-      {
-        std::lock_guard<std::mutex> lock(mu_);
-        ++loads_[key];
-      }
-      auto unload = [this, key] {
-        bool fail;
-        {
-          std::lock_guard<std::mutex> lock(mu_);
-          ++unload_attempts_[key];
-          fail = failing_.count(key) > 0;
-          if (!fail) ++unloads_[key];
-        }
-        if (fail) throw UnloadError("unload of " + key + " failed");
-      };
-      return Loaded{std::make_shared<FakeModel>(key, &live_), bytes, unload};
-    };
-  }
-
-  void FailUnloads(const std::string& key, bool fail) {
-    std::lock_guard<std::mutex> lock(mu_);
-    if (fail) {
-      failing_.insert(key);
-    } else {
-      failing_.erase(key);
-    }
-  }
-
-  int loads(const std::string& key) const { return Get(loads_, key); }
-  int unloads(const std::string& key) const { return Get(unloads_, key); }
-  int unload_attempts(const std::string& key) const {
-    return Get(unload_attempts_, key);
-  }
-  int total_loads() const { return Sum(loads_); }
-  int total_unloads() const { return Sum(unloads_); }
-  int live() const { return live_.load(); }
-
- private:
-  int Get(const std::map<std::string, int>& m, const std::string& key) const {
-    std::lock_guard<std::mutex> lock(mu_);
-    auto it = m.find(key);
-    return it == m.end() ? 0 : it->second;
-  }
-  int Sum(const std::map<std::string, int>& m) const {
-    std::lock_guard<std::mutex> lock(mu_);
-    int total = 0;
-    for (const auto& [key, n] : m) total += n;
-    return total;
-  }
-
-  mutable std::mutex mu_;
-  std::map<std::string, int> loads_;
-  std::map<std::string, int> unloads_;
-  std::map<std::string, int> unload_attempts_;
-  std::set<std::string> failing_;
-  std::atomic<int> live_{0};
-};
 
 bool IsResident(const ModelCache& cache, const std::string& key) {
   std::optional<EntryInfo> e = cache.Entry(key);

@@ -1,5 +1,6 @@
-// Helpers shared by the core test suites: fake models, counting loaders, and
-// waits on observable cache state (never on time).
+// The test kit shared by the core suites (and the layers above that run a
+// cache): fake models and counting loaders, waits on observable state (never
+// on time), acquire options, and gtest printers for the cache's records.
 #ifndef MODELCACHE_TESTS_TEST_UTIL_H_
 #define MODELCACHE_TESTS_TEST_UTIL_H_
 
@@ -8,14 +9,23 @@
 #include <algorithm>
 #include <atomic>
 #include <chrono>
+#include <cstddef>
 #include <cstdint>
+#include <cstring>
 #include <filesystem>
+#include <fstream>
 #include <functional>
 #include <future>
+#include <iterator>
+#include <map>
 #include <memory>
 #include <mutex>
+#include <ostream>
+#include <set>
+#include <stdexcept>
 #include <string>
 #include <thread>
+#include <utility>
 #include <vector>
 
 #include "gtest/gtest.h"
@@ -24,10 +34,139 @@
 
 namespace modelcache::testing {
 
-struct FakeModel {
-  std::string key;
-  int generation;
+// ---- Fake models and their counting loaders. ----
+
+// A model of `key`. When given a counter, it counts itself live while it
+// exists, so that a test can check that every model was freed.
+class FakeModel {
+ public:
+  FakeModel(std::string model_key, int model_generation,
+            std::atomic<int>* live = nullptr)
+      : key(std::move(model_key)), generation(model_generation), live_(live) {
+    if (live_ != nullptr) ++*live_;
+  }
+  ~FakeModel() {
+    if (live_ != nullptr) --*live_;
+  }
+  FakeModel(const FakeModel&) = delete;
+  FakeModel& operator=(const FakeModel&) = delete;
+
+  const std::string key;
+  const int generation;  // 1 for the first load of `key`, 2 for the next, ...
+
+ private:
+  std::atomic<int>* const live_;
 };
+
+// What an unloader made by Models throws when told to fail.
+struct UnloadError : std::runtime_error {
+  using std::runtime_error::runtime_error;
+};
+
+// User code to run inside a loader or an unloader made by Models.
+struct Hooks {
+  std::function<void()> during_load;
+  std::function<void()> during_unload;
+};
+
+// Makes loaders of fake models and counts loads and unloads per key, and the
+// models still alive.
+// REQUIRES: outlives every cache that holds its models.
+class Models {
+ public:
+  // A loader of `key` whose model reports `real_bytes` as its size.
+  Loader For(const std::string& key, uint64_t real_bytes, Hooks hooks = {}) {
+    return [this, key, real_bytes, hooks] {
+      if (hooks.during_load) hooks.during_load();
+      int generation;
+      {
+        std::lock_guard<std::mutex> lock(mu_);
+        generation = ++loads_[key];
+      }
+      auto model = std::make_shared<FakeModel>(key, generation, &live_);
+      auto unload = [this, key, generation, during = hooks.during_unload] {
+        if (during) during();
+        bool fail;
+        {
+          std::lock_guard<std::mutex> lock(mu_);
+          ++unload_attempts_[key];
+          fail = failing_.count(key) > 0;
+          if (!fail) unloaded_[key].push_back(generation);
+        }
+        if (fail) throw UnloadError("unload of " + key + " failed");
+      };
+      return Loaded{model, real_bytes, unload};
+    };
+  }
+
+  // Makes every later unload of `key` throw UnloadError (or stop throwing).
+  void FailUnloads(const std::string& key, bool fail) {
+    std::lock_guard<std::mutex> lock(mu_);
+    if (fail) {
+      failing_.insert(key);
+    } else {
+      failing_.erase(key);
+    }
+  }
+
+  int loads(const std::string& key) const {
+    std::lock_guard<std::mutex> lock(mu_);
+    auto it = loads_.find(key);
+    return it == loads_.end() ? 0 : it->second;
+  }
+  int unload_attempts(const std::string& key) const {
+    std::lock_guard<std::mutex> lock(mu_);
+    auto it = unload_attempts_.find(key);
+    return it == unload_attempts_.end() ? 0 : it->second;
+  }
+  // Generations of `key` unloaded successfully, in order.
+  std::vector<int> unloaded(const std::string& key) const {
+    std::lock_guard<std::mutex> lock(mu_);
+    auto it = unloaded_.find(key);
+    return it == unloaded_.end() ? std::vector<int>{} : it->second;
+  }
+  // Successful unloads of `key`.
+  int unloads(const std::string& key) const {
+    return static_cast<int>(unloaded(key).size());
+  }
+  int total_loads() const {
+    std::lock_guard<std::mutex> lock(mu_);
+    int total = 0;
+    for (const auto& [key, n] : loads_) total += n;
+    return total;
+  }
+  int total_unloads() const {
+    std::lock_guard<std::mutex> lock(mu_);
+    int total = 0;
+    for (const auto& [key, generations] : unloaded_) {
+      total += static_cast<int>(generations.size());
+    }
+    return total;
+  }
+  // FakeModel objects not yet destroyed.
+  int live() const { return live_.load(); }
+
+ private:
+  mutable std::mutex mu_;
+  std::map<std::string, int> loads_;
+  std::map<std::string, int> unload_attempts_;
+  std::map<std::string, std::vector<int>> unloaded_;
+  std::set<std::string> failing_;
+  std::atomic<int> live_{0};
+};
+
+// A loader of a FakeModel of `key`, generation 1 or, with `calls`, one more
+// than the calls before it; `unload` is the model's unloader.
+inline Loader SimpleLoader(const std::string& key, uint64_t bytes,
+                           std::atomic<int>* calls = nullptr,
+                           std::function<void()> unload = {}) {
+  return [=] {
+    int generation = calls ? calls->fetch_add(1) + 1 : 1;
+    return Loaded{std::make_shared<FakeModel>(key, generation), bytes, unload};
+  };
+}
+
+// ---- Synchronisation on observable state. ----
 
 // A gate a loader or unloader blocks on until the test opens it.
 class Gate {
@@ -45,9 +184,10 @@ class Gate {
   std::shared_future<void> future_{promise_.get_future().share()};
 };
 
-// Spins (yielding) until `condition` holds. Synchronises on cache state the
-// test can observe; the bound only turns a hang into a failure.
-inline void WaitUntil(const std::function<bool()>& condition,
+// Spins (yielding, never sleeping) until `condition` holds. Synchronises on
+// state the test can observe; the bound only turns a hang into a failure
+// that names `what` was awaited.
+inline void SpinUntil(const std::function<bool()>& condition,
                       const char* what) {
   const auto give_up =
       std::chrono::steady_clock::now() + std::chrono::seconds(60);
@@ -95,20 +235,22 @@ class KeptErrors {
   std::vector<std::exception_ptr> errors_;
 };
 
-inline Loader SimpleLoader(const std::string& key, uint64_t bytes,
-                           std::atomic<int>* calls = nullptr,
-                           std::function<void()> unload = {}) {
-  return [=] {
-    int generation = calls ? calls->fetch_add(1) + 1 : 1;
-    return Loaded{std::make_shared<FakeModel>(FakeModel{key, generation}),
-                  bytes, unload};
-  };
-}
+// ---- Acquire options. ----
 
 // Options that make a full budget an immediate kCapacity error.
 inline AcquireOptions FailAtOnce() {
   AcquireOptions options;
   options.when_full = WhenFull::kFail;
+  return options;
+}
+
+// Options that make a full budget wait for room until `deadline`, then fail
+// with kTimeout.
+inline AcquireOptions WaitForRoom(
+    Clock::time_point deadline = Clock::time_point::max()) {
+  AcquireOptions options;
+  options.when_full = WhenFull::kWait;
+  options.deadline = deadline;
   return options;
 }
 
@@ -135,6 +277,16 @@ inline std::vector<std::string> ResidentKeys(const ModelCache& cache) {
   }
   std::sort(keys.begin(), keys.end());
   return keys;
+}
+
+// The bytes of the file at `path`; empty when it cannot be read.
+inline std::vector<std::byte> ReadFile(const std::filesystem::path& path) {
+  std::ifstream in(path, std::ios::binary);
+  std::vector<char> chars((std::istreambuf_iterator<char>(in)),
+                          std::istreambuf_iterator<char>());
+  std::vector<std::byte> bytes(chars.size());
+  std::memcpy(bytes.data(), chars.data(), chars.size());
+  return bytes;
 }
 
 // A fresh directory for the running test's files, removed with everything in
@@ -165,5 +317,40 @@ class TestDirectory {
 };
 
 }  // namespace modelcache::testing
+
+namespace modelcache {
+
+// gtest printers, found by argument-dependent lookup, so that a failed
+// EXPECT_EQ on whole stats or entries names every field.
+inline void PrintTo(const CacheStats& s, std::ostream* os) {
+  *os << "{hits=" << s.hits << " misses=" << s.misses
+      << " refused=" << s.refused << " loads=" << s.loads
+      << " load_failures=" << s.load_failures << " evictions=" << s.evictions
+      << " expirations=" << s.expirations
+      << " failed_unloads=" << s.failed_unloads << " removals=" << s.removals
+      << " bytes_loaded=" << s.bytes_loaded
+      << " load_seconds=" << s.load_seconds
+      << " resident_entries=" << s.resident_entries
+      << " resident_bytes=" << s.resident_bytes
+      << " retired_entries=" << s.retired_entries
+      << " retired_bytes=" << s.retired_bytes
+      << " capacity_bytes=" << s.capacity_bytes
+      << " budget_used_bytes=" << s.budget_used_bytes
+      << " high_water_bytes=" << s.high_water_bytes
+      << " callback_errors=" << s.callback_errors << "}";
+}
+
+inline void PrintTo(const EntryInfo& e, std::ostream* os) {
+  *os << "{key=\"" << e.key << "\" state=" << EntryStateName(e.state)
+      << " bytes=" << e.bytes << " leases=" << e.leases
+      << " waiters=" << e.waiters << " pinned=" << (e.pinned ? "true" : "false")
+      << " accesses=" << e.accesses << " last_use="
+      << std::chrono::duration_cast<std::chrono::nanoseconds>(
+             e.last_use.time_since_epoch())
+             .count()
+      << "ns}";
+}
+
+}  // namespace modelcache
 
 #endif  // MODELCACHE_TESTS_TEST_UTIL_H_

@@ -17,15 +17,16 @@
 #include <cstdint>
 #include <cstring>
 #include <filesystem>
-#include <fstream>
-#include <iterator>
 #include <set>
 #include <string>
 #include <vector>
 
+#include "../test_util.h"
+
 namespace modelcache::weights {
 namespace {
 
+using ::modelcache::testing::ReadFile;
 using ::testing::ElementsAre;
 using ::testing::HasSubstr;
 using ::testing::Not;
@@ -33,15 +34,6 @@ using ::testing::Not;
 const std::filesystem::path kWeightsDir =
     std::filesystem::path(MODELCACHE_SHARED_DATA) / "weights";
 const char kAbuseFile[] = "syoyo/safetensors_abuse_attempt_1.safetensors";
-
-std::vector<std::byte> ReadFile(const std::filesystem::path& path) {
-  std::ifstream in(path, std::ios::binary);
-  std::vector<char> chars((std::istreambuf_iterator<char>(in)),
-                          std::istreambuf_iterator<char>());
-  std::vector<std::byte> bytes(chars.size());
-  std::memcpy(bytes.data(), chars.data(), chars.size());
-  return bytes;
-}
 
 // A file image: the 8-byte little-endian length of `json` (or `length` when
 // given), `json`, then `data_bytes` bytes of data.

@@ -19,12 +19,11 @@
 #include <cstdlib>
 #include <cstring>
 #include <filesystem>
-#include <fstream>
-#include <iterator>
 #include <string>
 #include <thread>
 #include <vector>
 
+#include "../test_util.h"
 #include "modelcache/base/errors.h"
 #include "modelcache/weights/safetensors.h"
 #include "modelcache/weights/safetensors_writer.h"
@@ -32,6 +31,7 @@
 namespace modelcache::weights {
 namespace {
 
+using ::modelcache::testing::ReadFile;
 using ::testing::ElementsAre;
 using ::testing::HasSubstr;
 
@@ -39,15 +39,6 @@ constexpr uint64_t kMiB = uint64_t{1} << 20;
 
 const std::filesystem::path kWeightsDir =
     std::filesystem::path(MODELCACHE_SHARED_DATA) / "weights";
-
-std::vector<std::byte> ReadFile(const std::filesystem::path& path) {
-  std::ifstream in(path, std::ios::binary);
-  std::vector<char> chars((std::istreambuf_iterator<char>(in)),
-                          std::istreambuf_iterator<char>());
-  std::vector<std::byte> bytes(chars.size());
-  std::memcpy(bytes.data(), chars.data(), chars.size());
-  return bytes;
-}
 
 std::vector<std::byte> Pattern(uint64_t seed, uint64_t bytes) {
   std::vector<std::byte> out(bytes);

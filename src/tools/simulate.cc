@@ -307,7 +307,6 @@ class Simulation {
   std::priority_queue<Event, std::vector<Event>, std::greater<>> events_;
   std::vector<Lease> hold_leases_;
   std::vector<uint64_t> free_holds_;
-  std::vector<uint32_t> hold_model_;
 
   std::deque<uint32_t> demand_queue_;
   std::deque<uint32_t> prewarm_queue_;
@@ -315,7 +314,6 @@ class Simulation {
   std::vector<uint32_t> demand_transfers_, prewarm_transfers_;
   bool room_changed_ = true;  // worth retrying a head blocked on room
   uint64_t next_waiter_id_ = 0;
-  uint64_t live_waiters_ = 0;
   uint64_t missed_bytes_ = 0;
 
   // Integrals over [t_first_, t_last_].
@@ -470,7 +468,6 @@ void Simulation::HandleEvent(const Event& e) {
                              [&](const Waiter& w) { return w.id == e.arg; });
       if (it == s.waiters.end()) break;
       s.waiters.erase(it);
-      --live_waiters_;
       ++result_.rejected;
       if (s.state == State::kQueued && s.waiters.empty()) {
         // Nobody wants it any more: it never loads.
@@ -568,13 +565,11 @@ void Simulation::TakeLease(uint32_t m, size_t request, Lease* given) {
   if (free_holds_.empty()) {
     slot = hold_leases_.size();
     hold_leases_.emplace_back();
-    hold_model_.push_back(m);
   } else {
     slot = free_holds_.back();
     free_holds_.pop_back();
   }
   hold_leases_[slot] = std::move(lease);
-  hold_model_[slot] = m;
   Schedule(now_ + hold, EventType::kHoldEnd, m, slot);
 }
 
@@ -622,7 +617,6 @@ void Simulation::Arrive(size_t i) {
   ++s.cold_starts;
   const uint64_t id = next_waiter_id_++;
   s.waiters.push_back(Waiter{i, now_, id});
-  ++live_waiters_;
   ++s.generation;  // no planned prewarm applies now
   if (std::isfinite(options_.max_wait_ms)) {
     Schedule(now_ + options_.max_wait_ms, EventType::kDeadline, m, id);
@@ -740,7 +734,6 @@ void Simulation::CompleteLoad(uint32_t m) {
   result_.load_seconds += (now_ - s.load_start) / 1000.0;
   std::vector<Waiter> waiters;
   waiters.swap(s.waiters);
-  live_waiters_ -= waiters.size();
   // The load's Acquire counted as the first waiter's access, and its lease
   // becomes that waiter's: one access per request, as in the untimed replay.
   Lease load_lease = std::move(s.load_lease);

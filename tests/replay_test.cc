@@ -10,6 +10,7 @@
 #include <filesystem>
 #include <fstream>
 #include <list>
+#include <map>
 #include <random>
 #include <unordered_map>
 
@@ -157,6 +158,69 @@ TEST(AzureTrace, SpreadsEachMinutesCountEvenlyAndDropsSilentFunctions) {
                                                       {m + 30000, 1},
                                                       {m + 50000, 0},
                                                       {m + 60000 + 30000, 1}}));
+}
+
+TEST(AzureTrace, PoissonArrivalsKeepEachMinutesCountWithinTheMinute) {
+  TempFile file(
+      "HashOwner,HashApp,HashFunction,Trigger,480,481\n"
+      "o,a,f1,http,30,0\n"
+      "o,a,f2,timer,5,7\n");
+  AzureOptions options;
+  options.poisson = true;
+  options.seed = 3;
+  Trace trace = ReadAzureFunctionsTrace(file.path(), options);
+  ASSERT_EQ(trace.requests.size(), 42u);
+  std::map<std::pair<int64_t, uint32_t>, int> per_minute;
+  for (const Request& r : trace.requests)
+    ++per_minute[{r.t_ms / 60000, r.model}];
+  EXPECT_EQ((per_minute[{480, 0}]), 30);
+  EXPECT_EQ((per_minute[{480, 1}]), 5);
+  EXPECT_EQ((per_minute[{481, 1}]), 7);
+  EXPECT_TRUE(std::is_sorted(
+      trace.requests.begin(), trace.requests.end(),
+      [](const Request& a, const Request& b) { return a.t_ms < b.t_ms; }));
+  // Seeded: the same seed gives the same times, not the even spread.
+  Trace again = ReadAzureFunctionsTrace(file.path(), options);
+  Trace even = ReadAzureFunctionsTrace(file.path(), 0, nullptr, 3);
+  std::vector<int64_t> a, b, c;
+  for (const Request& r : trace.requests) a.push_back(r.t_ms);
+  for (const Request& r : again.requests) b.push_back(r.t_ms);
+  for (const Request& r : even.requests) c.push_back(r.t_ms);
+  EXPECT_EQ(a, b);
+  EXPECT_NE(a, c);
+}
+
+TEST(AzureTrace, SizesFromTheMemoryFileAndServiceTimesFromTheDurations) {
+  TempFile file(
+      "HashOwner,HashApp,HashFunction,Trigger,480\n"
+      "o,a,f1,http,50\n"
+      "o,a,f2,timer,50\n");
+  TempFile memory(
+      "HashFunction,HashOwner,HashApp,AverageAllocatedMb_pct50\n"
+      "f2,o,a,100\n"
+      "f1,o,a,12.5\n");
+  TempFile durations(
+      "HashOwner,HashApp,HashFunction,percentile_Average_0,percentile_Average_"
+      "1,percentile_Average_25,percentile_Average_50,percentile_Average_75,"
+      "percentile_Average_99,percentile_Average_100\n"
+      "o,a,f1,10,10,10,10,10,10,10\n"
+      "o,a,f2,100,110,200,300,400,900,1000\n");
+  AzureOptions options;
+  options.memory_path = memory.path();
+  options.memory_scale = 4;
+  options.durations_path = durations.path();
+  Trace trace = ReadAzureFunctionsTrace(file.path(), options);
+  EXPECT_EQ(trace.sizes, (std::vector<uint64_t>{50 * (uint64_t{1} << 20),
+                                                400 * (uint64_t{1} << 20)}));
+  ASSERT_EQ(trace.hold_ms.size(), trace.requests.size());
+  for (size_t i = 0; i < trace.requests.size(); ++i) {
+    if (trace.requests[i].model == 0) {
+      EXPECT_EQ(trace.hold_ms[i], 10);
+    } else {
+      EXPECT_GE(trace.hold_ms[i], 100);
+      EXPECT_LE(trace.hold_ms[i], 1000);
+    }
+  }
 }
 
 TEST(AzureTrace, BadInputNamesTheFileAndLine) {

@@ -29,16 +29,6 @@
 #include "device_test_util.h"
 #include "modelcache/device/device.h"
 
-// ASan reserves the low address range CUDA maps device memory into; without
-// this the runtime fails to initialise under the asan preset (the tests then
-// skip). The CUDA driver's own allocations at exit are not ours to report.
-extern "C" const char* __asan_default_options() {
-  return "protect_shadow_gap=0";
-}
-extern "C" const char* __lsan_default_suppressions() {
-  return "leak:libcuda.so\nleak:libcudart.so\nleak:libnvidia-\n";
-}
-
 namespace modelcache::device::testing {
 
 std::vector<std::string> ContractBackends() { return {"Cuda"}; }

@@ -32,6 +32,18 @@
 #include "device_test_util.h"
 #include "modelcache/device/device.h"
 
+// In both binaries that link this file. ASan reserves the low address range
+// CUDA maps device memory into; without this the CUDA runtime fails to
+// initialise under the asan preset (the CUDA tests then skip), and so does
+// CudaAvailable() in device_test where this build has the CUDA backend. The
+// CUDA driver's own allocations at exit are not ours to report.
+extern "C" const char* __asan_default_options() {
+  return "protect_shadow_gap=0";
+}
+extern "C" const char* __lsan_default_suppressions() {
+  return "leak:libcuda.so\nleak:libcudart.so\nleak:libnvidia-\n";
+}
+
 namespace modelcache::device::testing {
 
 // Defined by each test binary: the names of the backends to run the suite

@@ -19,16 +19,6 @@
 #include "modelcache/device/host_device.h"
 #include "modelcache/device/simulated_device.h"
 
-// Where this build has the CUDA backend, CudaAvailable() initialises the
-// CUDA runtime, which under ASan needs the low address range ASan reserves
-// (see cuda_device_test.cc). Harmless in other builds.
-extern "C" const char* __asan_default_options() {
-  return "protect_shadow_gap=0";
-}
-extern "C" const char* __lsan_default_suppressions() {
-  return "leak:libcuda.so\nleak:libcudart.so\nleak:libnvidia-\n";
-}
-
 namespace modelcache::device::testing {
 
 std::vector<std::string> ContractBackends() { return {"Host", "Simulated"}; }

@@ -16,7 +16,6 @@ namespace {
 
 constexpr double kInf = std::numeric_limits<double>::infinity();
 constexpr uint64_t kGiB = uint64_t{1} << 30;
-constexpr double kMinuteMs = 60000;
 
 // 1 GB/s: a byte per nanosecond, 1e6 bytes per ms.
 ReplayOptions Timed(double latency_ms, uint32_t slots, double bandwidth = 1e9) {

@@ -84,10 +84,10 @@ TEST_F(RuntimeTest, TwoDeviceCachesShareOneHostCopyFreedOnlyWhenTheLastLetsGo) {
   on0.Release();
   cache0.cache().Prune();  // gpu0 lets go of the model
   EXPECT_EQ(gpu0->bytes_allocated(), 0u);
-  EXPECT_EQ(host.Trim(), 0u);  // gpu1 still holds the host copy
+  EXPECT_EQ(host.Prune(), 0u);  // gpu1 still holds the host copy
   on1.Release();
   cache1.cache().Prune();
-  EXPECT_EQ(host.Trim(), 1u);
+  EXPECT_EQ(host.Prune(), 1u);
   EXPECT_EQ(host.budget().used(), 0u);
 }
 
@@ -103,7 +103,7 @@ TEST_F(RuntimeTest, DestroyingADeviceCacheWithoutShutdownReturnsEveryHostByte) {
   }  // no shutdown call
   EXPECT_EQ(gpu->bytes_allocated(), 0u);
   for (const EntryInfo& e : host.cache().Entries()) EXPECT_EQ(e.leases, 0);
-  EXPECT_EQ(host.Trim(), 2u);
+  EXPECT_EQ(host.Prune(), 2u);
   EXPECT_EQ(host.budget().used(), 0u);
 }
 
@@ -120,7 +120,7 @@ TEST_F(RuntimeTest, EvictionThenLaterReleaseIsExactlyOnce) {
   EXPECT_EQ(gpu->bytes_allocated(), 32 * kKiB);
   EXPECT_EQ(cache.cache().CheckInvariants(), cache.cache().budget().used());
   // a's host copy is unreferenced now, b's is held by its placement.
-  EXPECT_EQ(host.Trim(), 1u);
+  EXPECT_EQ(host.Prune(), 1u);
   EXPECT_EQ(host.budget().used(), 32 * kKiB);
 }
 
@@ -301,7 +301,7 @@ TEST_F(RuntimeTest, FailedAllocationOrCopyLeavesTheBooksUnchanged) {
   EXPECT_FALSE(cache.cache().Entry("a").has_value());
   EXPECT_EQ(cache.cache().Stats().load_failures, 2u);
   // The host copy is unreferenced, not leaked.
-  EXPECT_EQ(host.Trim(), 1u);
+  EXPECT_EQ(host.Prune(), 1u);
   // And the next attempt works.
   EXPECT_TRUE(cache.Acquire("a", {a}));
 }
@@ -474,7 +474,7 @@ TEST_F(RuntimeTest, StressAcrossTwoDevicesKeepsEveryBookExact) {
     EXPECT_EQ(cache.device().bytes_allocated(), 0u);
   }
   EXPECT_EQ(host.cache().CheckInvariants(), host.budget().used());
-  host.Trim();
+  host.Prune();
   EXPECT_EQ(host.budget().used(), 0u);
 }
 

@@ -27,5 +27,7 @@
 // A function that takes, or lets go of, the given locks.
 #define MC_ACQUIRE(...) MC_THREAD_ANNOTATION_(acquire_capability(__VA_ARGS__))
 #define MC_RELEASE(...) MC_THREAD_ANNOTATION_(release_capability(__VA_ARGS__))
+// A function that asserts, to the analysis, that the lock is held.
+#define MC_ASSERT_CAPABILITY(x) MC_THREAD_ANNOTATION_(assert_capability(x))
 
 #endif  // MODELCACHE_BASE_THREAD_ANNOTATIONS_H_

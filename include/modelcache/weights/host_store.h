@@ -7,7 +7,7 @@
 // exactly once; a copy with references is never evicted; invalidation
 // retires a referenced copy until its last holder lets go; release is safe
 // from any context. A copy nobody references stays resident and evictable
-// until the budget needs its bytes (Trim() frees them at once).
+// until the budget needs its bytes (Prune() frees them at once).
 //
 // HostWeightHolder is the per-user side: it remembers every reference its
 // user took and returns all of them when it is destroyed, with or without an
@@ -71,7 +71,7 @@ class HostWeightStore {
   RemoveOutcome Invalidate(const std::string& path);
 
   // Frees every copy nobody references; returns how many.
-  size_t Trim() { return cache_.Prune(); }
+  size_t Prune() { return cache_.Prune(); }
 
   CacheStats Stats() const { return cache_.Stats(); }
   Budget& budget() const { return cache_.budget(); }

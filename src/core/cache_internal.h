@@ -1,0 +1,353 @@
+// ModelCache's internals: the sharded key space, the record lifecycle, and
+// the CacheCore that implements ModelCache. Not part of the public API.
+//
+// Design note
+// -----------
+// The key space is split into 2^shard_bits shards. A shard owns, under its
+// mutex: a map from key to Slot (a record, or an alias naming a canonical
+// key), an eviction order, the records it retired, and its counters. A record
+// lives in exactly one shard, the one its canonical key hashes to.
+//
+// Record states and transitions (all under the record's shard mutex):
+//
+//   (absent) --Acquire miss--> kLoading --load ok--> kResident
+//   kLoading --load/reservation failed--> kFailed (out of the map)
+//   kResident --evict/remove, unleased--> kUnloading
+//   kUnloading --unloader ok--> kGone (out of the map)
+//   kUnloading --unloader threw--> kResident (same place in the order)
+//   kResident --remove/invalidate while leased--> retired (out of the map,
+//       still counted) --last lease ends--> kUnloading --unloader ok--> kGone
+//   retired kUnloading --unloader threw--> retired kResident, unload_failed
+//       (still counted) --Prune--> kUnloading again
+//   kLoading --Invalidate--> kLoading, stale --load ok--> retired at once
+//       (the waiters that joined before the invalidation hold it)
+//
+// Single flight: a new record is created only when the map has no slot for
+// the key, and it leaves the map only in a transition above, under the shard
+// mutex. So at most one record per key is in the map, at most one load runs
+// per key, and a record is replaced only after it has left the map. Callers
+// that meet a kLoading record wait on it (holding a reference and counted in
+// `waiters`); the load's completion grants each of them a lease in the same
+// critical section that makes the record resident, so no eviction can slip
+// in between. Callers that meet kUnloading, or a stale kLoading record,
+// wait for it to leave that state and look the key up again: an acquire that
+// comes after Invalidate loads afresh, after the stale load, never beside it.
+//
+// Waiting for oneself: a record in kLoading or kUnloading remembers the
+// thread running its loader or unloader (`owner`). That thread's own acquire
+// or removal of the key would wait for itself; it fails with
+// kFailedPrecondition instead.
+//
+// Aliases: an alias is a slot in the shard its name hashes to, so a lookup
+// resolves it under that shard's mutex in the same probe that finds records.
+// Mutations go through alias_mu_ as well, which keeps the alias table and
+// its reverse (target -> aliases) and lets AddAlias check "the target is not
+// an alias, the alias is not a target" and insert as one step: no chain or
+// cycle can form, so every call resolves a name in one step.
+//
+// Eviction order: one EvictionOrder per shard (eviction_order.h), kept
+// lazily: a hit updates only the record's own key, and its entry is moved
+// when a scan for a victim reaches it. An entry is removed only when its
+// record leaves the map, which is why a failed unload keeps its place.
+//
+// Hit path: a hit locks one shard, finds the key in a flat (open-addressing)
+// hash map, bumps the record's lease count and policy inputs, and unlocks;
+// releasing the lease locks the shard once more. Records are cache-line
+// aligned with everything a hit writes in their first line, and each shard's
+// mutex, sequence and hit counter share one line, so a hit moves two lines
+// between cores when another core touched them last. The shard mutexes spin
+// briefly before sleeping (see base::Mutex), because their critical sections
+// are shorter than a futex round trip.
+//
+// Bytes: reserved in the Budget before the loader runs (Budget::Reserve may
+// evict, from this cache or its peers, outside every lock), adjusted to the
+// real size after (a real size over the whole budget is refused before any
+// eviction), returned on failure and when a record is unloaded. When a
+// record becomes evictable while the budget is over a shrunken capacity, the
+// budget evicts until usage is back within it (Budget::NotifyEvictable).
+//
+// Events: emitted after the state change they report, outside every lock; a
+// callback's exception is caught and counted, so it can never leave a lease
+// or a load half done.
+//
+// Invariants: CheckInvariants() verifies them all, and the stress and
+// property tests call it after every round and every step; the debug build
+// asserts the local ones (a lease count that stays >= 0, one order entry per
+// record, the state a transition starts from) where they change.
+//   I1. Every map record has the key it is filed under, lives in this shard
+//       and is not retired; its state is kLoading, kResident or kUnloading.
+//   I2. A record has exactly one order entry iff it is kResident or
+//       kUnloading in the map; the entry's key is <= the record's key.
+//   I3. Retired records are out of the map and the order; they hold leases,
+//       are being unloaded (kUnloading), or their unloader failed.
+//   I4. Bytes the budget holds for this cache = sum of resident, unloading
+//       and retired sizes + reservations of loads in flight.
+//   I5. No record with a lease is ever unloaded.
+//   I6. Aliases are one level deep: no alias target is an alias, and each
+//       alias slot in a shard map matches the alias table.
+//
+// Locking: shard mutexes are never nested and never held while user code
+// runs (loader, unloader, value deleter, event callback) or while the budget
+// evicts. The budget's mutex may be taken under a shard mutex (it is a leaf).
+// alias_mu_ comes before any shard mutex and is never taken under one.
+#ifndef MODELCACHE_SRC_CORE_CACHE_INTERNAL_H_
+#define MODELCACHE_SRC_CORE_CACHE_INTERNAL_H_
+
+#include <time.h>
+
+#include <algorithm>
+#include <atomic>
+#include <cstddef>
+#include <cstdint>
+#include <exception>
+#include <functional>
+#include <future>
+#include <memory>
+#include <optional>
+#include <string>
+#include <string_view>
+#include <unordered_map>
+#include <unordered_set>
+#include <vector>
+
+#include "absl/container/flat_hash_map.h"
+#include "eviction_order.h"
+#include "modelcache/base/mutex.h"
+#include "modelcache/core/budget.h"
+#include "modelcache/core/cache.h"
+#include "record.h"
+
+namespace modelcache::detail {
+
+// Reports a broken invariant and aborts: the books can no longer be trusted.
+[[noreturn]] void InvariantFailed(const char* what, const std::string& key);
+
+#define MC_INVARIANT(cond, what, key)                              \
+  do {                                                             \
+    if (!(cond)) ::modelcache::detail::InvariantFailed(what, key); \
+  } while (0)
+
+inline size_t HashKey(std::string_view key) {
+  return std::hash<std::string_view>{}(key);
+}
+
+// A key with its hash computed once: it picks the shard and then finds the
+// slot without hashing again.
+struct HashedKey {
+  explicit HashedKey(std::string_view k) : key(k), hash(HashKey(k)) {}
+  std::string_view key;
+  size_t hash;
+};
+
+struct KeyHash {
+  using is_transparent = void;
+  size_t operator()(std::string_view s) const { return HashKey(s); }
+  size_t operator()(const HashedKey& k) const { return k.hash; }
+};
+
+struct KeyEqual {
+  using is_transparent = void;
+  bool operator()(std::string_view a, std::string_view b) const {
+    return a == b;
+  }
+  bool operator()(const HashedKey& a, std::string_view b) const {
+    return a.key == b;
+  }
+  bool operator()(std::string_view a, const HashedKey& b) const {
+    return a == b.key;
+  }
+};
+
+// Last-use stamps need minutes-scale precision (idle TTLs), not the cost of
+// a precise clock read: the coarse monotonic clock is the same clock as
+// steady_clock on Linux at a few milliseconds' resolution.
+inline Clock::time_point CoarseNow() {
+#if defined(CLOCK_MONOTONIC_COARSE)
+  timespec ts;
+  clock_gettime(CLOCK_MONOTONIC_COARSE, &ts);
+  return Clock::time_point(std::chrono::duration_cast<Clock::duration>(
+      std::chrono::seconds(ts.tv_sec) + std::chrono::nanoseconds(ts.tv_nsec)));
+#else
+  return Clock::now();
+#endif
+}
+
+// Runs an unloader (which may be empty) outside every lock; returns its
+// exception, if it threw. The one place user unload code is called.
+inline std::exception_ptr CallUnloader(const std::function<void()>& unload) {
+  if (!unload) return nullptr;
+  try {
+    unload();
+  } catch (...) {
+    return std::current_exception();
+  }
+  return nullptr;
+}
+
+struct Slot {
+  std::shared_ptr<Record> record;  // null for an alias
+  std::string alias_of;
+};
+
+struct ShardCounters {
+  uint64_t misses = 0, refused = 0, loads = 0, load_failures = 0, evictions = 0,
+           expirations = 0, failed_unloads = 0, removals = 0, bytes_loaded = 0;
+  double load_seconds = 0;
+};
+
+// A hit locks `mu` and bumps `seq` and `hits`: they share the first cache
+// line, so a hit moves one shard line between cores, not three.
+struct alignas(64) Shard {
+  base::Mutex mu;
+  uint64_t seq MC_GUARDED_BY(mu) = 0;
+  uint64_t hits MC_GUARDED_BY(mu) = 0;
+  absl::flat_hash_map<std::string, Slot, KeyHash, KeyEqual> map
+      MC_GUARDED_BY(mu);
+  base::CondVar changed;  // a record of this shard changed state
+  EvictionOrder order MC_GUARDED_BY(mu);
+  std::unordered_map<Record*, std::shared_ptr<Record>> retired
+      MC_GUARDED_BY(mu);
+  ShardCounters counters MC_GUARDED_BY(mu);
+};
+
+class CacheCore final : public BudgetMember {
+ public:
+  explicit CacheCore(CacheOptions options);
+  ~CacheCore() override = default;
+
+  void Shutdown();
+
+  Lease Acquire(std::string_view key, uint64_t expected_bytes,
+                const Loader& loader, const AcquireOptions& options);
+  std::optional<Lease> Lookup(std::string_view key);
+  RemoveOutcome Remove(std::string_view key, Clock::time_point deadline,
+                       bool invalidate);
+  void SetPinned(std::string_view key, bool pinned);
+  void AddAlias(std::string_view alias, std::string_view canonical);
+  bool RemoveAlias(std::string_view alias);
+  std::string Resolve(std::string_view key);
+  size_t EvictExpired();
+  size_t Prune();
+  CacheStats Stats();
+  std::vector<EntryInfo> Entries();
+  std::optional<EntryInfo> Entry(std::string_view key);
+  uint64_t CheckInvariants();
+  void ReleaseLease(Record* record);
+
+  Budget& budget() { return *budget_; }
+  const std::string& name() const { return options_.name; }
+
+  // BudgetMember.
+  bool BestVictim(const std::unordered_set<uint64_t>& skip,
+                  VictimCandidate* out) override;
+  EvictOutcome TryEvict(const VictimCandidate& victim) override;
+  void DescribeHolders(std::vector<std::string>* out) override;
+  uint64_t UnevictableBytes() override;
+
+ private:
+  Shard& ShardFor(std::string_view key) {
+    return shards_[ShardIndex(HashKey(key))];
+  }
+  Shard& ShardFor(const HashedKey& key) {
+    return shards_[ShardIndex(key.hash)];
+  }
+  // High bits pick the shard; the map's buckets use the low ones.
+  size_t ShardIndex(size_t hash) const { return (hash >> 40) & shard_mask_; }
+  // Calls f(shard, index) for every shard in turn, each under its own mutex
+  // and never two at once (shard mutexes are never nested). `f` begins with
+  // shard.mu.AssertHeld(): the analysis cannot follow the lock into it.
+  template <typename F>
+  void ForEachShard(F&& f) {
+    for (size_t i = 0; i <= shard_mask_; ++i) {
+      Shard& shard = shards_[i];
+      base::MutexLock lock(&shard.mu);
+      f(shard, i);
+    }
+  }
+  Lease MakeLease(Record* record) { return Lease(this, record); }
+  Clock::time_point Now() const {
+    return options_.now ? options_.now() : CoarseNow();
+  }
+
+  // Resolves `key` through an alias, if it is one.
+  std::string_view Canonical(std::string_view key, std::string* storage);
+
+  static bool Evictable(const Record& r) {
+    return r.state == RecordState::kResident && !r.retired && r.leases == 0 &&
+           !r.pinned;
+  }
+  void TouchLocked(Shard& shard, Record* r, double hint = 0)
+      MC_REQUIRES(shard.mu);
+  void RetireLocked(Shard& shard, const std::shared_ptr<Record>& r)
+      MC_REQUIRES(shard.mu);
+
+  // Waits, up to `deadline`, until `rec` leaves its current state (a load
+  // or an unload in progress), counted among its waiters meanwhile. Takes
+  // its own reference: the map slot the caller found it in may be erased
+  // while this waits.
+  void WaitWhileBusy(Shard& shard, std::shared_ptr<Record> rec,
+                     Clock::time_point deadline, const char* what)
+      MC_REQUIRES(shard.mu);
+  Lease JoinLoad(Shard& shard, const std::shared_ptr<Record>& rec,
+                 const std::shared_future<void>& done,
+                 Clock::time_point deadline);
+  Lease LoadAsOwner(Shard& shard, const std::shared_ptr<Record>& rec,
+                    uint64_t expected_bytes, const Loader& loader,
+                    const AcquireOptions& options);
+  void FailLoad(Shard& shard, const std::shared_ptr<Record>& rec,
+                std::exception_ptr error, uint64_t reserved, bool loader_threw);
+
+  // Runs the unloader of `rec` (state kUnloading) and, on success, erases it
+  // and returns its bytes. Returns the unloader's exception on failure, in
+  // which case the record is kResident again at its old place.
+  std::exception_ptr UnloadResident(Shard& shard,
+                                    const std::shared_ptr<Record>& rec,
+                                    EventType reason);
+  // Unloads a retired record whose last lease ended.
+  void FreeRetired(Shard& shard, const std::shared_ptr<Record>& rec);
+  // Evicts `rec` if it is still evictable (and, for expiry, still idle).
+  EvictOutcome EvictIfEvictable(const std::shared_ptr<Record>& rec,
+                                EventType reason,
+                                Clock::time_point idle_before);
+
+  // A throwing callback must not unwind through the cache: the event is
+  // emitted after the state change it reports, and a lease or a load
+  // abandoned halfway would leave books nobody can fix.
+  void Emit(CacheEvent event) {
+    if (!options_.on_event) return;
+    try {
+      options_.on_event(event);
+    } catch (...) {
+      callback_errors_.fetch_add(1, std::memory_order_relaxed);
+    }
+  }
+  // Throws kFailedPrecondition if this thread is running `r`'s loader or
+  // unloader, which `what` would otherwise wait for forever.
+  void CheckNotOwnThread(const Record& r, const char* what) const;
+  bool Observed() const { return static_cast<bool>(options_.on_event); }
+
+  const CacheOptions options_;
+  const std::shared_ptr<Budget> budget_;
+  const std::shared_ptr<const EvictionPolicy> policy_;
+  const bool policy_monotone_;
+  const size_t shard_mask_;
+  std::unique_ptr<Shard[]> shards_;
+  std::atomic<bool> shut_down_{false};
+  std::atomic<uint64_t> callback_errors_{0};
+
+  // Alias mutations are serialised here so that the checks that keep
+  // aliases one level deep (no target is an alias, no alias is a target)
+  // and the insertion of the alias's slot happen as one step. Lock order:
+  // alias_mu_, then a shard mutex. Lookups never take it: they read the
+  // alias slots in the shard maps.
+  base::Mutex alias_mu_;
+  // alias -> canonical, and canonical -> its aliases.
+  absl::flat_hash_map<std::string, std::string> alias_target_
+      MC_GUARDED_BY(alias_mu_);
+  absl::flat_hash_map<std::string, std::vector<std::string>> aliases_of_
+      MC_GUARDED_BY(alias_mu_);
+};
+
+}  // namespace modelcache::detail
+
+#endif  // MODELCACHE_SRC_CORE_CACHE_INTERNAL_H_

@@ -22,6 +22,7 @@
 #include <thread>
 #include <unordered_map>
 
+#include "lease_pool.h"
 #include "modelcache/core/cache.h"
 
 namespace modelcache::replay {
@@ -665,8 +666,7 @@ RunResult Replay(const Trace& trace, const std::string& policy_name,
   // destroyed before it).
   using Held = std::pair<double, size_t>;
   std::priority_queue<Held, std::vector<Held>, std::greater<>> ends;
-  std::vector<Lease> slots;
-  std::vector<size_t> free_slots;
+  LeasePool held;
 
   constexpr size_t kSamples = 240;
   const int64_t t0 = n ? trace.requests.front().t_ms : 0;
@@ -679,8 +679,7 @@ RunResult Replay(const Trace& trace, const std::string& policy_name,
     const Request& request = trace.requests[i];
     while (!ends.empty() &&
            ends.top().first <= static_cast<double>(request.t_ms)) {
-      slots[ends.top().second].Release();
-      free_slots.push_back(ends.top().second);
+      held.Release(ends.top().second);
       ends.pop();
     }
     const uint64_t size = trace.sizes[request.model];
@@ -699,16 +698,8 @@ RunResult Replay(const Trace& trace, const std::string& policy_name,
         ++result.hits;
       }
       if (hold_ms > 0) {
-        size_t slot;
-        if (free_slots.empty()) {
-          slot = slots.size();
-          slots.emplace_back();
-        } else {
-          slot = free_slots.back();
-          free_slots.pop_back();
-        }
-        slots[slot] = std::move(lease);
-        ends.emplace(static_cast<double>(request.t_ms) + hold_ms, slot);
+        ends.emplace(static_cast<double>(request.t_ms) + hold_ms,
+                     held.Hold(std::move(lease)));
       }
     } catch (const Error& e) {
       ++result.misses;
@@ -733,7 +724,7 @@ RunResult Replay(const Trace& trace, const std::string& policy_name,
   result.seconds =
       std::chrono::duration<double>(std::chrono::steady_clock::now() - start)
           .count();
-  slots.clear();
+  held.Clear();
 
   const CacheStats stats = cache.Stats();
   result.bytes_loaded = stats.bytes_loaded;

@@ -58,6 +58,7 @@
 #include <queue>
 #include <unordered_map>
 
+#include "lease_pool.h"
 #include "modelcache/core/cache.h"
 #include "modelcache/tools/replay.h"
 
@@ -231,7 +232,7 @@ class Simulation {
 
   ~Simulation() {
     // Leases before the cache.
-    hold_leases_.clear();
+    holds_.Clear();
     for (auto& m : models_) m.load_lease.Release();
   }
 
@@ -305,8 +306,7 @@ class Simulation {
   double t_first_ = 0, t_last_ = 0;
   uint64_t seq_ = 0;
   std::priority_queue<Event, std::vector<Event>, std::greater<>> events_;
-  std::vector<Lease> hold_leases_;
-  std::vector<uint64_t> free_holds_;
+  LeasePool holds_;
 
   std::deque<uint32_t> demand_queue_;
   std::deque<uint32_t> prewarm_queue_;
@@ -429,8 +429,7 @@ void Simulation::HandleEvent(const Event& e) {
   const bool after_trace = now_ > t_last_;
   switch (e.type) {
     case EventType::kHoldEnd:
-      hold_leases_[e.arg].Release();
-      free_holds_.push_back(e.arg);
+      holds_.Release(e.arg);
       DropLease(e.model, /*request_ended=*/true);
       break;
     case EventType::kLatencyEnd:
@@ -561,16 +560,7 @@ void Simulation::TakeLease(uint32_t m, size_t request, Lease* given) {
     DropLease(m, /*request_ended=*/true);
     return;
   }
-  uint64_t slot;
-  if (free_holds_.empty()) {
-    slot = hold_leases_.size();
-    hold_leases_.emplace_back();
-  } else {
-    slot = free_holds_.back();
-    free_holds_.pop_back();
-  }
-  hold_leases_[slot] = std::move(lease);
-  Schedule(now_ + hold, EventType::kHoldEnd, m, slot);
+  Schedule(now_ + hold, EventType::kHoldEnd, m, holds_.Hold(std::move(lease)));
 }
 
 void Simulation::RecordIdle(ModelState& s, double idle_ms) {

@@ -1,0 +1,49 @@
+// Leases held for a while in trace time, by slot number, so that a min-heap
+// of (end time, slot) can release them in order. Shared by the untimed and
+// the timed replay.
+#ifndef MODELCACHE_TOOLS_LEASE_POOL_H_
+#define MODELCACHE_TOOLS_LEASE_POOL_H_
+
+#include <cstddef>
+#include <utility>
+#include <vector>
+
+#include "modelcache/core/cache.h"
+
+namespace modelcache::replay {
+
+class LeasePool {
+ public:
+  // Keeps `lease` and returns its slot; slots are reused once released.
+  size_t Hold(Lease lease) {
+    size_t slot;
+    if (free_.empty()) {
+      slot = leases_.size();
+      leases_.emplace_back();
+    } else {
+      slot = free_.back();
+      free_.pop_back();
+    }
+    leases_[slot] = std::move(lease);
+    return slot;
+  }
+
+  void Release(size_t slot) {
+    leases_[slot].Release();
+    free_.push_back(slot);
+  }
+
+  // Releases every lease still held. REQUIRES: before the cache goes.
+  void Clear() {
+    leases_.clear();
+    free_.clear();
+  }
+
+ private:
+  std::vector<Lease> leases_;
+  std::vector<size_t> free_;
+};
+
+}  // namespace modelcache::replay
+
+#endif  // MODELCACHE_TOOLS_LEASE_POOL_H_

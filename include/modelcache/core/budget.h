@@ -45,7 +45,8 @@ struct VictimCandidate {
 
 enum class EvictOutcome { kEvicted, kChanged, kUnloadFailed };
 
-// Implemented by caches (and by stores that hold bytes in a budget).
+// Implemented by every ModelCache on the budget (the host weight store and
+// the device caches are ModelCaches too).
 class BudgetMember {
  public:
   virtual ~BudgetMember() = default;

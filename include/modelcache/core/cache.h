@@ -230,8 +230,9 @@ class Lease {
 class ModelCache {
  public:
   explicit ModelCache(CacheOptions options);
-  // Unloads every resident record and returns its bytes to the budget, with
-  // or without a prior Shutdown().
+  // Unloads every resident and retired record and returns its bytes to the
+  // budget; there is no separate shutdown call to forget. Waits for a peer
+  // cache's eviction that is still unloading one of this cache's records.
   // REQUIRES: no lease is outstanding and no call is in progress.
   ~ModelCache();
   ModelCache(const ModelCache&) = delete;

@@ -22,8 +22,8 @@
 #include <thread>
 #include <unordered_map>
 
-#include "lease_pool.h"
 #include "modelcache/core/cache.h"
+#include "replay_internal.h"
 
 namespace modelcache::replay {
 namespace {
@@ -623,6 +623,12 @@ RunResult Replay(const Trace& trace, const std::string& policy_name,
     throw std::invalid_argument("unknown policy '" + policy_name +
                                 "' (known: " + PolicyNames() + ")");
   }
+  return ReplayUntimed(trace, std::move(policy), capacity_bytes, hold_ms);
+}
+
+RunResult ReplayUntimed(const Trace& trace,
+                        std::shared_ptr<const EvictionPolicy> policy,
+                        uint64_t capacity_bytes, double hold_ms) {
   const bool belady = !policy->monotone();
   const size_t n = trace.requests.size();
   RunResult result;

@@ -1,14 +1,16 @@
-// Leases held for a while in trace time, by slot number, so that a min-heap
-// of (end time, slot) can release them in order. Shared by the untimed and
-// the timed replay.
-#ifndef MODELCACHE_TOOLS_LEASE_POOL_H_
-#define MODELCACHE_TOOLS_LEASE_POOL_H_
+// What the untimed and the timed replay share: leases held for a while in
+// trace time, by slot number, so that a min-heap of (end time, slot) can
+// release them in order; and the untimed replay itself.
+#ifndef MODELCACHE_TOOLS_REPLAY_INTERNAL_H_
+#define MODELCACHE_TOOLS_REPLAY_INTERNAL_H_
 
 #include <cstddef>
+#include <memory>
 #include <utility>
 #include <vector>
 
 #include "modelcache/core/cache.h"
+#include "modelcache/tools/replay.h"
 
 namespace modelcache::replay {
 
@@ -44,6 +46,12 @@ class LeasePool {
   std::vector<size_t> free_;
 };
 
+// The untimed replay with a policy object (the time model's faascache, say)
+// rather than a name. Defined in replay.cc.
+RunResult ReplayUntimed(const Trace& trace,
+                        std::shared_ptr<const EvictionPolicy> policy,
+                        uint64_t capacity_bytes, double hold_ms);
+
 }  // namespace modelcache::replay
 
-#endif  // MODELCACHE_TOOLS_LEASE_POOL_H_
+#endif  // MODELCACHE_TOOLS_REPLAY_INTERNAL_H_

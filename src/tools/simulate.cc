@@ -58,9 +58,9 @@
 #include <queue>
 #include <unordered_map>
 
-#include "lease_pool.h"
 #include "modelcache/core/cache.h"
 #include "modelcache/tools/replay.h"
+#include "replay_internal.h"
 
 namespace modelcache::replay {
 namespace {
@@ -882,7 +882,7 @@ RunResult Replay(const Trace& trace, const std::string& policy_name,
   const bool plain = spec.ttl_ms == 0 && !spec.histogram;
   if (!options.timed && plain && options.prewarms.empty() &&
       trace.hold_ms.empty()) {
-    return Replay(trace, policy_name, capacity_bytes, options.hold_ms);
+    return ReplayUntimed(trace, spec.eviction, capacity_bytes, options.hold_ms);
   }
   RunResult result;
   result.policy = policy_name;

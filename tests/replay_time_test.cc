@@ -45,6 +45,7 @@ TEST(TimedReplay, OneModelOneSlotWaitsLatencyPlusTransfer) {
   EXPECT_DOUBLE_EQ(r.wait_ms.max, 1100);
   EXPECT_DOUBLE_EQ(r.wait_ms.p50, 0);  // nearest rank: the hit
   EXPECT_DOUBLE_EQ(r.load_seconds, 1.1);
+  EXPECT_EQ(r.load_queue_peak, 0u);  // it started at once: never queued
   // Busy for 1100 ms of the 5000 ms trace.
   EXPECT_DOUBLE_EQ(r.disk_busy_ratio, 1100.0 / 5000);
 }

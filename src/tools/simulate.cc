@@ -279,6 +279,9 @@ class Simulation {
   // ---- loads ----
   void Enqueue(uint32_t m);
   void StartLoads();
+  // Counts the queue's length once the loads that could start have started:
+  // a load that starts at once never waited in the queue.
+  void NoteQueue();
   bool StartLoad(uint32_t m, bool prewarm);
   void EnterTransfer(uint32_t m);
   void CompleteLoad(uint32_t m);
@@ -420,6 +423,7 @@ void Simulation::RunUntil(double t) {
       HandleEvent(e);
     }
     StartLoads();
+    NoteQueue();
   }
 }
 
@@ -641,10 +645,12 @@ void Simulation::Arrive(size_t i) {
 void Simulation::Enqueue(uint32_t m) {
   models_[m].state = State::kQueued;
   demand_queue_.push_back(m);
-  bin_queue_max_ =
-      std::max(bin_queue_max_, static_cast<uint32_t>(demand_queue_.size()));
-  result_.load_queue_peak =
-      std::max<uint64_t>(result_.load_queue_peak, demand_queue_.size());
+}
+
+void Simulation::NoteQueue() {
+  const uint32_t queued = static_cast<uint32_t>(demand_queue_.size());
+  bin_queue_max_ = std::max(bin_queue_max_, queued);
+  result_.load_queue_peak = std::max<uint64_t>(result_.load_queue_peak, queued);
 }
 
 bool Simulation::CancelOnePrewarm() {
@@ -855,6 +861,7 @@ void Simulation::Run() {
     RunUntil(static_cast<double>(requests[i].t_ms));
     Arrive(i);
     StartLoads();
+    NoteQueue();
   }
   RunUntil(kInf);
   result_.bins.resize(bin_);

@@ -1,6 +1,7 @@
 // The test kit shared by the core suites (and the layers above that run a
 // cache): fake models and counting loaders, waits on observable state (never
-// on time), acquire options, and gtest printers for the cache's records.
+// on time), acquire options, gtest printers for the cache's records, and test
+// files and directories.
 #ifndef MODELCACHE_TESTS_TEST_UTIL_H_
 #define MODELCACHE_TESTS_TEST_UTIL_H_
 
@@ -186,7 +187,7 @@ class Gate {
 
 // Spins (yielding, never sleeping) until `condition` holds. Synchronises on
 // state the test can observe; the bound only turns a hang into a failure
-// that names `what` was awaited.
+// naming `what`.
 inline void SpinUntil(const std::function<bool()>& condition,
                       const char* what) {
   const auto give_up =

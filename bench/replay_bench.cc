@@ -8,7 +8,7 @@
 #include <string>
 #include <vector>
 
-#include "modelcache/tools/replay.h"
+#include "modelcache/replay/replay.h"
 
 namespace {
 

@@ -1,7 +1,7 @@
 // modelcache replay: trace formats, their errors, and the replay semantics
 // (exact LRU, Belady's optimality on equal sizes, held leases), plus the
 // command line's contract on bad input.
-#include "modelcache/tools/replay.h"
+#include "modelcache/replay/replay.h"
 
 #include <sys/wait.h>
 

@@ -9,7 +9,7 @@
 
 #include "gmock/gmock.h"
 #include "gtest/gtest.h"
-#include "modelcache/tools/replay.h"
+#include "modelcache/replay/replay.h"
 
 namespace modelcache::replay {
 namespace {

@@ -20,7 +20,7 @@
 
 #include "CLI/CLI.hpp"
 #include "inspect_command.h"
-#include "modelcache/tools/replay.h"
+#include "modelcache/replay/replay.h"
 
 namespace {
 

@@ -6,8 +6,8 @@
 // and reports hits, misses, bytes loaded again and evictions. Requests are
 // served one at a time; each lease ends before the next request unless a
 // hold time keeps it for that long in trace time.
-#ifndef MODELCACHE_TOOLS_REPLAY_H_
-#define MODELCACHE_TOOLS_REPLAY_H_
+#ifndef MODELCACHE_REPLAY_REPLAY_H_
+#define MODELCACHE_REPLAY_REPLAY_H_
 
 #include <cstdint>
 #include <functional>
@@ -241,4 +241,4 @@ std::string HtmlReport(const Trace& trace, const std::string& title,
 
 }  // namespace modelcache::replay
 
-#endif  // MODELCACHE_TOOLS_REPLAY_H_
+#endif  // MODELCACHE_REPLAY_REPLAY_H_

@@ -7,7 +7,7 @@
 #include <numeric>
 #include <sstream>
 
-#include "modelcache/tools/replay.h"
+#include "modelcache/replay/replay.h"
 #include "nlohmann/json.hpp"
 
 namespace modelcache::replay {

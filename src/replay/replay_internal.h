@@ -1,8 +1,8 @@
 // What the untimed and the timed replay share: leases held for a while in
 // trace time, by slot number, so that a min-heap of (end time, slot) can
 // release them in order; and the untimed replay itself.
-#ifndef MODELCACHE_TOOLS_REPLAY_INTERNAL_H_
-#define MODELCACHE_TOOLS_REPLAY_INTERNAL_H_
+#ifndef MODELCACHE_REPLAY_REPLAY_INTERNAL_H_
+#define MODELCACHE_REPLAY_REPLAY_INTERNAL_H_
 
 #include <cstddef>
 #include <memory>
@@ -10,7 +10,7 @@
 #include <vector>
 
 #include "modelcache/core/cache.h"
-#include "modelcache/tools/replay.h"
+#include "modelcache/replay/replay.h"
 
 namespace modelcache::replay {
 
@@ -54,4 +54,4 @@ RunResult ReplayUntimed(const Trace& trace,
 
 }  // namespace modelcache::replay
 
-#endif  // MODELCACHE_TOOLS_REPLAY_INTERNAL_H_
+#endif  // MODELCACHE_REPLAY_REPLAY_INTERNAL_H_

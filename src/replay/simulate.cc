@@ -59,7 +59,7 @@
 #include <unordered_map>
 
 #include "modelcache/core/cache.h"
-#include "modelcache/tools/replay.h"
+#include "modelcache/replay/replay.h"
 #include "replay_internal.h"
 
 namespace modelcache::replay {

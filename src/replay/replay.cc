@@ -5,7 +5,7 @@
 // records that it ran, so a request is a hit exactly when the loader did not
 // run. Held leases (--hold-ms) live in a min-heap by end time and are
 // released before the first request at or after that time.
-#include "modelcache/tools/replay.h"
+#include "modelcache/replay/replay.h"
 
 #include <algorithm>
 #include <atomic>

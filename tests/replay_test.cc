@@ -76,9 +76,9 @@ TEST(ParseDurationMs, AcceptsMillisecondsSecondsMinutesAndHours) {
   EXPECT_EQ(ParseDurationMs("10m"), 600000);
   EXPECT_EQ(ParseDurationMs("2h"), 7200000);
   EXPECT_EQ(ParseDurationMs("250"), 250);
-  EXPECT_THROW(ParseDurationMs("-1s"), std::invalid_argument);
-  EXPECT_THROW(ParseDurationMs("xm"), std::invalid_argument);
-  EXPECT_THROW(ParseDurationMs("5 days"), std::invalid_argument);
+  EXPECT_THROW(ParseDurationMs("-1s"), Error);
+  EXPECT_THROW(ParseDurationMs("xm"), Error);
+  EXPECT_THROW(ParseDurationMs("5 days"), Error);
 }
 
 TEST(CsvTrace, ReadsRequestsSizesAndIgnoresOtherColumns) {
@@ -338,7 +338,8 @@ TEST(Replay, UnknownPolicyIsAClearError) {
   try {
     Replay(trace, "fifo", 10);
     FAIL();
-  } catch (const std::invalid_argument& e) {
+  } catch (const Error& e) {
+    EXPECT_EQ(e.code(), ErrorCode::kInvalidArgument);
     EXPECT_THAT(e.what(), HasSubstr("unknown policy 'fifo'"));
   }
 }

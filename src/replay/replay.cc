@@ -44,8 +44,9 @@ RunResult Replay(const Trace& trace, const std::string& policy_name,
                  uint64_t capacity_bytes, double hold_ms) {
   auto policy = PolicyByName(policy_name);
   if (!policy) {
-    throw std::invalid_argument("unknown policy '" + policy_name +
-                                "' (known: " + PolicyNames() + ")");
+    throw Error(
+        ErrorCode::kInvalidArgument,
+        "unknown policy '" + policy_name + "' (known: " + PolicyNames() + ")");
   }
   return ReplayUntimed(trace, std::move(policy), capacity_bytes, hold_ms);
 }

@@ -99,14 +99,15 @@ PolicySpec ParsePolicy(const std::string& name, const TimeModel& time) {
         (arg.back() == 'm' || arg.back() == 's' || arg.back() == 'h')) {
       try {
         ms = ParseDurationMs(arg);
-      } catch (const std::invalid_argument&) {
+      } catch (const Error&) {
         ms = -1;
       }
     }
     if (!(ms > 0)) {
-      throw std::invalid_argument("unknown policy '" + name +
-                                  "': ttl takes a positive duration with a "
-                                  "unit, as in ttl-10m, ttl-90s or ttl-1h");
+      throw Error(ErrorCode::kInvalidArgument,
+                  "unknown policy '" + name +
+                      "': ttl takes a positive duration with a "
+                      "unit, as in ttl-10m, ttl-90s or ttl-1h");
     }
     spec.eviction = NewLruPolicy();
     spec.ttl_ms = ms;
@@ -130,8 +131,8 @@ PolicySpec ParsePolicy(const std::string& name, const TimeModel& time) {
   }
   spec.eviction = PolicyByName(name);
   if (!spec.eviction) {
-    throw std::invalid_argument("unknown policy '" + name +
-                                "' (known: " + PolicyNames() + ")");
+    throw Error(ErrorCode::kInvalidArgument,
+                "unknown policy '" + name + "' (known: " + PolicyNames() + ")");
   }
   return spec;
 }

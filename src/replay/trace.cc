@@ -143,8 +143,9 @@ double ParseDurationMs(std::string_view text) {
       if (unit == name) return value * factor;
     }
   }
-  throw std::invalid_argument("not a duration: '" + std::string(text) +
-                              "' (use a number with ms, s, m or h)");
+  throw Error(ErrorCode::kInvalidArgument,
+              "not a duration: '" + std::string(text) +
+                  "' (use a number with ms, s, m or h)");
 }
 
 SizeTable ReadSizes(const std::string& path) {

@@ -53,10 +53,10 @@ TEST_F(HostStoreTest, TwoHoldersShareOneCopyFreedOnlyWhenTheLastLetsGo) {
   EXPECT_EQ(store.budget().used(), 4096u);  // counted once
 
   EXPECT_TRUE(device0.Release(w0));
-  EXPECT_EQ(store.Trim(), 0u);  // device1 still holds it
+  EXPECT_EQ(store.Prune(), 0u);  // device1 still holds it
   EXPECT_EQ(store.budget().used(), 4096u);
   EXPECT_TRUE(device1.Release(w1));
-  EXPECT_EQ(store.Trim(), 1u);
+  EXPECT_EQ(store.Prune(), 1u);
   EXPECT_EQ(store.budget().used(), 0u);
 }
 
@@ -85,7 +85,7 @@ TEST_F(HostStoreTest, HolderDestroyedWithoutShutdownReturnsEveryReference) {
     EXPECT_EQ(dropped.held(), 3u);
   }  // no ReleaseAll()
   // Only the survivor's reference is left: b is unreferenced and goes.
-  EXPECT_EQ(store.Trim(), 1u);
+  EXPECT_EQ(store.Prune(), 1u);
   EXPECT_EQ(store.budget().used(), 4096u);
   auto entry = store.cache().Entry(HostWeightStore::IdentityKey(a));
   ASSERT_TRUE(entry.has_value());
@@ -98,7 +98,7 @@ TEST_F(HostStoreTest, EvictionThenLaterReleaseIsExactlyOnce) {
   HostWeightHolder holder(store);
   const WeightSet& weights = holder.Acquire(path);
   EXPECT_TRUE(holder.Release(weights));
-  EXPECT_EQ(store.Trim(), 1u);  // evicted
+  EXPECT_EQ(store.Prune(), 1u);  // evicted
   EXPECT_EQ(store.budget().used(), 0u);
   EXPECT_FALSE(holder.Release(weights));  // a second release does nothing
   EXPECT_EQ(store.budget().used(), 0u);
@@ -211,7 +211,7 @@ TEST_F(HostStoreTest, EightThreadsTimesTwoHundredAcquireReleaseStayConsistent) {
   for (const EntryInfo& e : store.cache().Entries()) EXPECT_EQ(e.leases, 0);
   EXPECT_LE(store.budget().high_water(), kCapacity);
   EXPECT_GT(store.Stats().evictions, 0u);
-  store.Trim();
+  store.Prune();
   EXPECT_EQ(store.budget().used(), 0u);
 }
 

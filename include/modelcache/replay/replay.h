@@ -19,14 +19,16 @@
 #include <vector>
 
 #include "modelcache/base/bytes.h"
+#include "modelcache/base/errors.h"
 #include "modelcache/core/cache.h"
 
 namespace modelcache::replay {
 
 // A bad trace or sizes file: the message names the file and the line.
-class TraceError : public std::runtime_error {
+class TraceError : public Error {
  public:
-  using std::runtime_error::runtime_error;
+  explicit TraceError(const std::string& message)
+      : Error(ErrorCode::kInvalidData, message) {}
 };
 
 struct Request {
@@ -52,7 +54,7 @@ using ::modelcache::ParseBytes;  // throws Error kInvalidArgument
 SizeTable ReadSizes(const std::string& path);
 
 // "100ms", "2s", "10m", "1.5h", or a bare number of milliseconds. Throws
-// std::invalid_argument on anything else, negative values included.
+// Error kInvalidArgument on anything else, negative values included.
 double ParseDurationMs(std::string_view text);
 
 // A CSV whose header names at least `t_ms` and `model`, optionally
@@ -187,7 +189,7 @@ struct RunResult {
 };
 
 // One replay through a fresh cache. `policy` is a PolicyByName name.
-// Throws std::invalid_argument for an unknown policy.
+// Throws Error kInvalidArgument for an unknown policy.
 // This is the untimed replay; see the overload below for the time model.
 RunResult Replay(const Trace& trace, const std::string& policy,
                  uint64_t capacity_bytes, double hold_ms = 0);
@@ -196,7 +198,7 @@ RunResult Replay(const Trace& trace, const std::string& policy,
 // untimed replay when !options.timed. Policies: PolicyByName's names, plus
 // ttl-<N>m (LRU with an N-minute idle keep-alive; s and h also work),
 // faascache, hybrid-histogram and gdsf-prewarm (PolicyNames lists them).
-// Throws std::invalid_argument for an unknown policy.
+// Throws Error kInvalidArgument for an unknown policy.
 RunResult Replay(const Trace& trace, const std::string& policy,
                  uint64_t capacity_bytes, const ReplayOptions& options);
 

@@ -1,0 +1,46 @@
+// `modelcache replay [TRACE] [options]`: predict a request mix under budgets.
+//
+// With no TRACE, replays an embedded default: a generated model zoo and an
+// eight-hour request trace, several policies and capacities, and writes an
+// HTML report. The flags are those of the command line, as parsed there.
+#ifndef MODELCACHE_TOOLS_REPLAY_COMMAND_H_
+#define MODELCACHE_TOOLS_REPLAY_COMMAND_H_
+
+#include <cstdint>
+#include <string>
+#include <vector>
+
+namespace modelcache::tools {
+
+struct ReplayFlags {
+  std::string trace;
+  std::string format = "csv";
+  std::string sizes;
+  uint32_t models = 0;
+  std::vector<std::string> policies;
+  std::vector<std::string> capacities;
+  double hold_ms = 0;
+  bool no_time = false;
+  std::string load_bandwidth = "2GB/s";
+  std::string load_latency = "100ms";
+  uint32_t load_slots = 4;
+  std::string max_wait;
+  std::string arrivals = "even";
+  std::string memory;
+  double memory_scale = 1;
+  std::string durations;
+  double slo_ms = 1000;
+  bool json = false;
+  std::string report;
+  uint64_t seed = 42;
+  unsigned threads = 0;
+};
+
+// Runs the subcommand; returns the exit status. Prints the table (or JSON)
+// on stdout. Throws modelcache::Error (kInvalidArgument for a bad flag,
+// TraceError for a bad trace, kIo when the report cannot be written).
+int RunReplay(ReplayFlags flags);
+
+}  // namespace modelcache::tools
+
+#endif  // MODELCACHE_TOOLS_REPLAY_COMMAND_H_

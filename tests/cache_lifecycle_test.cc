@@ -1,6 +1,7 @@
-// One serialised lifecycle per resolved key: the scenarios of seed 002
-// (per-model lock generations, waiter/newcomer races, rollback of failed
-// removals and evictions) and the single-flight contract.
+// One serialised lifecycle per resolved key: the scenarios of Roboflow
+// inference's ModelManager bug (per-model lock generations, waiter/newcomer
+// races, rollback of failed removals and evictions) and the single-flight
+// contract.
 //
 // Every schedule is driven by gates inside loaders and unloaders and by
 // waiting for observable state (EntryInfo::waiters), never by sleeping.

@@ -1,7 +1,7 @@
 // The host weight store: one canonical copy per file shared by every holder,
 // counted once, returned exactly once, and returned in full when a holder
 // goes away without shutting down (the InvokeAI SharedCpuWeightsStore
-// scenarios, seed 000).
+// scenarios).
 #include "modelcache/weights/host_store.h"
 
 #include <unistd.h>

@@ -3,8 +3,10 @@
 // A policy maps an entry's access history to a priority; the cache evicts the
 // lowest priority first, ties broken by access order. The cache keeps its
 // eviction order lazily (a touched entry is re-sorted only when it reaches the
-// front), which is exact because priorities never decrease: see
-// EvictionPolicy::Priority.
+// front), which is exact for a policy whose priorities never decrease (see
+// EvictionPolicy::Priority). A policy whose priorities may decrease, such as
+// Belady's, says so through monotone(), and the cache then re-sorts an entry
+// on every access instead.
 #ifndef MODELCACHE_CORE_POLICY_H_
 #define MODELCACHE_CORE_POLICY_H_
 

@@ -429,27 +429,9 @@ class ReferenceModel {
       }
     }
   }
+  // Budget::EvictToCapacity: the same walk, until usage fits the capacity.
   uint64_t EvictToCapacity() {
-    if (used > capacity) {
-      std::set<uint64_t> skip;
-      while (used > capacity) {
-        ModelRecord* victim = nullptr;
-        for (auto& [k, r] : resident) {
-          if (Evictable(r) && !skip.count(r.id) &&
-              (!victim || r.touched < victim->touched)) {
-            victim = &r;
-          }
-        }
-        if (!victim) break;
-        if (TryUnload(*victim)) {
-          used -= victim->bytes;
-          ++stats.evictions;
-          resident.erase(victim->key);
-        } else {
-          skip.insert(victim->id);
-        }
-      }
-    }
+    MakeRoom(0);
     return used > capacity ? used - capacity : 0;
   }
   size_t EvictExpired() {

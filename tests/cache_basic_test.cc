@@ -534,7 +534,8 @@ TEST_F(CacheBasicTest, PinPreventsEvictionAndUnpinAllowsIt) {
 TEST_F(CacheBasicTest, AliasesShareTheCanonicalRecord) {
   ModelCache cache(Options(1000));
   cache.AddAlias("latest", "model-v1");
-  // An alias alone is not a record (Roboflow inference tracked aliases that were never loaded).
+  // An alias alone is not a record (Roboflow inference tracked aliases that
+  // were never loaded).
   EXPECT_THAT(cache.Entries(), IsEmpty());
   EXPECT_EQ(cache.Stats().resident_entries, 0u);
   EXPECT_EQ(cache.Resolve("latest"), "model-v1");

@@ -19,8 +19,8 @@ struct FakeModel {
 
 int main() {
   constexpr uint64_t kMiB = uint64_t{1} << 20;
-  modelcache::ModelCache cache({.name = "consumer",
-                                .capacity_bytes = 64 * kMiB});
+  modelcache::ModelCache cache(
+      {.name = "consumer", .capacity_bytes = 64 * kMiB});
   int loads = 0;
   auto load = [&] {
     ++loads;

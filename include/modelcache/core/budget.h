@@ -5,9 +5,11 @@
 // room, the budget evicts the lowest-priority evictable record among all its
 // members, whichever cache holds it.
 //
-// Locking: the budget's mutex is a leaf. A member may call Release or
-// NotifyEvictable while holding its own locks; the budget never calls a
-// member while holding its mutex, so no lock-order inversion is possible.
+// Locking: the budget's mutex is a leaf, and the budget never calls a member
+// while holding it, so no lock-order inversion is possible. A member may call
+// Release while holding its own locks. Reserve, SetCapacity and
+// NotifyEvictable may evict (call members and their unloaders), so a member
+// calls them with none of its locks held.
 #ifndef MODELCACHE_CORE_BUDGET_H_
 #define MODELCACHE_CORE_BUDGET_H_
 

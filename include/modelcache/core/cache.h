@@ -114,10 +114,10 @@ struct CacheOptions {
   // Eviction order; LRU when null.
   std::shared_ptr<const EvictionPolicy> policy;
   // Records unleased for longer than this are evicted by EvictExpired(),
-  // which every miss also runs. A record's idle time counts from the later
-  // of its last acquire and the end of its last lease, so a model held for
-  // longer than the TTL is not expired the moment it is released. Zero
-  // disables it.
+  // which every miss also runs. A record's idle time counts from the end of
+  // its last lease (every acquire holds one), so a model held for longer
+  // than the TTL is not expired the moment it is released. Zero disables
+  // it.
   std::chrono::nanoseconds idle_ttl{0};
   // Time source for idle_ttl and last-use stamps. When empty, the coarse
   // monotonic clock (the steady_clock's clock, read at a few milliseconds'

@@ -10,6 +10,7 @@ packages=(
   nlohmann-json3-dev libcli11-dev
   libabsl-dev
   librocksdb-dev libleveldb-dev
+  python3-dev pybind11-dev python3-pytest python3-numpy python3-torch
 )
 
 missing=()

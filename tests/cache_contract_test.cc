@@ -4,7 +4,8 @@
 // whole budget is too large, byte arithmetic never wraps, a throwing event
 // callback changes nothing, a loader cannot wait for itself, releasing the
 // last over-capacity lease brings usage back within capacity, and an acquire
-// after Invalidate never receives the stale load.
+// after Invalidate never receives the stale load, and a blocked call can be
+// interrupted by its caller (AcquireOptions::interrupt).
 //
 // Every test here failed on the code before its fix (a wrong result, an
 // abort, or a hang that ctest's timeout turns into a failure).
@@ -456,6 +457,163 @@ TEST(CacheContract, AcquireAfterInvalidateWaitsForTheStaleLoadThenLoadsAfresh) {
   EXPECT_EQ(cache.Stats().loads, 2u);
   EXPECT_EQ(cache.budget().used(), 10u) << "the stale copy is freed";
   EXPECT_EQ(cache.CheckInvariants(), 10u);
+}
+
+// ---- 10. A blocked call can be interrupted (AcquireOptions::interrupt). ----
+
+struct Interrupted {};
+
+// Options whose check throws once `fire` is set, counting its calls.
+AcquireOptions InterruptibleOnce(std::atomic<bool>* fire,
+                                 std::atomic<int>* checks) {
+  AcquireOptions options;
+  options.interrupt.every = std::chrono::milliseconds(1);
+  options.interrupt.check = [fire, checks] {
+    ++*checks;
+    if (fire->load()) throw Interrupted{};
+  };
+  return options;
+}
+
+TEST(CacheContract, InterruptEndsAWaitForAnotherLoadWhichGoesOn) {
+  ModelCache cache({.capacity_bytes = 100});
+  Gate gate;
+  std::atomic<int> loads{0};
+  std::thread owner([&] {
+    Lease lease = cache.Acquire("k", 10, [&] {
+      gate.Pass();
+      ++loads;
+      return Loaded{std::make_shared<FakeModel>("k", 1), 10};
+    });
+    EXPECT_EQ(lease.key(), "k");
+  });
+  testing::SpinUntil([&] { return cache.Entry("k").has_value(); }, "loading");
+  std::atomic<bool> fire{false};
+  std::atomic<int> checks{0};
+  std::thread waiter([&] {
+    EXPECT_THROW(cache.Acquire("k", 10, SimpleLoader("k", 10),
+                               InterruptibleOnce(&fire, &checks)),
+                 Interrupted);
+  });
+  testing::SpinUntil([&] { return testing::WaitersOn(cache, "k") == 1; },
+                     "the waiter joined");
+  // The check runs while the waiter is blocked, and only then fires.
+  testing::SpinUntil([&] { return checks.load() >= 2; }, "checks ran");
+  fire = true;
+  waiter.join();
+  EXPECT_EQ(testing::WaitersOn(cache, "k"), 0);
+  gate.Open();  // the load goes on for its owner
+  owner.join();
+  EXPECT_EQ(loads.load(), 1);
+  EXPECT_EQ(cache.Stats().loads, 1u);
+  EXPECT_EQ(cache.Stats().resident_bytes, 10u);
+  cache.CheckInvariants();
+}
+
+TEST(CacheContract, InterruptEndsAWaitForCapacityAndReservesNothing) {
+  ModelCache cache({.capacity_bytes = 100});
+  Lease held = cache.Acquire("big", 80, SimpleLoader("big", 80));
+  std::atomic<bool> fire{false};
+  std::atomic<int> checks{0};
+  AcquireOptions options = InterruptibleOnce(&fire, &checks);
+  options.when_full = WhenFull::kWait;
+  std::atomic<int> calls{0};
+  std::thread waiter([&] {
+    EXPECT_THROW(
+        cache.Acquire("small", 40, SimpleLoader("small", 40, &calls), options),
+        Interrupted);
+  });
+  testing::SpinUntil([&] { return checks.load() >= 2; },
+                     "the acquire waits for capacity");
+  EXPECT_EQ(cache.budget().waiters(), 1);
+  fire = true;
+  waiter.join();
+  EXPECT_EQ(calls.load(), 0);
+  EXPECT_EQ(cache.budget().used(), 80u);
+  EXPECT_EQ(cache.budget().waiters(), 0);
+  EXPECT_FALSE(cache.Entry("small").has_value());
+  held.Release();
+  // Nothing of the interrupted call stayed behind: the next acquire loads.
+  EXPECT_EQ(
+      cache.Acquire("small", 40, SimpleLoader("small", 40, &calls)).bytes(),
+      40u);
+  EXPECT_EQ(calls.load(), 1);
+  EXPECT_EQ(cache.CheckInvariants(), cache.budget().used());
+}
+
+TEST(CacheContract, InterruptEndsAWaitForAnUnload) {
+  ModelCache cache({.capacity_bytes = 100});
+  Gate gate;
+  std::atomic<bool> unloading{false};
+  cache.Prefetch("k", 10, SimpleLoader("k", 10, nullptr, [&] {
+                   unloading = true;
+                   gate.Pass();
+                 }));
+  std::thread remover(
+      [&] { EXPECT_EQ(cache.Remove("k"), RemoveOutcome::kRemoved); });
+  testing::SpinUntil([&] { return unloading.load(); }, "unloading");
+  std::atomic<bool> fire{true};
+  std::atomic<int> checks{0};
+  EXPECT_THROW(cache.Acquire("k", 10, SimpleLoader("k", 10),
+                             InterruptibleOnce(&fire, &checks)),
+               Interrupted);
+  EXPECT_EQ(checks.load(), 1);
+  gate.Open();
+  remover.join();
+  EXPECT_FALSE(cache.Entry("k").has_value());
+  cache.CheckInvariants();
+}
+
+TEST(CacheContract, InterruptCheckNeverRunsWhenNothingBlocks) {
+  ModelCache cache({.capacity_bytes = 100});
+  std::atomic<bool> fire{true};
+  std::atomic<int> checks{0};
+  const AcquireOptions options = InterruptibleOnce(&fire, &checks);
+  cache.Acquire("k", 10, SimpleLoader("k", 10), options).Release();  // miss
+  cache.Acquire("k", 10, SimpleLoader("k", 10), options).Release();  // hit
+  EXPECT_EQ(checks.load(), 0);
+}
+
+// ---- 11. User code's state is dropped outside the cache's locks. ----
+
+// A shared_ptr whose deleter calls into `cache`: dropped under one of the
+// cache's locks, it deadlocks (as a language binding's deleter does when it
+// waits for its interpreter's lock held by a thread waiting for the cache).
+std::shared_ptr<void> CallsBackWhenDropped(ModelCache& cache) {
+  return std::shared_ptr<void>(new int(0), [&cache](void* p) {
+    (void)cache.Stats();
+    delete static_cast<int*>(p);
+  });
+}
+
+TEST(CacheContract, AWaiterForAnUnloadNeverDropsUserStateUnderALock) {
+  // An acquire that waited for an unload may hold the last reference to the
+  // unloaded record. Before the fix the unloader (and whatever it owned)
+  // was destroyed with that record, under the shard lock: a hang here.
+  ModelCache cache({.capacity_bytes = 100, .shard_bits = 0});
+  for (int round = 0; round < 300; ++round) {
+    Gate gate;
+    std::atomic<bool> unloading{false};
+    cache.Prefetch("k", 10, [&] {
+      std::shared_ptr<void> owned_by_unloader = CallsBackWhenDropped(cache);
+      return Loaded{CallsBackWhenDropped(cache), 10,
+                    [&unloading, &gate, owned_by_unloader] {
+                      unloading = true;
+                      gate.Pass();
+                    }};
+    });
+    std::thread remover([&] { cache.Remove("k"); });
+    testing::SpinUntil([&] { return unloading.load(); }, "unloading");
+    std::thread waiter(
+        [&] { cache.Acquire("k", 10, SimpleLoader("k", 10)).Release(); });
+    testing::SpinUntil([&] { return testing::WaitersOn(cache, "k") == 1; },
+                       "the acquire waits for the unload");
+    gate.Open();
+    remover.join();
+    waiter.join();
+    ASSERT_EQ(cache.Remove("k"), RemoveOutcome::kRemoved);
+  }
+  cache.CheckInvariants();
 }
 
 }  // namespace

@@ -117,7 +117,9 @@ std::string Budget::HoldersMessage() {
 
 void Budget::Reserve(uint64_t bytes, WhenFull when_full,
                      std::chrono::steady_clock::time_point deadline,
-                     uint64_t already_reserved) {
+                     uint64_t already_reserved,
+                     const WaitInterrupt* interrupt) {
+  const bool interruptible = interrupt != nullptr && interrupt->check;
   std::unordered_set<uint64_t> skip;  // victims whose unload failed
   bool registered = false;
   auto leave = [&] {
@@ -168,15 +170,35 @@ void Budget::Reserve(uint64_t bytes, WhenFull when_full,
                       HoldersMessage());
     }
     bool timed_out = false;
+    bool check_interrupt = false;
     {
       base::MutexLock lock(&mu_);
       while (change_count_ == seen_changes) {
-        if (!changed_.WaitUntil(&mu_, deadline) &&
-            change_count_ == seen_changes) {
-          timed_out = true;
+        // An interruptible wait wakes every `every` to run the check, which
+        // must run without the budget's lock.
+        const auto wake =
+            interruptible
+                ? std::min(deadline,
+                           std::chrono::steady_clock::now() + interrupt->every)
+                : deadline;
+        if (!changed_.WaitUntil(&mu_, wake) && change_count_ == seen_changes) {
+          if (wake < deadline) {
+            check_interrupt = true;
+          } else {
+            timed_out = true;
+          }
           break;
         }
       }
+    }
+    if (check_interrupt) {
+      try {
+        interrupt->check();
+      } catch (...) {
+        leave();
+        throw;
+      }
+      continue;  // look again: room may have appeared meanwhile
     }
     if (timed_out) {
       leave();

@@ -85,6 +85,10 @@
 //   I5. No record with a lease is ever unloaded.
 //   I6. Aliases are one level deep: no alias target is an alias, and each
 //       alias slot in a shard map matches the alias table.
+//   I7. User-owned state (the value, the unloader) leaves a record under
+//       the shard lock and is dropped after it. A record itself may be
+//       dropped by whichever holder is last, even under a lock, so it must
+//       hold nothing whose destructor is user code by then.
 //
 // Locking: shard mutexes are never nested and never held while user code
 // runs (loader, unloader, value deleter, event callback) or while the budget
@@ -281,16 +285,18 @@ class CacheCore final : public BudgetMember {
   void RetireLocked(Shard& shard, const std::shared_ptr<Record>& r)
       MC_REQUIRES(shard.mu);
 
-  // Waits, up to `deadline`, until `rec` leaves its current state (a load
-  // or an unload in progress), counted among its waiters meanwhile. Takes
-  // its own reference: the map slot the caller found it in may be erased
-  // while this waits.
-  void WaitWhileBusy(Shard& shard, std::shared_ptr<Record> rec,
-                     Clock::time_point deadline, const char* what)
+  // Waits, up to the deadline, until `rec` leaves its current state (a load
+  // or an unload in progress), counted among its waiters meanwhile. `rec`
+  // must be the caller's own reference, declared before its lock (the map
+  // slot it came from may be erased while this waits, and the record must
+  // not be dropped under the lock). The interrupt check runs with the shard
+  // lock released, as WaitInterrupt says.
+  void WaitWhileBusy(Shard& shard, const std::shared_ptr<Record>& rec,
+                     const AcquireOptions& options, const char* what)
       MC_REQUIRES(shard.mu);
   Lease JoinLoad(Shard& shard, const std::shared_ptr<Record>& rec,
                  const std::shared_future<void>& done,
-                 Clock::time_point deadline);
+                 const AcquireOptions& options);
   Lease LoadAsOwner(Shard& shard, const std::shared_ptr<Record>& rec,
                     uint64_t expected_bytes, const Loader& loader,
                     const AcquireOptions& options);

@@ -84,6 +84,9 @@ Lease CacheCore::Acquire(std::string_view key, uint64_t expected_bytes,
     std::shared_ptr<Record> owned;   // set when this call becomes the loader
     std::shared_ptr<Record> joined;  // set when it waits for another's load
     std::shared_future<void> done;   // completed with `joined`'s load
+    // A record waited on while busy. Declared before the lock so that, if
+    // this is its last reference, it is dropped after the lock is released.
+    std::shared_ptr<Record> busy;
     {
       base::MutexLock lock(&shard.mu);
       auto it = shard.map.find(hashed);
@@ -110,8 +113,8 @@ Lease CacheCore::Acquire(std::string_view key, uint64_t expected_bytes,
               // Invalidated while loading: this acquire came after the
               // invalidation, so it must not receive the stale model. Wait
               // for that load to end (it is then retired), then load afresh.
-              WaitWhileBusy(shard, it->second.record, options.deadline,
-                            "the invalidated load of");
+              busy = it->second.record;
+              WaitWhileBusy(shard, busy, options, "the invalidated load of");
               continue;
             }
             // Join the load in flight; its completion grants us a lease.
@@ -128,8 +131,8 @@ Lease CacheCore::Acquire(std::string_view key, uint64_t expected_bytes,
             // An eviction or removal is running its unloader: wait for the
             // outcome, then look again.
             CheckNotOwnThread(*r, "acquired");
-            WaitWhileBusy(shard, it->second.record, options.deadline,
-                          "the unload of");
+            busy = it->second.record;
+            WaitWhileBusy(shard, busy, options, "the unload of");
             continue;
           case RecordState::kGone:
           case RecordState::kFailed:
@@ -140,7 +143,7 @@ Lease CacheCore::Acquire(std::string_view key, uint64_t expected_bytes,
     if (owned) {
       return LoadAsOwner(shard, owned, expected_bytes, loader, options);
     }
-    if (joined) return JoinLoad(shard, joined, done, options.deadline);
+    if (joined) return JoinLoad(shard, joined, done, options);
     // An alias: look the canonical key up. Targets are never aliases, but
     // an alias re-pointed between two lookups could be met again; the
     // deadline bounds even that.
@@ -153,12 +156,38 @@ Lease CacheCore::Acquire(std::string_view key, uint64_t expected_bytes,
   }
 }
 
-void CacheCore::WaitWhileBusy(Shard& shard, std::shared_ptr<Record> rec,
-                              Clock::time_point deadline, const char* what) {
+namespace {
+
+// When an interruptible wait should next wake: every `every`, so that the
+// check runs, and at the deadline.
+Clock::time_point NextWake(const AcquireOptions& options) {
+  if (!options.interrupt.check) return options.deadline;
+  return std::min(options.deadline, Clock::now() + options.interrupt.every);
+}
+
+}  // namespace
+
+void CacheCore::WaitWhileBusy(Shard& shard, const std::shared_ptr<Record>& rec,
+                              const AcquireOptions& options, const char* what) {
   const RecordState busy = rec->state;
   ++rec->unload_waiters;
   while (rec->state == busy) {
-    if (!shard.changed.WaitUntil(&shard.mu, deadline) && rec->state == busy) {
+    const Clock::time_point wake = NextWake(options);
+    if (!shard.changed.WaitUntil(&shard.mu, wake) && rec->state == busy) {
+      if (wake < options.deadline) {
+        // The interrupt check runs without the shard lock; the state is
+        // looked at afresh after it, as after any wake-up.
+        shard.mu.Unlock();
+        try {
+          options.interrupt.check();
+        } catch (...) {
+          shard.mu.Lock();
+          --rec->unload_waiters;
+          throw;
+        }
+        shard.mu.Lock();
+        continue;
+      }
       --rec->unload_waiters;
       throw Error(
           ErrorCode::kTimeout,
@@ -170,25 +199,45 @@ void CacheCore::WaitWhileBusy(Shard& shard, std::shared_ptr<Record> rec,
 
 Lease CacheCore::JoinLoad(Shard& shard, const std::shared_ptr<Record>& rec,
                           const std::shared_future<void>& done,
-                          Clock::time_point deadline) {
+                          const AcquireOptions& options) {
   // Waits without the shard lock, so that when a load completes its waiters
   // wake in parallel rather than queueing on the mutex one by one.
-  const bool ready =
-      deadline == Clock::time_point::max()
-          ? (done.wait(), true)
-          : done.wait_until(deadline) == std::future_status::ready;
-  if (!ready) {
-    base::MutexLock lock(&shard.mu);
-    if (rec->state == RecordState::kLoading) {
-      --rec->waiters;
-      throw Error(ErrorCode::kTimeout,
-                  "timed out waiting for the load of '" + rec->key + "'");
+  std::exception_ptr interrupted;
+  bool ready = false;
+  for (;;) {
+    const Clock::time_point wake = NextWake(options);
+    ready = wake == Clock::time_point::max()
+                ? (done.wait(), true)
+                : done.wait_until(wake) == std::future_status::ready;
+    if (ready || wake >= options.deadline) break;
+    try {
+      options.interrupt.check();
+    } catch (...) {
+      interrupted = std::current_exception();
+      break;
     }
-    // It completed as the deadline passed (Complete() may not have run yet,
-    // but the outcome is visible under the lock): the lease granted to us
-    // stands, or the load's error is ours too.
-    if (rec->error) std::rethrow_exception(rec->error);
-    return MakeLease(rec.get());
+  }
+  if (!ready) {
+    {
+      base::MutexLock lock(&shard.mu);
+      if (rec->state == RecordState::kLoading) {
+        --rec->waiters;
+        if (interrupted) std::rethrow_exception(interrupted);
+        throw Error(ErrorCode::kTimeout,
+                    "timed out waiting for the load of '" + rec->key + "'");
+      }
+    }
+    // It completed as the wait ended (Complete() may not have run yet, but
+    // the outcome is visible under the lock): the lease granted to us
+    // stands, or the load's error is ours too. An interrupted caller gives
+    // the granted lease straight back.
+    if (rec->error) {
+      if (interrupted) std::rethrow_exception(interrupted);
+      std::rethrow_exception(rec->error);
+    }
+    Lease lease = MakeLease(rec.get());
+    if (interrupted) std::rethrow_exception(interrupted);
+    return lease;
   }
   // The outcome was published before `done` became ready; this acquire makes
   // that visible to ThreadSanitizer too, which cannot see inside the future.
@@ -204,7 +253,8 @@ Lease CacheCore::LoadAsOwner(Shard& shard, const std::shared_ptr<Record>& rec,
                              const AcquireOptions& options) {
   if (options_.idle_ttl.count() > 0) EvictExpired();
   try {
-    budget_->Reserve(expected_bytes, options.when_full, options.deadline);
+    budget_->Reserve(expected_bytes, options.when_full, options.deadline,
+                     /*already_reserved=*/0, &options.interrupt);
   } catch (...) {
     FailLoad(shard, rec, std::current_exception(), 0, false);
     throw;
@@ -231,7 +281,8 @@ Lease CacheCore::LoadAsOwner(Shard& shard, const std::shared_ptr<Record>& rec,
     std::exception_ptr refused;
     try {
       budget_->Reserve(loaded.bytes - expected_bytes, options.when_full,
-                       options.deadline, /*already_reserved=*/expected_bytes);
+                       options.deadline, /*already_reserved=*/expected_bytes,
+                       &options.interrupt);
     } catch (const Error& e) {
       refused = e.code() != ErrorCode::kTooLarge
                     ? std::current_exception()
@@ -380,7 +431,10 @@ void CacheCore::ReleaseLease(Record* r) {
 
 void CacheCore::FreeRetired(Shard& shard, const std::shared_ptr<Record>& rec) {
   const std::exception_ptr error = CallUnloader(rec->unload);
+  // User-owned state leaves the record under the lock and is dropped after
+  // it: whoever drops the record last may hold a shard lock (I7).
   std::shared_ptr<void> value;
+  std::function<void()> unload;
   uint64_t bytes = 0;
   {
     base::MutexLock lock(&shard.mu);
@@ -393,6 +447,7 @@ void CacheCore::FreeRetired(Shard& shard, const std::shared_ptr<Record>& rec) {
       shard.retired.erase(rec.get());
       rec->state = RecordState::kGone;
       value = std::move(rec->value);
+      unload = std::move(rec->unload);
       bytes = rec->bytes;
     }
   }
@@ -404,6 +459,7 @@ void CacheCore::FreeRetired(Shard& shard, const std::shared_ptr<Record>& rec) {
     return;
   }
   value.reset();
+  unload = nullptr;
   budget_->Release(bytes);
   if (Observed()) Emit({EventType::kRetiredFreed, rec->key, bytes, 0, {}});
 }
@@ -412,7 +468,9 @@ std::exception_ptr CacheCore::UnloadResident(Shard& shard,
                                              const std::shared_ptr<Record>& rec,
                                              EventType reason) {
   const std::exception_ptr error = CallUnloader(rec->unload);
+  // Dropped after the lock, as in FreeRetired.
   std::shared_ptr<void> value;
+  std::function<void()> unload;
   uint64_t bytes = 0;
   double priority = 0;
   {
@@ -428,6 +486,7 @@ std::exception_ptr CacheCore::UnloadResident(Shard& shard,
       shard.map.erase(it);
       rec->state = RecordState::kGone;
       value = std::move(rec->value);
+      unload = std::move(rec->unload);
       bytes = rec->bytes;
       priority = rec->priority;
       switch (reason) {
@@ -452,6 +511,7 @@ std::exception_ptr CacheCore::UnloadResident(Shard& shard,
     return error;
   }
   value.reset();
+  unload = nullptr;
   budget_->Release(bytes);
   if (reason != EventType::kRemoved) {
     PolicyClock& clock = budget_->policy_clock();
@@ -744,6 +804,7 @@ void CacheCore::Shutdown() {
             DescribeException(error)});
     }
     rec->value.reset();
+    rec->unload = nullptr;
     to_release += rec->bytes;
   }
   budget_->Release(to_release);

@@ -1,5 +1,5 @@
 # One step of the install test (see CMakeLists.txt here), run as
-#   cmake -DSTEP=install|cmake|pkgconfig -D... -P install_test.cmake
+#   cmake -DSTEP=install|cmake|pkgconfig|python -D... -P install_test.cmake
 # Each step fails with a message that says what was wrong.
 cmake_minimum_required(VERSION 3.22)
 
@@ -147,6 +147,30 @@ elseif(STEP STREQUAL "pkgconfig")
   run("run the consumer" "${binary}")
   message(STATUS "consumer (pkg-config): ${run_output}")
 
+elseif(STEP STREQUAL "python")
+  # The Python package from the prefix alone: imported from a folder
+  # outside the source and build trees, it must be the installed copy.
+  set(site "${PREFIX}/${PYTHON_INSTALL_DIR}")
+  expect_file("${PYTHON_INSTALL_DIR}/modelcache/__init__.py")
+  expect_file("${PYTHON_INSTALL_DIR}/modelcache/py.typed")
+  set(ENV{PYTHONPATH} "${site}")
+  execute_process(
+    COMMAND "${PYTHON}" -X dev -c [=[
+import modelcache, sys
+assert modelcache.__file__.startswith(sys.argv[1]), modelcache.__file__
+cache = modelcache.Cache(capacity_bytes=100)
+with cache.acquire("m", lambda: "model", 10) as m:
+    assert m == "model"
+print("modelcache", modelcache.__version__, "from", modelcache.__file__)
+]=] "${site}"
+    WORKING_DIRECTORY "${WORK_DIR}"
+    RESULT_VARIABLE result OUTPUT_VARIABLE out ERROR_VARIABLE out)
+  if(NOT result EQUAL 0)
+    message(FATAL_ERROR "the installed Python package failed:\n${out}")
+  endif()
+  message(STATUS "${out}")
+
 else()
-  message(FATAL_ERROR "STEP must be install, cmake or pkgconfig: '${STEP}'")
+  message(FATAL_ERROR
+    "STEP must be install, cmake, pkgconfig or python: '${STEP}'")
 endif()

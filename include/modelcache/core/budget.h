@@ -16,6 +16,7 @@
 #include <atomic>
 #include <chrono>
 #include <cstdint>
+#include <functional>
 #include <memory>
 #include <string>
 #include <unordered_set>
@@ -33,6 +34,21 @@ enum class WhenFull {
   // Wait for a lease to end or bytes to be released, up to the deadline, then
   // fail with ErrorCode::kTimeout.
   kWait,
+};
+
+// A check that a blocked call runs now and then, so that its caller can end
+// the wait early: a language binding servicing signals (the Python package
+// raises KeyboardInterrupt from here), a server shutting down.
+struct WaitInterrupt {
+  // Called about every `every` while the call is blocked (waiting for
+  // another caller's load, for an unload, or for capacity), with no lock of
+  // any cache or budget held, on the blocked thread. If it throws, the call
+  // stops waiting and propagates that exception as it would a timeout:
+  // nothing it reserved stays reserved, it keeps no lease, and a load it
+  // joined goes on for its other waiters. Empty: never called, and waits
+  // are not sliced.
+  std::function<void()> check;
+  std::chrono::milliseconds every{50};
 };
 
 namespace detail {
@@ -106,9 +122,12 @@ class Budget {
   // evictable and `when_full` is kFail, kTimeout at the deadline. Exact for
   // every byte count: sums that would pass 2^64 are too large, never wrapped.
   // MC_REQUIRES: the caller holds no lock of any member.
+  // While waiting for capacity, runs `interrupt` (when not null) as
+  // WaitInterrupt says.
   void Reserve(uint64_t bytes, WhenFull when_full,
                std::chrono::steady_clock::time_point deadline,
-               uint64_t already_reserved = 0) MC_EXCLUDES(mu_);
+               uint64_t already_reserved = 0,
+               const WaitInterrupt* interrupt = nullptr) MC_EXCLUDES(mu_);
   // MC_REQUIRES: bytes <= used().
   void Release(uint64_t bytes) MC_EXCLUDES(mu_);
   // A record just became evictable (its last lease ended or it was

@@ -82,6 +82,9 @@ struct AcquireOptions {
   WhenFull when_full = WhenFull::kFail;
   // Passed to the eviction policy as AccessInfo::hint (Belady's needs it).
   double policy_hint = 0.0;
+  // Lets the caller end a blocked wait early (see WaitInterrupt); the call
+  // then throws the check's exception, as it would kTimeout.
+  WaitInterrupt interrupt;
 };
 
 enum class EventType {

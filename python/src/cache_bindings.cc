@@ -1,0 +1,551 @@
+// Budget, Cache, Lease, Loaded and the stats types of modelcache._core.
+//
+// Ownership. A Python Cache owns its ModelCache. Every Python Lease holds a
+// reference to the Python Cache it came from, and every call holds `self`,
+// so a ModelCache is destroyed only when no lease and no call on it is left,
+// which is what ~ModelCache requires. A cache still alive when the
+// interpreter finalizes is left alone (see ~CacheHandle).
+//
+// Values. A loader's value is kept by the core as a shared_ptr<void> owning
+// one Python reference (SharePyObject), dropped with the GIL on whichever
+// thread frees the record.
+//
+// The GIL. Calls that may block or evict run under WithoutGil (common.h).
+// Lease release runs with the GIL held: releasing never waits for another
+// thread (no thread waits for the GIL while it holds a cache lock, because
+// user code runs outside the cache's locks), and the unloaders it may
+// trigger take the GIL re-entrantly. Keeping the GIL there spares the hit
+// path a round trip and keeps destructors free of GIL hand-offs, which a
+// daemon thread must not do while the interpreter exits.
+#include <pybind11/stl.h>
+
+#include <atomic>
+#include <cmath>
+#include <memory>
+#include <optional>
+#include <string>
+#include <utility>
+#include <vector>
+
+#include "common.h"
+#include "modelcache/base/bytes.h"
+#include "modelcache/core/budget.h"
+#include "modelcache/core/cache.h"
+#include "modelcache/core/policy.h"
+
+namespace modelcache::python {
+namespace {
+
+// What a loader may return instead of the bare value.
+struct PyLoaded {
+  py::object value;
+  uint64_t bytes = 0;
+  py::object unload;  // None or a callable
+};
+
+class CacheHandle {
+ public:
+  CacheHandle(CacheOptions options, std::shared_ptr<Budget> budget,
+              py::object on_event)
+      : budget_(std::move(budget)), on_event_(std::move(on_event)) {
+    options.budget = budget_;
+    cache_ = std::make_unique<ModelCache>(std::move(options));
+  }
+
+  ~CacheHandle() {
+    // At interpreter exit the cache is left to the process's end: its
+    // unloaders and value deleters would run Python code while the
+    // interpreter is being torn down.
+    if (_Py_IsFinalizing()) {
+      (void)cache_.release();
+      return;
+    }
+    // ~ModelCache may wait for a peer cache's eviction running a Python
+    // unloader on another thread, which needs the GIL.
+    ModelCache* cache = cache_.release();
+    PyThreadState* state = PyEval_SaveThread();
+    delete cache;
+    PyEval_RestoreThread(state);
+  }
+
+  ModelCache& cache() { return *cache_; }
+  const std::shared_ptr<Budget>& budget() const { return budget_; }
+  const py::object& on_event() const { return on_event_; }
+
+ private:
+  std::shared_ptr<Budget> budget_;
+  py::object on_event_;
+  std::unique_ptr<ModelCache> cache_;
+};
+
+// A lease seen from Python. Released by release(), __exit__, or when the
+// object is collected.
+class PyLease {
+ public:
+  PyLease(py::object cache, Lease lease)
+      : cache_(std::move(cache)),
+        key_(lease.key()),
+        bytes_(lease.bytes()),
+        lease_(std::move(lease)) {}
+  ~PyLease() { lease_.Release(); }  // with the GIL: see the file comment
+  PyLease(PyLease&&) = default;
+  PyLease& operator=(PyLease&&) = default;
+
+  py::object value() const {
+    if (!lease_) {
+      RaiseError(ErrorCode::kFailedPrecondition,
+                 "the lease on '" + key_ + "' was released");
+    }
+    return py::reinterpret_borrow<py::object>(
+        static_cast<PyObject*>(lease_.value()));
+  }
+  const std::string& key() const { return key_; }
+  uint64_t bytes() const { return bytes_; }
+  bool released() const { return !lease_; }
+  void Release() { lease_.Release(); }
+
+ private:
+  py::object cache_;  // keeps the ModelCache alive while leased
+  std::string key_;
+  uint64_t bytes_;
+  Lease lease_;
+};
+
+Loaded ToLoaded(const py::object& result, uint64_t expected_bytes) {
+  Loaded loaded;
+  py::object value = result;
+  py::object unload = py::none();
+  loaded.bytes = expected_bytes;
+  if (py::isinstance<PyLoaded>(result)) {
+    const PyLoaded& l = result.cast<const PyLoaded&>();
+    value = l.value;
+    unload = l.unload;
+    loaded.bytes = l.bytes;
+  }
+  loaded.value = SharePyObject(value);
+  if (!unload.is_none()) {
+    loaded.unload = [fn = PyRef(unload)] {
+      WithGil([&] { CallPython(fn.get()); });
+    };
+  }
+  return loaded;
+}
+
+// Wraps a Python loader; `ran` records that this call's loader ran, which
+// is how a failure is told apart: the loader's own thread gets the
+// exception unchanged, waiters get LoadError.
+Loader MakeLoader(const py::object& loader, uint64_t expected_bytes,
+                  bool* ran) {
+  return [fn = PyRef(loader), expected_bytes, ran] {
+    *ran = true;
+    return WithGil([&] {
+      py::object result = CallPython(fn.get());
+      return ToLoaded(result, expected_bytes);
+    });
+  };
+}
+
+// Runs a blocking core call that may run this call's loader and turns what
+// it throws into the Python exception the package promises.
+template <typename Fn>
+auto RunLoading(CacheHandle& handle, const std::string& key,
+                const py::object& loader, uint64_t expected_bytes,
+                const py::object& timeout, const std::string& when_full,
+                Fn&& call) {
+  bool interrupted = false;
+  AcquireOptions options = MakeAcquireOptions(timeout, when_full, &interrupted);
+  bool ran = false;
+  const Loader wrapped = MakeLoader(loader, expected_bytes, &ran);
+  try {
+    return WithoutGil([&] { return call(handle.cache(), options, wrapped); });
+  } catch (const PythonError& e) {
+    if (ran || interrupted) e.Reraise();
+    // Another thread's loader failed: LoadError, caused by its exception.
+    py::object error = LoadErrorClass()(
+        "loading '" + key + "' in cache '" + handle.cache().name() +
+        "' failed in another thread: " + std::string(e.what()));
+    PyException_SetCause(error.ptr(), e.value().inc_ref().ptr());
+    PyErr_SetObject(reinterpret_cast<PyObject*>(Py_TYPE(error.ptr())),
+                    error.ptr());
+    throw py::error_already_set();
+  }
+}
+
+std::shared_ptr<const EvictionPolicy> PolicyFrom(const std::string& name) {
+  auto policy = PolicyByName(name);
+  if (!policy) {
+    RaiseError(ErrorCode::kInvalidArgument,
+               "unknown policy '" + name +
+                   "'; known: lru, gdsf, gdsf-classic, gdsf-time, "
+                   "gdsf-uniform, faascache, belady");
+  }
+  return policy;
+}
+
+double MonotonicSeconds(Clock::time_point t) {
+  return std::chrono::duration<double>(t.time_since_epoch()).count();
+}
+
+py::dict EntryDict(const EntryInfo& e) {
+  py::dict d;
+  d["key"] = e.key;
+  d["state"] = EntryStateName(e.state);
+  d["bytes"] = e.bytes;
+  d["leases"] = e.leases;
+  d["waiters"] = e.waiters;
+  d["pinned"] = e.pinned;
+  d["accesses"] = e.accesses;
+  d["last_use"] = MonotonicSeconds(e.last_use);
+  return d;
+}
+
+std::unique_ptr<CacheHandle> NewCache(std::string name,
+                                      std::optional<uint64_t> capacity_bytes,
+                                      std::shared_ptr<Budget> budget,
+                                      const std::string& policy,
+                                      const py::object& idle_ttl,
+                                      int shard_bits, py::object on_event) {
+  if (budget && capacity_bytes) {
+    RaiseError(ErrorCode::kInvalidArgument,
+               "give capacity_bytes or budget, not both");
+  }
+  if (!budget && !capacity_bytes) {
+    RaiseError(ErrorCode::kInvalidArgument,
+               "give capacity_bytes (a new budget) or budget (a shared one)");
+  }
+  if (shard_bits < 0 || shard_bits > 16) {
+    RaiseError(
+        ErrorCode::kInvalidArgument,
+        "shard_bits must be within 0..16, got " + std::to_string(shard_bits));
+  }
+  if (!on_event.is_none() && !PyCallable_Check(on_event.ptr())) {
+    RaiseError(ErrorCode::kInvalidArgument, "on_event must be callable");
+  }
+  if (!budget) budget = std::make_shared<Budget>(*capacity_bytes, name);
+  CacheOptions options;
+  options.name = name;
+  options.policy = PolicyFrom(policy);
+  options.shard_bits = shard_bits;
+  if (std::optional<double> ttl = SecondsFrom(idle_ttl, "idle_ttl")) {
+    if (std::isinf(*ttl)) {
+      RaiseError(ErrorCode::kInvalidArgument, "idle_ttl must be finite");
+    }
+    options.idle_ttl = std::chrono::duration_cast<std::chrono::nanoseconds>(
+        std::chrono::duration<double>(*ttl));
+  }
+  if (!on_event.is_none()) {
+    options.on_event = [fn = PyRef(on_event)](const CacheEvent& event) {
+      if (MustNotTakeGil()) return;
+      GilHold gil;
+      try {
+        py::dict fields;
+        fields["type"] = EventTypeName(event.type);
+        fields["key"] = event.key;
+        fields["bytes"] = event.bytes;
+        fields["seconds"] = event.seconds;
+        fields["error"] = event.error;
+        py::object event_class =
+            py::module_::import("modelcache._types").attr("Event");
+        py::object ev = CallPython(event_class, {}, fields);
+        CallPython(fn.get(), py::make_tuple(ev));
+      } catch (py::error_already_set& e) {
+        // Shown like an exception in __del__, then counted by the core.
+        e.discard_as_unraisable(py::reinterpret_borrow<py::object>(fn.get()));
+        throw std::runtime_error("the on_event callback raised");
+      }
+    };
+  }
+  return std::make_unique<CacheHandle>(std::move(options), std::move(budget),
+                                       std::move(on_event));
+}
+
+CacheHandle& Handle(const py::object& self) {
+  return self.cast<CacheHandle&>();
+}
+
+}  // namespace
+
+void BindCache(py::module_& m) {
+  py::class_<Budget, std::shared_ptr<Budget>>(m, "Budget", R"doc(
+A byte budget that one or several caches draw from.
+
+When a cache on the budget needs room, the budget evicts the lowest-priority
+idle model among all its caches, whichever cache holds it.
+)doc")
+      .def(py::init([](uint64_t capacity_bytes, std::string name) {
+             return std::make_shared<Budget>(capacity_bytes, std::move(name));
+           }),
+           py::arg("capacity_bytes"), py::arg("name") = "budget")
+      .def_property_readonly("name", &Budget::name)
+      .def_property_readonly("capacity", &Budget::capacity,
+                             "Capacity in bytes.")
+      .def_property_readonly(
+          "used", &Budget::used,
+          "Bytes held: resident and retired models plus loads in flight.")
+      .def_property_readonly("high_water", &Budget::high_water,
+                             "The largest `used` ever seen.")
+      .def_property_readonly("waiters", &Budget::waiters,
+                             "Acquires currently waiting for room.")
+      .def(
+          "set_capacity",
+          [](Budget& b, uint64_t capacity_bytes) {
+            return WithoutGil([&] { return b.SetCapacity(capacity_bytes); });
+          },
+          py::arg("capacity_bytes"),
+          "Changes the capacity, evicting idle models of every cache on the "
+          "budget when it shrinks; returns the bytes still over capacity "
+          "(held by leases or pins).")
+      .def("__repr__", [](const Budget& b) {
+        return "Budget(name='" + b.name() +
+               "', capacity=" + std::to_string(b.capacity()) +
+               ", used=" + std::to_string(b.used()) + ")";
+      });
+
+  py::class_<PyLoaded>(m, "Loaded", R"doc(
+What a loader may return to give the model's real size and an unloader.
+
+``Loaded(value, bytes, unload=None)``: ``bytes`` is the model's resident size
+(the reservation made from ``expected_bytes`` is adjusted to it); ``unload``,
+when given, is called before the value is dropped, on eviction or removal. If
+it raises, the model stays resident and counted.
+)doc")
+      .def(py::init([](py::object value, uint64_t bytes, py::object unload) {
+             if (!unload.is_none() && !PyCallable_Check(unload.ptr())) {
+               RaiseError(ErrorCode::kInvalidArgument,
+                          "unload must be callable or None");
+             }
+             return PyLoaded{std::move(value), bytes, std::move(unload)};
+           }),
+           py::arg("value"), py::arg("bytes"), py::arg("unload") = py::none())
+      .def_readonly("value", &PyLoaded::value)
+      .def_readonly("bytes", &PyLoaded::bytes)
+      .def_readonly("unload", &PyLoaded::unload);
+
+  py::class_<PyLease>(m, "Lease", R"doc(
+A claim on a resident model: while it is held the model is not evicted or
+unloaded. A context manager: ``with cache.acquire(...) as model:`` gives the
+value and releases the lease at the end of the block. ``release()`` is
+idempotent; after it, ``value`` raises FailedPreconditionError. A lease that
+is garbage-collected is released.
+)doc")
+      .def_property_readonly("value", &PyLease::value, "The model.")
+      .def_property_readonly("key", &PyLease::key,
+                             "The canonical key (aliases resolved).")
+      .def_property_readonly("bytes", &PyLease::bytes,
+                             "The model's resident size in bytes.")
+      .def_property_readonly("released", &PyLease::released)
+      .def("release", &PyLease::Release,
+           "Gives the lease back; later calls do nothing.")
+      .def("__enter__", &PyLease::value)
+      .def("__exit__",
+           [](PyLease& lease, const py::args&) {
+             lease.Release();
+             return false;
+           })
+      .def("__repr__", [](const PyLease& lease) {
+        return "<modelcache.Lease key='" + lease.key() +
+               "' bytes=" + std::to_string(lease.bytes()) +
+               (lease.released() ? " released>" : ">");
+      });
+
+  py::class_<CacheHandle>(m, "Cache", R"doc(
+A cache of loaded models: each model is loaded at most once however many
+threads race for it, kept resident within a byte budget, never evicted while
+a lease on it is held, and never cached when its loader fails.
+
+``Cache(name="models", capacity_bytes=None, budget=None, policy="lru",
+idle_ttl=None, shard_bits=4, on_event=None)``: give ``capacity_bytes`` for a
+budget of its own or ``budget`` to share one. ``policy`` is one of "lru",
+"gdsf", "gdsf-classic", "gdsf-time", "gdsf-uniform", "faascache", "belady".
+``idle_ttl`` (seconds or a timedelta) unloads models idle that long.
+``on_event`` is called with an Event for every load, failure, eviction and
+removal, outside the cache's locks.
+)doc")
+      .def(py::init(&NewCache), py::arg("name") = "models",
+           py::arg("capacity_bytes") = py::none(),
+           py::arg("budget") = py::none(), py::arg("policy") = "lru",
+           py::arg("idle_ttl") = py::none(), py::arg("shard_bits") = 4,
+           py::arg("on_event") = py::none())
+      .def_property_readonly("name",
+                             [](CacheHandle& h) { return h.cache().name(); })
+      .def_property_readonly(
+          "budget", [](CacheHandle& h) { return h.budget(); },
+          "The Budget this cache draws from.")
+      .def(
+          "acquire",
+          [](py::object self, const std::string& key, py::object loader,
+             uint64_t expected_bytes, py::object timeout,
+             const std::string& when_full) {
+            CacheHandle& h = Handle(self);
+            Lease lease = RunLoading(
+                h, key, loader, expected_bytes, timeout, when_full,
+                [&](ModelCache& cache, const AcquireOptions& options,
+                    const Loader& wrapped) {
+                  return cache.Acquire(key, expected_bytes, wrapped, options);
+                });
+            return PyLease(std::move(self), std::move(lease));
+          },
+          py::arg("key"), py::arg("loader"), py::arg("expected_bytes"),
+          py::kw_only(), py::arg("timeout") = py::none(),
+          py::arg("when_full") = "fail",
+          R"doc(
+Returns a Lease on ``key`` (or the key it aliases), calling ``loader()`` to
+load it if it is not resident; ``expected_bytes`` is reserved before the
+loader runs. The loader returns the model (sized ``expected_bytes``) or a
+Loaded. Concurrent acquires of one key share one load.
+
+``when_full``: "fail" raises CapacityError when nothing can be evicted;
+"wait" waits for room, up to ``timeout`` (seconds or timedelta; None waits
+forever), then raises TimeoutError. TooLargeError when the model exceeds the
+whole budget. The loader's exception reaches this thread unchanged when its
+loader ran here; threads that waited for that load get LoadError with the
+loader's exception as ``__cause__``. A loader acquiring its own key gets
+FailedPreconditionError. Blocking waits release the GIL and end with
+KeyboardInterrupt on Ctrl-C (main thread).
+)doc")
+      .def(
+          "prefetch",
+          [](py::object self, const std::string& key, py::object loader,
+             uint64_t expected_bytes, py::object timeout,
+             const std::string& when_full) {
+            CacheHandle& h = Handle(self);
+            RunLoading(h, key, loader, expected_bytes, timeout, when_full,
+                       [&](ModelCache& cache, const AcquireOptions& options,
+                           const Loader& wrapped) {
+                         cache.Prefetch(key, expected_bytes, wrapped, options);
+                         return 0;
+                       });
+          },
+          py::arg("key"), py::arg("loader"), py::arg("expected_bytes"),
+          py::kw_only(), py::arg("timeout") = py::none(),
+          py::arg("when_full") = "fail",
+          "Loads ``key`` if absent and leaves it resident without a lease. "
+          "Raises like acquire().")
+      .def(
+          "get",
+          [](py::object self,
+             const std::string& key) -> std::optional<PyLease> {
+            CacheHandle& h = Handle(self);
+            std::optional<Lease> lease =
+                WithoutGil([&] { return h.cache().Lookup(key); });
+            if (!lease) return std::nullopt;
+            return PyLease(std::move(self), std::move(*lease));
+          },
+          py::arg("key"),
+          "A Lease if ``key`` is resident, else None; never loads.")
+      .def(
+          "remove",
+          [](CacheHandle& h, const std::string& key, py::object timeout) {
+            const Clock::time_point deadline = DeadlineFrom(timeout);
+            const RemoveOutcome outcome =
+                WithoutGil([&] { return h.cache().Remove(key, deadline); });
+            return outcome == RemoveOutcome::kNotFound  ? "not_found"
+                   : outcome == RemoveOutcome::kRemoved ? "removed"
+                                                        : "retired";
+          },
+          py::arg("key"), py::kw_only(), py::arg("timeout") = py::none(),
+          R"doc(
+Removes the model ``key`` names, waiting for its load or unload in progress.
+Returns "removed" (unloaded now), "retired" (leased: hidden now, unloaded when
+its last lease ends) or "not_found". An unloader's exception propagates and
+the model stays resident.
+)doc")
+      .def(
+          "invalidate",
+          [](CacheHandle& h, const std::string& key, py::object timeout) {
+            const Clock::time_point deadline = DeadlineFrom(timeout);
+            const RemoveOutcome outcome =
+                WithoutGil([&] { return h.cache().Invalidate(key, deadline); });
+            return outcome == RemoveOutcome::kNotFound  ? "not_found"
+                   : outcome == RemoveOutcome::kRemoved ? "removed"
+                                                        : "retired";
+          },
+          py::arg("key"), py::kw_only(), py::arg("timeout") = py::none(),
+          "Like remove(), but a load in progress is not waited for: later "
+          "acquires load afresh.")
+      .def(
+          "pin",
+          [](CacheHandle& h, const std::string& key) {
+            WithoutGil([&] { h.cache().Pin(key); });
+          },
+          py::arg("key"),
+          "Keeps a resident model from eviction; NotFoundError if it is not "
+          "resident. Pins do not nest.")
+      .def(
+          "unpin",
+          [](CacheHandle& h, const std::string& key) {
+            WithoutGil([&] { h.cache().Unpin(key); });
+          },
+          py::arg("key"))
+      .def(
+          "add_alias",
+          [](CacheHandle& h, const std::string& alias,
+             const std::string& canonical) {
+            WithoutGil([&] { h.cache().AddAlias(alias, canonical); });
+          },
+          py::arg("alias"), py::arg("canonical"),
+          "Makes ``alias`` another name of ``canonical`` (one level deep).")
+      .def(
+          "remove_alias",
+          [](CacheHandle& h, const std::string& alias) {
+            return WithoutGil([&] { return h.cache().RemoveAlias(alias); });
+          },
+          py::arg("alias"))
+      .def(
+          "resolve",
+          [](CacheHandle& h, const std::string& key) {
+            return WithoutGil([&] { return h.cache().Resolve(key); });
+          },
+          py::arg("key"), "The canonical key ``key`` names.")
+      .def(
+          "evict_expired",
+          [](CacheHandle& h) {
+            return WithoutGil([&] { return h.cache().EvictExpired(); });
+          },
+          "Unloads idle models past idle_ttl; returns how many.")
+      .def(
+          "prune",
+          [](CacheHandle& h) {
+            return WithoutGil([&] { return h.cache().Prune(); });
+          },
+          "Unloads every idle, unpinned model; returns how many.")
+      .def(
+          "set_capacity",
+          [](CacheHandle& h, uint64_t capacity_bytes) {
+            return WithoutGil(
+                [&] { return h.cache().SetCapacity(capacity_bytes); });
+          },
+          py::arg("capacity_bytes"),
+          "Sets the capacity of this cache's budget; see Budget.set_capacity.")
+      .def("_stats_dict",
+           [](CacheHandle& h) {
+             return CacheStatsDict(
+                 WithoutGil([&] { return h.cache().Stats(); }));
+           })
+      .def("_entries",
+           [](CacheHandle& h) {
+             std::vector<EntryInfo> entries =
+                 WithoutGil([&] { return h.cache().Entries(); });
+             py::list out;
+             for (const EntryInfo& e : entries) out.append(EntryDict(e));
+             return out;
+           })
+      .def(
+          "_entry",
+          [](CacheHandle& h, const std::string& key) -> py::object {
+            std::optional<EntryInfo> e =
+                WithoutGil([&] { return h.cache().Entry(key); });
+            if (!e) return py::none();
+            return EntryDict(*e);
+          },
+          py::arg("key"))
+      .def("check_invariants",
+           [](CacheHandle& h) {
+             return WithoutGil([&] { return h.cache().CheckInvariants(); });
+           })
+      .def("__repr__", [](CacheHandle& h) {
+        return "<modelcache.Cache '" + h.cache().name() + "'>";
+      });
+}
+
+}  // namespace modelcache::python

@@ -1,0 +1,250 @@
+#include "common.h"
+
+#include <pybind11/chrono.h>
+
+#include <atomic>
+#include <cmath>
+#include <thread>
+
+namespace modelcache::python {
+
+bool InterpreterGone() {
+  if (!Py_IsInitialized()) return true;
+  // While finalizing, only the finalizing thread may still run Python code;
+  // it holds the GIL, which is how it is told apart.
+  return _Py_IsFinalizing() && !PyGILState_Check();
+}
+
+namespace {
+std::atomic<unsigned long> main_thread_ident{0};
+}  // namespace
+
+void RememberMainThread() {
+  main_thread_ident = py::module_::import("threading")
+                          .attr("main_thread")()
+                          .attr("ident")
+                          .cast<unsigned long>();
+}
+
+bool MustNotTakeGil() {
+  if (!Py_IsInitialized()) return true;
+  return _Py_IsFinalizing() &&
+         PyThread_get_thread_ident() != main_thread_ident.load();
+}
+
+void ParkForever() {
+  for (;;) std::this_thread::sleep_for(std::chrono::hours(24));
+}
+
+namespace {
+
+// Drops a reference on any thread. Leaked once the interpreter is going
+// away: it frees everything itself, and taking the GIL then could hang or
+// end this thread.
+void DropReference(PyObject* object) {
+  if (object == nullptr || InterpreterGone()) return;
+  try {
+    // Py_DECREF may run __del__, Python code that may give the GIL up and
+    // take it back: see CallPython.
+    PyGILState_STATE state = PyGILState_Ensure();
+    Py_DECREF(object);
+    PyGILState_Release(state);
+  } catch (abi::__forced_unwind&) {
+    ParkForever();
+  }
+}
+
+}  // namespace
+
+GilHold::GilHold() {
+  try {
+    state_ = PyGILState_Ensure();
+  } catch (abi::__forced_unwind&) {
+    ParkForever();
+  }
+}
+
+py::object CallPython(py::handle fn, py::handle args, py::handle kwargs) {
+  PyObject* no_args = args ? nullptr : PyTuple_New(0);
+  PyObject* result = nullptr;
+  try {
+    result = PyObject_Call(fn.ptr(), args ? args.ptr() : no_args,
+                           kwargs ? kwargs.ptr() : nullptr);
+  } catch (abi::__forced_unwind&) {
+    ParkForever();
+  }
+  Py_XDECREF(no_args);
+  if (result == nullptr) throw py::error_already_set();
+  return py::reinterpret_steal<py::object>(result);
+}
+
+PyRef::PyRef(py::handle object)
+    : holder_(object.inc_ref().ptr(), &DropReference) {}
+
+py::handle PyRef::get() const { return holder_.get(); }
+
+std::shared_ptr<void> SharePyObject(py::handle object) {
+  return std::shared_ptr<void>(object.inc_ref().ptr(), [](void* p) {
+    DropReference(static_cast<PyObject*>(p));
+  });
+}
+
+PythonError::PythonError(py::error_already_set& error) {
+  // error_already_set normalized the exception; its value carries the
+  // traceback (__traceback__), so keeping the value keeps everything.
+  value_ = PyRef(error.value());
+  message_ = error.what();
+}
+
+void PythonError::Reraise() const {
+  py::handle value = value_.get();
+  PyErr_SetObject(reinterpret_cast<PyObject*>(Py_TYPE(value.ptr())),
+                  value.ptr());
+  throw py::error_already_set();
+}
+
+namespace {
+
+const char* ErrorClassName(ErrorCode code) {
+  switch (code) {
+    case ErrorCode::kTooLarge:
+      return "TooLargeError";
+    case ErrorCode::kCapacity:
+      return "CapacityError";
+    case ErrorCode::kTimeout:
+      return "TimeoutError";
+    case ErrorCode::kNotFound:
+      return "NotFoundError";
+    case ErrorCode::kInvalidArgument:
+      return "InvalidArgumentError";
+    case ErrorCode::kFailedPrecondition:
+      return "FailedPreconditionError";
+    case ErrorCode::kInvalidData:
+      return "InvalidDataError";
+    case ErrorCode::kIo:
+      return "IoError";
+    case ErrorCode::kUnavailable:
+      return "UnavailableError";
+  }
+  return "Error";
+}
+
+}  // namespace
+
+// Looked up on each use: the lookup is cheap next to raising, and a cached
+// object would outlive the interpreter at exit.
+py::object ErrorClass(ErrorCode code) {
+  return py::module_::import("modelcache.errors").attr(ErrorClassName(code));
+}
+
+py::object LoadErrorClass() {
+  return py::module_::import("modelcache.errors").attr("LoadError");
+}
+
+void RaiseError(ErrorCode code, const std::string& message) {
+  PyErr_SetString(ErrorClass(code).ptr(), message.c_str());
+  throw py::error_already_set();
+}
+
+std::optional<double> SecondsFrom(const py::object& value, const char* what) {
+  if (value.is_none()) return std::nullopt;
+  double seconds = 0;
+  py::module_ datetime = py::module_::import("datetime");
+  if (py::isinstance(value, datetime.attr("timedelta"))) {
+    seconds = value.attr("total_seconds")().cast<double>();
+  } else if (PyFloat_Check(value.ptr()) || PyLong_Check(value.ptr())) {
+    seconds = value.cast<double>();
+  } else {
+    RaiseError(ErrorCode::kInvalidArgument,
+               std::string(what) +
+                   " must be None, a number of seconds or a timedelta, not " +
+                   std::string(py::str(value.get_type().attr("__name__"))));
+  }
+  if (std::isnan(seconds) || seconds < 0) {
+    RaiseError(ErrorCode::kInvalidArgument, std::string(what) +
+                                                " must be >= 0 seconds, got " +
+                                                std::to_string(seconds));
+  }
+  return seconds;
+}
+
+Clock::time_point DeadlineFrom(const py::object& timeout) {
+  std::optional<double> seconds = SecondsFrom(timeout, "timeout");
+  if (!seconds || std::isinf(*seconds)) return Clock::time_point::max();
+  const auto now = Clock::now();
+  const double room =
+      std::chrono::duration<double>(Clock::time_point::max() - now).count();
+  if (*seconds >= room) return Clock::time_point::max();
+  return now + std::chrono::duration_cast<Clock::duration>(
+                   std::chrono::duration<double>(*seconds));
+}
+
+AcquireOptions MakeAcquireOptions(const py::object& timeout,
+                                  const std::string& when_full,
+                                  bool* interrupted) {
+  AcquireOptions options;
+  options.deadline = DeadlineFrom(timeout);
+  if (when_full == "fail") {
+    options.when_full = WhenFull::kFail;
+  } else if (when_full == "wait") {
+    options.when_full = WhenFull::kWait;
+  } else {
+    RaiseError(
+        ErrorCode::kInvalidArgument,
+        "when_full must be \"fail\" or \"wait\", not \"" + when_full + "\"");
+  }
+  // Python runs signal handlers only on the main thread; elsewhere the check
+  // costs a GIL round trip and finds nothing, so only the main thread polls.
+  if (PyGILState_Check() && _PyOS_IsMainThread()) {
+    options.interrupt.check = [interrupted] {
+      WithGil([interrupted] {
+        if (PyErr_CheckSignals() != 0) {
+          if (interrupted != nullptr) *interrupted = true;
+          throw py::error_already_set();
+        }
+      });
+    };
+  }
+  return options;
+}
+
+void RegisterExceptionTranslators() {
+  py::register_exception_translator([](std::exception_ptr p) {
+    try {
+      if (p) std::rethrow_exception(p);
+    } catch (const PythonError& e) {
+      // User code's exception reaching the thread that ran it: unchanged.
+      py::handle value = e.value();
+      PyErr_SetObject(reinterpret_cast<PyObject*>(Py_TYPE(value.ptr())),
+                      value.ptr());
+    } catch (const Error& e) {
+      PyErr_SetString(ErrorClass(e.code()).ptr(), e.what());
+    }
+  });
+}
+
+py::dict CacheStatsDict(const CacheStats& s) {
+  py::dict d;
+  d["hits"] = s.hits;
+  d["misses"] = s.misses;
+  d["refused"] = s.refused;
+  d["loads"] = s.loads;
+  d["load_failures"] = s.load_failures;
+  d["evictions"] = s.evictions;
+  d["expirations"] = s.expirations;
+  d["failed_unloads"] = s.failed_unloads;
+  d["removals"] = s.removals;
+  d["bytes_loaded"] = s.bytes_loaded;
+  d["load_seconds"] = s.load_seconds;
+  d["resident_entries"] = s.resident_entries;
+  d["resident_bytes"] = s.resident_bytes;
+  d["retired_entries"] = s.retired_entries;
+  d["retired_bytes"] = s.retired_bytes;
+  d["capacity_bytes"] = s.capacity_bytes;
+  d["budget_used_bytes"] = s.budget_used_bytes;
+  d["high_water_bytes"] = s.high_water_bytes;
+  d["callback_errors"] = s.callback_errors;
+  return d;
+}
+
+}  // namespace modelcache::python

@@ -1,0 +1,206 @@
+// What every binding file of modelcache._core shares: the rules for the GIL,
+// for Python references held by C++ objects, and for exceptions crossing
+// between Python and the core.
+//
+// The GIL rules (the package's threading contract, README "Python"):
+//
+//  * Every call into the core that can block (waiting for another thread's
+//    load, for capacity, for an unload) or that can run user code on another
+//    thread's behalf runs under WithoutGil. So no thread ever holds the GIL
+//    while it waits for a cache lock or a load, and the cache's locks and the
+//    GIL can never be taken in opposite orders.
+//  * Python user code (loaders, unloaders, event callbacks, value release)
+//    runs under WithGil on whatever thread the core calls it from; the core
+//    calls it with none of its locks held.
+//  * WithoutGil restores the GIL in ordinary control flow, not in a
+//    destructor: when the interpreter is finalizing, taking the GIL back ends
+//    a daemon thread by unwinding its stack (pthread_exit), which a noexcept
+//    destructor would turn into std::terminate.
+//  * A Python reference owned by C++ (PyRef) may be dropped on any thread. It
+//    takes the GIL to drop it, and leaks it instead once the interpreter is
+//    finalizing, when taking the GIL could hang or end the thread.
+#ifndef MODELCACHE_PYTHON_SRC_COMMON_H_
+#define MODELCACHE_PYTHON_SRC_COMMON_H_
+
+#include <cxxabi.h>
+#include <pybind11/pybind11.h>
+
+#include <chrono>
+#include <exception>
+#include <functional>
+#include <memory>
+#include <optional>
+#include <string>
+#include <utility>
+
+#include "modelcache/core/cache.h"
+
+namespace modelcache::python {
+
+namespace py = pybind11;
+
+// True once Python code can no longer safely run on this thread: the
+// interpreter is finalizing or gone, and this thread does not hold the GIL
+// (the finalizing thread does).
+bool InterpreterGone();
+
+// A strong reference to a Python object that C++ code may copy and drop on
+// any thread, with or without the GIL.
+class PyRef {
+ public:
+  PyRef() = default;
+  // MC_REQUIRES: the GIL is held.
+  explicit PyRef(py::handle object);
+  py::handle get() const;  // borrowed; use with the GIL held
+  explicit operator bool() const { return static_cast<bool>(holder_); }
+
+ private:
+  std::shared_ptr<PyObject> holder_;
+};
+
+// A shared_ptr<void> owning a reference to `object`, dropped as PyRef's is;
+// the void* is the PyObject*. MC_REQUIRES: the GIL is held.
+std::shared_ptr<void> SharePyObject(py::handle object);
+
+// Ends the life of a thread the interpreter is done with: a daemon thread
+// that would need the GIL after finalization began. It sleeps until the
+// process exits, as Python itself parks such threads, instead of unwinding
+// its stack through frames that own Python references.
+[[noreturn]] void ParkForever();
+
+// True when this thread must not take the GIL again: the interpreter is
+// finalizing and this is not the thread finalizing it (the main thread).
+// Safe without the GIL.
+bool MustNotTakeGil();
+
+// Records the main thread's identity. Called once from the module's init.
+void RememberMainThread();
+
+// Runs `fn` with the GIL released and returns its result; see the rules
+// above. MC_REQUIRES: the GIL is held.
+template <typename Fn>
+auto WithoutGil(Fn&& fn) -> decltype(fn()) {
+  PyThreadState* state = PyEval_SaveThread();
+  auto restore = [state] {
+    if (MustNotTakeGil()) ParkForever();
+    PyEval_RestoreThread(state);
+  };
+  try {
+    if constexpr (std::is_void_v<decltype(fn())>) {
+      fn();
+      restore();
+    } else {
+      auto result = fn();
+      restore();
+      return result;
+    }
+  } catch (abi::__forced_unwind&) {
+    // Python ended this thread (pthread_exit) as it took the GIL back after
+    // finalization began. Unwinding further would drop Python references
+    // without the GIL; a forced unwind may not be swallowed, so the thread
+    // sleeps here until the process exits.
+    ParkForever();
+  } catch (...) {
+    restore();
+    throw;
+  }
+}
+
+// A Python exception raised by user code (a loader, an unloader), carried
+// through the core as a C++ exception. The core hands the same object to
+// every waiter of a failed load.
+class PythonError : public std::exception {
+ public:
+  // Takes the Python error indicator (or the exception held by `error`).
+  // MC_REQUIRES: the GIL is held.
+  explicit PythonError(py::error_already_set& error);
+  const char* what() const noexcept override { return message_.c_str(); }
+  // The exception object; use with the GIL held.
+  py::handle value() const { return value_.get(); }
+  // Raises the exception as it was (type, value, traceback) in the calling
+  // thread and throws py::error_already_set. MC_REQUIRES: the GIL is held.
+  [[noreturn]] void Reraise() const;
+
+ private:
+  PyRef value_;
+  std::string message_;
+};
+
+// Holds the GIL for its scope, from any thread, re-entrantly. If Python
+// ends this thread while it waits for the GIL (a daemon thread after
+// finalization began), the thread parks instead of unwinding.
+class GilHold {
+ public:
+  GilHold();
+  ~GilHold() { PyGILState_Release(state_); }
+  GilHold(const GilHold&) = delete;
+  GilHold& operator=(const GilHold&) = delete;
+
+ private:
+  PyGILState_STATE state_;
+};
+
+// Calls fn(*args, **kwargs) (args: a tuple or null for none; kwargs: a dict
+// or null). Any call that runs Python code on a thread Python may end goes
+// through here: Python ends a daemon thread by unwinding its stack from
+// wherever it takes the GIL back, and this catches that unwind in the frame
+// of the call itself, before any caller's Python references would be
+// dropped without the GIL, and parks the thread. Throws
+// py::error_already_set when the call raised. MC_REQUIRES: the GIL is held.
+py::object CallPython(py::handle fn, py::handle args = {},
+                      py::handle kwargs = {});
+
+// Runs Python user code with the GIL taken; a Python exception leaves as
+// PythonError, so that it can cross threads inside the core. Python code in
+// `fn` runs through CallPython.
+template <typename Fn>
+auto WithGil(Fn&& fn) -> decltype(fn()) {
+  if (MustNotTakeGil()) ParkForever();
+  GilHold gil;
+  try {
+    return fn();
+  } catch (py::error_already_set& e) {
+    throw PythonError(e);
+  }
+}
+
+// Raises the modelcache.errors class for `code` with `message`.
+// MC_REQUIRES: the GIL is held.
+[[noreturn]] void RaiseError(ErrorCode code, const std::string& message);
+
+// The modelcache.errors class for `code`. MC_REQUIRES: the GIL is held.
+py::object ErrorClass(ErrorCode code);
+// modelcache.errors.LoadError. MC_REQUIRES: the GIL is held.
+py::object LoadErrorClass();
+
+// AcquireOptions from a Python timeout (None, seconds, or timedelta) and
+// when_full ("fail" or "wait"), with an interrupt check that takes the GIL
+// and runs Python's signal handlers, so that Ctrl-C ends a blocked wait with
+// KeyboardInterrupt (checked on the main thread only, the one Python runs
+// signal handlers on). MC_REQUIRES: the GIL is held.
+// `*interrupted` (when given) is set when the check raised.
+AcquireOptions MakeAcquireOptions(const py::object& timeout,
+                                  const std::string& when_full,
+                                  bool* interrupted = nullptr);
+
+// A deadline from None, seconds (int or float) or datetime.timedelta.
+Clock::time_point DeadlineFrom(const py::object& timeout);
+// Seconds from a float, an int or a datetime.timedelta; nullopt for None.
+std::optional<double> SecondsFrom(const py::object& value, const char* what);
+
+// CacheStats as a dict keyed by its field names (modelcache.CacheStats's
+// fields). MC_REQUIRES: the GIL is held.
+py::dict CacheStatsDict(const CacheStats& stats);
+
+// Registers the translation of modelcache::Error and PythonError into Python
+// exceptions. Called once from the module's init.
+void RegisterExceptionTranslators();
+
+// Each binding file adds its part of the module.
+void BindCache(py::module_& m);
+void BindWeights(py::module_& m);
+void BindRuntime(py::module_& m);
+
+}  // namespace modelcache::python
+
+#endif  // MODELCACHE_PYTHON_SRC_COMMON_H_

@@ -616,5 +616,49 @@ TEST(CacheContract, AWaiterForAnUnloadNeverDropsUserStateUnderALock) {
   cache.CheckInvariants();
 }
 
+// ---- 12. TryAcquire is the hit half of Acquire. ----
+
+TEST(CacheContract, TryAcquireThenAcquireCountsLikeOneAcquire) {
+  ModelCache plain({.capacity_bytes = 100});
+  ModelCache split({.capacity_bytes = 100});
+  std::atomic<int> calls{0};
+  split.AddAlias("alias", "k");
+  plain.AddAlias("alias", "k");
+  // A miss, then hits by key and by alias, in both caches.
+  for (const char* name : {"k", "k", "alias"}) {
+    plain.Acquire(name, 10, SimpleLoader("k", 10)).Release();
+    std::optional<Lease> hit = split.TryAcquire(name);
+    if (!hit) {
+      EXPECT_EQ(split.Stats().misses, 0u) << "TryAcquire counted a miss";
+      hit = split.Acquire(name, 10, SimpleLoader("k", 10, &calls));
+    }
+    EXPECT_EQ(hit->key(), "k");
+    EXPECT_EQ(split.Entry("k")->leases, 1);
+  }
+  EXPECT_EQ(calls.load(), 1);
+  CacheStats split_stats = split.Stats(), plain_stats = plain.Stats();
+  split_stats.load_seconds = plain_stats.load_seconds = 0;  // timing
+  EXPECT_EQ(split_stats, plain_stats);
+  EXPECT_EQ(split.Entry("k")->accesses, plain.Entry("k")->accesses);
+}
+
+TEST(CacheContract, TryAcquireNeverWaitsForALoadInFlight) {
+  ModelCache cache({.capacity_bytes = 100});
+  Gate gate;
+  std::thread owner([&] {
+    cache.Acquire("k", 10, [&] {
+      gate.Pass();
+      return Loaded{std::make_shared<FakeModel>("k", 1), 10};
+    });
+  });
+  testing::SpinUntil([&] { return cache.Entry("k").has_value(); }, "loading");
+  EXPECT_FALSE(cache.TryAcquire("k").has_value());  // returns, no wait
+  EXPECT_EQ(cache.Stats().hits, 0u);
+  gate.Open();
+  owner.join();
+  EXPECT_TRUE(cache.TryAcquire("k").has_value());
+  EXPECT_EQ(cache.Stats().hits, 1u);
+}
+
 }  // namespace
 }  // namespace modelcache

@@ -78,38 +78,147 @@ class CacheHandle {
   std::unique_ptr<ModelCache> cache_;
 };
 
-// A lease seen from Python. Released by release(), __exit__, or when the
-// object is collected.
-class PyLease {
- public:
-  PyLease(py::object cache, Lease lease)
-      : cache_(std::move(cache)),
-        key_(lease.key()),
-        bytes_(lease.bytes()),
-        lease_(std::move(lease)) {}
-  ~PyLease() { lease_.Release(); }  // with the GIL: see the file comment
-  PyLease(PyLease&&) = default;
-  PyLease& operator=(PyLease&&) = default;
+// ---- Lease: a plain CPython type ----
+//
+// Written against the C API rather than pybind11 because `with
+// cache.acquire(...)` on a resident model is the hot path of every request:
+// the object is allocated, entered, exited and freed per request, and
+// pybind11's dispatch costs more than the cache's own work there.
 
-  py::object value() const {
-    if (!lease_) {
-      RaiseError(ErrorCode::kFailedPrecondition,
-                 "the lease on '" + key_ + "' was released");
-    }
-    return py::reinterpret_borrow<py::object>(
-        static_cast<PyObject*>(lease_.value()));
-  }
-  const std::string& key() const { return key_; }
-  uint64_t bytes() const { return bytes_; }
-  bool released() const { return !lease_; }
-  void Release() { lease_.Release(); }
-
- private:
-  py::object cache_;  // keeps the ModelCache alive while leased
-  std::string key_;
-  uint64_t bytes_;
-  Lease lease_;
+struct LeaseObject {
+  PyObject_HEAD PyObject*
+      cache;    // strong: keeps the ModelCache alive while leased
+  Lease lease;  // empty once released
+  uint64_t bytes;
+  std::string key;  // the canonical key, saved when the lease is released
 };
+
+PyTypeObject LeaseType = {PyVarObject_HEAD_INIT(nullptr, 0)};
+
+// Sets the Python error for a released lease; returns nullptr.
+PyObject* ReleasedError(LeaseObject* o) {
+  try {
+    PyErr_SetString(ErrorClass(ErrorCode::kFailedPrecondition).ptr(),
+                    ("the lease on '" + o->key + "' was released").c_str());
+  } catch (py::error_already_set& e) {
+    e.restore();
+  }
+  return nullptr;
+}
+
+PyObject* NewLeaseObject(PyObject* cache, Lease lease) {
+  LeaseObject* o = PyObject_New(LeaseObject, &LeaseType);
+  if (o == nullptr) return nullptr;  // `lease` releases itself
+  o->cache = Py_NewRef(cache);
+  o->bytes = lease.bytes();
+  new (&o->lease) Lease(std::move(lease));
+  new (&o->key) std::string();
+  return reinterpret_cast<PyObject*>(o);
+}
+
+void ReleaseLease(LeaseObject* o) {
+  // With the GIL: see the file comment.
+  if (!o->lease) return;
+  o->key = o->lease.key();
+  o->lease.Release();
+}
+
+void LeaseDealloc(PyObject* self) {
+  auto* o = reinterpret_cast<LeaseObject*>(self);
+  o->lease.Release();
+  o->lease.~Lease();
+  o->key.~basic_string();
+  Py_XDECREF(o->cache);
+  PyObject_Free(self);
+}
+
+PyObject* LeaseValue(PyObject* self, void* = nullptr) {
+  auto* o = reinterpret_cast<LeaseObject*>(self);
+  if (!o->lease) return ReleasedError(o);
+  return Py_NewRef(static_cast<PyObject*>(o->lease.value()));
+}
+
+PyObject* LeaseEnter(PyObject* self, PyObject*) { return LeaseValue(self); }
+
+PyObject* LeaseExit(PyObject* self, PyObject* const*, Py_ssize_t) {
+  ReleaseLease(reinterpret_cast<LeaseObject*>(self));
+  Py_RETURN_FALSE;
+}
+
+PyObject* LeaseRelease(PyObject* self, PyObject*) {
+  ReleaseLease(reinterpret_cast<LeaseObject*>(self));
+  Py_RETURN_NONE;
+}
+
+const std::string& LeaseKey(LeaseObject* o) {
+  return o->lease ? o->lease.key() : o->key;
+}
+
+PyObject* LeaseKeyGetter(PyObject* self, void*) {
+  const std::string& key = LeaseKey(reinterpret_cast<LeaseObject*>(self));
+  return PyUnicode_FromStringAndSize(key.data(),
+                                     static_cast<Py_ssize_t>(key.size()));
+}
+
+PyObject* LeaseBytesGetter(PyObject* self, void*) {
+  return PyLong_FromUnsignedLongLong(
+      reinterpret_cast<LeaseObject*>(self)->bytes);
+}
+
+PyObject* LeaseReleasedGetter(PyObject* self, void*) {
+  return PyBool_FromLong(!reinterpret_cast<LeaseObject*>(self)->lease);
+}
+
+PyObject* LeaseRepr(PyObject* self) {
+  auto* o = reinterpret_cast<LeaseObject*>(self);
+  const std::string text = "<modelcache.Lease key='" + LeaseKey(o) +
+                           "' bytes=" + std::to_string(o->bytes) +
+                           (o->lease ? ">" : " released>");
+  return PyUnicode_FromStringAndSize(text.data(),
+                                     static_cast<Py_ssize_t>(text.size()));
+}
+
+PyMethodDef lease_methods[] = {
+    {"release", LeaseRelease, METH_NOARGS,
+     "Gives the lease back; later calls do nothing."},
+    {"__enter__", LeaseEnter, METH_NOARGS, "The model."},
+    {"__exit__",
+     reinterpret_cast<PyCFunction>(reinterpret_cast<void (*)()>(LeaseExit)),
+     METH_FASTCALL, "Releases the lease."},
+    {nullptr, nullptr, 0, nullptr}};
+
+PyGetSetDef lease_getset[] = {
+    {"value", LeaseValue, nullptr,
+     "The model; FailedPreconditionError once released.", nullptr},
+    {"key", LeaseKeyGetter, nullptr, "The canonical key (aliases resolved).",
+     nullptr},
+    {"bytes", LeaseBytesGetter, nullptr, "The model's resident size in bytes.",
+     nullptr},
+    {"released", LeaseReleasedGetter, nullptr, "Whether release() ran.",
+     nullptr},
+    {nullptr, nullptr, nullptr, nullptr, nullptr}};
+
+constexpr const char* kLeaseDoc = R"doc(
+A claim on a resident model: while it is held the model is not evicted or
+unloaded. A context manager: ``with cache.acquire(...) as model:`` gives the
+value and releases the lease at the end of the block. ``release()`` is
+idempotent; after it, ``value`` raises FailedPreconditionError. A lease that
+is garbage-collected is released.
+)doc";
+
+void ReadyLeaseType(py::module_& m) {
+  LeaseType.tp_name = "modelcache.Lease";
+  LeaseType.tp_basicsize = sizeof(LeaseObject);
+  LeaseType.tp_flags = Py_TPFLAGS_DEFAULT;
+  LeaseType.tp_doc = kLeaseDoc;
+  LeaseType.tp_dealloc = LeaseDealloc;
+  LeaseType.tp_repr = LeaseRepr;
+  LeaseType.tp_methods = lease_methods;
+  LeaseType.tp_getset = lease_getset;
+  if (PyType_Ready(&LeaseType) < 0) throw py::error_already_set();
+  m.add_object("Lease", py::reinterpret_borrow<py::object>(
+                            reinterpret_cast<PyObject*>(&LeaseType)));
+}
 
 Loaded ToLoaded(const py::object& result, uint64_t expected_bytes) {
   Loaded loaded;
@@ -263,6 +372,59 @@ CacheHandle& Handle(const py::object& self) {
   return self.cast<CacheHandle&>();
 }
 
+// Cache.acquire: the hit path in the C API, holding the GIL (TryAcquire
+// never waits and runs no user code); anything else goes to the pybind11
+// method _acquire, which validates the arguments, releases the GIL and may
+// load. Only the plain call form, acquire(key, loader, expected_bytes), takes
+// the fast path, so keyword arguments are always validated.
+PyObject* CacheAcquire(PyObject* self, PyObject* const* args, Py_ssize_t nargs,
+                       PyObject* kwnames) {
+  if (nargs == 3 && kwnames == nullptr && PyUnicode_Check(args[0]) &&
+      PyCallable_Check(args[1]) && PyLong_Check(args[2])) {
+    Py_ssize_t size = 0;
+    const char* key = PyUnicode_AsUTF8AndSize(args[0], &size);
+    if (key == nullptr) return nullptr;
+    try {
+      CacheHandle& h = py::handle(self).cast<CacheHandle&>();
+      std::optional<Lease> lease =
+          h.cache().TryAcquire(std::string_view(key, size));
+      if (lease) return NewLeaseObject(self, std::move(*lease));
+    } catch (py::error_already_set& e) {
+      e.restore();
+      return nullptr;
+    } catch (const std::exception& e) {
+      PyErr_SetString(PyExc_RuntimeError, e.what());
+      return nullptr;
+    }
+  }
+  PyObject* slow = PyObject_GetAttrString(self, "_acquire");
+  if (slow == nullptr) return nullptr;
+  PyObject* result = PyObject_Vectorcall(slow, args, nargs, kwnames);
+  Py_DECREF(slow);
+  return result;
+}
+
+PyMethodDef acquire_def = {
+    "acquire",
+    reinterpret_cast<PyCFunction>(reinterpret_cast<void (*)()>(CacheAcquire)),
+    METH_FASTCALL | METH_KEYWORDS,
+    R"doc(acquire(key, loader, expected_bytes, *, timeout=None, when_full="fail") -> Lease
+
+Returns a Lease on ``key`` (or the key it aliases), calling ``loader()`` to
+load it if it is not resident; ``expected_bytes`` is reserved before the
+loader runs. The loader returns the model (sized ``expected_bytes``) or a
+Loaded. Concurrent acquires of one key share one load.
+
+``when_full``: "fail" raises CapacityError when nothing can be evicted;
+"wait" waits for room, up to ``timeout`` (seconds or timedelta; None waits
+forever), then raises TimeoutError. TooLargeError when the model exceeds the
+whole budget. The loader's exception reaches this thread unchanged when its
+loader ran here; threads that waited for that load get LoadError with the
+loader's exception as ``__cause__``. A loader acquiring its own key gets
+FailedPreconditionError. Blocking waits release the GIL and end with
+KeyboardInterrupt on Ctrl-C (main thread).
+)doc"};
+
 }  // namespace
 
 void BindCache(py::module_& m) {
@@ -321,32 +483,7 @@ it raises, the model stays resident and counted.
       .def_readonly("bytes", &PyLoaded::bytes)
       .def_readonly("unload", &PyLoaded::unload);
 
-  py::class_<PyLease>(m, "Lease", R"doc(
-A claim on a resident model: while it is held the model is not evicted or
-unloaded. A context manager: ``with cache.acquire(...) as model:`` gives the
-value and releases the lease at the end of the block. ``release()`` is
-idempotent; after it, ``value`` raises FailedPreconditionError. A lease that
-is garbage-collected is released.
-)doc")
-      .def_property_readonly("value", &PyLease::value, "The model.")
-      .def_property_readonly("key", &PyLease::key,
-                             "The canonical key (aliases resolved).")
-      .def_property_readonly("bytes", &PyLease::bytes,
-                             "The model's resident size in bytes.")
-      .def_property_readonly("released", &PyLease::released)
-      .def("release", &PyLease::Release,
-           "Gives the lease back; later calls do nothing.")
-      .def("__enter__", &PyLease::value)
-      .def("__exit__",
-           [](PyLease& lease, const py::args&) {
-             lease.Release();
-             return false;
-           })
-      .def("__repr__", [](const PyLease& lease) {
-        return "<modelcache.Lease key='" + lease.key() +
-               "' bytes=" + std::to_string(lease.bytes()) +
-               (lease.released() ? " released>" : ">");
-      });
+  ReadyLeaseType(m);
 
   py::class_<CacheHandle>(m, "Cache", R"doc(
 A cache of loaded models: each model is loaded at most once however many
@@ -372,7 +509,7 @@ removal, outside the cache's locks.
           "budget", [](CacheHandle& h) { return h.budget(); },
           "The Budget this cache draws from.")
       .def(
-          "acquire",
+          "_acquire",
           [](py::object self, const std::string& key, py::object loader,
              uint64_t expected_bytes, py::object timeout,
              const std::string& when_full) {
@@ -383,26 +520,14 @@ removal, outside the cache's locks.
                     const Loader& wrapped) {
                   return cache.Acquire(key, expected_bytes, wrapped, options);
                 });
-            return PyLease(std::move(self), std::move(lease));
+            PyObject* o = NewLeaseObject(self.ptr(), std::move(lease));
+            if (o == nullptr) throw py::error_already_set();
+            return py::reinterpret_steal<py::object>(o);
           },
           py::arg("key"), py::arg("loader"), py::arg("expected_bytes"),
           py::kw_only(), py::arg("timeout") = py::none(),
           py::arg("when_full") = "fail",
-          R"doc(
-Returns a Lease on ``key`` (or the key it aliases), calling ``loader()`` to
-load it if it is not resident; ``expected_bytes`` is reserved before the
-loader runs. The loader returns the model (sized ``expected_bytes``) or a
-Loaded. Concurrent acquires of one key share one load.
-
-``when_full``: "fail" raises CapacityError when nothing can be evicted;
-"wait" waits for room, up to ``timeout`` (seconds or timedelta; None waits
-forever), then raises TimeoutError. TooLargeError when the model exceeds the
-whole budget. The loader's exception reaches this thread unchanged when its
-loader ran here; threads that waited for that load get LoadError with the
-loader's exception as ``__cause__``. A loader acquiring its own key gets
-FailedPreconditionError. Blocking waits release the GIL and end with
-KeyboardInterrupt on Ctrl-C (main thread).
-)doc")
+          "acquire()'s path for misses and keyword arguments.")
       .def(
           "prefetch",
           [](py::object self, const std::string& key, py::object loader,
@@ -423,13 +548,14 @@ KeyboardInterrupt on Ctrl-C (main thread).
           "Raises like acquire().")
       .def(
           "get",
-          [](py::object self,
-             const std::string& key) -> std::optional<PyLease> {
+          [](py::object self, const std::string& key) -> py::object {
             CacheHandle& h = Handle(self);
             std::optional<Lease> lease =
                 WithoutGil([&] { return h.cache().Lookup(key); });
-            if (!lease) return std::nullopt;
-            return PyLease(std::move(self), std::move(*lease));
+            if (!lease) return py::none();
+            PyObject* o = NewLeaseObject(self.ptr(), std::move(*lease));
+            if (o == nullptr) throw py::error_already_set();
+            return py::reinterpret_steal<py::object>(o);
           },
           py::arg("key"),
           "A Lease if ``key`` is resident, else None; never loads.")
@@ -546,6 +672,13 @@ the model stays resident.
       .def("__repr__", [](CacheHandle& h) {
         return "<modelcache.Cache '" + h.cache().name() + "'>";
       });
+  // Installed over the class as a plain method descriptor: see
+  // CacheAcquire.
+  py::object cache_class = m.attr("Cache");
+  PyObject* acquire = PyDescr_NewMethod(
+      reinterpret_cast<PyTypeObject*>(cache_class.ptr()), &acquire_def);
+  if (acquire == nullptr) throw py::error_already_set();
+  cache_class.attr("acquire") = py::reinterpret_steal<py::object>(acquire);
 }
 
 }  // namespace modelcache::python

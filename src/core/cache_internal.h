@@ -223,7 +223,10 @@ class CacheCore final : public BudgetMember {
 
   Lease Acquire(std::string_view key, uint64_t expected_bytes,
                 const Loader& loader, const AcquireOptions& options);
-  std::optional<Lease> Lookup(std::string_view key);
+  // A lease if `key` is resident (a hit); otherwise counts a miss only when
+  // `count_miss` (Lookup does, TryAcquire leaves it to the Acquire after).
+  std::optional<Lease> Lookup(std::string_view key, bool count_miss,
+                              double policy_hint);
   RemoveOutcome Remove(std::string_view key, Clock::time_point deadline,
                        bool invalidate);
   void SetPinned(std::string_view key, bool pinned);

@@ -380,7 +380,8 @@ void CacheCore::FailLoad(Shard& shard, const std::shared_ptr<Record>& rec,
   }
 }
 
-std::optional<Lease> CacheCore::Lookup(std::string_view key) {
+std::optional<Lease> CacheCore::Lookup(std::string_view key, bool count_miss,
+                                       double policy_hint) {
   std::string storage;
   key = Canonical(key, &storage);
   Shard& shard = ShardFor(key);
@@ -388,11 +389,11 @@ std::optional<Lease> CacheCore::Lookup(std::string_view key) {
   auto it = shard.map.find(key);
   if (it == shard.map.end() || !it->second.record ||
       it->second.record->state != RecordState::kResident) {
-    ++shard.counters.misses;
+    if (count_miss) ++shard.counters.misses;
     return std::nullopt;
   }
   Record* r = it->second.record.get();
-  TouchLocked(shard, r);
+  TouchLocked(shard, r, policy_hint);
   ++r->leases;
   ++shard.hits;
   return MakeLease(r);

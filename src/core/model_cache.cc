@@ -51,7 +51,12 @@ Lease ModelCache::Acquire(std::string_view key, uint64_t expected_bytes,
 }
 
 std::optional<Lease> ModelCache::Lookup(std::string_view key) {
-  return core_->Lookup(key);
+  return core_->Lookup(key, /*count_miss=*/true, /*policy_hint=*/0);
+}
+
+std::optional<Lease> ModelCache::TryAcquire(std::string_view key,
+                                            double policy_hint) {
+  return core_->Lookup(key, /*count_miss=*/false, policy_hint);
 }
 
 void ModelCache::Prefetch(std::string_view key, uint64_t expected_bytes,

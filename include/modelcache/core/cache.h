@@ -252,6 +252,16 @@ class ModelCache {
   // A lease if `key` is resident, without loading. Counts a hit or a miss.
   std::optional<Lease> Lookup(std::string_view key);
 
+  // The hit half of Acquire: a lease if `key` (or the key it aliases) is
+  // resident now, counted as a hit exactly as Acquire would count it;
+  // otherwise nullopt, counting nothing, so that the caller goes on to
+  // Acquire, which counts the miss once. Never waits, never loads, never
+  // evicts and runs no user code, so it may be called while holding a lock
+  // that user code takes (a language binding holding its interpreter lock
+  // on the hit path).
+  std::optional<Lease> TryAcquire(std::string_view key,
+                                  double policy_hint = 0.0);
+
   // Loads `key` if absent and leaves it resident without a lease (evictable
   // like any unleased record). Throws like Acquire.
   void Prefetch(std::string_view key, uint64_t expected_bytes,

@@ -16,7 +16,8 @@
 //    under LRU and GDSF, with several shards. Eviction order is not predicted;
 //    what must hold whatever the policy is: the budget's bytes equal the
 //    caches' books, no admission over capacity, no eviction or unload of a
-//    leased or pinned record, and Resolve, Lookup and Acquire agree.
+//    leased or pinned record, and Resolve, Lookup, TryAcquire and Acquire
+//    agree.
 //
 // `make test` runs a bounded number of cases with a fixed seed (RC_PARAMS in
 // tests/CMakeLists.txt); `make property` runs many more with a random seed.
@@ -47,6 +48,7 @@ namespace modelcache::property {
 enum class Kind {
   kAcquire,
   kLookup,
+  kTryAcquire,
   kPrefetch,
   kRelease,
   kRemove,
@@ -65,10 +67,11 @@ enum class Kind {
 };
 
 constexpr std::array<const char*, static_cast<int>(Kind::kCount)> kKindNames = {
-    "Acquire",  "Lookup",       "Prefetch",     "Release",
-    "Remove",   "Invalidate",   "Pin",          "Unpin",
-    "AddAlias", "RemoveAlias",  "Resolve",      "SetCapacity",
-    "Prune",    "EvictExpired", "AdvanceClock", "ThrowingCallback"};
+    "Acquire",         "Lookup",   "TryAcquire",   "Prefetch",
+    "Release",         "Remove",   "Invalidate",   "Pin",
+    "Unpin",           "AddAlias", "RemoveAlias",  "Resolve",
+    "SetCapacity",     "Prune",    "EvictExpired", "AdvanceClock",
+    "ThrowingCallback"};
 
 constexpr int kNames = 6;  // "m0".."m5": model keys and alias names alike
 constexpr std::array<uint64_t, 6> kSizes = {5, 10, 20, 35, 50, 120};
@@ -296,10 +299,12 @@ class ReferenceModel {
       case Kind::kAcquire:
       case Kind::kPrefetch:
         return Acquire(op, op.k() == Kind::kPrefetch);
-      case Kind::kLookup: {
+      case Kind::kLookup:
+      case Kind::kTryAcquire: {
+        // TryAcquire is Lookup that leaves the miss to the Acquire after.
         auto it = resident.find(Resolve(key));
         if (it == resident.end()) {
-          ++stats.misses;
+          if (op.k() == Kind::kLookup) ++stats.misses;
           return "miss";
         }
         Touch(it->second);
@@ -566,8 +571,10 @@ std::string RunOp(const Op& op, ModelCache& cache, std::vector<HeldLease>* held,
         cache.Prefetch(key, op.Expected(),
                        MakeLoader(op, cache.Resolve(key), values));
         return "ok";
-      case Kind::kLookup: {
-        auto lease = cache.Lookup(key);
+      case Kind::kLookup:
+      case Kind::kTryAcquire: {
+        auto lease =
+            op.k() == Kind::kLookup ? cache.Lookup(key) : cache.TryAcquire(key);
         if (!lease) return "miss";
         const std::string k = lease->key();
         hold(std::move(*lease));
@@ -782,10 +789,11 @@ class TwoCaches {
         outcome.rfind("exception", 0) != 0) {
       ExpectEq(outcome, resolved, where + ": Acquire's key vs Resolve");
     }
-    if (op.k() == Kind::kLookup && outcome != "miss") {
+    const bool lookup = op.k() == Kind::kLookup || op.k() == Kind::kTryAcquire;
+    if (lookup && outcome != "miss") {
       ExpectEq(outcome, "hit " + resolved, where + ": Lookup's key vs Resolve");
     }
-    if (op.k() == Kind::kLookup && outcome == "miss") {
+    if (lookup && outcome == "miss") {
       auto entry = cache.Entry(key);
       Expect(!entry || entry->state != EntryState::kResident,
              where + ": Lookup missed a resident record");

@@ -8,13 +8,6 @@
 
 namespace modelcache::python {
 
-bool InterpreterGone() {
-  if (!Py_IsInitialized()) return true;
-  // While finalizing, only the finalizing thread may still run Python code;
-  // it holds the GIL, which is how it is told apart.
-  return _Py_IsFinalizing() && !PyGILState_Check();
-}
-
 namespace {
 std::atomic<unsigned long> main_thread_ident{0};
 }  // namespace
@@ -42,7 +35,7 @@ namespace {
 // away: it frees everything itself, and taking the GIL then could hang or
 // end this thread.
 void DropReference(PyObject* object) {
-  if (object == nullptr || InterpreterGone()) return;
+  if (object == nullptr || MustNotTakeGil()) return;
   try {
     // Py_DECREF may run __del__, Python code that may give the GIL up and
     // take it back: see CallPython.
@@ -195,7 +188,7 @@ AcquireOptions MakeAcquireOptions(const py::object& timeout,
   }
   // Python runs signal handlers only on the main thread; elsewhere the check
   // costs a GIL round trip and finds nothing, so only the main thread polls.
-  if (PyGILState_Check() && _PyOS_IsMainThread()) {
+  if (_PyOS_IsMainThread()) {
     options.interrupt.check = [interrupted] {
       WithGil([interrupted] {
         if (PyErr_CheckSignals() != 0) {

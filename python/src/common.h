@@ -5,20 +5,23 @@
 // The GIL rules (the package's threading contract, README "Python"):
 //
 //  * Every call into the core that can block (waiting for another thread's
-//    load, for capacity, for an unload) or that can run user code on another
-//    thread's behalf runs under WithoutGil. So no thread ever holds the GIL
-//    while it waits for a cache lock or a load, and the cache's locks and the
-//    GIL can never be taken in opposite orders.
+//    load, for capacity, for an unload) runs under WithoutGil, so no thread
+//    holds the GIL while it waits for another thread.
 //  * Python user code (loaders, unloaders, event callbacks, value release)
 //    runs under WithGil on whatever thread the core calls it from; the core
-//    calls it with none of its locks held.
-//  * WithoutGil restores the GIL in ordinary control flow, not in a
-//    destructor: when the interpreter is finalizing, taking the GIL back ends
-//    a daemon thread by unwinding its stack (pthread_exit), which a noexcept
-//    destructor would turn into std::terminate.
+//    calls it with none of its locks held (its invariant I7 covers the last
+//    reference too). So a thread holding a cache lock never waits for the
+//    GIL, and a thread holding the GIL may take a cache lock briefly: the
+//    hit path (ModelCache::TryAcquire) and lease release do, since neither
+//    waits for another thread (cache_bindings.cc).
+//  * Python ends a daemon thread that takes the GIL back after finalization
+//    began by unwinding its stack (pthread_exit); unwinding through frames
+//    that own Python references would drop them without the GIL. So
+//    WithoutGil, GilHold and CallPython catch that unwind in their own frame
+//    and park the thread (ParkForever) until the process exits.
 //  * A Python reference owned by C++ (PyRef) may be dropped on any thread. It
 //    takes the GIL to drop it, and leaks it instead once the interpreter is
-//    finalizing, when taking the GIL could hang or end the thread.
+//    finalizing, when taking the GIL could end the thread.
 #ifndef MODELCACHE_PYTHON_SRC_COMMON_H_
 #define MODELCACHE_PYTHON_SRC_COMMON_H_
 
@@ -38,11 +41,6 @@
 namespace modelcache::python {
 
 namespace py = pybind11;
-
-// True once Python code can no longer safely run on this thread: the
-// interpreter is finalizing or gone, and this thread does not hold the GIL
-// (the finalizing thread does).
-bool InterpreterGone();
 
 // A strong reference to a Python object that C++ code may copy and drop on
 // any thread, with or without the GIL.

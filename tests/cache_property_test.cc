@@ -889,5 +889,12 @@ RC_GTEST_PROP(CacheProperty, TwoCachesOnOneBudgetKeepTheInvariantsUnderGdsf,
   RunTwoCaches(NewGdsfPolicy(), ops);
 }
 
+// next-use ranks at eviction time from request histories kept across
+// evictions: the same invariants must hold.
+RC_GTEST_PROP(CacheProperty, TwoCachesOnOneBudgetKeepTheInvariantsUnderNextUse,
+              (const std::vector<Op>& ops)) {
+  RunTwoCaches(NewNextUsePolicy(), ops);
+}
+
 }  // namespace
 }  // namespace modelcache::property

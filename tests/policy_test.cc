@@ -14,8 +14,10 @@
 #include <gtest/gtest.h>
 
 #include <algorithm>
+#include <chrono>
 #include <cstdint>
 #include <functional>
+#include <limits>
 #include <map>
 #include <memory>
 #include <optional>
@@ -94,6 +96,9 @@ std::vector<PolicyCase> AllPolicyCases() {
     cases.push_back({"FaasCache" + shards,
                      [] { return NewFaasCachePolicy(0.1, 2e9); }, shard_bits,
                      true});
+    // Ranks by the real clock's gaps, so not by history alone.
+    cases.push_back({"NextUse" + shards, [] { return NewNextUsePolicy(); },
+                     shard_bits, false});
   }
   return cases;
 }
@@ -615,6 +620,172 @@ TEST(GdsfPolicyTest, CostRelationsMatchEachReloadCost) {
             time->Priority(AccessInfo{kGiB, 1, 2.0}, clock));
   EXPECT_GT(time->Priority(AccessInfo{kGiB, 1, 4.0}, clock),
             time->Priority(AccessInfo{4 * kGiB, 1, 4.0}, clock));
+}
+
+// ---- next-use: predicted next request ----
+
+// A cache of `capacity` bytes under next-use whose clock is `*seconds`.
+CacheOptions NextUseOptions(const double* seconds, uint64_t capacity,
+                            int shard_bits = 0) {
+  CacheOptions options = OptionsFor(NewNextUsePolicy(), shard_bits, capacity);
+  options.now = [seconds] {
+    return Clock::time_point(
+        std::chrono::nanoseconds(static_cast<int64_t>(*seconds * 1e9)));
+  };
+  return options;
+}
+
+TEST(RequestHistoryTest, KeepsTheLatestGapsInARing) {
+  RequestHistory history(3);
+  EXPECT_TRUE(history.empty());
+  history.Record(10);
+  EXPECT_EQ(history.requests(), 1u);
+  EXPECT_TRUE(history.gaps().empty());  // one request, no gap yet
+  for (double t : {11.0, 13.0, 16.0, 20.0}) history.Record(t);
+  std::vector<double> gaps = history.gaps();
+  std::sort(gaps.begin(), gaps.end());
+  EXPECT_THAT(gaps, ElementsAre(2.0, 3.0, 4.0));  // the 1 s gap fell out
+  EXPECT_EQ(history.last_request_seconds(), 20.0);
+  history.Record(19);  // a lagging clock read: a gap of 0, time kept
+  EXPECT_EQ(history.last_request_seconds(), 20.0);
+  EXPECT_EQ(history.requests(), 6u);
+}
+
+TEST(NextUsePolicyTest, RanksByThePredictedWaitForTheNextRequest) {
+  std::shared_ptr<const EvictionPolicy> policy = PolicyByName("next-use");
+  ASSERT_NE(policy, nullptr);
+  EXPECT_EQ(policy->name(), "next-use");
+  EXPECT_TRUE(policy->time_dependent());
+  EXPECT_EQ(policy->history_length(), 32u);
+  PolicyClock clock;
+  RequestHistory bursty(8);
+  // Bursts of 1 s gaps separated by 60 s pauses.
+  for (double t : {0.0, 1.0, 2.0, 62.0, 63.0, 64.0}) bursty.Record(t);
+  AccessInfo info{kGiB, 1, 0.0};
+  info.history = &bursty;
+  info.now_seconds = 64.5;  // inside the burst: gaps of 1 s and 60 s apply
+  EXPECT_DOUBLE_EQ(policy->Priority(info, clock),
+                   -((1.0 + 1.0 + 1.0 + 1.0 + 60.0) / 5 - 0.5));
+  info.now_seconds = 70;  // past the burst: only the 60 s pause applies
+  EXPECT_DOUBLE_EQ(policy->Priority(info, clock), -(60.0 - 6.0));
+  info.now_seconds = 164;  // idle longer than any gap: as late as it is idle
+  EXPECT_DOUBLE_EQ(policy->Priority(info, clock), -100.0);
+  RequestHistory once(8);
+  once.Record(0);
+  info.history = &once;  // no gap yet: never expected again
+  EXPECT_EQ(policy->Priority(info, clock),
+            -std::numeric_limits<double>::infinity());
+  info.history = nullptr;
+  EXPECT_EQ(policy->Priority(info, clock),
+            -std::numeric_limits<double>::infinity());
+}
+
+TEST(NextUsePolicyTest, EvictsTheModelWhoseNextRequestIsFurthestNotTheOldest) {
+  double now = 0;
+  Models models;
+  ModelCache cache(NextUseOptions(&now, 200));
+  // "fast" comes every 10 s; "slow" came at 0 and 95 s, so it is the most
+  // recently used, and LRU would evict "fast".
+  for (now = 0; now <= 90; now += 10) Use(cache, models, "fast", 100);
+  now = 0.5;
+  Use(cache, models, "slow", 100);
+  now = 95;
+  Use(cache, models, "slow", 100);
+  now = 96;  // fast's next request is due in 4 s, slow's in 94 s
+  Use(cache, models, "new", 100);
+  EXPECT_THAT(ResidentKeys(cache), ElementsAre("fast", "new"));
+  EXPECT_EQ(models.unloads("slow"), 1);
+}
+
+TEST(NextUsePolicyTest, AModelIdleLongerThanEveryGapCoolsAndGoes) {
+  double now = 0;
+  Models models;
+  ModelCache cache(NextUseOptions(&now, 200));
+  Use(cache, models, "slow", 100);
+  now = 200;
+  Use(cache, models, "slow", 100);  // one 200 s gap
+  // "cooled" came every 10 s after that, so LRU would evict "slow".
+  for (now = 210; now <= 240; now += 10) Use(cache, models, "cooled", 100);
+  // At 390 s: "cooled" has been idle 150 s, far longer than any of its
+  // gaps, so its next request is put 150 s away (not in the past, which
+  // would keep it forever); "slow" is due in 10 s.
+  now = 390;
+  Use(cache, models, "new", 100);
+  EXPECT_THAT(ResidentKeys(cache), ElementsAre("new", "slow"));
+}
+
+TEST(NextUsePolicyTest, AModelRequestedOnceGoesFirstEvenIfMostRecent) {
+  double now = 0;
+  Models models;
+  ModelCache cache(NextUseOptions(&now, 300));
+  for (now = 0; now <= 40; now += 20) Use(cache, models, "a", 100);
+  for (now = 1; now <= 41; now += 20) Use(cache, models, "b", 100);
+  now = 50;
+  Use(cache, models, "once", 100);
+  now = 51;
+  Use(cache, models, "new", 100);
+  EXPECT_THAT(ResidentKeys(cache), ElementsAre("a", "b", "new"));
+  EXPECT_EQ(models.unloads("once"), 1);
+}
+
+TEST(NextUsePolicyTest, WhatWasLearntSurvivesEviction) {
+  double now = 0;
+  Models models;
+  ModelCache cache(NextUseOptions(&now, 200));
+  for (now = 0; now <= 40; now += 10) Use(cache, models, "periodic", 100);
+  now = 41;
+  Use(cache, models, "x", 100);
+  now = 42;
+  Use(cache, models, "y", 100);  // "periodic" (due at 50) or "x" (once)
+  EXPECT_EQ(models.unloads("x"), 1);
+  now = 43;
+  Use(cache, models, "z", 100);  // "y" and "z" are once-only: "periodic"...
+  now = 44;
+  Use(cache, models, "w", 100);
+  // ...has stayed through every newcomer: it alone has a history.
+  EXPECT_TRUE(IsResident(cache, "periodic"));
+  EXPECT_EQ(models.loads("periodic"), 1);
+  // Evicted by hand and requested again, it still has its gaps: a newcomer
+  // requested once goes before it.
+  ASSERT_EQ(cache.Remove("periodic"), RemoveOutcome::kRemoved);
+  now = 50;
+  Use(cache, models, "periodic", 100);
+  now = 51;
+  Use(cache, models, "v", 100);
+  EXPECT_TRUE(IsResident(cache, "periodic"));
+  EXPECT_EQ(models.loads("periodic"), 2);
+}
+
+TEST(NextUsePolicyTest, APrefetchIsNotARequest) {
+  double now = 0;
+  Models models;
+  ModelCache cache(NextUseOptions(&now, 200));
+  Use(cache, models, "steady", 100);
+  now = 10;
+  cache.Prefetch("prefetched", 100, models.For("prefetched", 100));
+  now = 60;
+  Use(cache, models, "steady", 100);  // a 60 s gap
+  now = 61;
+  Use(cache, models, "prefetched", 100);  // its first request
+  // Were the prefetch a request, "prefetched" would have a 51 s gap and be
+  // due sooner than "steady" (due at 120 s); it has no gap, so it goes.
+  now = 62;
+  Use(cache, models, "new", 100);
+  EXPECT_THAT(ResidentKeys(cache), ElementsAre("new", "steady"));
+}
+
+TEST(NextUsePolicyTest, HistoriesStayBoundedWhateverTheNumberOfKeys) {
+  double now = 0;
+  Models models;
+  ModelCache cache(NextUseOptions(&now, 100));
+  // Far more distinct keys than a shard keeps histories for; the invariant
+  // check verifies the bound.
+  for (int i = 0; i < 10000; ++i) {
+    now += 1;
+    Use(cache, models, "k" + std::to_string(i), 10);
+  }
+  cache.CheckInvariants();
+  EXPECT_LE(cache.Stats().resident_bytes, 100u);
 }
 
 }  // namespace

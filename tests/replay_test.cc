@@ -26,6 +26,9 @@ using ::testing::StartsWith;
 
 const std::string kAzureTrace = std::string(MODELCACHE_SHARED_DATA) +
                                 "/traces/azure-functions-2019-100fn.csv";
+const std::string kAzureMemory =
+    std::string(MODELCACHE_SHARED_DATA) +
+    "/traces/azure-functions-2019-100fn-memory.csv";
 
 class TempFile {
  public:
@@ -355,6 +358,42 @@ TEST(Replay, CostAwarePolicyLoadsFewerBytesThanLruOnTheSharedTrace) {
     EXPECT_LT(results[capacities.size() + i].bytes_loaded,
               results[i].bytes_loaded)
         << FormatBytes(capacities[i]);
+  }
+}
+
+// The policy choice must hold beyond the trace it was chosen on: next-use
+// loads fewer bytes than both GDSF variants on the shared trace with either
+// size model and on the embedded default, at the larger capacities the
+// README reports (every capacity it reports, in its table).
+TEST(Replay, NextUseLoadsFewerBytesThanEitherGdsfOnEveryWorkload) {
+  AzureOptions memory_sized;
+  memory_sized.memory_path = kAzureMemory;
+  memory_sized.memory_scale = 32;
+  struct Workload {
+    const char* name;
+    Trace trace;
+    std::vector<uint64_t> capacities;
+  };
+  std::vector<Workload> workloads;
+  workloads.push_back({"azure, serving mix",
+                       ReadAzureFunctionsTrace(kAzureTrace, 0, nullptr, 42),
+                       {ParseBytes("32GiB"), ParseBytes("64GiB")}});
+  workloads.push_back({"azure, memory file x32",
+                       ReadAzureFunctionsTrace(kAzureTrace, memory_sized),
+                       {ParseBytes("32GiB"), ParseBytes("64GiB")}});
+  workloads.push_back({"default, seed 42",
+                       GenerateDefaultTrace(42),
+                       {ParseBytes("48GiB"), ParseBytes("64GiB")}});
+  for (const Workload& w : workloads) {
+    const size_t n = w.capacities.size();
+    auto results = ReplayAll(w.trace, {"gdsf", "gdsf-classic", "next-use"},
+                             w.capacities, 0, 2);
+    for (size_t i = 0; i < n; ++i) {
+      SCOPED_TRACE(std::string(w.name) + " at " + FormatBytes(w.capacities[i]));
+      EXPECT_EQ(results[2 * n + i].policy, "next-use");
+      EXPECT_LT(results[2 * n + i].bytes_loaded, results[i].bytes_loaded);
+      EXPECT_LT(results[2 * n + i].bytes_loaded, results[n + i].bytes_loaded);
+    }
   }
 }
 

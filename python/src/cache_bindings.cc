@@ -286,7 +286,7 @@ std::shared_ptr<const EvictionPolicy> PolicyFrom(const std::string& name) {
     RaiseError(ErrorCode::kInvalidArgument,
                "unknown policy '" + name +
                    "'; known: lru, gdsf, gdsf-classic, gdsf-time, "
-                   "gdsf-uniform, faascache, belady");
+                   "gdsf-uniform, faascache, next-use, belady");
   }
   return policy;
 }
@@ -493,7 +493,8 @@ a lease on it is held, and never cached when its loader fails.
 ``Cache(name="models", capacity_bytes=None, budget=None, policy="lru",
 idle_ttl=None, shard_bits=4, on_event=None)``: give ``capacity_bytes`` for a
 budget of its own or ``budget`` to share one. ``policy`` is one of "lru",
-"gdsf", "gdsf-classic", "gdsf-time", "gdsf-uniform", "faascache", "belady".
+"gdsf", "gdsf-classic", "gdsf-time", "gdsf-uniform", "faascache", "next-use",
+"belady".
 ``idle_ttl`` (seconds or a timedelta) unloads models idle that long.
 ``on_event`` is called with an Event for every load, failure, eviction and
 removal, outside the cache's locks.

@@ -179,6 +179,18 @@ def test_aliases_pins_prune_and_capacity():
     assert cache.budget.used == 0
 
 
+def test_next_use_policy_evicts_a_model_requested_once_before_a_repeated_one():
+    cache = modelcache.Cache(capacity_bytes=100, policy="next-use")
+    for _ in range(3):
+        with cache.acquire("repeated", lambda: Model("repeated"), 40):
+            pass
+    with cache.acquire("once", lambda: Model("once"), 40):
+        pass  # the most recent: LRU would keep it and evict "repeated"
+    with cache.acquire("new", lambda: Model("new"), 40):
+        pass
+    assert {e.key for e in cache.entries()} == {"repeated", "new"}
+
+
 def test_idle_ttl_takes_seconds_or_a_timedelta_and_expires_idle_models():
     expired = []
     cache = modelcache.Cache(

@@ -89,6 +89,10 @@
 //       the shard lock and is dropped after it. A record itself may be
 //       dropped by whichever holder is last, even under a lock, so it must
 //       hold nothing whose destructor is user code by then.
+//   I8. Request histories (only for a policy that keeps them) number at most
+//       kHistoryKeysPerShard per shard. A time-dependent policy's records
+//       are still filed in the order, by access sequence; the victim search
+//       ranks them afresh instead of taking the order's first.
 //
 // Locking: shard mutexes are never nested and never held while user code
 // runs (loader, unloader, value deleter, event callback) or while the budget
@@ -212,7 +216,17 @@ struct alignas(64) Shard {
   std::unordered_map<Record*, std::shared_ptr<Record>> retired
       MC_GUARDED_BY(mu);
   ShardCounters counters MC_GUARDED_BY(mu);
+  // Request histories by key, for a policy that asks for them
+  // (EvictionPolicy::history_length() > 0); kept for keys not resident too,
+  // at most kHistoryKeysPerShard of them.
+  absl::flat_hash_map<std::string, RequestHistory, KeyHash, KeyEqual> history
+      MC_GUARDED_BY(mu);
 };
+
+// Bounds the request histories a shard keeps: past it, the half least
+// recently requested are forgotten (a forgotten key looks new: it is
+// evicted first until it is requested twice).
+inline constexpr size_t kHistoryKeysPerShard = 4096;
 
 class CacheCore final : public BudgetMember {
  public:
@@ -285,6 +299,17 @@ class CacheCore final : public BudgetMember {
   }
   void TouchLocked(Shard& shard, Record* r, double hint = 0)
       MC_REQUIRES(shard.mu);
+  // Notes a request for `key` in its history, if the policy keeps them and
+  // `options` says it is one (AcquireOptions::request).
+  void NoteRequestLocked(Shard& shard, const HashedKey& key,
+                         const AcquireOptions& options) MC_REQUIRES(shard.mu);
+  // The policy's inputs for `r`, at time `now_seconds` for a time-dependent
+  // policy.
+  AccessInfo AccessInfoLocked(Shard& shard, const Record& r, double hint,
+                              double now_seconds) MC_REQUIRES(shard.mu);
+  double NowSeconds() const {
+    return std::chrono::duration<double>(Now().time_since_epoch()).count();
+  }
   void RetireLocked(Shard& shard, const std::shared_ptr<Record>& r)
       MC_REQUIRES(shard.mu);
 
@@ -339,6 +364,8 @@ class CacheCore final : public BudgetMember {
   const std::shared_ptr<Budget> budget_;
   const std::shared_ptr<const EvictionPolicy> policy_;
   const bool policy_monotone_;
+  const size_t history_length_;       // policy_->history_length()
+  const bool policy_time_dependent_;  // policy_->time_dependent()
   const size_t shard_mask_;
   std::unique_ptr<Shard[]> shards_;
   std::atomic<bool> shut_down_{false};

@@ -48,6 +48,13 @@ class EvictionOrder {
   template <typename Usable>
   Record* FirstWhere(Usable&& usable);
 
+  // Calls f(record) for every filed record, in filed order (for a policy
+  // that ranks at eviction time, where the order does not matter).
+  template <typename F>
+  void ForEach(F&& f) const {
+    for (const Entry& e : entries_) f(e.record);
+  }
+
   // Null when the order agrees with `r` (filed iff `should_be_filed`, under
   // a key no greater than its current one), else what is wrong.
   const char* Check(const Record& r, bool should_be_filed) const;

@@ -134,7 +134,10 @@ uint64_t CacheCore::CheckInvariants() {
     }
     MC_INVARIANT(shard.order.size() == ordered_records,
                  "order has entries for records not in the map", "");
-    for (const auto& [ptr, rec] : shard.retired) {  // I3
+    MC_INVARIANT(shard.history.size() <= kHistoryKeysPerShard &&
+                     (history_length_ > 0 || shard.history.empty()),
+                 "request histories past their bound", "");  // I8
+    for (const auto& [ptr, rec] : shard.retired) {           // I3
       MC_INVARIANT(rec->retired && !rec->in_order, "retired record misfiled",
                    rec->key);
       MC_INVARIANT(rec->leases > 0 || rec->unload_failed ||

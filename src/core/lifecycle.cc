@@ -27,6 +27,8 @@ CacheCore::CacheCore(CacheOptions options)
                                     options_.capacity_bytes, options_.name)),
       policy_(options_.policy ? options_.policy : NewLruPolicy()),
       policy_monotone_(policy_->monotone()),
+      history_length_(policy_->history_length()),
+      policy_time_dependent_(policy_->time_dependent()),
       shard_mask_((size_t{1} << std::clamp(options_.shard_bits, 0, 12)) - 1),
       shards_(new Shard[shard_mask_ + 1]) {}
 
@@ -42,14 +44,54 @@ std::string_view CacheCore::Canonical(std::string_view key,
 
 void CacheCore::TouchLocked(Shard& shard, Record* r, double hint) {
   ++r->accesses;
-  r->priority = policy_->Priority(
-      AccessInfo{r->bytes, r->accesses, r->load_seconds, hint},
-      budget_->policy_clock());
+  // A time-dependent policy ranks at eviction time; the order only keeps
+  // the access sequence (a constant priority never decreases).
+  if (!policy_time_dependent_) {
+    r->priority = policy_->Priority(AccessInfoLocked(shard, *r, hint, 0),
+                                    budget_->policy_clock());
+  }
   r->seq = ++shard.seq;
   if (!policy_monotone_ && r->in_order) {
     // The new key may be smaller than the filed one: re-file it now.
     shard.order.Refile(r);
   }
+}
+
+AccessInfo CacheCore::AccessInfoLocked(Shard& shard, const Record& r,
+                                       double hint, double now_seconds) {
+  AccessInfo info{r.bytes, r.accesses, r.load_seconds, hint};
+  info.now_seconds = now_seconds;
+  if (history_length_ > 0) {
+    auto it = shard.history.find(std::string_view(r.key));
+    if (it != shard.history.end()) info.history = &it->second;
+  }
+  return info;
+}
+
+void CacheCore::NoteRequestLocked(Shard& shard, const HashedKey& key,
+                                  const AcquireOptions& options) {
+  if (history_length_ == 0 || !options.request) return;
+  auto it = shard.history.find(key);
+  if (it == shard.history.end()) {
+    if (shard.history.size() >= kHistoryKeysPerShard) {
+      // Forget the half least recently requested: amortised O(1) a key.
+      std::vector<double> lasts;
+      lasts.reserve(shard.history.size());
+      for (const auto& [name, history] : shard.history) {
+        lasts.push_back(history.last_request_seconds());
+      }
+      auto median = lasts.begin() + static_cast<ptrdiff_t>(lasts.size() / 2);
+      std::nth_element(lasts.begin(), median, lasts.end());
+      const double cutoff = *median;
+      absl::erase_if(shard.history, [&](const auto& entry) {
+        return entry.second.last_request_seconds() <= cutoff;
+      });
+    }
+    it = shard.history
+             .emplace(std::string(key.key), RequestHistory(history_length_))
+             .first;
+  }
+  it->second.Record(NowSeconds());
 }
 
 void CacheCore::RetireLocked(Shard& shard, const std::shared_ptr<Record>& r) {
@@ -97,12 +139,14 @@ Lease CacheCore::Acquire(std::string_view key, uint64_t expected_bytes,
         owned->owner = std::this_thread::get_id();
         shard.map.emplace(owned->key, Slot{owned, {}});
         ++shard.counters.misses;
+        NoteRequestLocked(shard, hashed, options);
       } else if (!it->second.record) {
         alias_target = it->second.alias_of;
       } else {
         Record* r = it->second.record.get();
         switch (r->state) {
           case RecordState::kResident:
+            NoteRequestLocked(shard, hashed, options);
             TouchLocked(shard, r, options.policy_hint);
             ++r->leases;
             ++shard.hits;
@@ -126,6 +170,7 @@ Lease CacheCore::Acquire(std::string_view key, uint64_t expected_bytes,
             done = joined->done;
             ++joined->waiters;
             ++shard.counters.misses;
+            NoteRequestLocked(shard, hashed, options);
             break;
           case RecordState::kUnloading:
             // An eviction or removal is running its unloader: wait for the
@@ -393,6 +438,7 @@ std::optional<Lease> CacheCore::Lookup(std::string_view key, bool count_miss,
     return std::nullopt;
   }
   Record* r = it->second.record.get();
+  NoteRequestLocked(shard, HashedKey(key), AcquireOptions{});
   TouchLocked(shard, r, policy_hint);
   ++r->leases;
   ++shard.hits;
@@ -526,16 +572,37 @@ std::exception_ptr CacheCore::UnloadResident(Shard& shard,
 bool CacheCore::BestVictim(const std::unordered_set<uint64_t>& skip,
                            VictimCandidate* out) {
   bool found = false;
+  const double now_seconds = policy_time_dependent_ ? NowSeconds() : 0;
   ForEachShard([&](Shard& shard, size_t) {
     shard.mu.AssertHeld();
-    Record* r = shard.order.FirstWhere([&](const Record& candidate) {
+    auto usable = [&](const Record& candidate) {
       return Evictable(candidate) && skip.count(candidate.id) == 0;
-    });
+    };
+    Record* r = nullptr;
+    double priority = 0;
+    if (policy_time_dependent_) {
+      // Ranked now: every usable entry of the shard, lowest first, ties to
+      // the least recently used.
+      shard.order.ForEach([&](Record* candidate) {
+        if (!usable(*candidate)) return;
+        const double p = policy_->Priority(
+            AccessInfoLocked(shard, *candidate, 0, now_seconds),
+            budget_->policy_clock());
+        if (r == nullptr || p < priority ||
+            (p == priority && candidate->seq < r->seq)) {
+          r = candidate;
+          priority = p;
+        }
+      });
+    } else {
+      r = shard.order.FirstWhere(usable);
+      if (r != nullptr) priority = r->priority;
+    }
     if (r == nullptr) return;
-    if (!found || r->priority < out->priority ||
-        (r->priority == out->priority && r->seq < out->seq)) {
+    if (!found || priority < out->priority ||
+        (priority == out->priority && r->seq < out->seq)) {
       auto owner = shard.map.find(r->key)->second.record;
-      out->priority = r->priority;
+      out->priority = priority;
       out->seq = r->seq;
       out->record_id = r->id;
       out->handle = std::shared_ptr<void>(owner, owner.get());

@@ -61,7 +61,9 @@ std::optional<Lease> ModelCache::TryAcquire(std::string_view key,
 
 void ModelCache::Prefetch(std::string_view key, uint64_t expected_bytes,
                           const Loader& loader, const AcquireOptions& options) {
-  core_->Acquire(key, expected_bytes, loader, options).Release();
+  AcquireOptions prefetch = options;
+  prefetch.request = false;  // a load ahead of demand, not a request
+  core_->Acquire(key, expected_bytes, loader, prefetch).Release();
 }
 
 RemoveOutcome ModelCache::Remove(std::string_view key,

@@ -2,6 +2,7 @@
 
 #include <algorithm>
 #include <cmath>
+#include <limits>
 
 namespace modelcache {
 namespace {
@@ -128,7 +129,70 @@ class BeladyPolicy final : public EvictionPolicy {
   bool monotone() const override { return false; }
 };
 
+class NextUsePolicy final : public EvictionPolicy {
+ public:
+  explicit NextUsePolicy(size_t history_length)
+      : history_length_(std::max<size_t>(1, history_length)) {}
+  std::string name() const override { return "next-use"; }
+  size_t history_length() const override { return history_length_; }
+  bool time_dependent() const override { return true; }
+  // Minus the predicted wait for the next request: the further it is, the
+  // lower the priority.
+  double Priority(const AccessInfo& entry, const PolicyClock&) const override {
+    const RequestHistory* history = entry.history;
+    if (history == nullptr || history->gaps().empty()) {
+      return -std::numeric_limits<double>::infinity();
+    }
+    const double idle =
+        std::max(0.0, entry.now_seconds - history->last_request_seconds());
+    // Gaps no longer than the idle time so far are ruled out: the next
+    // request is one of the longer ones, if the past is a guide. Bursts
+    // followed by long pauses are why: right after a burst its short gaps
+    // stop applying, and the pauses say when to expect the next burst.
+    double sum = 0;
+    size_t longer = 0;
+    for (double gap : history->gaps()) {
+      if (gap > idle) {
+        sum += gap;
+        ++longer;
+      }
+    }
+    // Idle longer than any gap seen: the model has cooled, by as much as
+    // it has been idle.
+    const double wait =
+        longer > 0 ? sum / static_cast<double>(longer) - idle : idle;
+    return -wait;
+  }
+  void OnEvict(double, PolicyClock&) const override {}
+
+ private:
+  const size_t history_length_;
+};
+
 }  // namespace
+
+RequestHistory::RequestHistory(size_t max_gaps)
+    : max_gaps_(std::max<size_t>(1, max_gaps)) {}
+
+void RequestHistory::Record(double now_seconds) {
+  if (requests_ > 0) {
+    const double gap = std::max(0.0, now_seconds - last_);
+    if (gaps_.size() < max_gaps_) {
+      gaps_.push_back(gap);
+    } else {
+      gaps_[next_] = gap;
+      next_ = (next_ + 1) % max_gaps_;
+    }
+    last_ = std::max(last_, now_seconds);
+  } else {
+    last_ = now_seconds;
+  }
+  ++requests_;
+}
+
+std::shared_ptr<const EvictionPolicy> NewNextUsePolicy(size_t history_length) {
+  return std::make_shared<NextUsePolicy>(history_length);
+}
 
 std::shared_ptr<const EvictionPolicy> NewBeladyPolicy() {
   return std::make_shared<BeladyPolicy>();
@@ -158,6 +222,7 @@ std::shared_ptr<const EvictionPolicy> PolicyByName(const std::string& name) {
   if (name == "faascache") return NewFaasCachePolicy(0.1, 2e9);
   if (name == "gdsf-time") return NewGdsfPolicy(ReloadCost::kLoadTime);
   if (name == "gdsf-uniform") return NewGdsfPolicy(ReloadCost::kUniform);
+  if (name == "next-use") return NewNextUsePolicy();
   if (name == "belady") return NewBeladyPolicy();
   return nullptr;
 }

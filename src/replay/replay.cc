@@ -80,6 +80,13 @@ RunResult ReplayUntimed(const Trace& trace,
   options.capacity_bytes = capacity_bytes;
   options.policy = policy;
   options.shard_bits = 0;
+  // The cache's clock is trace time: policies that learn from when
+  // requests come (next-use) see the trace's gaps, not the replay's speed.
+  double now_ms = 0;
+  options.now = [&now_ms] {
+    return Clock::time_point(
+        std::chrono::nanoseconds(static_cast<int64_t>(now_ms * 1e6)));
+  };
   ModelCache cache(std::move(options));
 
   // One loader for all models: the value is a shared token, the size the
@@ -110,9 +117,11 @@ RunResult ReplayUntimed(const Trace& trace,
     const Request& request = trace.requests[i];
     while (!ends.empty() &&
            ends.top().first <= static_cast<double>(request.t_ms)) {
+      now_ms = ends.top().first;
       held.Release(ends.top().second);
       ends.pop();
     }
+    now_ms = static_cast<double>(request.t_ms);
     const uint64_t size = trace.sizes[request.model];
     requested_bytes += size;
     AcquireOptions acquire;

@@ -129,6 +129,12 @@ PolicySpec ParsePolicy(const std::string& name, const TimeModel& time) {
     spec.lead_by_load_time = true;
     return spec;
   }
+  if (name == "next-use-prewarm") {
+    spec.eviction = NewNextUsePolicy();
+    spec.histogram = true;
+    spec.lead_by_load_time = true;
+    return spec;
+  }
   spec.eviction = PolicyByName(name);
   if (!spec.eviction) {
     throw Error(ErrorCode::kInvalidArgument,
@@ -685,6 +691,7 @@ bool Simulation::StartLoad(uint32_t m, bool prewarm) {
   };
   AcquireOptions acquire;
   acquire.policy_hint = Hint(s.last_request);
+  acquire.request = !prewarm;  // a prewarm is not a request
   for (;;) {
     try {
       s.load_lease =
@@ -881,7 +888,9 @@ double Percentile(const std::vector<double>& sorted, double p) {
 
 std::string PolicyNames() {
   return "lru, gdsf, gdsf-classic, gdsf-time, gdsf-uniform, faascache, "
-         "ttl-<N>m, hybrid-histogram, gdsf-prewarm, belady";
+         "ttl-<N>m, hybrid-histogram, gdsf-prewarm, next-use, "
+         "next-use-prewarm, "
+         "belady";
 }
 
 RunResult Replay(const Trace& trace, const std::string& policy_name,

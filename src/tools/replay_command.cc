@@ -106,9 +106,14 @@ int RunReplay(ReplayFlags flags) {
   if (embedded) {
     trace = replay::GenerateDefaultTrace(flags.seed);
     if (flags.policies.empty()) {
-      flags.policies = {
-          "lru",          "gdsf",  "faascache", "ttl-10m", "hybrid-histogram",
-          "gdsf-prewarm", "belady"};
+      flags.policies = {"lru",
+                        "gdsf",
+                        "faascache",
+                        "ttl-10m",
+                        "hybrid-histogram",
+                        "next-use",
+                        "next-use-prewarm",
+                        "belady"};
     }
     if (capacities.empty()) {
       for (const char* c : {"16GiB", "32GiB", "48GiB", "64GiB"}) {

@@ -85,6 +85,11 @@ struct AcquireOptions {
   // Lets the caller end a blocked wait early (see WaitInterrupt); the call
   // then throws the check's exception, as it would kTimeout.
   WaitInterrupt interrupt;
+  // Whether this call is a request for the model, as opposed to a load
+  // ahead of demand (a prewarm). A policy that learns from when requests
+  // come (EvictionPolicy::history_length() > 0, such as next-use) counts
+  // only requests. Prefetch always passes false.
+  bool request = true;
 };
 
 enum class EventType {
@@ -263,7 +268,9 @@ class ModelCache {
                                   double policy_hint = 0.0);
 
   // Loads `key` if absent and leaves it resident without a lease (evictable
-  // like any unleased record). Throws like Acquire.
+  // like any unleased record). It is not a request: a policy that learns
+  // from requests does not count it (AcquireOptions::request). Throws like
+  // Acquire.
   void Prefetch(std::string_view key, uint64_t expected_bytes,
                 const Loader& loader, const AcquireOptions& options = {});
 

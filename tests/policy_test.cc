@@ -774,6 +774,47 @@ TEST(NextUsePolicyTest, APrefetchIsNotARequest) {
   EXPECT_THAT(ResidentKeys(cache), ElementsAre("new", "steady"));
 }
 
+TEST(NextUsePolicyTest, AWarmUpEvictsOnlyModelsExpectedLaterThanItself) {
+  double now = 0;
+  Models models;
+  ModelCache cache(NextUseOptions(&now, 1000));
+  // Histories: "p" every 30 s; "q" twice, 2 s apart; "later" at 0 and 95
+  // s; "soon" every 10 s, then 5 s.
+  Use(cache, models, "later", 100);
+  Use(cache, models, "p", 100);
+  Use(cache, models, "q", 100);
+  now = 2;
+  Use(cache, models, "q", 100);
+  for (now = 30; now <= 90; now += 30) Use(cache, models, "p", 100);
+  for (now = 60; now <= 90; now += 10) Use(cache, models, "soon", 100);
+  now = 95;
+  Use(cache, models, "soon", 100);
+  Use(cache, models, "later", 100);
+  ASSERT_EQ(cache.Remove("p"), RemoveOutcome::kRemoved);
+  ASSERT_EQ(cache.Remove("q"), RemoveOutcome::kRemoved);
+  ASSERT_EQ(cache.SetCapacity(200), 0u);  // "soon" and "later" fill it
+  // At 100 s: "soon" is due in 5 s, "p" in 20 s, "later" in 90 s and "q"
+  // (idle 98 s, past its only gap) in 98 s.
+  now = 100;
+  AcquireOptions warm_up;
+  warm_up.evict_only_lower_ranked = true;
+  cache.Prefetch("p", 100, models.For("p", 100), warm_up);
+  EXPECT_THAT(ResidentKeys(cache), ElementsAre("p", "soon"));
+  // "q" is expected after both: it may evict neither, and fails whole.
+  EXPECT_THAT(
+      ErrorMessage(
+          [&] { cache.Prefetch("q", 100, models.For("q", 100), warm_up); },
+          ErrorCode::kCapacity),
+      HasSubstr("nothing ranked below it is evictable"));
+  EXPECT_THAT(ResidentKeys(cache), ElementsAre("p", "soon"));
+  EXPECT_EQ(models.loads("q"), 1);  // only its first load, at 0 s
+  cache.CheckInvariants();
+  EXPECT_EQ(cache.budget().used(), 200u);
+  // A request is not held back: it evicts as usual.
+  Use(cache, models, "q", 100);
+  EXPECT_EQ(models.loads("q"), 2);
+}
+
 TEST(NextUsePolicyTest, HistoriesStayBoundedWhateverTheNumberOfKeys) {
   double now = 0;
   Models models;

@@ -76,7 +76,7 @@ std::vector<std::shared_ptr<BudgetMember>> Budget::Members() {
   return members;
 }
 
-bool Budget::EvictOne(std::unordered_set<uint64_t>* skip) {
+bool Budget::EvictOne(std::unordered_set<uint64_t>* skip, double evict_below) {
   for (;;) {
     std::shared_ptr<BudgetMember> best_member;
     VictimCandidate best;
@@ -90,6 +90,8 @@ bool Budget::EvictOne(std::unordered_set<uint64_t>* skip) {
       }
     }
     if (!best_member) return false;
+    // The lowest-ranked victim is not below the bar: neither is any other.
+    if (!(best.priority < evict_below)) return false;
     switch (best_member->TryEvict(best)) {
       case EvictOutcome::kEvicted:
         return true;
@@ -117,8 +119,8 @@ std::string Budget::HoldersMessage() {
 
 void Budget::Reserve(uint64_t bytes, WhenFull when_full,
                      std::chrono::steady_clock::time_point deadline,
-                     uint64_t already_reserved,
-                     const WaitInterrupt* interrupt) {
+                     uint64_t already_reserved, const WaitInterrupt* interrupt,
+                     double evict_below) {
   const bool interruptible = interrupt != nullptr && interrupt->check;
   std::unordered_set<uint64_t> skip;  // victims whose unload failed
   bool registered = false;
@@ -158,16 +160,18 @@ void Budget::Reserve(uint64_t bytes, WhenFull when_full,
       capacity = capacity_;
       used = used_;
     }
-    if (EvictOne(&skip)) continue;
+    if (EvictOne(&skip, evict_below)) continue;
 
     if (when_full == WhenFull::kFail) {
       leave();
+      const bool ranked =
+          evict_below != std::numeric_limits<double>::infinity();
       throw Error(ErrorCode::kCapacity,
                   "cannot reserve " + FormatBytes(bytes) + " in budget '" +
                       name_ + "' (capacity " + FormatBytes(capacity) + ", " +
-                      FormatBytes(used) +
-                      " in use) and nothing is evictable; held by: " +
-                      HoldersMessage());
+                      FormatBytes(used) + " in use) and nothing" +
+                      (ranked ? " ranked below it" : "") +
+                      " is evictable; held by: " + HoldersMessage());
     }
     bool timed_out = false;
     bool check_interrupt = false;

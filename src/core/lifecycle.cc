@@ -6,6 +6,7 @@
 #include <atomic>
 #include <cassert>
 #include <future>
+#include <limits>
 #include <thread>
 #include <utility>
 
@@ -297,9 +298,19 @@ Lease CacheCore::LoadAsOwner(Shard& shard, const std::shared_ptr<Record>& rec,
                              uint64_t expected_bytes, const Loader& loader,
                              const AcquireOptions& options) {
   if (options_.idle_ttl.count() > 0) EvictExpired();
+  double evict_below = std::numeric_limits<double>::infinity();
+  if (options.evict_only_lower_ranked) {
+    base::MutexLock lock(&shard.mu);
+    AccessInfo own =
+        AccessInfoLocked(shard, *rec, options.policy_hint,
+                         policy_time_dependent_ ? NowSeconds() : 0);
+    own.bytes = expected_bytes;
+    own.accesses = 1;
+    evict_below = policy_->Priority(own, budget_->policy_clock());
+  }
   try {
     budget_->Reserve(expected_bytes, options.when_full, options.deadline,
-                     /*already_reserved=*/0, &options.interrupt);
+                     /*already_reserved=*/0, &options.interrupt, evict_below);
   } catch (...) {
     FailLoad(shard, rec, std::current_exception(), 0, false);
     throw;
@@ -327,7 +338,7 @@ Lease CacheCore::LoadAsOwner(Shard& shard, const std::shared_ptr<Record>& rec,
     try {
       budget_->Reserve(loaded.bytes - expected_bytes, options.when_full,
                        options.deadline, /*already_reserved=*/expected_bytes,
-                       &options.interrupt);
+                       &options.interrupt, evict_below);
     } catch (const Error& e) {
       refused = e.code() != ErrorCode::kTooLarge
                     ? std::current_exception()
@@ -584,6 +595,7 @@ bool CacheCore::BestVictim(const std::unordered_set<uint64_t>& skip,
       // Ranked now: every usable entry of the shard, lowest first, ties to
       // the least recently used.
       shard.order.ForEach([&](Record* candidate) {
+        shard.mu.AssertHeld();  // held by ForEachShard's caller frame
         if (!usable(*candidate)) return;
         const double p = policy_->Priority(
             AccessInfoLocked(shard, *candidate, 0, now_seconds),

@@ -88,6 +88,10 @@ struct PolicySpec {
   // Ours: start each prewarm its expected load time (and queue) earlier than
   // Shahrad et al.'s window start, so that a large model is ready in time.
   bool lead_by_load_time = false;
+  // Prewarms may evict idle models the policy expects later than the one
+  // they load (AcquireOptions::evict_only_lower_ranked), not only use free
+  // memory.
+  bool prewarm_evicts_lower_ranked = false;
 };
 
 PolicySpec ParsePolicy(const std::string& name, const TimeModel& time) {
@@ -133,6 +137,7 @@ PolicySpec ParsePolicy(const std::string& name, const TimeModel& time) {
     spec.eviction = NewNextUsePolicy();
     spec.histogram = true;
     spec.lead_by_load_time = true;
+    spec.prewarm_evicts_lower_ranked = true;
     return spec;
   }
   spec.eviction = PolicyByName(name);
@@ -692,6 +697,8 @@ bool Simulation::StartLoad(uint32_t m, bool prewarm) {
   AcquireOptions acquire;
   acquire.policy_hint = Hint(s.last_request);
   acquire.request = !prewarm;  // a prewarm is not a request
+  acquire.evict_only_lower_ranked =
+      prewarm && spec_.prewarm_evicts_lower_ranked;
   for (;;) {
     try {
       s.load_lease =
@@ -767,8 +774,12 @@ void Simulation::StartLoads() {
     prewarm_queue_.pop_front();
     ModelState& s = models_[m];
     if (s.state != State::kAbsent) continue;
-    // Only into free bytes: a prewarm never evicts.
-    if (cache_->budget().used() + Size(m) > capacity_) continue;
+    // Only into free bytes, or (ours) in place of idle models expected
+    // later; a prewarm that finds no such room is dropped.
+    if (!spec_.prewarm_evicts_lower_ranked &&
+        cache_->budget().used() + Size(m) > capacity_) {
+      continue;
+    }
     StartLoad(m, /*prewarm=*/true);
   }
 }

@@ -17,6 +17,7 @@
 #include <chrono>
 #include <cstdint>
 #include <functional>
+#include <limits>
 #include <memory>
 #include <string>
 #include <unordered_set>
@@ -123,11 +124,15 @@ class Budget {
   // every byte count: sums that would pass 2^64 are too large, never wrapped.
   // MC_REQUIRES: the caller holds no lock of any member.
   // While waiting for capacity, runs `interrupt` (when not null) as
-  // WaitInterrupt says.
+  // WaitInterrupt says. Evicts only victims whose priority is below
+  // `evict_below`; when the best one left is not, nothing more counts as
+  // evictable (kCapacity under kFail, a wait under kWait).
   void Reserve(uint64_t bytes, WhenFull when_full,
                std::chrono::steady_clock::time_point deadline,
                uint64_t already_reserved = 0,
-               const WaitInterrupt* interrupt = nullptr) MC_EXCLUDES(mu_);
+               const WaitInterrupt* interrupt = nullptr,
+               double evict_below = std::numeric_limits<double>::infinity())
+      MC_EXCLUDES(mu_);
   // MC_REQUIRES: bytes <= used().
   void Release(uint64_t bytes) MC_EXCLUDES(mu_);
   // A record just became evictable (its last lease ended or it was
@@ -141,7 +146,9 @@ class Budget {
 
  private:
   // Evicts one victim among all members. Returns false when none exists.
-  bool EvictOne(std::unordered_set<uint64_t>* skip) MC_EXCLUDES(mu_);
+  bool EvictOne(std::unordered_set<uint64_t>* skip,
+                double evict_below = std::numeric_limits<double>::infinity())
+      MC_EXCLUDES(mu_);
   // Evicts until used <= capacity or nothing is evictable; returns the bytes
   // still over capacity.
   uint64_t EvictToCapacity() MC_EXCLUDES(mu_);

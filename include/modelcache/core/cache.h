@@ -90,6 +90,13 @@ struct AcquireOptions {
   // come (EvictionPolicy::history_length() > 0, such as next-use) counts
   // only requests. Prefetch always passes false.
   bool request = true;
+  // Make room only by evicting entries the policy ranks below this key, as
+  // ranked now (for a key not resident: its first access, with its request
+  // history). For loads ahead of demand: a prewarm may replace a model
+  // expected later than it, never one expected sooner. When that frees too
+  // little, the call fails (kFail) or waits (kWait) as when nothing is
+  // evictable.
+  bool evict_only_lower_ranked = false;
 };
 
 enum class EventType {

@@ -50,8 +50,9 @@ void RunReplay(benchmark::State& state, const replay::Trace& trace,
 
 void Register(const char* trace_name, const replay::Trace& (*trace)(),
               const std::vector<uint64_t>& capacities) {
-  for (const char* policy : {"lru", "gdsf", "faascache", "ttl-10m",
-                             "hybrid-histogram", "gdsf-prewarm"}) {
+  for (const char* policy :
+       {"lru", "gdsf", "faascache", "ttl-10m", "hybrid-histogram",
+        "gdsf-prewarm", "next-use", "next-use-prewarm"}) {
     for (uint64_t gib : capacities) {
       // The two rows of one policy and capacity next to each other.
       for (bool timed : {true, false}) {

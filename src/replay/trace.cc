@@ -551,34 +551,67 @@ uint64_t DefaultModelSize(uint32_t model, uint64_t seed) {
   return static_cast<uint64_t>(low * std::pow(high / low, v));
 }
 
+namespace {
+
+constexpr uint32_t kDefaultModels = 60;
+constexpr int64_t kDefaultSpanMs = int64_t{8} * 3600 * 1000;
+
+// Two popularity rankings, unrelated to size: the morning's and the
+// afternoon's. The first draws of the generator's stream.
+void DefaultRankings(std::mt19937_64& rng, std::vector<uint32_t>* morning,
+                     std::vector<uint32_t>* afternoon) {
+  morning->resize(kDefaultModels);
+  afternoon->resize(kDefaultModels);
+  for (uint32_t m = 0; m < kDefaultModels; ++m) {
+    (*morning)[m] = (*afternoon)[m] = m;
+  }
+  std::shuffle(morning->begin(), morning->end(), rng);
+  std::shuffle(afternoon->begin(), afternoon->end(), rng);
+}
+
+}  // namespace
+
+DefaultTracePopularity DefaultTracePopularityOf(uint64_t seed) {
+  std::mt19937_64 rng(seed);
+  std::vector<uint32_t> morning, afternoon;
+  DefaultRankings(rng, &morning, &afternoon);
+  DefaultTracePopularity out;
+  out.span_ms = kDefaultSpanMs;
+  out.morning.assign(kDefaultModels, 0);
+  out.afternoon.assign(kDefaultModels, 0);
+  double total = 0;
+  for (uint32_t r = 0; r < kDefaultModels; ++r) total += Zipf(r);
+  for (uint32_t r = 0; r < kDefaultModels; ++r) {
+    out.morning[morning[r]] = Zipf(r) / total;
+    out.afternoon[afternoon[r]] = Zipf(r) / total;
+  }
+  return out;
+}
+
 Trace GenerateDefaultTrace(uint64_t seed) {
-  constexpr uint32_t kModels = 60;
   constexpr size_t kRequests = 200000;
-  constexpr int64_t kSpanMs = int64_t{8} * 3600 * 1000;
   Trace trace;
-  for (uint32_t m = 0; m < kModels; ++m) {
+  for (uint32_t m = 0; m < kDefaultModels; ++m) {
     trace.models.push_back("model-" + std::to_string(m));
     trace.sizes.push_back(DefaultModelSize(m, seed));
   }
   std::mt19937_64 rng(seed);
-  // Two popularity rankings, unrelated to size: the morning's and the
-  // afternoon's. Each request draws from a mix that shifts between them.
-  std::vector<uint32_t> morning(kModels), afternoon(kModels);
-  for (uint32_t m = 0; m < kModels; ++m) morning[m] = afternoon[m] = m;
-  std::shuffle(morning.begin(), morning.end(), rng);
-  std::shuffle(afternoon.begin(), afternoon.end(), rng);
+  // Each request draws from a mix that shifts from the morning's ranking to
+  // the afternoon's (DefaultTracePopularityOf says the same in closed form).
+  std::vector<uint32_t> morning, afternoon;
+  DefaultRankings(rng, &morning, &afternoon);
   std::vector<double> weights;
-  for (uint32_t r = 0; r < kModels; ++r) weights.push_back(Zipf(r));
+  for (uint32_t r = 0; r < kDefaultModels; ++r) weights.push_back(Zipf(r));
   std::discrete_distribution<uint32_t> rank(weights.begin(), weights.end());
   std::vector<int64_t> times(kRequests);
-  std::uniform_int_distribution<int64_t> when(0, kSpanMs - 1);
+  std::uniform_int_distribution<int64_t> when(0, kDefaultSpanMs - 1);
   for (auto& t : times) t = when(rng);
   std::sort(times.begin(), times.end());
   std::uniform_real_distribution<double> coin(0, 1);
   trace.requests.reserve(kRequests);
   for (int64_t t : times) {
     const double afternoon_share =
-        static_cast<double>(t) / static_cast<double>(kSpanMs);
+        static_cast<double>(t) / static_cast<double>(kDefaultSpanMs);
     const auto& order = coin(rng) < afternoon_share ? afternoon : morning;
     trace.requests.push_back(Request{t, order[rank(rng)]});
   }

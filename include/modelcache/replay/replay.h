@@ -104,6 +104,17 @@ uint64_t DefaultModelSize(uint32_t model, uint64_t seed);
 // drifts over the day (what is hot in the morning cools by the afternoon).
 Trace GenerateDefaultTrace(uint64_t seed);
 
+// The embedded default's popularity as its generator draws it: a request at
+// trace time t (ms) is for model m with probability (1 - t / span_ms) *
+// morning[m] + (t / span_ms) * afternoon[m] (each vector sums to 1), and
+// requests are spread uniformly over the span. For analysis: the most an
+// online policy could know about the trace (bench/policy_bound.cc).
+struct DefaultTracePopularity {
+  std::vector<double> morning, afternoon;
+  int64_t span_ms = 0;
+};
+DefaultTracePopularity DefaultTracePopularityOf(uint64_t seed);
+
 // The load path in trace time: `latency_ms + bytes / bandwidth` per load,
 // loads in flight sharing the bandwidth equally, at most `slots` in flight.
 struct TimeModel {

@@ -6,11 +6,13 @@
 #include <sys/wait.h>
 
 #include <algorithm>
+#include <cmath>
 #include <cstdio>
 #include <filesystem>
 #include <fstream>
 #include <list>
 #include <map>
+#include <numeric>
 #include <random>
 #include <unordered_map>
 
@@ -393,6 +395,43 @@ TEST(Replay, NextUseLoadsFewerBytesThanEitherGdsfOnEveryWorkload) {
       EXPECT_EQ(results[2 * n + i].policy, "next-use");
       EXPECT_LT(results[2 * n + i].bytes_loaded, results[i].bytes_loaded);
       EXPECT_LT(results[2 * n + i].bytes_loaded, results[n + i].bytes_loaded);
+    }
+  }
+}
+
+TEST(Replay, DefaultTracePopularityIsWhatTheGeneratorDraws) {
+  for (uint64_t seed : {42u, 7u}) {
+    SCOPED_TRACE(seed);
+    const Trace trace = GenerateDefaultTrace(seed);
+    const DefaultTracePopularity pop = DefaultTracePopularityOf(seed);
+    ASSERT_EQ(pop.morning.size(), trace.models.size());
+    ASSERT_EQ(pop.afternoon.size(), trace.models.size());
+    EXPECT_NEAR(std::accumulate(pop.morning.begin(), pop.morning.end(), 0.0),
+                1.0, 1e-12);
+    EXPECT_NEAR(
+        std::accumulate(pop.afternoon.begin(), pop.afternoon.end(), 0.0), 1.0,
+        1e-12);
+    EXPECT_GE(pop.span_ms, trace.requests.back().t_ms);
+    // In the first and the last quarter of the span, each model's share of
+    // the requests is its weight mixed at the quarter's mean time (1/8 and
+    // 7/8 of the way), within sampling error (about 50,000 draws each).
+    for (int quarter : {0, 3}) {
+      const double from = pop.span_ms * quarter / 4.0;
+      const double to = pop.span_ms * (quarter + 1) / 4.0;
+      const double s = (quarter + 0.5) / 4;
+      std::vector<double> count(trace.models.size(), 0);
+      double total = 0;
+      for (const Request& r : trace.requests) {
+        if (r.t_ms < from || r.t_ms >= to) continue;
+        count[r.model] += 1;
+        total += 1;
+      }
+      for (size_t m = 0; m < count.size(); ++m) {
+        const double expected = (1 - s) * pop.morning[m] + s * pop.afternoon[m];
+        const double sigma = std::sqrt(expected * (1 - expected) / total);
+        EXPECT_NEAR(count[m] / total, expected, 5 * sigma + 1e-9)
+            << "model " << m << ", quarter " << quarter;
+      }
     }
   }
 }

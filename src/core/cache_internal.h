@@ -300,9 +300,14 @@ class CacheCore final : public BudgetMember {
   void TouchLocked(Shard& shard, Record* r, double hint = 0)
       MC_REQUIRES(shard.mu);
   // Notes a request for `key` in its history, if the policy keeps them and
-  // `options` says it is one (AcquireOptions::request).
-  void NoteRequestLocked(Shard& shard, const HashedKey& key,
-                         const AcquireOptions& options) MC_REQUIRES(shard.mu);
+  // the call is a request (AcquireOptions::request). Inline: on the hit
+  // path of a policy without histories it is one test.
+  void NoteRequestLocked(Shard& shard, std::string_view key, bool request)
+      MC_REQUIRES(shard.mu) {
+    if (history_length_ > 0 && request) RecordRequestLocked(shard, key);
+  }
+  void RecordRequestLocked(Shard& shard, std::string_view key)
+      MC_REQUIRES(shard.mu);
   // The policy's inputs for `r`, at time `now_seconds` for a time-dependent
   // policy.
   AccessInfo AccessInfoLocked(Shard& shard, const Record& r, double hint,

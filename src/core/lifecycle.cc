@@ -69,9 +69,7 @@ AccessInfo CacheCore::AccessInfoLocked(Shard& shard, const Record& r,
   return info;
 }
 
-void CacheCore::NoteRequestLocked(Shard& shard, const HashedKey& key,
-                                  const AcquireOptions& options) {
-  if (history_length_ == 0 || !options.request) return;
+void CacheCore::RecordRequestLocked(Shard& shard, std::string_view key) {
   auto it = shard.history.find(key);
   if (it == shard.history.end()) {
     if (shard.history.size() >= kHistoryKeysPerShard) {
@@ -88,9 +86,9 @@ void CacheCore::NoteRequestLocked(Shard& shard, const HashedKey& key,
         return entry.second.last_request_seconds() <= cutoff;
       });
     }
-    it = shard.history
-             .emplace(std::string(key.key), RequestHistory(history_length_))
-             .first;
+    it =
+        shard.history.emplace(std::string(key), RequestHistory(history_length_))
+            .first;
   }
   it->second.Record(NowSeconds());
 }
@@ -140,14 +138,14 @@ Lease CacheCore::Acquire(std::string_view key, uint64_t expected_bytes,
         owned->owner = std::this_thread::get_id();
         shard.map.emplace(owned->key, Slot{owned, {}});
         ++shard.counters.misses;
-        NoteRequestLocked(shard, hashed, options);
+        NoteRequestLocked(shard, key, options.request);
       } else if (!it->second.record) {
         alias_target = it->second.alias_of;
       } else {
         Record* r = it->second.record.get();
         switch (r->state) {
           case RecordState::kResident:
-            NoteRequestLocked(shard, hashed, options);
+            NoteRequestLocked(shard, key, options.request);
             TouchLocked(shard, r, options.policy_hint);
             ++r->leases;
             ++shard.hits;
@@ -171,7 +169,7 @@ Lease CacheCore::Acquire(std::string_view key, uint64_t expected_bytes,
             done = joined->done;
             ++joined->waiters;
             ++shard.counters.misses;
-            NoteRequestLocked(shard, hashed, options);
+            NoteRequestLocked(shard, key, options.request);
             break;
           case RecordState::kUnloading:
             // An eviction or removal is running its unloader: wait for the
@@ -449,7 +447,7 @@ std::optional<Lease> CacheCore::Lookup(std::string_view key, bool count_miss,
     return std::nullopt;
   }
   Record* r = it->second.record.get();
-  NoteRequestLocked(shard, HashedKey(key), AcquireOptions{});
+  NoteRequestLocked(shard, key, /*request=*/true);
   TouchLocked(shard, r, policy_hint);
   ++r->leases;
   ++shard.hits;

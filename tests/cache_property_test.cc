@@ -545,9 +545,12 @@ class ReferenceModel {
 };
 
 // Runs `op` against `cache`, holding the leases it returns in `held`.
+// With `ranked_prefetches`, every other Prefetch may evict only entries ranked
+// below its key (AcquireOptions::evict_only_lower_ranked).
 std::string RunOp(const Op& op, ModelCache& cache, std::vector<HeldLease>* held,
                   std::vector<std::shared_ptr<Value>>* values,
-                  EventThrower* thrower, std::atomic<int64_t>* now) {
+                  EventThrower* thrower, std::atomic<int64_t>* now,
+                  bool ranked_prefetches = false) {
   const std::string key = Name(op.name);
   auto hold = [&](Lease lease) {
     std::shared_ptr<Value> value;
@@ -567,10 +570,13 @@ std::string RunOp(const Op& op, ModelCache& cache, std::vector<HeldLease>* held,
         hold(std::move(lease));
         return k;
       }
-      case Kind::kPrefetch:
+      case Kind::kPrefetch: {
+        AcquireOptions options;
+        options.evict_only_lower_ranked = ranked_prefetches && op.other % 2;
         cache.Prefetch(key, op.Expected(),
-                       MakeLoader(op, cache.Resolve(key), values));
+                       MakeLoader(op, cache.Resolve(key), values), options);
         return "ok";
+      }
       case Kind::kLookup:
       case Kind::kTryAcquire: {
         auto lease =
@@ -782,7 +788,8 @@ class TwoCaches {
     if (op.k() == Kind::kRelease && !held.empty()) {
       released_key = held[op.other % held.size()].lease.key();
     }
-    const std::string outcome = RunOp(op, cache, &held, &values_, thrower, now);
+    const std::string outcome = RunOp(op, cache, &held, &values_, thrower, now,
+                                      /*ranked_prefetches=*/true);
 
     // Resolve, Lookup and Acquire agree on the key a name stands for.
     if (op.k() == Kind::kAcquire && outcome.rfind("Error", 0) != 0 &&

@@ -533,20 +533,28 @@ removal, outside the cache's locks.
           "prefetch",
           [](py::object self, const std::string& key, py::object loader,
              uint64_t expected_bytes, py::object timeout,
-             const std::string& when_full) {
+             const std::string& when_full, bool evict_only_lower_ranked) {
             CacheHandle& h = Handle(self);
             RunLoading(h, key, loader, expected_bytes, timeout, when_full,
                        [&](ModelCache& cache, const AcquireOptions& options,
                            const Loader& wrapped) {
-                         cache.Prefetch(key, expected_bytes, wrapped, options);
+                         AcquireOptions prefetch = options;
+                         prefetch.evict_only_lower_ranked =
+                             evict_only_lower_ranked;
+                         cache.Prefetch(key, expected_bytes, wrapped, prefetch);
                          return 0;
                        });
           },
           py::arg("key"), py::arg("loader"), py::arg("expected_bytes"),
           py::kw_only(), py::arg("timeout") = py::none(),
           py::arg("when_full") = "fail",
+          py::arg("evict_only_lower_ranked") = false,
           "Loads ``key`` if absent and leaves it resident without a lease. "
-          "Raises like acquire().")
+          "It is not a request: a policy that learns when requests come "
+          "(\"next-use\") does not count it. With "
+          "``evict_only_lower_ranked``, makes room only from models the "
+          "policy ranks below ``key`` now (a warm-up that never displaces a "
+          "model expected sooner). Raises like acquire().")
       .def(
           "get",
           [](py::object self, const std::string& key) -> py::object {

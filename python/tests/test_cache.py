@@ -191,6 +191,24 @@ def test_next_use_policy_evicts_a_model_requested_once_before_a_repeated_one():
     assert {e.key for e in cache.entries()} == {"repeated", "new"}
 
 
+def test_a_ranked_prefetch_never_displaces_a_model_expected_sooner():
+    cache = modelcache.Cache(capacity_bytes=80, policy="next-use")
+    for _ in range(3):  # requested again and again: expected soon
+        with cache.acquire("busy", lambda: Model("busy"), 40):
+            pass
+    # A prefetch is not a request: "warm" has no history, so under next-use
+    # it ranks lowest, tied with "idle" (never requested either), and a
+    # ranked prefetch of it may evict neither...
+    cache.prefetch("idle", lambda: Model("idle"), 40)
+    with pytest.raises(modelcache.errors.CapacityError):
+        cache.prefetch("warm", lambda: Model("warm"), 40, evict_only_lower_ranked=True)
+    assert {e.key for e in cache.entries()} == {"busy", "idle"}
+    # ...while a plain prefetch makes room as usual (here, from "idle", which
+    # was never requested).
+    cache.prefetch("warm", lambda: Model("warm"), 40)
+    assert {e.key for e in cache.entries()} == {"busy", "warm"}
+
+
 def test_idle_ttl_takes_seconds_or_a_timedelta_and_expires_idle_models():
     expired = []
     cache = modelcache.Cache(

@@ -6,7 +6,9 @@
 // front), which is exact for a policy whose priorities never decrease (see
 // EvictionPolicy::Priority). A policy whose priorities may decrease, such as
 // Belady's, says so through monotone(), and the cache then re-sorts an entry
-// on every access instead.
+// on every access instead. A policy whose priorities change as time passes
+// (next-use) says so through time_dependent(), and the cache ranks every
+// candidate afresh when it looks for a victim.
 #ifndef MODELCACHE_CORE_POLICY_H_
 #define MODELCACHE_CORE_POLICY_H_
 
@@ -160,7 +162,8 @@ std::shared_ptr<const EvictionPolicy> NewFaasCachePolicy(
 // at a memory cost of its size times the wait, a ratio that does not
 // depend on the size. Across the shared Azure trace and the embedded
 // default it loads fewer bytes than LRU and either GDSF at every capacity
-// measured (README, "Replay"). Time-dependent (see time_dependent()).
+// measured, and on seven held-out workloads (docs/benchmarks.md, "Replay").
+// Time-dependent (see time_dependent()).
 std::shared_ptr<const EvictionPolicy> NewNextUsePolicy(
     size_t history_length = 32);
 

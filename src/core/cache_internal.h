@@ -304,7 +304,9 @@ class CacheCore final : public BudgetMember {
   // path of a policy without histories it is one test.
   void NoteRequestLocked(Shard& shard, std::string_view key, bool request)
       MC_REQUIRES(shard.mu) {
-    if (history_length_ > 0 && request) RecordRequestLocked(shard, key);
+    if (history_length_ > 0 && request) [[unlikely]] {
+      RecordRequestLocked(shard, key);
+    }
   }
   void RecordRequestLocked(Shard& shard, std::string_view key)
       MC_REQUIRES(shard.mu);

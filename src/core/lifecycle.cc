@@ -47,9 +47,12 @@ void CacheCore::TouchLocked(Shard& shard, Record* r, double hint) {
   ++r->accesses;
   // A time-dependent policy ranks at eviction time; the order only keeps
   // the access sequence (a constant priority never decreases).
-  if (!policy_time_dependent_) {
-    r->priority = policy_->Priority(AccessInfoLocked(shard, *r, hint, 0),
-                                    budget_->policy_clock());
+  if (!policy_time_dependent_) [[likely]] {
+    AccessInfo info{r->bytes, r->accesses, r->load_seconds, hint};
+    if (history_length_ > 0) [[unlikely]] {
+      info = AccessInfoLocked(shard, *r, hint, 0);
+    }
+    r->priority = policy_->Priority(info, budget_->policy_clock());
   }
   r->seq = ++shard.seq;
   if (!policy_monotone_ && r->in_order) {

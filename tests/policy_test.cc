@@ -684,11 +684,12 @@ TEST(NextUsePolicyTest, EvictsTheModelWhoseNextRequestIsFurthestNotTheOldest) {
   double now = 0;
   Models models;
   ModelCache cache(NextUseOptions(&now, 200));
-  // "fast" comes every 10 s; "slow" came at 0 and 95 s, so it is the most
+  // "fast" comes every 10 s; "slow" came at 0.5 and 95 s, so it is the most
   // recently used, and LRU would evict "fast".
-  for (now = 0; now <= 90; now += 10) Use(cache, models, "fast", 100);
+  Use(cache, models, "fast", 100);
   now = 0.5;
   Use(cache, models, "slow", 100);
+  for (now = 10; now <= 90; now += 10) Use(cache, models, "fast", 100);
   now = 95;
   Use(cache, models, "slow", 100);
   now = 96;  // fast's next request is due in 4 s, slow's in 94 s

@@ -41,9 +41,12 @@
 // `slots` demand loads are in flight and the head fits (Acquire with
 // WhenFull::kFail; on kCapacity, in-flight prewarms are cancelled first, then
 // the head waits until a lease ends). Prewarm loads start only when no demand
-// load is queued, only into free bytes, and only on slots demand loads leave
-// unused; a demand request for a model being prewarmed promotes that load.
-// So a prewarm never delays a demand load.
+// load is queued, only into free bytes (next-use-prewarm: or in place of
+// idle models the policy expects later, AcquireOptions::
+// evict_only_lower_ranked), and only on slots demand loads leave unused; a
+// demand request for a model being prewarmed promotes that load. So a
+// prewarm never delays a demand load. A prewarm's Acquire is not a request
+// (AcquireOptions::request): next-use learns only from requests.
 //
 // Books: idle bytes (resident, no lease, not loading) and loads in flight are
 // integrated over [first request, last request]; the cache's on_event tells
@@ -900,8 +903,7 @@ double Percentile(const std::vector<double>& sorted, double p) {
 std::string PolicyNames() {
   return "lru, gdsf, gdsf-classic, gdsf-time, gdsf-uniform, faascache, "
          "ttl-<N>m, hybrid-histogram, gdsf-prewarm, next-use, "
-         "next-use-prewarm, "
-         "belady";
+         "next-use-prewarm, belady";
 }
 
 RunResult Replay(const Trace& trace, const std::string& policy_name,

@@ -6,7 +6,10 @@
 // sequence of operations; a victim whose unloader fails stays resident and
 // eviction moves on. Policy-specific: exact LRU order with one shard; GDSF
 // keeps a frequently used large model where LRU would drop it; GDSF ages old
-// entries out through its inflation value; priorities never decrease.
+// entries out through its inflation value; priorities never decrease;
+// next-use evicts the model expected last (by its gaps, kept across
+// evictions, not counting prefetches), cools models idle past their gaps,
+// and lets a ranked warm-up evict only models expected later.
 
 #include "modelcache/core/policy.h"
 

@@ -32,11 +32,10 @@ has no usable GPU (see :func:`cuda_available`).
 from __future__ import annotations
 
 import dataclasses
-from types import TracebackType
-from typing import (TYPE_CHECKING, Any, Dict, List, Mapping, Optional,
-                    Sequence, Type, Union)
+from typing import TYPE_CHECKING, Any, Dict, List, Mapping, Sequence, Union
 
 from . import _core
+from ._lease import _Releasable
 from ._types import CacheStats
 from .errors import InvalidArgumentError
 
@@ -205,7 +204,7 @@ def cuda_unavailable_reason() -> str:
     return _core._cuda_unavailable_reason()
 
 
-class ModelLease:
+class ModelLease(_Releasable):
     """A claim on a model placed on one device: while it is held the model
     stays on that device (and its host copies stay resident).
 
@@ -216,11 +215,11 @@ class ModelLease:
     FailedPreconditionError once it is released.
     """
 
-    __slots__ = ("_lease", "__weakref__")
+    __slots__ = ("__weakref__",)
 
     def __init__(self, lease: Any) -> None:
         """Internal: leases come from :meth:`Runtime.acquire`."""
-        self._lease = lease
+        super().__init__(lease)
 
     @property
     def model(self) -> str:
@@ -248,15 +247,6 @@ class ModelLease:
         may leave some on the host)."""
         return self._lease.full
 
-    @property
-    def released(self) -> bool:
-        """True once :meth:`release` was called."""
-        return self._lease.released
-
-    def release(self) -> None:
-        """Gives the lease back; later calls do nothing."""
-        self._lease.release()
-
     def tensors(self) -> List[Dict[str, Any]]:
         """Where each tensor is: dicts with name, dtype, shape, bytes,
         on_device and device_offset (None when on the host), in file
@@ -269,17 +259,6 @@ class ModelLease:
         ``raw=True`` its bytes as a 1-D uint8 array (any dtype); otherwise
         dtypes numpy lacks (BF16, F8_*) raise InvalidArgumentError."""
         return self._lease.read(name, raw)
-
-    def __enter__(self) -> "ModelLease":
-        return self
-
-    def __exit__(
-        self,
-        exc_type: Optional[Type[BaseException]],
-        exc: Optional[BaseException],
-        tb: Optional[TracebackType],
-    ) -> None:
-        self.release()
 
     def __repr__(self) -> str:
         state = " released" if self.released else ""

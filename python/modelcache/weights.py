@@ -32,10 +32,10 @@ process with SIGSEGV (``mmap`` mode). Copy it (``t.clone()``) to modify it.
 from __future__ import annotations
 
 import os
-from types import TracebackType
-from typing import TYPE_CHECKING, Any, Dict, List, Optional, Type, Union
+from typing import TYPE_CHECKING, Any, Dict, List, Union
 
 from . import _core
+from ._lease import _Releasable
 from ._types import CacheStats
 
 if TYPE_CHECKING:  # pragma: no cover
@@ -84,7 +84,7 @@ def inspect(path: PathLike) -> Dict[str, Any]:
     return _core._inspect_safetensors(path)
 
 
-class WeightsLease:
+class WeightsLease(_Releasable):
     """One reference to the host copy of a safetensors file.
 
     A context manager: ``with store.acquire(path) as weights:`` gives the
@@ -95,11 +95,11 @@ class WeightsLease:
     :class:`~modelcache.errors.FailedPreconditionError`.
     """
 
-    __slots__ = ("_lease", "_path", "__weakref__")
+    __slots__ = ("_path", "__weakref__")
 
     def __init__(self, lease: Any, path: str) -> None:
         """Internal: leases come from :meth:`HostWeightStore.acquire`."""
-        self._lease = lease
+        super().__init__(lease)
         self._path = path
 
     @property
@@ -116,19 +116,6 @@ class WeightsLease:
     def mode(self) -> str:
         """How the copy was loaded: "mmap" or "pread"."""
         return self._lease.mode
-
-    @property
-    def released(self) -> bool:
-        """True once :meth:`release` was called."""
-        return self._lease.released
-
-    def release(self) -> None:
-        """Gives back this object's reference; later calls do nothing.
-
-        Views taken before keep their own references: the copy stays
-        resident until they are gone too.
-        """
-        self._lease.release()
 
     def names(self) -> List[str]:
         """The tensor names, in data order."""
@@ -181,17 +168,6 @@ class WeightsLease:
 
             tensor = tensor.view(torch.bool)
         return tensor
-
-    def __enter__(self) -> "WeightsLease":
-        return self
-
-    def __exit__(
-        self,
-        exc_type: Optional[Type[BaseException]],
-        exc: Optional[BaseException],
-        tb: Optional[TracebackType],
-    ) -> None:
-        self.release()
 
     def __repr__(self) -> str:
         state = " released" if self.released else ""

@@ -130,17 +130,13 @@ PolicySpec ParsePolicy(const std::string& name, const TimeModel& time) {
     spec.histogram = true;
     return spec;
   }
-  if (name == "gdsf-prewarm") {
-    spec.eviction = NewGdsfPolicy(ReloadCost::kBytes);
+  if (name == "gdsf-prewarm" || name == "next-use-prewarm") {
+    const bool next_use = name == "next-use-prewarm";
+    spec.eviction =
+        next_use ? NewNextUsePolicy() : NewGdsfPolicy(ReloadCost::kBytes);
     spec.histogram = true;
     spec.lead_by_load_time = true;
-    return spec;
-  }
-  if (name == "next-use-prewarm") {
-    spec.eviction = NewNextUsePolicy();
-    spec.histogram = true;
-    spec.lead_by_load_time = true;
-    spec.prewarm_evicts_lower_ranked = true;
+    spec.prewarm_evicts_lower_ranked = next_use;
     return spec;
   }
   spec.eviction = PolicyByName(name);

@@ -25,6 +25,9 @@ namespace modelcache {
 // (EvictionPolicy::history_length() > 0), also while the key is not
 // resident, so that a model evicted and loaded again keeps what was learnt
 // about it. Times are the cache's clock (CacheOptions::now) in seconds.
+// The cache keeps histories of at most 4,096 keys per lock shard; past that
+// it forgets the half least recently requested, and a forgotten key starts
+// again with no history.
 class RequestHistory {
  public:
   // Keeps the latest `max_gaps` gaps (at least 1).
@@ -80,9 +83,11 @@ class EvictionPolicy {
   virtual std::string name() const = 0;
 
   // Priority of an entry that was just loaded or acquired; lower is evicted
-  // first.
+  // first. (For a time_dependent() policy: of an entry at the time
+  // AccessInfo::now_seconds, when the cache looks for a victim.)
   // REQUIRES: for one entry, successive calls never return a smaller value
-  // (given that `accesses` grows and the clock only moves forward).
+  // (given that `accesses` grows and the clock only moves forward), unless
+  // monotone() says otherwise or the policy is time_dependent().
   virtual double Priority(const AccessInfo& entry,
                           const PolicyClock& clock) const = 0;
 
@@ -91,7 +96,8 @@ class EvictionPolicy {
 
   // Whether Priority keeps the REQUIRES above. A policy that does not (such
   // as Belady's) makes the cache re-sort an entry on every access instead of
-  // lazily, which costs a tree update per hit.
+  // lazily, which costs a tree update per hit. Not consulted for a
+  // time_dependent() policy, which is never kept sorted.
   virtual bool monotone() const { return true; }
 
   // How many gaps between requests the cache keeps per key for this policy

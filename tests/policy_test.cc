@@ -102,6 +102,9 @@ std::vector<PolicyCase> AllPolicyCases() {
     // Ranks by the real clock's gaps, so not by history alone.
     cases.push_back({"NextUse" + shards, [] { return NewNextUsePolicy(); },
                      shard_bits, false});
+    cases.push_back({"NextUseUniform" + shards,
+                     [] { return PolicyByName("next-use-uniform"); },
+                     shard_bits, false});
   }
   return cases;
 }
@@ -638,28 +641,71 @@ CacheOptions NextUseOptions(const double* seconds, uint64_t capacity,
   return options;
 }
 
-TEST(RequestHistoryTest, KeepsTheLatestGapsInARing) {
-  RequestHistory history(3);
+TEST(RequestHistoryTest, WeighsOlderGapsLessAndMeansEachLengthApart) {
+  RequestHistory history(4);  // each gap fades by 3/4 per later request
   EXPECT_TRUE(history.empty());
+  EXPECT_FALSE(history.has_gaps());
   history.Record(10);
   EXPECT_EQ(history.requests(), 1u);
-  EXPECT_TRUE(history.gaps().empty());  // one request, no gap yet
-  for (double t : {11.0, 13.0, 16.0, 20.0}) history.Record(t);
-  std::vector<double> gaps = history.gaps();
-  std::sort(gaps.begin(), gaps.end());
-  EXPECT_THAT(gaps, ElementsAre(2.0, 3.0, 4.0));  // the 1 s gap fell out
-  EXPECT_EQ(history.last_request_seconds(), 20.0);
-  history.Record(19);  // a lagging clock read: a gap of 0, time kept
-  EXPECT_EQ(history.last_request_seconds(), 20.0);
-  EXPECT_EQ(history.requests(), 6u);
+  EXPECT_FALSE(history.has_gaps());  // one request, no gap yet
+  EXPECT_EQ(history.MeanGapLongerThan(-1), 0.0);
+  for (double t : {12.0, 112.0, 114.0}) history.Record(t);  // 2, 100, 2
+  EXPECT_TRUE(history.has_gaps());
+  // Weights, newest first: 1, 3/4, (3/4)^2; the two 2 s gaps share a bin.
+  const double w2 = 1 + 0.75 * 0.75;
+  const double w100 = 0.75;
+  EXPECT_DOUBLE_EQ(history.MeanGapLongerThan(-1),
+                   (2 * w2 + 100 * w100) / (w2 + w100));
+  EXPECT_DOUBLE_EQ(history.MeanGapLongerThan(2), 100.0);
+  EXPECT_DOUBLE_EQ(history.MeanGapLongerThan(99.5), 100.0);
+  EXPECT_EQ(history.MeanGapLongerThan(100), 0.0);  // none longer
+  EXPECT_EQ(history.last_request_seconds(), 114.0);
+  history.Record(113);  // a lagging clock read: a gap of 0, time kept
+  EXPECT_EQ(history.last_request_seconds(), 114.0);
+  EXPECT_EQ(history.requests(), 5u);
+  RequestHistory latest_only(1);
+  for (double t : {0.0, 5.0, 105.0}) latest_only.Record(t);
+  EXPECT_DOUBLE_EQ(latest_only.MeanGapLongerThan(-1), 100.0);
+  EXPECT_EQ(latest_only.MeanGapLongerThan(100), 0.0);
+}
+
+TEST(RequestHistoryTest, APauseOutlivesALongBurst) {
+  // The pattern that a list of the last 32 gaps forgot: bursts of 100
+  // requests a second apart, every ten minutes. Right after a burst the
+  // next request is the next burst's, and the history still says so.
+  RequestHistory history(32);
+  double t = 0;
+  for (int burst = 0; burst < 3; ++burst) {
+    for (int i = 0; i < 100; ++i) history.Record(t + i);
+    t += 600;
+  }
+  EXPECT_NEAR(history.MeanGapLongerThan(1.5), 501.0, 1e-9);  // 600 - 99
+}
+
+TEST(RequestHistoryTest, KeepsAtMostSixteenLengthsDroppingTheLightest) {
+  RequestHistory history(1000);  // barely fades: the oldest is the lightest
+  double t = 0;
+  history.Record(t);
+  // Gaps of 2^k ms for k = 0..19: twenty lengths, each its own bin; the
+  // first four (1, 2, 4 and 8 ms) are dropped as the lightest.
+  for (int k = 0; k < 20; ++k) {
+    t += std::ldexp(1e-3, k);
+    history.Record(t);
+  }
+  EXPECT_EQ(history.MeanGapLongerThan(0.0159), history.MeanGapLongerThan(-1));
+  EXPECT_LT(history.MeanGapLongerThan(0.0159),
+            history.MeanGapLongerThan(0.0161));  // the 16 ms bin is kept
+  // A long-lived history rescales its weights and keeps its means.
+  RequestHistory steady(32);
+  for (int i = 0; i < 100000; ++i) steady.Record(i * 7.0);
+  EXPECT_DOUBLE_EQ(steady.MeanGapLongerThan(-1), 7.0);
 }
 
 TEST(NextUsePolicyTest, RanksByThePredictedWaitForTheNextRequest) {
-  std::shared_ptr<const EvictionPolicy> policy = PolicyByName("next-use");
-  ASSERT_NE(policy, nullptr);
+  std::shared_ptr<const EvictionPolicy> policy = NewNextUsePolicy(8, 0);
   EXPECT_EQ(policy->name(), "next-use");
   EXPECT_TRUE(policy->time_dependent());
-  EXPECT_EQ(policy->history_length(), 32u);
+  EXPECT_EQ(policy->history_length(), 8u);
   PolicyClock clock;
   RequestHistory bursty(8);
   // Bursts of 1 s gaps separated by 60 s pauses.
@@ -668,7 +714,8 @@ TEST(NextUsePolicyTest, RanksByThePredictedWaitForTheNextRequest) {
   info.history = &bursty;
   info.now_seconds = 64.5;  // inside the burst: gaps of 1 s and 60 s apply
   EXPECT_DOUBLE_EQ(policy->Priority(info, clock),
-                   -((1.0 + 1.0 + 1.0 + 1.0 + 60.0) / 5 - 0.5));
+                   -(bursty.MeanGapLongerThan(0.5) - 0.5));
+  EXPECT_LT(bursty.MeanGapLongerThan(0.5), 60.0);
   info.now_seconds = 70;  // past the burst: only the 60 s pause applies
   EXPECT_DOUBLE_EQ(policy->Priority(info, clock), -(60.0 - 6.0));
   info.now_seconds = 164;  // idle longer than any gap: as late as it is idle
@@ -681,6 +728,61 @@ TEST(NextUsePolicyTest, RanksByThePredictedWaitForTheNextRequest) {
   info.history = nullptr;
   EXPECT_EQ(policy->Priority(info, clock),
             -std::numeric_limits<double>::infinity());
+}
+
+TEST(NextUsePolicyTest, TheSizeExponentWeighsTheWaitBySize) {
+  std::shared_ptr<const EvictionPolicy> bytes = PolicyByName("next-use");
+  std::shared_ptr<const EvictionPolicy> uniform =
+      PolicyByName("next-use-uniform");
+  ASSERT_NE(bytes, nullptr);
+  ASSERT_NE(uniform, nullptr);
+  EXPECT_EQ(bytes->name(), "next-use");
+  EXPECT_EQ(uniform->name(), "next-use-uniform");
+  EXPECT_EQ(bytes->history_length(), 32u);
+  PolicyClock clock;
+  RequestHistory every_minute(32);
+  for (double t : {0.0, 60.0, 120.0}) every_minute.Record(t);
+  AccessInfo small{kGiB / 16, 1, 0.0};
+  small.history = &every_minute;
+  small.now_seconds = 130;  // due in 50 s
+  AccessInfo large = small;
+  large.bytes = 16 * kGiB;
+  // Bytes: wait / GiB^0.25, so of two models due at once the small one
+  // goes first. Cold starts: wait * GiB, the large one goes first.
+  EXPECT_DOUBLE_EQ(bytes->Priority(small, clock), -50.0 / 0.5);
+  EXPECT_DOUBLE_EQ(bytes->Priority(large, clock), -50.0 / 2.0);
+  EXPECT_DOUBLE_EQ(uniform->Priority(small, clock), -50.0 / 16);
+  EXPECT_DOUBLE_EQ(uniform->Priority(large, clock), -50.0 * 16);
+}
+
+TEST(NextUsePolicyTest, OfTwoModelsDueTogetherTheSizeDecidesWhichGoes) {
+  // "small" (100 bytes) and "large" (300) both come every 10 s, so both are
+  // due at once when a newcomer needs room. Each case uses the model it
+  // expects to keep first, so that the access order, which breaks ties,
+  // would evict that one: only the size exponent saves it.
+  struct Case {
+    const char* policy;
+    const char* kept;
+    const char* evicted;
+  };
+  for (const Case& c : {Case{"next-use", "large", "small"},
+                        Case{"next-use-uniform", "small", "large"}}) {
+    SCOPED_TRACE(c.policy);
+    double now = 0;
+    Models models;
+    CacheOptions options = NextUseOptions(&now, 400);
+    options.policy = PolicyByName(c.policy);
+    ModelCache cache(std::move(options));
+    const uint64_t kept_bytes = std::string(c.kept) == "small" ? 100 : 300;
+    for (now = 0; now <= 30; now += 10) {
+      Use(cache, models, c.kept, kept_bytes);
+      Use(cache, models, c.evicted, 400 - kept_bytes);
+    }
+    now = 35;
+    Use(cache, models, "new", 100);
+    EXPECT_EQ(models.unloads(c.evicted), 1);
+    EXPECT_EQ(models.unloads(c.kept), 0);
+  }
 }
 
 TEST(NextUsePolicyTest, EvictsTheModelWhoseNextRequestIsFurthestNotTheOldest) {

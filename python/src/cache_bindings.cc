@@ -286,7 +286,8 @@ std::shared_ptr<const EvictionPolicy> PolicyFrom(const std::string& name) {
     RaiseError(ErrorCode::kInvalidArgument,
                "unknown policy '" + name +
                    "'; known: lru, gdsf, gdsf-classic, gdsf-time, "
-                   "gdsf-uniform, faascache, next-use, belady");
+                   "gdsf-uniform, faascache, next-use, "
+                   "next-use-uniform, belady");
   }
   return policy;
 }
@@ -494,7 +495,7 @@ a lease on it is held, and never cached when its loader fails.
 idle_ttl=None, shard_bits=4, on_event=None)``: give ``capacity_bytes`` for a
 budget of its own or ``budget`` to share one. ``policy`` is one of "lru",
 "gdsf", "gdsf-classic", "gdsf-time", "gdsf-uniform", "faascache", "next-use",
-"belady".
+"next-use-uniform", "belady".
 ``idle_ttl`` (seconds or a timedelta) unloads models idle that long.
 ``on_event`` is called with an Event for every load, failure, eviction and
 removal, outside the cache's locks.

@@ -179,8 +179,9 @@ def test_aliases_pins_prune_and_capacity():
     assert cache.budget.used == 0
 
 
-def test_next_use_policy_evicts_a_model_requested_once_before_a_repeated_one():
-    cache = modelcache.Cache(capacity_bytes=100, policy="next-use")
+@pytest.mark.parametrize("policy", ["next-use", "next-use-uniform"])
+def test_next_use_policy_evicts_a_model_requested_once_before_a_repeated_one(policy):
+    cache = modelcache.Cache(capacity_bytes=100, policy=policy)
     for _ in range(3):
         with cache.acquire("repeated", lambda: Model("repeated"), 40):
             pass

@@ -131,16 +131,21 @@ class BeladyPolicy final : public EvictionPolicy {
 
 class NextUsePolicy final : public EvictionPolicy {
  public:
-  explicit NextUsePolicy(size_t history_length)
-      : history_length_(std::max<size_t>(1, history_length)) {}
-  std::string name() const override { return "next-use"; }
+  NextUsePolicy(size_t history_length, double size_exponent)
+      : history_length_(std::max<size_t>(1, history_length)),
+        size_exponent_(size_exponent) {}
+  std::string name() const override {
+    return size_exponent_ == kNextUseUniformSizeExponent ? "next-use-uniform"
+                                                         : "next-use";
+  }
   size_t history_length() const override { return history_length_; }
   bool time_dependent() const override { return true; }
-  // Minus the predicted wait for the next request: the further it is, the
-  // lower the priority.
+  // Minus the predicted wait for the next request over the size in GiB to
+  // the power size_exponent_: with a positive exponent, the further the
+  // request and the smaller the model, the lower the priority.
   double Priority(const AccessInfo& entry, const PolicyClock&) const override {
     const RequestHistory* history = entry.history;
-    if (history == nullptr || history->gaps().empty()) {
+    if (history == nullptr || !history->has_gaps()) {
       return -std::numeric_limits<double>::infinity();
     }
     const double idle =
@@ -149,40 +154,29 @@ class NextUsePolicy final : public EvictionPolicy {
     // request is one of the longer ones, if the past is a guide. Bursts
     // followed by long pauses are why: right after a burst its short gaps
     // stop applying, and the pauses say when to expect the next burst.
-    double sum = 0;
-    size_t longer = 0;
-    for (double gap : history->gaps()) {
-      if (gap > idle) {
-        sum += gap;
-        ++longer;
-      }
-    }
+    const double mean_longer = history->MeanGapLongerThan(idle);
     // Idle longer than any gap seen: the model has cooled, by as much as
     // it has been idle.
-    const double wait =
-        longer > 0 ? sum / static_cast<double>(longer) - idle : idle;
-    return -wait;
+    const double wait = mean_longer > 0 ? mean_longer - idle : idle;
+    if (size_exponent_ == 0) return -wait;
+    const double gib = std::max(static_cast<double>(entry.bytes), 1.0) / kGiB;
+    return -wait / std::pow(gib, size_exponent_);
   }
   void OnEvict(double, PolicyClock&) const override {}
 
  private:
   const size_t history_length_;
+  const double size_exponent_;
 };
 
 }  // namespace
 
-RequestHistory::RequestHistory(size_t max_gaps)
-    : max_gaps_(std::max<size_t>(1, max_gaps)) {}
+RequestHistory::RequestHistory(size_t memory)
+    : fade_(1.0 - 1.0 / static_cast<double>(std::max<size_t>(1, memory))) {}
 
 void RequestHistory::Record(double now_seconds) {
   if (requests_ > 0) {
-    const double gap = std::max(0.0, now_seconds - last_);
-    if (gaps_.size() < max_gaps_) {
-      gaps_.push_back(gap);
-    } else {
-      gaps_[next_] = gap;
-      next_ = (next_ + 1) % max_gaps_;
-    }
+    Add(std::max(0.0, now_seconds - last_));
     last_ = std::max(last_, now_seconds);
   } else {
     last_ = now_seconds;
@@ -190,8 +184,63 @@ void RequestHistory::Record(double now_seconds) {
   ++requests_;
 }
 
-std::shared_ptr<const EvictionPolicy> NewNextUsePolicy(size_t history_length) {
-  return std::make_shared<NextUsePolicy>(history_length);
+void RequestHistory::Add(double gap) {
+  // Instead of fading every bin, weigh the new gap more: only ratios of
+  // weights matter. Rescale before the numbers grow out of range, and let
+  // bins that weigh nothing any more go.
+  if (fade_ <= 0) {
+    bins_.clear();
+    scale_ = 1.0;
+  } else {
+    scale_ /= fade_;
+    if (scale_ > 1e100) {
+      for (Bin& bin : bins_) {
+        bin.weight /= scale_;
+        bin.sum /= scale_;
+      }
+      scale_ = 1.0;
+      std::erase_if(bins_, [](const Bin& bin) { return bin.weight < 1e-9; });
+    }
+  }
+  constexpr double kFirstBinSeconds = 1e-3;
+  const int index =
+      gap < kFirstBinSeconds
+          ? 0
+          : 1 + static_cast<int>(2.0 * std::log2(gap / kFirstBinSeconds));
+  auto find = [&] {
+    return std::lower_bound(
+        bins_.begin(), bins_.end(), index,
+        [](const Bin& bin, int wanted) { return bin.index < wanted; });
+  };
+  auto it = find();
+  if (it == bins_.end() || it->index != index) {
+    if (bins_.size() >= kMaxBins) {
+      bins_.erase(std::min_element(
+          bins_.begin(), bins_.end(),
+          [](const Bin& x, const Bin& y) { return x.weight < y.weight; }));
+      it = find();
+    }
+    it = bins_.insert(it, Bin{index, 0.0, 0.0});
+  }
+  it->weight += scale_;
+  it->sum += scale_ * gap;
+}
+
+double RequestHistory::MeanGapLongerThan(double seconds) const {
+  double weight = 0;
+  double sum = 0;
+  for (const Bin& bin : bins_) {
+    if (bin.sum > seconds * bin.weight) {  // the bin's mean is longer
+      weight += bin.weight;
+      sum += bin.sum;
+    }
+  }
+  return weight > 0 ? sum / weight : 0.0;
+}
+
+std::shared_ptr<const EvictionPolicy> NewNextUsePolicy(size_t history_length,
+                                                       double size_exponent) {
+  return std::make_shared<NextUsePolicy>(history_length, size_exponent);
 }
 
 std::shared_ptr<const EvictionPolicy> NewBeladyPolicy() {
@@ -223,6 +272,9 @@ std::shared_ptr<const EvictionPolicy> PolicyByName(const std::string& name) {
   if (name == "gdsf-time") return NewGdsfPolicy(ReloadCost::kLoadTime);
   if (name == "gdsf-uniform") return NewGdsfPolicy(ReloadCost::kUniform);
   if (name == "next-use") return NewNextUsePolicy();
+  if (name == "next-use-uniform") {
+    return NewNextUsePolicy(32, kNextUseUniformSizeExponent);
+  }
   if (name == "belady") return NewBeladyPolicy();
   return nullptr;
 }

@@ -132,8 +132,8 @@ PolicySpec ParsePolicy(const std::string& name, const TimeModel& time) {
   }
   if (name == "gdsf-prewarm" || name == "next-use-prewarm") {
     const bool next_use = name == "next-use-prewarm";
-    spec.eviction =
-        next_use ? NewNextUsePolicy() : NewGdsfPolicy(ReloadCost::kBytes);
+    spec.eviction = next_use ? NewNextUsePolicy(32, kNextUseUniformSizeExponent)
+                             : NewGdsfPolicy(ReloadCost::kBytes);
     spec.histogram = true;
     spec.lead_by_load_time = true;
     spec.prewarm_evicts_lower_ranked = next_use;
@@ -899,7 +899,7 @@ double Percentile(const std::vector<double>& sorted, double p) {
 std::string PolicyNames() {
   return "lru, gdsf, gdsf-classic, gdsf-time, gdsf-uniform, faascache, "
          "ttl-<N>m, hybrid-histogram, gdsf-prewarm, next-use, "
-         "next-use-prewarm, belady";
+         "next-use-uniform, next-use-prewarm, belady";
 }
 
 RunResult Replay(const Trace& trace, const std::string& policy_name,

@@ -20,18 +20,30 @@
 
 namespace modelcache {
 
-// A key's recent requests: when the last one came and the gaps between the
-// last few. The cache keeps one per key for a policy that asks for it
-// (EvictionPolicy::history_length() > 0), also while the key is not
-// resident, so that a model evicted and loaded again keeps what was learnt
-// about it. Times are the cache's clock (CacheOptions::now) in seconds.
-// The cache keeps histories of at most 4,096 keys per lock shard; past that
-// it forgets the half least recently requested, and a forgotten key starts
-// again with no history.
+// A key's recent requests: when the last one came, and a histogram of the
+// gaps between them in which older gaps weigh less. The cache keeps one per
+// key for a policy that asks for it (EvictionPolicy::history_length() > 0),
+// also while the key is not resident, so that a model evicted and loaded
+// again keeps what was learnt about it. Times are the cache's clock
+// (CacheOptions::now) in seconds. The cache keeps histories of at most 4,096
+// keys per lock shard; past that it forgets the half least recently
+// requested, and a forgotten key starts again with no history.
+//
+// Why a histogram and not the last few gaps: a model asked for in bursts
+// (many requests a second, then nothing for ten minutes) fills any short
+// list with its burst's gaps, and the pause, which is what says when the
+// next burst comes, falls out. In the histogram a gap fades by a factor of
+// (1 - 1 / memory) with each later request, so a pause is still there after
+// dozens of short gaps. Bins are half an octave wide (a factor of sqrt(2)),
+// from 1 ms up; each keeps the weighted mean of its gaps, so a regular gap is
+// predicted exactly. At most 16 bins are kept (the lightest goes), which
+// bounds a history at a few hundred bytes.
 class RequestHistory {
  public:
-  // Keeps the latest `max_gaps` gaps (at least 1).
-  explicit RequestHistory(size_t max_gaps);
+  // A gap's weight is multiplied by (1 - 1 / memory) at each later request:
+  // it halves about every 0.7 * memory requests. (memory >= 1; 1 keeps only
+  // the latest gap.)
+  explicit RequestHistory(size_t memory);
 
   // A request at `now_seconds`; times earlier than the last are taken as
   // the last (a clock read on another thread may lag a little).
@@ -41,16 +53,28 @@ class RequestHistory {
   bool empty() const { return requests_ == 0; }
   uint64_t requests() const { return requests_; }
   double last_request_seconds() const { return last_; }
-  // The gaps kept, in no particular order: at most max_gaps, and one fewer
-  // than the requests until the ring is full.
-  const std::vector<double>& gaps() const { return gaps_; }
+  // Whether at least one gap (two requests) was recorded.
+  bool has_gaps() const { return requests_ >= 2; }
+
+  // The weighted mean of the gaps longer than `seconds`: of the bins whose
+  // mean is longer. 0 if there is none (no gap, or every gap seen is
+  // shorter). MeanGapLongerThan(-1) is the weighted mean of all gaps.
+  double MeanGapLongerThan(double seconds) const;
 
  private:
-  size_t max_gaps_;
-  size_t next_ = 0;  // ring position of the next gap once gaps_ is full
+  struct Bin {
+    int index;      // half-octaves above 1 ms
+    double weight;  // sum of its gaps' weights, times scale_
+    double sum;     // sum of weight * gap, times scale_
+  };
+  static constexpr size_t kMaxBins = 16;
+  void Add(double gap);
+
+  double fade_;         // 1 - 1 / memory
+  double scale_ = 1.0;  // grows by 1 / fade_ a gap, so old bins need no update
   uint64_t requests_ = 0;
   double last_ = 0;
-  std::vector<double> gaps_;
+  std::vector<Bin> bins_;  // sorted by index
 };
 
 // Policy state shared by every cache on one Budget, so that priorities of
@@ -100,9 +124,10 @@ class EvictionPolicy {
   // time_dependent() policy, which is never kept sorted.
   virtual bool monotone() const { return true; }
 
-  // How many gaps between requests the cache keeps per key for this policy
-  // (AccessInfo::history). 0, the default, keeps none and costs nothing; a
-  // positive value costs a clock read and a hash lookup per request.
+  // The memory of the request history the cache keeps per key for this
+  // policy (AccessInfo::history; RequestHistory's `memory`). 0, the
+  // default, keeps none and costs nothing; a positive value costs a clock
+  // read, a logarithm and a hash lookup per request.
   virtual size_t history_length() const { return 0; }
 
   // Whether an entry's priority changes as time passes, not only when the
@@ -156,22 +181,35 @@ std::shared_ptr<const EvictionPolicy> NewClassicGdsfPolicy();
 std::shared_ptr<const EvictionPolicy> NewFaasCachePolicy(
     double latency_seconds, double bytes_per_second);
 
-// Predicted next request (ours): evicts the entry whose next request is
-// predicted to come last, Belady's rule with a forecast in place of the
-// future. The forecast, from the key's last `history_length` gaps between
-// requests (RequestHistory, kept across evictions): for an entry idle for d
-// seconds, its last request plus the mean of the gaps longer than d; if no
-// gap was that long, now + d (the longer idle, the later); with no gap yet
-// (one request so far), never, so one-off models go first. Evicting the
-// furthest next use is what keeps the bytes loaded again low whatever the
-// sizes: keeping a model until its next request saves its size in loading
-// at a memory cost of its size times the wait, a ratio that does not
-// depend on the size. Across the shared Azure trace and the embedded
-// default it loads fewer bytes than LRU and either GDSF at every capacity
-// measured, and on seven held-out workloads (docs/benchmarks.md, "Replay").
+// Predicted next request (ours): Belady's rule with a forecast in place of
+// the future. The forecast comes from the key's RequestHistory (kept across
+// evictions; `history_length` is its memory): for an entry idle for d
+// seconds, the wait for its next request is the mean of the gaps longer
+// than d, minus d; if no gap was that long, d (the longer idle, the later);
+// with no gap yet (one request so far), never, so one-off models go first.
+//
+// The entry evicted first is the one with the longest wait over size^e (size
+// in GiB, e = `size_exponent`). What e means: keeping a model until its next
+// request saves one reload, of cost c, at a memory cost of its size times
+// the wait; evicting by the longest wait * size / c keeps the most saved
+// per byte-second held.
+// - Bytes loaded again (c = size) make that the wait alone, e = 0:
+//   Belady's rule, blind to size. In replays, discounting small models a
+//   little loads fewer bytes still: a victim larger than the room a load
+//   needs frees bytes nothing uses yet, and models asked for equally often
+//   are better kept whole than in rotation. The default, 0.25, is the best
+//   of 0 to 1 across the workloads it was chosen on, and was then checked
+//   on workloads held out (docs/benchmarks.md, "Replay"): there it loads
+//   fewer bytes than LRU, either GDSF and FaaSCache in every row.
+// - Cold starts (c = 1 per reload, kNextUseUniformSizeExponent = -1) make
+//   it the wait times the size: large models go first, as in GreedyDual-
+//   Size with uniform cost. Fewer requests wait, at the price of more bytes
+//   loaded, which is the better trade unless loads saturate the link
+//   ("next-use-uniform"; the replay's next-use-prewarm evicts by it).
 // Time-dependent (see time_dependent()).
+inline constexpr double kNextUseUniformSizeExponent = -1.0;
 std::shared_ptr<const EvictionPolicy> NewNextUsePolicy(
-    size_t history_length = 32);
+    size_t history_length = 32, double size_exponent = 0.25);
 
 // Belady's offline policy: evicts the entry whose next request is furthest
 // in the future. It needs the future, so it is a reference for replaying a
@@ -183,8 +221,8 @@ std::shared_ptr<const EvictionPolicy> NewBeladyPolicy();
 
 // Looks a policy up by name: "lru", "gdsf" (cost = bytes), "gdsf-classic"
 // (raw counts), "gdsf-time", "gdsf-uniform", "faascache" (100 ms latency,
-// 2 GB/s), "next-use", "belady" (offline). Returns nullptr for an unknown
-// name.
+// 2 GB/s), "next-use", "next-use-uniform", "belady" (offline). Returns nullptr
+// for an unknown name.
 std::shared_ptr<const EvictionPolicy> PolicyByName(const std::string& name);
 
 }  // namespace modelcache

@@ -197,10 +197,11 @@ std::shared_ptr<const EvictionPolicy> NewFaasCachePolicy(
 //   Belady's rule, blind to size. In replays, discounting small models a
 //   little loads fewer bytes still: a victim larger than the room a load
 //   needs frees bytes nothing uses yet, and models asked for equally often
-//   are better kept whole than in rotation. The default, 0.25, is the best
-//   of 0 to 1 across the workloads it was chosen on, and was then checked
-//   on workloads held out (docs/benchmarks.md, "Replay"): there it loads
-//   fewer bytes than LRU, either GDSF and FaaSCache in every row.
+//   are better kept whole than in rotation. The default, 0.25, is on the
+//   flat optimum (0.25 to 0.4) of exponents from 0 to 1 across the
+//   workloads it was chosen on, and was then checked on workloads held
+//   out (docs/benchmarks.md, "Replay"): there it loads fewer bytes than
+//   LRU, either GDSF and FaaSCache in every row.
 // - Cold starts (c = 1 per reload, kNextUseUniformSizeExponent = -1) make
 //   it the wait times the size: large models go first, as in GreedyDual-
 //   Size with uniform cost. Fewer requests wait, at the price of more bytes

@@ -713,9 +713,12 @@ TEST(NextUsePolicyTest, RanksByThePredictedWaitForTheNextRequest) {
   AccessInfo info{kGiB, 1, 0.0};
   info.history = &bursty;
   info.now_seconds = 64.5;  // inside the burst: gaps of 1 s and 60 s apply
+  // Gaps 1, 1, 60, 1, 1 s, weighed (7/8)^4, (7/8)^3, (7/8)^2, 7/8, 1.
+  const double f = 7.0 / 8;
+  const double w1 = f * f * f * f + f * f * f + f + 1;
+  const double w60 = f * f;
   EXPECT_DOUBLE_EQ(policy->Priority(info, clock),
-                   -(bursty.MeanGapLongerThan(0.5) - 0.5));
-  EXPECT_LT(bursty.MeanGapLongerThan(0.5), 60.0);
+                   -((w1 * 1 + w60 * 60) / (w1 + w60) - 0.5));
   info.now_seconds = 70;  // past the burst: only the 60 s pause applies
   EXPECT_DOUBLE_EQ(policy->Priority(info, clock), -(60.0 - 6.0));
   info.now_seconds = 164;  // idle longer than any gap: as late as it is idle

@@ -273,7 +273,7 @@ std::shared_ptr<const EvictionPolicy> PolicyByName(const std::string& name) {
   if (name == "gdsf-uniform") return NewGdsfPolicy(ReloadCost::kUniform);
   if (name == "next-use") return NewNextUsePolicy();
   if (name == "next-use-uniform") {
-    return NewNextUsePolicy(32, kNextUseUniformSizeExponent);
+    return NewNextUsePolicy(kNextUseHistoryLength, kNextUseUniformSizeExponent);
   }
   if (name == "belady") return NewBeladyPolicy();
   return nullptr;

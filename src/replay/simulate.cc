@@ -132,7 +132,7 @@ PolicySpec ParsePolicy(const std::string& name, const TimeModel& time) {
   }
   if (name == "gdsf-prewarm" || name == "next-use-prewarm") {
     const bool next_use = name == "next-use-prewarm";
-    spec.eviction = next_use ? NewNextUsePolicy(32, kNextUseUniformSizeExponent)
+    spec.eviction = next_use ? PolicyByName("next-use-uniform")
                              : NewGdsfPolicy(ReloadCost::kBytes);
     spec.histogram = true;
     spec.lead_by_load_time = true;

@@ -208,9 +208,10 @@ std::shared_ptr<const EvictionPolicy> NewFaasCachePolicy(
 //   loaded, which is the better trade unless loads saturate the link
 //   ("next-use-uniform"; the replay's next-use-prewarm evicts by it).
 // Time-dependent (see time_dependent()).
+inline constexpr size_t kNextUseHistoryLength = 32;
 inline constexpr double kNextUseUniformSizeExponent = -1.0;
 std::shared_ptr<const EvictionPolicy> NewNextUsePolicy(
-    size_t history_length = 32, double size_exponent = 0.25);
+    size_t history_length = kNextUseHistoryLength, double size_exponent = 0.25);
 
 // Belady's offline policy: evicts the entry whose next request is furthest
 // in the future. It needs the future, so it is a reference for replaying a

@@ -648,25 +648,27 @@ TEST(RequestHistoryTest, WeighsOlderGapsLessAndMeansEachLengthApart) {
   history.Record(10);
   EXPECT_EQ(history.requests(), 1u);
   EXPECT_FALSE(history.has_gaps());  // one request, no gap yet
-  EXPECT_EQ(history.MeanGapLongerThan(-1), 0.0);
+  EXPECT_EQ(history.TypicalGapLongerThan(-1), 0.0);
   for (double t : {12.0, 112.0, 114.0}) history.Record(t);  // 2, 100, 2
   EXPECT_TRUE(history.has_gaps());
   // Weights, newest first: 1, 3/4, (3/4)^2; the two 2 s gaps share a bin.
   const double w2 = 1 + 0.75 * 0.75;
   const double w100 = 0.75;
-  EXPECT_DOUBLE_EQ(history.MeanGapLongerThan(-1),
-                   (2 * w2 + 100 * w100) / (w2 + w100));
-  EXPECT_DOUBLE_EQ(history.MeanGapLongerThan(2), 100.0);
-  EXPECT_DOUBLE_EQ(history.MeanGapLongerThan(99.5), 100.0);
-  EXPECT_EQ(history.MeanGapLongerThan(100), 0.0);  // none longer
+  // The square of the weighted mean square root, over both lengths.
+  const double mean_root =
+      (std::sqrt(2.0) * w2 + std::sqrt(100.0) * w100) / (w2 + w100);
+  EXPECT_DOUBLE_EQ(history.TypicalGapLongerThan(-1), mean_root * mean_root);
+  EXPECT_DOUBLE_EQ(history.TypicalGapLongerThan(2), 100.0);
+  EXPECT_DOUBLE_EQ(history.TypicalGapLongerThan(99.5), 100.0);
+  EXPECT_EQ(history.TypicalGapLongerThan(100), 0.0);  // none longer
   EXPECT_EQ(history.last_request_seconds(), 114.0);
   history.Record(113);  // a lagging clock read: a gap of 0, time kept
   EXPECT_EQ(history.last_request_seconds(), 114.0);
   EXPECT_EQ(history.requests(), 5u);
   RequestHistory latest_only(1);
   for (double t : {0.0, 5.0, 105.0}) latest_only.Record(t);
-  EXPECT_DOUBLE_EQ(latest_only.MeanGapLongerThan(-1), 100.0);
-  EXPECT_EQ(latest_only.MeanGapLongerThan(100), 0.0);
+  EXPECT_DOUBLE_EQ(latest_only.TypicalGapLongerThan(-1), 100.0);
+  EXPECT_EQ(latest_only.TypicalGapLongerThan(100), 0.0);
 }
 
 TEST(RequestHistoryTest, APauseOutlivesALongBurst) {
@@ -679,7 +681,42 @@ TEST(RequestHistoryTest, APauseOutlivesALongBurst) {
     for (int i = 0; i < 100; ++i) history.Record(t + i);
     t += 600;
   }
-  EXPECT_NEAR(history.MeanGapLongerThan(1.5), 501.0, 1e-9);  // 600 - 99
+  EXPECT_NEAR(history.TypicalGapLongerThan(1.5), 501.0, 1e-9);  // 600 - 99
+}
+
+TEST(RequestHistoryTest, ARarePauseDoesNotStretchTheForecastOfShortGaps) {
+  // Every five minutes after a night's pause of eight hours: 30 gaps of
+  // 300 s since the pause, which still weighs (31/32)^30 = 0.39 against
+  // their 19.7 in all.
+  RequestHistory sessions(32);
+  double t = 0;
+  sessions.Record(t);
+  t += 8 * 3600;
+  sessions.Record(t);
+  for (int i = 0; i < 30; ++i) sessions.Record(t += 300);
+  const double fade = 31.0 / 32;
+  const double w_pause = std::pow(fade, 30);
+  const double w_short = (1 - w_pause) / (1 - fade);
+  const double mean_root =
+      (w_short * std::sqrt(300.0) + w_pause * std::sqrt(8.0 * 3600)) /
+      (w_short + w_pause);
+  EXPECT_NEAR(sessions.TypicalGapLongerThan(0), mean_root * mean_root, 1e-6);
+  EXPECT_NEAR(sessions.TypicalGapLongerThan(0), 410, 1);
+  // The plain mean would say (300 w_short + 28800 w_pause) / total = 849 s:
+  // later than a model asked for every ten minutes, which would then stay
+  // while this one, back in five, went first.
+  RequestHistory steady(32);
+  for (int i = 0; i < 32; ++i) steady.Record(i * 600.0);
+  const std::shared_ptr<const EvictionPolicy> policy = NewNextUsePolicy(32, 0);
+  PolicyClock clock;
+  AccessInfo session_model{kGiB, 1, 0.0};
+  session_model.history = &sessions;
+  session_model.now_seconds = t;  // just asked for
+  AccessInfo steady_model = session_model;
+  steady_model.history = &steady;
+  steady_model.now_seconds = steady.last_request_seconds();
+  EXPECT_GT(policy->Priority(session_model, clock),
+            policy->Priority(steady_model, clock));
 }
 
 TEST(RequestHistoryTest, KeepsAtMostSixteenLengthsDroppingTheLightest) {
@@ -692,13 +729,14 @@ TEST(RequestHistoryTest, KeepsAtMostSixteenLengthsDroppingTheLightest) {
     t += std::ldexp(1e-3, k);
     history.Record(t);
   }
-  EXPECT_EQ(history.MeanGapLongerThan(0.0159), history.MeanGapLongerThan(-1));
-  EXPECT_LT(history.MeanGapLongerThan(0.0159),
-            history.MeanGapLongerThan(0.0161));  // the 16 ms bin is kept
+  EXPECT_EQ(history.TypicalGapLongerThan(0.0159),
+            history.TypicalGapLongerThan(-1));
+  EXPECT_LT(history.TypicalGapLongerThan(0.0159),
+            history.TypicalGapLongerThan(0.0161));  // the 16 ms bin is kept
   // A long-lived history rescales its weights and keeps its means.
   RequestHistory steady(32);
   for (int i = 0; i < 100000; ++i) steady.Record(i * 7.0);
-  EXPECT_DOUBLE_EQ(steady.MeanGapLongerThan(-1), 7.0);
+  EXPECT_DOUBLE_EQ(steady.TypicalGapLongerThan(-1), 7.0);
 }
 
 TEST(NextUsePolicyTest, RanksByThePredictedWaitForTheNextRequest) {
@@ -717,8 +755,9 @@ TEST(NextUsePolicyTest, RanksByThePredictedWaitForTheNextRequest) {
   const double f = 7.0 / 8;
   const double w1 = f * f * f * f + f * f * f + f + 1;
   const double w60 = f * f;
+  const double mean_root = (w1 * 1 + w60 * std::sqrt(60.0)) / (w1 + w60);
   EXPECT_DOUBLE_EQ(policy->Priority(info, clock),
-                   -((w1 * 1 + w60 * 60) / (w1 + w60) - 0.5));
+                   -(mean_root * mean_root - 0.5));
   info.now_seconds = 70;  // past the burst: only the 60 s pause applies
   EXPECT_DOUBLE_EQ(policy->Priority(info, clock), -(60.0 - 6.0));
   info.now_seconds = 164;  // idle longer than any gap: as late as it is idle

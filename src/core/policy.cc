@@ -154,10 +154,10 @@ class NextUsePolicy final : public EvictionPolicy {
     // request is one of the longer ones, if the past is a guide. Bursts
     // followed by long pauses are why: right after a burst its short gaps
     // stop applying, and the pauses say when to expect the next burst.
-    const double mean_longer = history->MeanGapLongerThan(idle);
+    const double typical_longer = history->TypicalGapLongerThan(idle);
     // Idle longer than any gap seen: the model has cooled, by as much as
     // it has been idle.
-    const double wait = mean_longer > 0 ? mean_longer - idle : idle;
+    const double wait = typical_longer > 0 ? typical_longer - idle : idle;
     if (size_exponent_ == 0) return -wait;
     const double gib = std::max(static_cast<double>(entry.bytes), 1.0) / kGiB;
     return -wait / std::pow(gib, size_exponent_);
@@ -226,16 +226,18 @@ void RequestHistory::Add(double gap) {
   it->sum += scale_ * gap;
 }
 
-double RequestHistory::MeanGapLongerThan(double seconds) const {
+double RequestHistory::TypicalGapLongerThan(double seconds) const {
   double weight = 0;
-  double sum = 0;
+  double sum_of_roots = 0;
   for (const Bin& bin : bins_) {
     if (bin.sum > seconds * bin.weight) {  // the bin's mean is longer
       weight += bin.weight;
-      sum += bin.sum;
+      sum_of_roots += bin.weight * std::sqrt(bin.sum / bin.weight);
     }
   }
-  return weight > 0 ? sum / weight : 0.0;
+  if (weight == 0) return 0.0;
+  const double mean_root = sum_of_roots / weight;
+  return mean_root * mean_root;
 }
 
 std::shared_ptr<const EvictionPolicy> NewNextUsePolicy(size_t history_length,

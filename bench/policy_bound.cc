@@ -8,8 +8,8 @@
 // "rate oracle" below keeps the models with the highest true rates, which
 // no real policy knows: a resident model saves its size at every request,
 // so the bytes saved per byte held are its rate. The "sized oracle" ranks
-// by rate * size^0.25 instead, the same discount of small models that
-// next-use applies (NewNextUsePolicy), which loads fewer bytes in most rows.
+// by rate * size^0.25 instead (kNextUseSizeExponent), the same discount of
+// small models that next-use applies, which loads fewer bytes in most rows.
 // Belady's knows the actual future draws, so the gap between the oracles
 // and it is what randomness alone costs a policy that ranks this way;
 // next-use and GDSF are shown beside them.
@@ -27,6 +27,7 @@
 #include <string>
 #include <vector>
 
+#include "modelcache/core/policy.h"
 #include "modelcache/replay/replay.h"
 
 namespace {
@@ -71,8 +72,8 @@ uint64_t BytesLoaded(const Trace& trace, const DefaultTracePopularity& pop,
                                               : (1 - share) * pop.morning[j] +
                                                     share * pop.afternoon[j];
           if (rule == Rule::kSizedRateOracle) {
-            rank *=
-                std::pow(static_cast<double>(trace.sizes[j]) / 0x1p30, 0.25);
+            rank *= std::pow(static_cast<double>(trace.sizes[j]) / 0x1p30,
+                             modelcache::kNextUseSizeExponent);
           }
           if (victim == models || rank < lowest ||
               (rank == lowest && last_use[j] < last_use[victim])) {

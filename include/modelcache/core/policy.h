@@ -214,8 +214,9 @@ std::shared_ptr<const EvictionPolicy> NewFaasCachePolicy(
 //   Belady's rule, blind to size. In replays, discounting small models a
 //   little loads fewer bytes still: a victim larger than the room a load
 //   needs frees bytes nothing uses yet, and models asked for equally often
-//   are better kept whole than in rotation. The default, 0.25, is on the
-//   flat optimum (0.25 to 0.4) of exponents from 0 to 1 across the
+//   are better kept whole than in rotation. The default, 0.25
+//   (kNextUseSizeExponent), is on the flat optimum (0.2 to 0.4, measured
+//   with the current forecast) of exponents from 0 to 1 across the
 //   workloads it was chosen on, and was then checked on workloads held
 //   out (docs/benchmarks.md, "Replay"): there it loads fewer bytes than
 //   LRU, either GDSF and FaaSCache in every row.
@@ -227,8 +228,10 @@ std::shared_ptr<const EvictionPolicy> NewFaasCachePolicy(
 // Time-dependent (see time_dependent()).
 inline constexpr size_t kNextUseHistoryLength = 32;
 inline constexpr double kNextUseUniformSizeExponent = -1.0;
+inline constexpr double kNextUseSizeExponent = 0.25;
 std::shared_ptr<const EvictionPolicy> NewNextUsePolicy(
-    size_t history_length = kNextUseHistoryLength, double size_exponent = 0.25);
+    size_t history_length = kNextUseHistoryLength,
+    double size_exponent = kNextUseSizeExponent);
 
 // Belady's offline policy: evicts the entry whose next request is furthest
 // in the future. It needs the future, so it is a reference for replaying a

@@ -87,7 +87,9 @@ bench: build
 	  --benchmark_out=build/bench-results/load_safetensors.json --benchmark_out_format=json
 	./build/bin/modelcache_multi_device_bench \
 	  --benchmark_out=build/bench-results/multi_device.json --benchmark_out_format=json
-	./build/bin/modelcache_policy_bound 42 1 2 3 4 5 6
+	./build/bin/modelcache_policy_bound 42 1 2 3 4 5 6 \
+	  --azure ../shared/data/traces/azure-functions-2019-100fn.csv \
+	  --memory ../shared/data/traces/azure-functions-2019-100fn-memory.csv
 	PYTHONPATH=build/python /usr/bin/python3 bench/python/hit_path.py
 	PYTHONPATH=build/python /usr/bin/python3 bench/python/miss_storm.py
 

@@ -1,5 +1,5 @@
-// How close can an online policy come to Belady's bytes on the embedded
-// default trace?
+// How close can an online policy come to Belady's bytes, and how tight a
+// reference are Belady's bytes?
 //
 // The default trace draws every request independently from a popularity
 // that drifts from a morning ranking to an afternoon one
@@ -14,16 +14,46 @@
 // and it is what randomness alone costs a policy that ranks this way;
 // next-use and GDSF are shown beside them.
 //
-// The oracles run in a small replay of their own (the core's policies never
-// see the key they rank); the same loop run with Belady's rule must give the
-// library's Belady bytes exactly, which checks that the two replays agree.
+// Belady's rule (evict the model asked for furthest in the future) is
+// optimal for misses with equal sizes, not for bytes with unequal ones, so
+// two size-aware offline rules are shown as ratios to it too. If either
+// loaded clearly fewer bytes, Belady's would be a loose reference and the
+// gap of an online policy to it an understatement:
+// - "belady-size": the furthest distance times the size (libCacheSim's
+//   BeladySize, made for miss ratios: it frees the most byte-time per
+//   eviction);
+// - "sized-belady": the furthest distance over size^0.25, Belady's rule
+//   with next-use's discount of small models.
 //
-//   ./build/bin/modelcache_policy_bound [seed ...]
+// Two online ideas are measured beside next-use too:
+// - "one-offs-cooled": next-use without its admission rule for models asked
+//   for once so far (they go first; here they are ranked like cooled ones);
+// - "experts+gdsf", "experts+lru": next-use and a second expert weighted
+//   online by regret, as LeCaR does (ExpertsChooser below).
+// With --azure, every rule but the oracles also runs on that trace
+// (serving-mix sizes, and with --memory, memory-file sizes times 32); it has
+// no true rates, so no oracle there.
+//
+// The rules run in a small replay of their own, which runs the core's
+// policy objects where a rule is one. For Belady's, next-use, GDSF and LRU
+// it must give the library's replay bytes exactly (the program exits 1
+// otherwise; a ctest runs it), which checks that the two replays agree.
+//
+//   ./build/bin/modelcache_policy_bound [seed ...] [--azure TRACE.csv
+//       [--memory MEMORY.csv]]
+#include <algorithm>
+#include <chrono>
 #include <cmath>
 #include <cstdint>
 #include <cstdio>
 #include <cstdlib>
+#include <cstring>
+#include <exception>
+#include <functional>
 #include <limits>
+#include <memory>
+#include <optional>
+#include <random>
 #include <string>
 #include <vector>
 
@@ -35,113 +65,481 @@ namespace {
 using modelcache::replay::DefaultTracePopularity;
 using modelcache::replay::Trace;
 
-enum class Rule { kRateOracle, kSizedRateOracle, kBelady };
+constexpr double kNever = std::numeric_limits<double>::infinity();
 
-// Bytes loaded by an untimed replay that, on a miss, evicts the resident
-// model ranked lowest by `rule` (ties to the least recently used) until the
-// new one fits. Models larger than the capacity are refused, as in Replay.
-uint64_t BytesLoaded(const Trace& trace, const DefaultTracePopularity& pop,
-                     uint64_t capacity, Rule rule) {
-  const size_t n = trace.requests.size();
-  const size_t models = trace.models.size();
-  std::vector<double> next_use(n, std::numeric_limits<double>::infinity());
-  if (rule == Rule::kBelady) {
-    std::vector<double> seen(models, std::numeric_limits<double>::infinity());
-    for (size_t i = n; i-- > 0;) {
-      next_use[i] = seen[trace.requests[i].model];
-      seen[trace.requests[i].model] = static_cast<double>(i);
-    }
-  }
-  std::vector<bool> resident(models, false);
-  std::vector<double> belady_rank(models, 0);
-  std::vector<uint64_t> last_use(models, 0);
+// What a rule may look at for a resident model when request `now` (an
+// index into the trace) misses.
+struct Candidate {
+  uint32_t model;
+  size_t now;
+  double next_request;  // index of its next request; kNever if none
+  uint64_t bytes;
+};
+// Lower is evicted first.
+using Rule = std::function<double(const Candidate&)>;
+
+double Gib(uint64_t bytes) { return static_cast<double>(bytes) / 0x1p30; }
+
+Rule Belady() {
+  return [](const Candidate& c) { return -c.next_request; };
+}
+Rule BeladySize() {
+  return [](const Candidate& c) {
+    return -(c.next_request - static_cast<double>(c.now)) * Gib(c.bytes);
+  };
+}
+Rule SizedBelady() {
+  return [](const Candidate& c) {
+    return -(c.next_request - static_cast<double>(c.now)) /
+           std::pow(Gib(c.bytes), modelcache::kNextUseSizeExponent);
+  };
+}
+Rule RateOracle(const Trace& trace, const DefaultTracePopularity& pop,
+                double size_exponent) {
+  return [&trace, &pop, size_exponent](const Candidate& c) {
+    const double share = static_cast<double>(trace.requests[c.now].t_ms) /
+                         static_cast<double>(pop.span_ms);
+    return ((1 - share) * pop.morning[c.model] +
+            share * pop.afternoon[c.model]) *
+           std::pow(Gib(c.bytes), size_exponent);
+  };
+}
+
+// Picks victims for the replay loop below.
+class Chooser {
+ public:
+  virtual ~Chooser() = default;
+  // The resident model to evict when request `i` misses; `residents` never
+  // holds the model requested.
+  virtual uint32_t Victim(size_t i, const std::vector<uint32_t>& residents) = 0;
+  virtual void Evicted(uint32_t /*model*/) {}
+  // Request `i` was served, after a load if `loaded`.
+  virtual void Served(size_t i, bool loaded) = 0;
+};
+
+// Bytes loaded by an untimed replay that, on a miss, evicts the model the
+// chooser picks until the new one fits. Models larger than the capacity are
+// refused, as in Replay.
+uint64_t BytesLoaded(const Trace& trace, uint64_t capacity, Chooser& chooser) {
+  std::vector<bool> resident(trace.models.size(), false);
+  std::vector<uint32_t> residents;
   uint64_t used = 0, loaded = 0;
-  for (size_t i = 0; i < n; ++i) {
+  for (size_t i = 0; i < trace.requests.size(); ++i) {
     const uint32_t m = trace.requests[i].model;
     const uint64_t size = trace.sizes[m];
     if (size > capacity) continue;
-    if (!resident[m]) {
-      const double share = static_cast<double>(trace.requests[i].t_ms) /
-                           static_cast<double>(pop.span_ms);
+    const bool miss = !resident[m];
+    if (miss) {
       while (used + size > capacity) {
-        size_t victim = models;
-        double lowest = 0;
-        for (size_t j = 0; j < models; ++j) {
-          if (!resident[j]) continue;
-          double rank = rule == Rule::kBelady ? belady_rank[j]
-                                              : (1 - share) * pop.morning[j] +
-                                                    share * pop.afternoon[j];
-          if (rule == Rule::kSizedRateOracle) {
-            rank *= std::pow(static_cast<double>(trace.sizes[j]) / 0x1p30,
-                             modelcache::kNextUseSizeExponent);
-          }
-          if (victim == models || rank < lowest ||
-              (rank == lowest && last_use[j] < last_use[victim])) {
-            victim = j;
-            lowest = rank;
-          }
+        residents.clear();
+        for (uint32_t j = 0; j < resident.size(); ++j) {
+          if (resident[j]) residents.push_back(j);
         }
+        const uint32_t victim = chooser.Victim(i, residents);
         resident[victim] = false;
         used -= trace.sizes[victim];
+        chooser.Evicted(victim);
       }
       resident[m] = true;
       used += size;
       loaded += size;
     }
-    last_use[m] = i + 1;
-    belady_rank[m] = -next_use[i];
+    chooser.Served(i, miss);
   }
   return loaded;
 }
 
+// Evicts the model ranked lowest by a Rule, ties to the least recently used.
+class RankedChooser final : public Chooser {
+ public:
+  RankedChooser(const Trace& trace, Rule rule)
+      : trace_(trace),
+        rule_(std::move(rule)),
+        next_use_(trace.requests.size(), kNever),
+        next_request_(trace.models.size(), kNever),
+        last_use_(trace.models.size(), 0) {
+    std::vector<double> seen(trace.models.size(), kNever);
+    for (size_t i = trace.requests.size(); i-- > 0;) {
+      next_use_[i] = seen[trace.requests[i].model];
+      seen[trace.requests[i].model] = static_cast<double>(i);
+    }
+  }
+  uint32_t Victim(size_t i, const std::vector<uint32_t>& residents) override {
+    uint32_t victim = residents.front();
+    double lowest = kNever;
+    bool first = true;
+    for (uint32_t j : residents) {
+      const double rank = rule_({j, i, next_request_[j], trace_.sizes[j]});
+      if (first || rank < lowest ||
+          (rank == lowest && last_use_[j] < last_use_[victim])) {
+        victim = j;
+        lowest = rank;
+        first = false;
+      }
+    }
+    return victim;
+  }
+  void Served(size_t i, bool) override {
+    const uint32_t m = trace_.requests[i].model;
+    last_use_[m] = i + 1;
+    next_request_[m] = next_use_[i];
+  }
+
+ private:
+  const Trace& trace_;
+  const Rule rule_;
+  std::vector<double> next_use_, next_request_;
+  std::vector<uint64_t> last_use_;
+};
+
+uint64_t BytesLoaded(const Trace& trace, uint64_t capacity, Rule rule) {
+  RankedChooser chooser(trace, std::move(rule));
+  return BytesLoaded(trace, capacity, chooser);
+}
+
+// One of the core's policies, fed what the cache would feed it: the request
+// history it asks for, the access count since the load, the shared clock.
+// Ranks like the cache: lowest priority first, ties to the least recently
+// used (a time-dependent policy ranked at the moment of the miss).
+class PolicyChooser final : public Chooser {
+ public:
+  PolicyChooser(const Trace& trace,
+                std::shared_ptr<const modelcache::EvictionPolicy> policy)
+      : trace_(trace),
+        policy_(std::move(policy)),
+        models_(trace.models.size()) {
+    if (policy_->history_length() > 0) {
+      for (Model& model : models_) {
+        model.history.emplace(policy_->history_length());
+      }
+    }
+  }
+  uint32_t Victim(size_t i, const std::vector<uint32_t>& residents) override {
+    now_seconds_ = Seconds(i);
+    uint32_t victim = residents.front();
+    double lowest = kNever;
+    bool first = true;
+    for (uint32_t j : residents) {
+      const double p = PriorityNow(j);
+      if (first || p < lowest ||
+          (p == lowest && models_[j].seq < models_[victim].seq)) {
+        victim = j;
+        lowest = p;
+        first = false;
+      }
+    }
+    return victim;
+  }
+  void Evicted(uint32_t model) override {
+    policy_->OnEvict(PriorityNow(model), clock_);
+    clock_.epoch.fetch_add(1, std::memory_order_relaxed);
+  }
+  void Served(size_t i, bool loaded) override {
+    Model& model = models_[trace_.requests[i].model];
+    if (model.history) model.history->Record(Seconds(i));
+    model.accesses = loaded ? 1 : model.accesses + 1;
+    model.seq = ++seq_;
+    if (!policy_->time_dependent()) {
+      model.priority =
+          policy_->Priority(Info(trace_.requests[i].model, 0), clock_);
+    }
+  }
+
+ private:
+  struct Model {
+    std::optional<modelcache::RequestHistory> history;
+    uint64_t accesses = 0;
+    uint64_t seq = 0;
+    double priority = 0;
+  };
+  // The cache's clock in the replay: trace time through nanoseconds.
+  double Seconds(size_t i) const {
+    return std::chrono::duration<double>(
+               std::chrono::nanoseconds(static_cast<int64_t>(
+                   static_cast<double>(trace_.requests[i].t_ms) * 1e6)))
+        .count();
+  }
+  modelcache::AccessInfo Info(uint32_t m, double now_seconds) const {
+    modelcache::AccessInfo info;
+    info.bytes = trace_.sizes[m];
+    info.accesses = models_[m].accesses;
+    if (models_[m].history) info.history = &*models_[m].history;
+    info.now_seconds = now_seconds;
+    return info;
+  }
+  double PriorityNow(uint32_t m) const {
+    return policy_->time_dependent()
+               ? policy_->Priority(Info(m, now_seconds_), clock_)
+               : models_[m].priority;
+  }
+
+  const Trace& trace_;
+  const std::shared_ptr<const modelcache::EvictionPolicy> policy_;
+  std::vector<Model> models_;
+  modelcache::PolicyClock clock_;
+  uint64_t seq_ = 0;
+  double now_seconds_ = 0;
+};
+
+// next-use without its admission rule for one-off models: a model asked for
+// once so far (no gap, no forecast) is ranked like a cooled one, by its
+// idle time, instead of going first. What the rule is worth.
+class OneOffsAsCooled final : public modelcache::EvictionPolicy {
+ public:
+  std::string name() const override { return "next-use, one-offs as cooled"; }
+  double Priority(const modelcache::AccessInfo& entry,
+                  const modelcache::PolicyClock& clock) const override {
+    const modelcache::RequestHistory* history = entry.history;
+    if (history == nullptr || history->has_gaps()) {
+      return next_use_->Priority(entry, clock);
+    }
+    const double idle =
+        std::max(0.0, entry.now_seconds - history->last_request_seconds());
+    return -idle / std::pow(std::max(Gib(entry.bytes), 1.0 / 0x1p30),
+                            modelcache::kNextUseSizeExponent);
+  }
+  void OnEvict(double, modelcache::PolicyClock&) const override {}
+  size_t history_length() const override { return next_use_->history_length(); }
+  bool time_dependent() const override { return true; }
+
+ private:
+  const std::shared_ptr<const modelcache::EvictionPolicy> next_use_ =
+      modelcache::NewNextUsePolicy();
+};
+
+// Two experts weighted online by regret (LeCaR: Vietri et al., HotStorage
+// 2018). Both see every request; when they disagree, the victim is one
+// expert's, drawn with probability its weight, and is remembered as that
+// expert's mistake-in-waiting. A miss on it later, t requests on, means the
+// expert was wrong: the other one's weight grows by exp(rate * d^t), with d
+// = 0.005^(1/n) for n resident models, so a regret fades over about n
+// requests. Weights stay within [0.01, 0.99] so that neither expert is
+// silenced for good.
+class ExpertsChooser final : public Chooser {
+ public:
+  ExpertsChooser(const Trace& trace,
+                 std::shared_ptr<const modelcache::EvictionPolicy> a,
+                 std::shared_ptr<const modelcache::EvictionPolicy> b)
+      : trace_(trace),
+        a_(trace, std::move(a)),
+        b_(trace, std::move(b)),
+        evicted_by_a_(trace.models.size(), -1),
+        evicted_by_b_(trace.models.size(), -1) {}
+  uint32_t Victim(size_t i, const std::vector<uint32_t>& residents) override {
+    residents_ = residents.size();
+    const uint32_t va = a_.Victim(i, residents);
+    const uint32_t vb = b_.Victim(i, residents);
+    if (va == vb) return va;
+    const bool take_a =
+        std::uniform_real_distribution<double>(0, 1)(rng_) < weight_a_;
+    (take_a ? evicted_by_a_ : evicted_by_b_)[take_a ? va : vb] =
+        static_cast<int64_t>(i);
+    return take_a ? va : vb;
+  }
+  void Evicted(uint32_t model) override {
+    a_.Evicted(model);
+    b_.Evicted(model);
+  }
+  void Served(size_t i, bool loaded) override {
+    const uint32_t m = trace_.requests[i].model;
+    if (loaded) {
+      const double fade = std::pow(
+          0.005, 1.0 / static_cast<double>(std::max<size_t>(1, residents_)));
+      auto regret = [&](int64_t at) {
+        return std::exp(
+            kLearningRate *
+            std::pow(fade, static_cast<double>(i) - static_cast<double>(at)));
+      };
+      double weight_b = 1 - weight_a_;
+      if (evicted_by_a_[m] >= 0) weight_b *= regret(evicted_by_a_[m]);
+      if (evicted_by_b_[m] >= 0) weight_a_ *= regret(evicted_by_b_[m]);
+      weight_a_ = std::clamp(weight_a_ / (weight_a_ + weight_b), 0.01, 0.99);
+      evicted_by_a_[m] = evicted_by_b_[m] = -1;
+    }
+    a_.Served(i, loaded);
+    b_.Served(i, loaded);
+  }
+
+ private:
+  static constexpr double kLearningRate = 0.45;  // LeCaR's
+  const Trace& trace_;
+  PolicyChooser a_, b_;
+  std::vector<int64_t> evicted_by_a_, evicted_by_b_;
+  double weight_a_ = 0.5;
+  size_t residents_ = 1;
+  std::mt19937_64 rng_{1};
+};
+
 double Tib(uint64_t bytes) { return static_cast<double>(bytes) / 0x1p40; }
 
-}  // namespace
+// One capacity's row: Belady's bytes, and every other rule's as a ratio to
+// them.
+struct Row {
+  uint64_t belady = 0;
+  double belady_size = 0, sized_belady = 0, next_use = 0, one_offs_cooled = 0,
+         experts_gdsf = 0, experts_lru = 0, gdsf = 0;
+};
+// The columns every table shares, after its own, and their header.
+void PrintShared(const Row& row) {
+  std::printf("%12.3f %13.3f %9.3f %16.3f %13.3f %12.3f %9.3f\n",
+              row.belady_size, row.sized_belady, row.next_use,
+              row.one_offs_cooled, row.experts_gdsf, row.experts_lru, row.gdsf);
+}
+void PrintSharedHeader() {
+  std::printf("%12s %13s %9s %16s %13s %12s %9s\n", "belady-size",
+              "sized-belady", "next-use", "one-offs-cooled", "experts+gdsf",
+              "experts+lru", "gdsf");
+}
 
-int main(int argc, char** argv) {
+// Replays `trace` with next-use, GDSF, LRU and Belady's in the library and
+// checks the loops above against the library's bytes for each (false if
+// any differs), then runs the rest in those loops.
+bool Measure(const Trace& trace, const std::vector<uint64_t>& capacities,
+             std::vector<Row>& rows) {
+  namespace replay = modelcache::replay;
+  const std::vector<std::string> names = {"gdsf", "next-use", "lru", "belady"};
+  const auto results = replay::ReplayAll(trace, names, capacities, 0, 2);
+  const size_t k = capacities.size();
+  for (size_t c = 0; c < k; ++c) {
+    const uint64_t cap = capacities[c];
+    for (size_t p = 0; p < names.size(); ++p) {
+      uint64_t ours;
+      if (names[p] == "belady") {
+        ours = BytesLoaded(trace, cap, Belady());
+      } else {
+        PolicyChooser chooser(trace, modelcache::PolicyByName(names[p]));
+        ours = BytesLoaded(trace, cap, chooser);
+      }
+      if (ours != results[p * k + c].bytes_loaded) {
+        std::fprintf(stderr,
+                     "error: the bound's replay disagrees with the library's "
+                     "%s replay at %s\n",
+                     names[p].c_str(), replay::FormatBytes(cap).c_str());
+        return false;
+      }
+    }
+    Row row;
+    row.belady = results[3 * k + c].bytes_loaded;
+    const double b = static_cast<double>(row.belady);
+    auto ratio = [b](uint64_t bytes) { return static_cast<double>(bytes) / b; };
+    row.gdsf = ratio(results[c].bytes_loaded);
+    row.next_use = ratio(results[k + c].bytes_loaded);
+    row.belady_size = ratio(BytesLoaded(trace, cap, BeladySize()));
+    row.sized_belady = ratio(BytesLoaded(trace, cap, SizedBelady()));
+    PolicyChooser cooled(trace, std::make_shared<OneOffsAsCooled>());
+    row.one_offs_cooled = ratio(BytesLoaded(trace, cap, cooled));
+    ExpertsChooser with_gdsf(trace, modelcache::PolicyByName("next-use"),
+                             modelcache::PolicyByName("gdsf"));
+    row.experts_gdsf = ratio(BytesLoaded(trace, cap, with_gdsf));
+    ExpertsChooser with_lru(trace, modelcache::PolicyByName("next-use"),
+                            modelcache::PolicyByName("lru"));
+    row.experts_lru = ratio(BytesLoaded(trace, cap, with_lru));
+    rows.push_back(row);
+  }
+  return true;
+}
+
+double Ratio(uint64_t bytes, uint64_t belady) {
+  return static_cast<double>(bytes) / static_cast<double>(belady);
+}
+
+std::vector<uint64_t> Capacities(std::initializer_list<const char*> names) {
+  std::vector<uint64_t> capacities;
+  for (const char* c : names) {
+    capacities.push_back(modelcache::replay::ParseBytes(c));
+  }
+  return capacities;
+}
+
+int Run(int argc, char** argv) {
   namespace replay = modelcache::replay;
   std::vector<uint64_t> seeds;
-  for (int i = 1; i < argc; ++i)
-    seeds.push_back(std::strtoull(argv[i], nullptr, 10));
+  std::string azure_path, memory_path;
+  for (int i = 1; i < argc; ++i) {
+    if (std::strcmp(argv[i], "--azure") == 0 && i + 1 < argc) {
+      azure_path = argv[++i];
+    } else if (std::strcmp(argv[i], "--memory") == 0 && i + 1 < argc) {
+      memory_path = argv[++i];
+    } else {
+      char* end = nullptr;
+      seeds.push_back(std::strtoull(argv[i], &end, 10));
+      if (end == argv[i] || *end != '\0') {
+        std::fprintf(stderr,
+                     "usage: %s [seed ...] [--azure TRACE.csv [--memory "
+                     "MEMORY.csv]]\n",
+                     argv[0]);
+        return 2;
+      }
+    }
+  }
   if (seeds.empty()) seeds = {42, 1, 2};
-  const std::vector<std::string> policies = {"gdsf", "next-use", "belady"};
   std::printf(
       "Bytes loaded again on the embedded default, as a ratio to Belady's\n"
       "(untimed replay; the oracles know each model's true request "
       "rate)\n\n");
-  std::printf("%6s %9s %12s %12s %13s %9s %9s\n", "seed", "capacity", "belady",
-              "rate-oracle", "sized-oracle", "next-use", "gdsf");
+  std::printf("%6s %9s %12s %12s %13s ", "seed", "capacity", "belady",
+              "rate-oracle", "sized-oracle");
+  PrintSharedHeader();
+  const std::vector<uint64_t> capacities =
+      Capacities({"32GiB", "48GiB", "64GiB"});
   for (uint64_t seed : seeds) {
     const Trace trace = replay::GenerateDefaultTrace(seed);
     const DefaultTracePopularity pop = replay::DefaultTracePopularityOf(seed);
-    std::vector<uint64_t> capacities;
-    for (const char* c : {"32GiB", "48GiB", "64GiB"}) {
-      capacities.push_back(replay::ParseBytes(c));
+    std::vector<Row> rows;
+    if (!Measure(trace, capacities, rows)) return 1;
+    for (size_t c = 0; c < capacities.size(); ++c) {
+      const uint64_t cap = capacities[c], belady = rows[c].belady;
+      std::printf(
+          "%6llu %9s %9.2f TiB %12.3f %13.3f ",
+          static_cast<unsigned long long>(seed),
+          replay::FormatBytes(cap).c_str(), Tib(belady),
+          Ratio(BytesLoaded(trace, cap, RateOracle(trace, pop, 0)), belady),
+          Ratio(BytesLoaded(
+                    trace, cap,
+                    RateOracle(trace, pop, modelcache::kNextUseSizeExponent)),
+                belady));
+      PrintShared(rows[c]);
     }
-    const auto results = replay::ReplayAll(trace, policies, capacities, 0, 2);
-    const size_t k = capacities.size();
-    for (size_t c = 0; c < k; ++c) {
-      const uint64_t belady = results[2 * k + c].bytes_loaded;
-      // The check: this loop with Belady's rule is the library's replay.
-      if (BytesLoaded(trace, pop, capacities[c], Rule::kBelady) != belady) {
-        std::fprintf(stderr,
-                     "error: the bound's replay disagrees with the "
-                     "library's Belady replay\n");
-        return 1;
-      }
-      const double b = static_cast<double>(belady);
-      const uint64_t oracle =
-          BytesLoaded(trace, pop, capacities[c], Rule::kRateOracle);
-      const uint64_t sized =
-          BytesLoaded(trace, pop, capacities[c], Rule::kSizedRateOracle);
-      std::printf("%6llu %9s %9.2f TiB %12.3f %13.3f %9.3f %9.3f\n",
-                  static_cast<unsigned long long>(seed),
-                  replay::FormatBytes(capacities[c]).c_str(), Tib(belady),
-                  static_cast<double>(oracle) / b,
-                  static_cast<double>(sized) / b,
-                  static_cast<double>(results[k + c].bytes_loaded) / b,
-                  static_cast<double>(results[c].bytes_loaded) / b);
+  }
+  if (azure_path.empty()) return 0;
+  std::printf("\nThe same on the Azure Functions trace (%s)\n\n",
+              azure_path.c_str());
+  std::printf("%-16s %9s %12s ", "sizes", "capacity", "belady");
+  PrintSharedHeader();
+  struct Workload {
+    const char* name;
+    replay::AzureOptions options;
+  };
+  std::vector<Workload> workloads = {{"serving mix", {}}};
+  if (!memory_path.empty()) {
+    replay::AzureOptions options;
+    options.memory_path = memory_path;
+    options.memory_scale = 32;
+    workloads.push_back({"memory file x32", options});
+  }
+  const std::vector<uint64_t> azure_capacities =
+      Capacities({"16GiB", "32GiB", "64GiB"});
+  for (const Workload& w : workloads) {
+    const Trace trace = replay::ReadAzureFunctionsTrace(azure_path, w.options);
+    std::vector<Row> rows;
+    if (!Measure(trace, azure_capacities, rows)) return 1;
+    for (size_t c = 0; c < azure_capacities.size(); ++c) {
+      std::printf("%-16s %9s %9.2f TiB ", w.name,
+                  replay::FormatBytes(azure_capacities[c]).c_str(),
+                  Tib(rows[c].belady));
+      PrintShared(rows[c]);
     }
   }
   return 0;
+}
+
+}  // namespace
+
+int main(int argc, char** argv) {
+  try {
+    return Run(argc, argv);
+  } catch (const std::exception& e) {  // a missing or malformed trace
+    std::fprintf(stderr, "error: %s\n", e.what());
+    return 1;
+  }
 }

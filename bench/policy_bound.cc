@@ -29,7 +29,7 @@
 // - "one-offs-cooled": next-use without its admission rule for models asked
 //   for once so far (they go first; here they are ranked like cooled ones);
 // - "experts+gdsf", "experts+lru": next-use and a second expert weighted
-//   online by regret, as LeCaR does (ExpertsChooser below).
+//   online by regret, in the manner of LeCaR (ExpertsChooser below).
 // With --azure, every rule but the oracles also runs on that trace
 // (serving-mix sizes, and with --memory, memory-file sizes times 32); it has
 // no true rates, so no oracle there.
@@ -314,7 +314,8 @@ class OneOffsAsCooled final : public modelcache::EvictionPolicy {
 // expert was wrong: the other one's weight grows by exp(rate * d^t), with d
 // = 0.005^(1/n) for n resident models, so a regret fades over about n
 // requests. Weights stay within [0.01, 0.99] so that neither expert is
-// silenced for good.
+// silenced for good. Unlike LeCaR, a victim both experts chose is no one's
+// mistake: it says nothing about which to trust.
 class ExpertsChooser final : public Chooser {
  public:
   ExpertsChooser(const Trace& trace,

@@ -1,33 +1,47 @@
 #!/usr/bin/env bash
-# Builds the safetensors fuzzer (clang) and runs it for a bounded time.
+# Builds the fuzzers (clang) and runs each for a bounded time: the
+# safetensors reader, then the trace readers of `modelcache replay`.
 #
-#   fuzz/run.sh [SECONDS] [BUILD_DIR]      (defaults: 20, build/fuzz)
+#   fuzz/run.sh [SECONDS] [BUILD_DIR]      (defaults: 20 each, build/fuzz)
 #
-# Run from the repository root. The seed corpus is the real files under
-# ../shared/data/weights (read in place, never copied); inputs the fuzzer
-# finds go to BUILD_DIR/corpus, crash reproducers to BUILD_DIR/artifacts/.
-# Exits non-zero when the fuzzer finds a crash. Reproduce one with
+# Run from the repository root. The seed corpora are the real files under
+# ../shared/data/weights and ../shared/data/traces (read in place, never
+# copied); inputs the fuzzers find go to BUILD_DIR/<fuzzer>-corpus, crash
+# reproducers to BUILD_DIR/artifacts/. Exits non-zero when a fuzzer finds a
+# crash. Reproduce one with
 #   BUILD_DIR/safetensors_fuzzer BUILD_DIR/artifacts/crash-...
+# (or trace_fuzzer, whichever reported it).
 set -euo pipefail
 
 seconds="${1:-20}"
 build_dir="${2:-build/fuzz}"
-seeds="${MODELCACHE_SHARED_DATA:-../shared/data}/weights"
+data="${MODELCACHE_SHARED_DATA:-../shared/data}"
 
 cmake -S fuzz -B "$build_dir" -G Ninja -DCMAKE_CXX_COMPILER=clang++ >/dev/null
-cmake --build "$build_dir" --target safetensors_fuzzer
-mkdir -p "$build_dir/corpus" "$build_dir/artifacts"
+cmake --build "$build_dir" --target safetensors_fuzzer trace_fuzzer
+mkdir -p "$build_dir/artifacts"
 
-corpora=("$build_dir/corpus")
-if [ -d "$seeds" ]; then
-  corpora+=("$seeds")
-else
-  echo "fuzz/run.sh: no seed corpus at $seeds; starting from scratch" >&2
-fi
+# run FUZZER DICT SEEDS [libFuzzer flags...]
+run() {
+  local fuzzer="$1" dict="$2" seeds="$3"
+  shift 3
+  local corpora=("$build_dir/$fuzzer-corpus")
+  mkdir -p "${corpora[0]}"
+  if [ -d "$seeds" ]; then
+    corpora+=("$seeds")
+  else
+    echo "fuzz/run.sh: no seed corpus at $seeds; starting from scratch" >&2
+  fi
+  "$build_dir/$fuzzer" \
+    -max_total_time="$seconds" \
+    -dict="$dict" \
+    -artifact_prefix="$build_dir/artifacts/" \
+    -print_final_stats=1 \
+    "$@" \
+    "${corpora[@]}"
+}
 
-"$build_dir/safetensors_fuzzer" \
-  -max_total_time="$seconds" \
-  -dict=fuzz/safetensors.dict \
-  -artifact_prefix="$build_dir/artifacts/" \
-  -print_final_stats=1 \
-  "${corpora[@]}"
+run safetensors_fuzzer fuzz/safetensors.dict "$data/weights"
+# Each input is read six ways and the real traces are up to 120 KB; shorter
+# inputs keep the runs per second in the hundreds.
+run trace_fuzzer fuzz/trace.dict "$data/traces" -max_len=16384

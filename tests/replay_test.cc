@@ -243,6 +243,91 @@ TEST(AzureTrace, BadInputNamesTheFileAndLine) {
   }
 }
 
+// Numbers that parse but that the replay cannot hold are errors too. Before,
+// such a duration became an infinite service time, such a time wrapped
+// negative, such a minute overflowed (undefined behaviour) and such a memory
+// figure became a meaningless size.
+TEST(TraceReaders, RejectNumbersTooLargeToReplay) {
+  EXPECT_THAT(TraceErrorOf("t_ms,model,size_bytes\n0,a,1\n1e300,a,1\n"),
+              HasSubstr(":3: t_ms 1e300 is too large (at most "
+                        "9007199254740992)"));
+  EXPECT_THAT(TraceErrorOf("t_ms,model,size_bytes,duration_ms\n0,a,1,1e300\n"),
+              HasSubstr(":2: duration_ms 1e300 is too large (at most "
+                        "9007199254740992)"));
+  // The largest time that is allowed still reads.
+  TempFile largest("t_ms,model,size_bytes\n9007199254740992,a,1\n");
+  EXPECT_EQ(ReadCsvTrace(largest.path(), nullptr).requests.at(0).t_ms,
+            int64_t{9007199254740992});
+
+  auto azure_error = [](const std::string& invocations,
+                        const AzureOptions& options) -> std::string {
+    TempFile file(invocations);
+    try {
+      ReadAzureFunctionsTrace(file.path(), options);
+    } catch (const TraceError& e) {
+      return e.what();
+    }
+    ADD_FAILURE() << "no error for:\n" << invocations;
+    return "";
+  };
+  EXPECT_THAT(azure_error("HashOwner,HashApp,HashFunction,Trigger,"
+                          "100000000000000000\no,a,f,http,1\n",
+                          {}),
+              HasSubstr(":1: minute column '100000000000000000' is too large"));
+
+  const std::string invocations =
+      "HashOwner,HashApp,HashFunction,Trigger,0\no,a,f,http,1\n";
+  TempFile memory("HashFunction,AverageAllocatedMb_pct50\nf,1e12\n");
+  AzureOptions sized;
+  sized.memory_path = memory.path();
+  sized.memory_scale = 1e7;  // 1e12 MB x 1e7 MiB: more than 2^63 bytes
+  EXPECT_THAT(azure_error(invocations, sized),
+              HasSubstr(memory.path() +
+                        ": function f: AverageAllocatedMb_pct50 times the "
+                        "memory scale is more than 2^63 bytes"));
+  sized.memory_scale = -1;
+  EXPECT_THROW(
+      {
+        TempFile file(invocations);
+        ReadAzureFunctionsTrace(file.path(), sized);
+      },
+      Error);
+
+  TempFile durations(
+      "HashFunction,percentile_Average_0,percentile_Average_1,percentile_"
+      "Average_25,percentile_Average_50,percentile_Average_75,percentile_"
+      "Average_99,percentile_Average_100\nf,1,1,1,1,1,1,1e300\n");
+  AzureOptions timed;
+  timed.durations_path = durations.path();
+  EXPECT_THAT(azure_error(invocations, timed),
+              HasSubstr(durations.path() +
+                        ":2: percentile_Average_100 1e300 is too large"));
+}
+
+TEST(AzureTrace, CountsAddingUpToMoreThanMaxRequestsAreAnError) {
+  TempFile file(
+      "HashOwner,HashApp,HashFunction,Trigger,0,1\n"
+      "o,a,f,http,3,4\n"
+      "o,a,g,http,2,99999999999999\n");
+  AzureOptions options;
+  options.max_requests = 9;  // 3 + 4 + 2 fit; the next count does not
+  try {
+    ReadAzureFunctionsTrace(file.path(), options);
+    FAIL();
+  } catch (const TraceError& e) {
+    EXPECT_THAT(e.what(),
+                HasSubstr(file.path() +
+                          ":3: the invocation counts add up to more than 9 "
+                          "requests by minute 1"));
+  }
+  // At the limit exactly, the trace reads.
+  TempFile exact(
+      "HashOwner,HashApp,HashFunction,Trigger,0,1\n"
+      "o,a,f,http,3,4\n"
+      "o,a,g,http,2,0\n");
+  EXPECT_EQ(ReadAzureFunctionsTrace(exact.path(), options).requests.size(), 9u);
+}
+
 // An independent byte-capacity LRU, the reference for --policy lru.
 struct ReferenceLru {
   uint64_t hits = 0, misses = 0, too_large = 0, evictions = 0, bytes_loaded = 0;

@@ -101,6 +101,16 @@ uint64_t ParseSize(const std::string& path, size_t line,
   return size;
 }
 
+// The largest time or service time, in ms, a trace may give: 2^53, about
+// 285,000 years, which doubles hold exactly and which fits the int64 and
+// float the replay keeps them in. A larger number is a malformed file.
+constexpr double kMaxMs = 9007199254740992.0;
+
+std::string TooLarge(std::string_view what, std::string_view text) {
+  return std::string(what) + " " + std::string(text) +
+         " is too large (at most 9007199254740992)";
+}
+
 struct TraceBuilder {
   Trace trace;
   std::unordered_map<std::string, uint32_t> index;
@@ -236,6 +246,9 @@ Trace ReadCsvTrace(const std::string& path, const SizeTable* sizes) {
     if (t < 0) {
       Fail(path, line_no, "negative t_ms " + std::string(Trim(fields[t_col])));
     }
+    if (t > kMaxMs) {
+      Fail(path, line_no, TooLarge("t_ms", Trim(fields[t_col])));
+    }
     if (t < previous_t) {
       Fail(path, line_no,
            "t_ms " + std::string(Trim(fields[t_col])) +
@@ -269,6 +282,9 @@ Trace ReadCsvTrace(const std::string& path, const SizeTable* sizes) {
       if (duration < 0) {
         Fail(path, line_no, "negative duration_ms " + std::string(text));
       }
+      if (duration > kMaxMs) {
+        Fail(path, line_no, TooLarge("duration_ms", text));
+      }
       builder.trace.hold_ms.push_back(static_cast<float>(duration));
     }
     builder.trace.requests.push_back(
@@ -294,7 +310,7 @@ Trace ReadCsvTrace(const std::string& path, const SizeTable* sizes) {
 namespace {
 
 // Reads a per-function CSV keyed by the column `key`, returning for each
-// function the numbers in `columns` (whole-field, finite, not negative).
+// function the numbers in `columns` (whole-field, from 0 to kMaxMs).
 std::unordered_map<std::string, std::vector<double>> ReadPerFunction(
     const std::string& path, const std::string& key,
     const std::vector<std::string>& columns) {
@@ -347,6 +363,9 @@ std::unordered_map<std::string, std::vector<double>> ReadPerFunction(
       if (v < 0) {
         Fail(path, line_no, "negative " + columns[k] + " " + std::string(text));
       }
+      if (v > kMaxMs) {
+        Fail(path, line_no, TooLarge(columns[k], text));
+      }
       values.push_back(v);
     }
     out[std::string(Trim(fields[key_col]))] = std::move(values);
@@ -370,6 +389,12 @@ Trace ReadAzureFunctionsTrace(const std::string& path, uint32_t num_models,
 
 Trace ReadAzureFunctionsTrace(const std::string& path,
                               const AzureOptions& options) {
+  if (!options.memory_path.empty() &&
+      !(options.memory_scale > 0 && std::isfinite(options.memory_scale))) {
+    throw Error(ErrorCode::kInvalidArgument,
+                "the memory scale must be a positive number, not " +
+                    std::to_string(options.memory_scale));
+  }
   const uint32_t num_models = options.num_models;
   const SizeTable* sizes = options.sizes;
   const uint64_t seed = options.seed;
@@ -387,6 +412,7 @@ Trace ReadAzureFunctionsTrace(const std::string& path,
   std::vector<Burst> bursts;
   std::vector<std::string> hashes;  // per kept function
   uint32_t function = 0;
+  uint64_t total = 0;  // requests so far, at most options.max_requests
   std::vector<int64_t> offsets;
   while (std::getline(in, line)) {
     ++line_no;
@@ -410,6 +436,12 @@ Trace ReadAzureFunctionsTrace(const std::string& path,
           Fail(path, line_no,
                "minute column '" + std::string(Trim(fields[i])) +
                    "' is not a whole minute number");
+        }
+        if (static_cast<double>(minute) > kMaxMs / 60000 - 1) {
+          Fail(path, line_no,
+               "minute column '" + std::string(Trim(fields[i])) +
+                   "' is too large (its requests would come after "
+                   "9007199254740992 ms)");
         }
         minutes.push_back(minute);
       }
@@ -436,6 +468,13 @@ Trace ReadAzureFunctionsTrace(const std::string& path,
              "invocation count '" + std::string(text) +
                  "' is not a whole number");
       }
+      if (count > options.max_requests - total) {
+        Fail(path, line_no,
+             "the invocation counts add up to more than " +
+                 std::to_string(options.max_requests) + " requests by minute " +
+                 std::to_string(minutes[c]) + " (AzureOptions::max_requests)");
+      }
+      total += count;
       if (options.poisson && count > 0) {
         // Given the minute's count, Poisson arrival times are that many
         // uniform draws, sorted.
@@ -490,8 +529,13 @@ Trace ReadAzureFunctionsTrace(const std::string& path,
         throw TraceError(options.memory_path + ":1: no row for function " +
                          hashes[m]);
       }
-      size = static_cast<uint64_t>(
-          std::llround(it->second[0] * options.memory_scale * 1048576.0));
+      const double bytes = it->second[0] * options.memory_scale * 1048576.0;
+      if (!(bytes < 0x1p63)) {
+        throw TraceError(options.memory_path + ": function " + hashes[m] +
+                         ": AverageAllocatedMb_pct50 times the memory scale "
+                         "is more than 2^63 bytes");
+      }
+      size = static_cast<uint64_t>(std::llround(bytes));
     }
     trace.sizes.push_back(size);
   }

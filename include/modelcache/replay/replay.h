@@ -89,6 +89,12 @@ struct AzureOptions {
   // The trace's durations file: each request's service time is a seeded draw
   // from its function's duration percentiles (piecewise linear between them).
   std::string durations_path;
+  // Invocation counts that add up to more requests than this are refused
+  // with a TraceError before they are expanded (each request takes about 32
+  // bytes while the file is read). The default is far above any real trace
+  // a replay could hold, and is there so that a malformed count is an error,
+  // not an allocation that fails or exhausts memory.
+  uint64_t max_requests = 1'000'000'000;
 };
 Trace ReadAzureFunctionsTrace(const std::string& path,
                               const AzureOptions& options);

@@ -22,6 +22,7 @@
 #include <cstddef>
 #include <cstdint>
 #include <cstdio>
+#include <cstdlib>
 #include <fstream>
 #include <string>
 
@@ -68,6 +69,17 @@ std::string TempPath(const char* what) {
          std::to_string(getpid()) + "." + what;
 }
 
+// A file removed when the fuzzer exits.
+class TempFile {
+ public:
+  explicit TempFile(const char* what) : path_(TempPath(what)) {}
+  ~TempFile() { std::remove(path_.c_str()); }
+  const std::string& path() const { return path_; }
+
+ private:
+  const std::string path_;
+};
+
 void Write(const std::string& path, const uint8_t* data, size_t size) {
   std::ofstream out(path, std::ios::binary | std::ios::trunc);
   out.write(reinterpret_cast<const char*>(data),
@@ -101,13 +113,17 @@ std::string SmallInvocations() {
 }  // namespace
 
 extern "C" int LLVMFuzzerTestOneInput(const uint8_t* data, size_t size) {
-  static const std::string input = TempPath("input");
-  static const std::string invocations = [] {
-    const std::string path = TempPath("invocations");
+  static const TempFile input_file("input");
+  static const TempFile invocations_file("invocations");
+  static const bool written = [] {
     const std::string text = SmallInvocations();
-    Write(path, reinterpret_cast<const uint8_t*>(text.data()), text.size());
-    return path;
+    Write(invocations_file.path(),
+          reinterpret_cast<const uint8_t*>(text.data()), text.size());
+    return true;
   }();
+  (void)written;
+  const std::string& input = input_file.path();
+  const std::string& invocations = invocations_file.path();
   Write(input, data, size);
 
   static const SizeTable kSizes = {{"a", 1}, {"b", 1 << 20}};

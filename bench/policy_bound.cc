@@ -117,6 +117,24 @@ class Chooser {
   virtual void Served(size_t i, bool loaded) = 0;
 };
 
+// The resident with the lowest rank, ties to the least recently used (the
+// smallest `last_use`), as the cache ranks its victims.
+template <typename Rank, typename LastUse>
+uint32_t LowestRanked(const std::vector<uint32_t>& residents, Rank rank,
+                      LastUse last_use) {
+  uint32_t victim = residents.front();
+  double lowest = rank(victim);
+  for (size_t k = 1; k < residents.size(); ++k) {
+    const uint32_t j = residents[k];
+    const double r = rank(j);
+    if (r < lowest || (r == lowest && last_use(j) < last_use(victim))) {
+      victim = j;
+      lowest = r;
+    }
+  }
+  return victim;
+}
+
 // Bytes loaded by an untimed replay that, on a miss, evicts the model the
 // chooser picks until the new one fits. Models larger than the capacity are
 // refused, as in Replay.
@@ -165,19 +183,12 @@ class RankedChooser final : public Chooser {
     }
   }
   uint32_t Victim(size_t i, const std::vector<uint32_t>& residents) override {
-    uint32_t victim = residents.front();
-    double lowest = kNever;
-    bool first = true;
-    for (uint32_t j : residents) {
-      const double rank = rule_({j, i, next_request_[j], trace_.sizes[j]});
-      if (first || rank < lowest ||
-          (rank == lowest && last_use_[j] < last_use_[victim])) {
-        victim = j;
-        lowest = rank;
-        first = false;
-      }
-    }
-    return victim;
+    return LowestRanked(
+        residents,
+        [&](uint32_t j) {
+          return rule_({j, i, next_request_[j], trace_.sizes[j]});
+        },
+        [&](uint32_t j) { return last_use_[j]; });
   }
   void Served(size_t i, bool) override {
     const uint32_t m = trace_.requests[i].model;
@@ -216,19 +227,9 @@ class PolicyChooser final : public Chooser {
   }
   uint32_t Victim(size_t i, const std::vector<uint32_t>& residents) override {
     now_seconds_ = Seconds(i);
-    uint32_t victim = residents.front();
-    double lowest = kNever;
-    bool first = true;
-    for (uint32_t j : residents) {
-      const double p = PriorityNow(j);
-      if (first || p < lowest ||
-          (p == lowest && models_[j].seq < models_[victim].seq)) {
-        victim = j;
-        lowest = p;
-        first = false;
-      }
-    }
-    return victim;
+    return LowestRanked(
+        residents, [&](uint32_t j) { return PriorityNow(j); },
+        [&](uint32_t j) { return models_[j].seq; });
   }
   void Evicted(uint32_t model) override {
     policy_->OnEvict(PriorityNow(model), clock_);
@@ -373,6 +374,10 @@ class ExpertsChooser final : public Chooser {
 
 double Tib(uint64_t bytes) { return static_cast<double>(bytes) / 0x1p40; }
 
+double Ratio(uint64_t bytes, uint64_t belady) {
+  return static_cast<double>(bytes) / static_cast<double>(belady);
+}
+
 // One capacity's row: Belady's bytes, and every other rule's as a ratio to
 // them.
 struct Row {
@@ -421,8 +426,7 @@ bool Measure(const Trace& trace, const std::vector<uint64_t>& capacities,
     }
     Row row;
     row.belady = results[3 * k + c].bytes_loaded;
-    const double b = static_cast<double>(row.belady);
-    auto ratio = [b](uint64_t bytes) { return static_cast<double>(bytes) / b; };
+    auto ratio = [&row](uint64_t bytes) { return Ratio(bytes, row.belady); };
     row.gdsf = ratio(results[c].bytes_loaded);
     row.next_use = ratio(results[k + c].bytes_loaded);
     row.belady_size = ratio(BytesLoaded(trace, cap, BeladySize()));
@@ -438,10 +442,6 @@ bool Measure(const Trace& trace, const std::vector<uint64_t>& capacities,
     rows.push_back(row);
   }
   return true;
-}
-
-double Ratio(uint64_t bytes, uint64_t belady) {
-  return static_cast<double>(bytes) / static_cast<double>(belady);
 }
 
 std::vector<uint64_t> Capacities(std::initializer_list<const char*> names) {

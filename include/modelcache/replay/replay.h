@@ -83,7 +83,8 @@ struct AzureOptions {
   // times in the minute, sorted) instead of evenly.
   bool poisson = false;
   // The trace's memory file: model i is sized by the 50th-percentile MB of
-  // the first function mapped to it, times `memory_scale`, in MiB.
+  // the first function mapped to it, times `memory_scale` (a positive
+  // number; anything else is an InvalidArgument error), in MiB.
   std::string memory_path;
   double memory_scale = 1;
   // The trace's durations file: each request's service time is a seeded draw

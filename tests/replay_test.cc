@@ -285,13 +285,19 @@ TEST(TraceReaders, RejectNumbersTooLargeToReplay) {
               HasSubstr(memory.path() +
                         ": function f: AverageAllocatedMb_pct50 times the "
                         "memory scale is more than 2^63 bytes"));
-  sized.memory_scale = -1;
-  EXPECT_THROW(
-      {
-        TempFile file(invocations);
-        ReadAzureFunctionsTrace(file.path(), sized);
-      },
-      Error);
+  // The header's contract: a scale that is not a positive number is an
+  // InvalidArgument error.
+  for (double scale : {-1.0, 0.0, std::nan(""), HUGE_VAL}) {
+    sized.memory_scale = scale;
+    TempFile file(invocations);
+    try {
+      ReadAzureFunctionsTrace(file.path(), sized);
+      ADD_FAILURE() << "no error for memory_scale " << scale;
+    } catch (const Error& e) {
+      EXPECT_EQ(e.code(), ErrorCode::kInvalidArgument) << scale;
+      EXPECT_THAT(e.what(), HasSubstr("the memory scale must be a positive"));
+    }
+  }
 
   TempFile durations(
       "HashFunction,percentile_Average_0,percentile_Average_1,percentile_"

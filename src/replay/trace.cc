@@ -104,11 +104,12 @@ uint64_t ParseSize(const std::string& path, size_t line,
 // The largest time or service time, in ms, a trace may give: 2^53, about
 // 285,000 years, which doubles hold exactly and which fits the int64 and
 // float the replay keeps them in. A larger number is a malformed file.
-constexpr double kMaxMs = 9007199254740992.0;
+constexpr int64_t kMaxWholeMs = int64_t{1} << 53;
+constexpr double kMaxMs = static_cast<double>(kMaxWholeMs);
 
 std::string TooLarge(std::string_view what, std::string_view text) {
   return std::string(what) + " " + std::string(text) +
-         " is too large (at most 9007199254740992)";
+         " is too large (at most " + std::to_string(kMaxWholeMs) + ")";
 }
 
 struct TraceBuilder {
@@ -440,8 +441,8 @@ Trace ReadAzureFunctionsTrace(const std::string& path,
         if (static_cast<double>(minute) > kMaxMs / 60000 - 1) {
           Fail(path, line_no,
                "minute column '" + std::string(Trim(fields[i])) +
-                   "' is too large (its requests would come after "
-                   "9007199254740992 ms)");
+                   "' is too large (its requests would come after " +
+                   std::to_string(kMaxWholeMs) + " ms)");
         }
         minutes.push_back(minute);
       }

@@ -70,7 +70,7 @@ test: deps
 # failing sequence, if it finds one).
 property: build
 	RC_PARAMS="max_success=$(PROPERTY_CASES) max_size=100" \
-	  ./build/bin/cache_property_test
+	  ./build/bin/property_test
 
 bench: build
 	mkdir -p build/bench-results

@@ -4,10 +4,10 @@
 #include <stdexcept>
 #include <thread>
 
-#include "../src/core/test_hooks.h"
+#include "../../src/core/test_hooks.h"
 #include "gtest/gtest.h"
 #include "modelcache/core/cache.h"
-#include "test_util.h"
+#include "../test_util.h"
 
 namespace modelcache {
 namespace {

@@ -32,7 +32,7 @@
 #include <vector>
 
 #include "modelcache/core/cache.h"
-#include "test_util.h"
+#include "../test_util.h"
 
 namespace modelcache {
 namespace {

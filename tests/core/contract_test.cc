@@ -26,7 +26,7 @@
 
 #include "modelcache/core/budget.h"
 #include "modelcache/core/cache.h"
-#include "test_util.h"
+#include "../test_util.h"
 
 namespace modelcache {
 namespace {

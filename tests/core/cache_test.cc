@@ -26,7 +26,7 @@
 #include <vector>
 
 #include "modelcache/core/cache.h"
-#include "test_util.h"
+#include "../test_util.h"
 
 namespace modelcache {
 namespace {

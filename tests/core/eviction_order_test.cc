@@ -1,7 +1,7 @@
 // EvictionOrder on its own, single-threaded: the lazily kept victim order of
 // one shard (src/core/eviction_order.h). Records are made by hand and their
 // keys (priority, seq) set as a hit would set them, without re-filing.
-#include "../src/core/eviction_order.h"
+#include "../../src/core/eviction_order.h"
 
 #include <gtest/gtest.h>
 

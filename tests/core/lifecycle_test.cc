@@ -12,10 +12,10 @@
 #include <thread>
 #include <vector>
 
-#include "../src/core/test_hooks.h"
+#include "../../src/core/test_hooks.h"
 #include "gtest/gtest.h"
 #include "modelcache/core/cache.h"
-#include "test_util.h"
+#include "../test_util.h"
 
 namespace modelcache {
 namespace {

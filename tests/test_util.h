@@ -338,6 +338,7 @@ inline void PrintTo(const CacheStats& s, std::ostream* os) {
       << " capacity_bytes=" << s.capacity_bytes
       << " budget_used_bytes=" << s.budget_used_bytes
       << " high_water_bytes=" << s.high_water_bytes
+      << " wasted_evictions=" << s.wasted_evictions
       << " callback_errors=" << s.callback_errors << "}";
 }
 

@@ -30,6 +30,7 @@ class CacheStats:
     capacity_bytes: int  #: of the budget
     budget_used_bytes: int  #: of the budget, every cache on it together
     high_water_bytes: int  #: of the budget
+    wasted_evictions: int  #: of the budget: evictions for a reservation that failed anyway
     callback_errors: int  #: on_event calls that raised
 
     def as_dict(self) -> Dict[str, Any]:

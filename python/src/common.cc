@@ -236,6 +236,7 @@ py::dict CacheStatsDict(const CacheStats& s) {
   d["capacity_bytes"] = s.capacity_bytes;
   d["budget_used_bytes"] = s.budget_used_bytes;
   d["high_water_bytes"] = s.high_water_bytes;
+  d["wasted_evictions"] = s.wasted_evictions;
   d["callback_errors"] = s.callback_errors;
   return d;
 }

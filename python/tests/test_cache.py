@@ -179,6 +179,21 @@ def test_aliases_pins_prune_and_capacity():
     assert cache.budget.used == 0
 
 
+def test_a_request_that_cannot_fit_evicts_nothing():
+    cache = modelcache.Cache("t", capacity_bytes=100)
+    held = cache.acquire("a", lambda: Model("a"), 50)
+    cache.acquire("b", lambda: Model("b"), 20).release()
+    cache.acquire("c", lambda: Model("c"), 20).release()
+    with pytest.raises(modelcache.CapacityError) as refused:
+        cache.acquire("d", lambda: Model("d"), 60)
+    # 40 B of idle models could never make room while "a" is leased.
+    assert sorted(e.key for e in cache.entries()) == ["a", "b", "c"]
+    assert cache.stats().evictions == 0
+    assert "'a' (50 B, 1 lease)" in str(refused.value)
+    assert "'d'" not in str(refused.value)
+    held.release()
+
+
 @pytest.mark.parametrize("policy", ["next-use", "next-use-uniform"])
 def test_next_use_policy_evicts_a_model_requested_once_before_a_repeated_one(policy):
     cache = modelcache.Cache(capacity_bytes=100, policy=policy)

@@ -1,10 +1,20 @@
 // Budget: bytes shared by several caches.
 //
 // State: capacity_, used_ (every reserved byte: resident, retired, and
-// reservations of loads in flight), and the member list. Reserve() is the
-// only place that evicts; it never holds mu_ while calling a member, and
-// members never call Reserve() while holding their own locks, so the budget's
-// mutex is a leaf in the lock order.
+// reservations of loads in flight), and the member list. Reserve() and the
+// shrink path (SetCapacity, NotifyEvictable over capacity) are the only
+// places that evict; they never hold mu_ while calling a member, and members
+// never call Reserve() while holding their own locks, so the budget's mutex
+// is a leaf in the lock order.
+//
+// A reservation's round: under mu_, take the bytes if they fit; otherwise
+// note the shortfall (used + bytes - capacity) and, without mu_, ask every
+// member what it could evict now. Evict one victim only when that total
+// covers the shortfall, then start the round again; when it cannot, evict
+// nothing and fail or wait. Members are asked afresh before every victim, so
+// a reservation that a concurrent lease makes hopeless stops after the
+// victim in progress; what it evicted is counted in wasted_evictions_.
+// (The shrink path evicts whatever it can: it has no all-or-nothing goal.)
 //
 // Waiting for capacity without lost wake-ups: a waiter registers in waiters_
 // and notes change_count_ under mu_ *before* it asks members for victims.
@@ -20,6 +30,7 @@
 
 #include "format.h"
 #include "modelcache/base/errors.h"
+#include "test_hooks.h"
 
 namespace modelcache {
 
@@ -76,7 +87,8 @@ std::vector<std::shared_ptr<BudgetMember>> Budget::Members() {
   return members;
 }
 
-bool Budget::EvictOne(std::unordered_set<uint64_t>* skip, double evict_below) {
+Budget::EvictStep Budget::EvictOne(std::unordered_set<uint64_t>* skip,
+                                   double evict_below) {
   for (;;) {
     std::shared_ptr<BudgetMember> best_member;
     VictimCandidate best;
@@ -89,25 +101,35 @@ bool Budget::EvictOne(std::unordered_set<uint64_t>* skip, double evict_below) {
         best_member = member;
       }
     }
-    if (!best_member) return false;
+    if (!best_member) return EvictStep::kNone;
     // The lowest-ranked victim is not below the bar: neither is any other.
-    if (!(best.priority < evict_below)) return false;
+    if (!(best.priority < evict_below)) return EvictStep::kNone;
     switch (best_member->TryEvict(best)) {
       case EvictOutcome::kEvicted:
-        return true;
+        return EvictStep::kEvicted;
       case EvictOutcome::kUnloadFailed:
         // The victim stays resident; move on to the next one.
         skip->insert(best.record_id);
-        return true;
+        return EvictStep::kUnloadFailed;
       case EvictOutcome::kChanged:
         continue;  // someone leased or removed it meanwhile: choose again
     }
   }
 }
 
-std::string Budget::HoldersMessage() {
+uint64_t Budget::EvictableBytes(const std::unordered_set<uint64_t>& skip,
+                                double evict_below) {
+  uint64_t total = 0;
+  for (auto& member : Members()) {
+    const uint64_t bytes = member->EvictableBytes(skip, evict_below);
+    total = bytes > UINT64_MAX - total ? UINT64_MAX : total + bytes;
+  }
+  return total;
+}
+
+std::string Budget::HoldersMessage(uint64_t exclude) {
   std::vector<std::string> holders;
-  for (auto& member : Members()) member->DescribeHolders(&holders);
+  for (auto& member : Members()) member->DescribeHolders(&holders, exclude);
   if (holders.empty()) return "nothing resident";
   std::string out;
   for (size_t i = 0; i < holders.size(); ++i) {
@@ -117,27 +139,30 @@ std::string Budget::HoldersMessage() {
   return out;
 }
 
-void Budget::Reserve(uint64_t bytes, WhenFull when_full,
-                     std::chrono::steady_clock::time_point deadline,
-                     uint64_t already_reserved, const WaitInterrupt* interrupt,
-                     double evict_below) {
+void Budget::Reserve(uint64_t bytes, const ReserveOptions& options) {
+  const uint64_t already_reserved = options.already_reserved;
+  const WaitInterrupt* interrupt = options.interrupt;
   const bool interruptible = interrupt != nullptr && interrupt->check;
   std::unordered_set<uint64_t> skip;  // victims whose unload failed
   bool registered = false;
-  auto leave = [&] {
+  uint64_t evicted = 0;  // by this call
+  // Leaves the waiters; on failure, the victims this call evicted were for
+  // nothing.
+  auto leave = [&](bool failed) {
     if (registered) waiters_.fetch_sub(1);
     registered = false;
+    if (failed && evicted > 0) wasted_evictions_.fetch_add(evicted);
   };
   for (;;) {
     uint64_t seen_changes = 0;
-    uint64_t capacity = 0, used = 0;
+    uint64_t capacity = 0, used = 0, shortfall = 0;
     {
       base::MutexLock lock(&mu_);
       // Written so that no sum can wrap: already_reserved + bytes may pass
       // 2^64, and used_ may exceed capacity_ after a shrink.
       if (bytes > capacity_ || already_reserved > capacity_ - bytes) {
         const uint64_t cap = capacity_;
-        leave();
+        leave(/*failed=*/true);
         const std::string needs =
             already_reserved == 0
                 ? FormatBytes(bytes)
@@ -146,10 +171,10 @@ void Budget::Reserve(uint64_t bytes, WhenFull when_full,
                                               name_ + "' has a capacity of " +
                                               FormatBytes(cap));
       }
-      if (used_ <= capacity_ && bytes <= capacity_ - used_) {
+      if (used_ <= capacity_ - bytes) {
         used_ += bytes;
         high_water_ = std::max(high_water_, used_);
-        leave();
+        leave(/*failed=*/false);
         return;
       }
       if (!registered) {
@@ -159,19 +184,42 @@ void Budget::Reserve(uint64_t bytes, WhenFull when_full,
       seen_changes = change_count_;
       capacity = capacity_;
       used = used_;
+      shortfall = used_ - (capacity_ - bytes);  // > 0: checked above
     }
-    if (EvictOne(&skip, evict_below)) continue;
+    // Evict only when evicting can make the room: never for a reservation
+    // that would fall short anyway. The check repeats before every victim.
+    uint64_t evictable = EvictableBytes(skip, options.evict_below);
+    if (evictable >= shortfall) {
+      switch (EvictOne(&skip, options.evict_below)) {
+        case EvictStep::kEvicted:
+          ++evicted;
+          continue;
+        case EvictStep::kUnloadFailed:
+          continue;  // look again without it
+        case EvictStep::kNone:
+          // What was counted was leased, pinned or evicted meanwhile.
+          evictable = 0;
+          break;
+      }
+    }
 
-    if (when_full == WhenFull::kFail) {
-      leave();
+    if (options.when_full == WhenFull::kFail) {
+      leave(/*failed=*/true);
       const bool ranked =
-          evict_below != std::numeric_limits<double>::infinity();
+          options.evict_below != std::numeric_limits<double>::infinity();
       throw Error(ErrorCode::kCapacity,
                   "cannot reserve " + FormatBytes(bytes) + " in budget '" +
                       name_ + "' (capacity " + FormatBytes(capacity) + ", " +
-                      FormatBytes(used) + " in use) and nothing" +
+                      FormatBytes(used) + " in use) and " +
+                      (evictable == 0 ? std::string("nothing")
+                                      : "only " + FormatBytes(evictable)) +
                       (ranked ? " ranked below it" : "") +
-                      " is evictable; held by: " + HoldersMessage());
+                      " is evictable; held by: " +
+                      HoldersMessage(options.for_record));
+    }
+    if (auto hook = detail::reservation_waits_for_room.load(
+            std::memory_order_acquire)) {
+      hook();
     }
     bool timed_out = false;
     bool check_interrupt = false;
@@ -180,13 +228,13 @@ void Budget::Reserve(uint64_t bytes, WhenFull when_full,
       while (change_count_ == seen_changes) {
         // An interruptible wait wakes every `every` to run the check, which
         // must run without the budget's lock.
-        const auto wake =
-            interruptible
-                ? std::min(deadline,
-                           std::chrono::steady_clock::now() + interrupt->every)
-                : deadline;
+        const auto wake = interruptible
+                              ? std::min(options.deadline,
+                                         std::chrono::steady_clock::now() +
+                                             interrupt->every)
+                              : options.deadline;
         if (!changed_.WaitUntil(&mu_, wake) && change_count_ == seen_changes) {
-          if (wake < deadline) {
+          if (wake < options.deadline) {
             check_interrupt = true;
           } else {
             timed_out = true;
@@ -199,17 +247,17 @@ void Budget::Reserve(uint64_t bytes, WhenFull when_full,
       try {
         interrupt->check();
       } catch (...) {
-        leave();
+        leave(/*failed=*/true);
         throw;
       }
       continue;  // look again: room may have appeared meanwhile
     }
     if (timed_out) {
-      leave();
-      throw Error(ErrorCode::kTimeout, "timed out waiting for " +
-                                           FormatBytes(bytes) + " in budget '" +
-                                           name_ +
-                                           "'; held by: " + HoldersMessage());
+      leave(/*failed=*/true);
+      throw Error(ErrorCode::kTimeout,
+                  "timed out waiting for " + FormatBytes(bytes) +
+                      " in budget '" + name_ + "'; held by: " +
+                      HoldersMessage(options.for_record));
     }
   }
 }
@@ -257,7 +305,7 @@ uint64_t Budget::EvictToCapacity() {
         return 0;
       }
     }
-    if (!EvictOne(&skip)) break;
+    if (EvictOne(&skip) == EvictStep::kNone) break;
   }
   base::MutexLock lock(&mu_);
   return used_ > capacity_ ? used_ - capacity_ : 0;

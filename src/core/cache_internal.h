@@ -262,7 +262,10 @@ class CacheCore final : public BudgetMember {
   bool BestVictim(const std::unordered_set<uint64_t>& skip,
                   VictimCandidate* out) override;
   EvictOutcome TryEvict(const VictimCandidate& victim) override;
-  void DescribeHolders(std::vector<std::string>* out) override;
+  uint64_t EvictableBytes(const std::unordered_set<uint64_t>& skip,
+                          double evict_below) override;
+  void DescribeHolders(std::vector<std::string>* out,
+                       uint64_t exclude) override;
   uint64_t UnevictableBytes() override;
 
  private:

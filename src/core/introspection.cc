@@ -3,6 +3,7 @@
 #include <algorithm>
 #include <cstdio>
 #include <cstdlib>
+#include <limits>
 
 #include "cache_internal.h"
 #include "format.h"
@@ -45,6 +46,7 @@ CacheStats CacheCore::Stats() {
   stats.capacity_bytes = budget_->capacity();
   stats.budget_used_bytes = budget_->used();
   stats.high_water_bytes = budget_->high_water();
+  stats.wasted_evictions = budget_->wasted_evictions();
   stats.callback_errors = callback_errors_.load(std::memory_order_relaxed);
   return stats;
 }
@@ -150,10 +152,14 @@ uint64_t CacheCore::CheckInvariants() {
   return accounted;
 }
 
-void CacheCore::DescribeHolders(std::vector<std::string>* out) {
+void CacheCore::DescribeHolders(std::vector<std::string>* out,
+                                uint64_t exclude) {
   ForEachShard([&](Shard& shard, size_t) {
     shard.mu.AssertHeld();
     auto describe = [&](const Record& r) {
+      // Only what holds memory: not a reservation still looking for room,
+      // and never the refused request itself.
+      if (r.bytes == 0 || r.id == exclude) return;
       std::string why;
       if (r.state == RecordState::kLoading) why = "loading";
       if (r.state == RecordState::kUnloading) why = "unloading";
@@ -173,6 +179,32 @@ void CacheCore::DescribeHolders(std::vector<std::string>* out) {
     }
     for (const auto& [ptr, rec] : shard.retired) describe(*rec);
   });
+}
+
+uint64_t CacheCore::EvictableBytes(const std::unordered_set<uint64_t>& skip,
+                                   double evict_below) {
+  uint64_t bytes = 0;
+  const bool ranked = evict_below != std::numeric_limits<double>::infinity();
+  const double now_seconds = policy_time_dependent_ ? NowSeconds() : 0;
+  ForEachShard([&](Shard& shard, size_t) {
+    shard.mu.AssertHeld();
+    for (const auto& [key, slot] : shard.map) {
+      const Record* r = slot.record.get();
+      if (r == nullptr || !Evictable(*r) || skip.count(r->id) != 0) continue;
+      if (ranked) {
+        // Ranked as BestVictim ranks it.
+        const double priority =
+            policy_time_dependent_
+                ? policy_->Priority(
+                      AccessInfoLocked(shard, *r, 0, now_seconds),
+                      budget_->policy_clock())
+                : r->priority;
+        if (!(priority < evict_below)) continue;
+      }
+      bytes += r->bytes;
+    }
+  });
+  return bytes;
 }
 
 uint64_t CacheCore::UnevictableBytes() {

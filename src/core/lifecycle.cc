@@ -310,8 +310,12 @@ Lease CacheCore::LoadAsOwner(Shard& shard, const std::shared_ptr<Record>& rec,
     evict_below = policy_->Priority(own, budget_->policy_clock());
   }
   try {
-    budget_->Reserve(expected_bytes, options.when_full, options.deadline,
-                     /*already_reserved=*/0, &options.interrupt, evict_below);
+    budget_->Reserve(expected_bytes,
+                     ReserveOptions{.when_full = options.when_full,
+                                    .deadline = options.deadline,
+                                    .interrupt = &options.interrupt,
+                                    .evict_below = evict_below,
+                                    .for_record = rec->id});
   } catch (...) {
     FailLoad(shard, rec, std::current_exception(), 0, false);
     throw;
@@ -337,9 +341,13 @@ Lease CacheCore::LoadAsOwner(Shard& shard, const std::shared_ptr<Record>& rec,
   if (loaded.bytes > expected_bytes) {
     std::exception_ptr refused;
     try {
-      budget_->Reserve(loaded.bytes - expected_bytes, options.when_full,
-                       options.deadline, /*already_reserved=*/expected_bytes,
-                       &options.interrupt, evict_below);
+      budget_->Reserve(loaded.bytes - expected_bytes,
+                       ReserveOptions{.when_full = options.when_full,
+                                      .deadline = options.deadline,
+                                      .already_reserved = expected_bytes,
+                                      .interrupt = &options.interrupt,
+                                      .evict_below = evict_below,
+                                      .for_record = rec->id});
     } catch (const Error& e) {
       refused = e.code() != ErrorCode::kTooLarge
                     ? std::current_exception()

@@ -20,6 +20,12 @@ inline std::atomic<void (*)(std::string_view key)> after_load_published{
 // Runs under a shard mutex: it must not call into the cache.
 inline std::atomic<void (*)()> shutdown_waits_for_unload{nullptr};
 
+// Called by Budget::Reserve, with no lock held, each time a reservation that
+// could not get its bytes is about to wait for capacity (WhenFull::kWait):
+// after it decided whether to evict, before it sleeps. A change that comes
+// after this call still wakes it.
+inline std::atomic<void (*)()> reservation_waits_for_room{nullptr};
+
 }  // namespace modelcache::detail
 
 #endif  // MODELCACHE_SRC_CORE_TEST_HOOKS_H_

@@ -88,8 +88,9 @@ ModelLease DeviceCache::Acquire(const std::string& id,
     const bool sole_holder = entry && entry->leases == 1;
     const uint64_t freed = sole_holder ? lease->bytes() : 0;
     const uint64_t more = want > freed ? want - freed : 0;
-    cache_.budget().Reserve(more, options.when_full, options.deadline,
-                            /*already_reserved=*/freed);
+    cache_.budget().Reserve(more, {.when_full = options.when_full,
+                                   .deadline = options.deadline,
+                                   .already_reserved = freed});
     cache_.budget().Release(more);
     lease->Release();
     cache_.Invalidate(key);

@@ -1,10 +1,14 @@
 // Budgets: reservation before load, shared budgets with cross-cache
 // eviction, waiting for capacity, and the exact return of every byte (seed
 // 000's phantom memory).
+#include <latch>
 #include <stdexcept>
+#include <string>
 #include <thread>
+#include <vector>
 
 #include "../../src/core/test_hooks.h"
+#include "gmock/gmock.h"
 #include "gtest/gtest.h"
 #include "modelcache/core/cache.h"
 #include "../test_util.h"
@@ -15,6 +19,7 @@ namespace {
 using testing::FakeModel;
 using testing::Gate;
 using testing::SimpleLoader;
+using testing::ResidentKeys;
 using testing::SpinUntil;
 using testing::WaitForRoom;
 
@@ -276,6 +281,177 @@ TEST(CacheBudget, DestructionWaitsForAPeerEvictionStillUnloading) {
   EXPECT_EQ(unloads_done.load(), 2);  // each model unloaded exactly once
   EXPECT_EQ(budget->used(), 10u);     // only the survivor's model
   EXPECT_EQ(survivor.CheckInvariants(), 10u);
+}
+
+// ---- A refused request evicts nothing. ----
+//
+// Every scenario below starts from the same books: capacity 100, "a" (50 B)
+// leased, "b" and "c" (20 B each) idle, least recently used first. A request
+// for 60 B cannot fit while "a" is leased: the 40 B of idle models could
+// never make room for it, so evicting them would only cost two reloads.
+
+struct HeldAndIdle {
+  explicit HeldAndIdle(ModelCache& leased_in, ModelCache& idle_in)
+      : a(leased_in.Acquire("a", 50, SimpleLoader("a", 50))) {
+    idle_in.Prefetch("b", 20, SimpleLoader("b", 20));
+    idle_in.Prefetch("c", 20, SimpleLoader("c", 20));
+  }
+  Lease a;
+};
+
+TEST(CacheBudget, RequestThatCannotFitFailsAtOnceEvictingNothing) {
+  auto budget = std::make_shared<Budget>(100, "host");
+  ModelCache cache(On(budget, "models"));
+  HeldAndIdle books(cache, cache);
+  int loads = 0;
+  const std::string message = testing::ErrorMessage(
+      [&] {
+        cache.Acquire("d", 60, [&] {
+          ++loads;
+          return Loaded{};
+        });
+      },
+      ErrorCode::kCapacity);
+  EXPECT_EQ(loads, 0);
+  EXPECT_EQ(ResidentKeys(cache), (std::vector<std::string>{"a", "b", "c"}));
+  EXPECT_EQ(cache.Stats().evictions, 0u);
+  EXPECT_EQ(cache.Stats().refused, 1u);
+  EXPECT_EQ(budget->used(), 90u);
+  // The message says what holds the memory, and how little is evictable;
+  // never the refused request itself.
+  EXPECT_THAT(message, ::testing::HasSubstr("only 40 B is evictable"));
+  EXPECT_THAT(message, ::testing::HasSubstr("'a' (50 B, 1 lease)"));
+  EXPECT_THAT(message, ::testing::Not(::testing::HasSubstr("'d'")));
+  EXPECT_EQ(budget->wasted_evictions(), 0u);
+}
+
+TEST(CacheBudget, RequestThatFitsByEvictingEvictsOnlyWhatItNeeds) {
+  auto budget = std::make_shared<Budget>(100, "host");
+  ModelCache cache(On(budget, "models"));
+  HeldAndIdle books(cache, cache);
+  cache.Prefetch("d", 25, SimpleLoader("d", 25));  // 15 B short: "b" goes
+  EXPECT_EQ(ResidentKeys(cache), (std::vector<std::string>{"a", "c", "d"}));
+  EXPECT_EQ(cache.Stats().evictions, 1u);
+}
+
+TEST(CacheBudget, RefusedRequestEvictsNothingInAPeerCacheOnTheBudget) {
+  auto budget = std::make_shared<Budget>(100, "host");
+  ModelCache checkpoints(On(budget, "checkpoints"));
+  ModelCache adapters(On(budget, "adapters"));
+  HeldAndIdle books(checkpoints, adapters);
+  const std::string message = testing::ErrorMessage(
+      [&] { checkpoints.Acquire("d", 60, SimpleLoader("d", 60)); },
+      ErrorCode::kCapacity);
+  EXPECT_EQ(ResidentKeys(adapters), (std::vector<std::string>{"b", "c"}));
+  EXPECT_EQ(ResidentKeys(checkpoints), std::vector<std::string>{"a"});
+  EXPECT_EQ(adapters.Stats().evictions, 0u);
+  EXPECT_THAT(message, ::testing::HasSubstr("'a' (50 B, 1 lease)"));
+  EXPECT_THAT(message, ::testing::Not(::testing::HasSubstr("'d'")));
+  EXPECT_EQ(budget->used(), 90u);
+}
+
+TEST(CacheBudget, WaitThatTimesOutEvictsNothing) {
+  auto budget = std::make_shared<Budget>(100, "host");
+  ModelCache cache(On(budget, "models"));
+  HeldAndIdle books(cache, cache);
+  const std::string message = testing::ErrorMessage(
+      [&] {
+        cache.Acquire("d", 60, SimpleLoader("d", 60),
+                      WaitForRoom(Clock::now()));
+      },
+      ErrorCode::kTimeout);
+  EXPECT_EQ(ResidentKeys(cache), (std::vector<std::string>{"a", "b", "c"}));
+  EXPECT_EQ(cache.Stats().evictions, 0u);
+  EXPECT_THAT(message, ::testing::Not(::testing::HasSubstr("'d'")));
+  EXPECT_EQ(budget->used(), 90u);
+  EXPECT_EQ(budget->waiters(), 0);
+}
+
+// The waiter waits without evicting; when "a"'s lease ends, 90 B are
+// evictable and it evicts only "a", the least recently used, which is enough.
+void WaitSucceedsOnceALeaseEnds(ModelCache& leased_in, ModelCache& idle_in,
+                                Budget& budget) {
+  HeldAndIdle books(leased_in, idle_in);
+  std::latch waiting(1);
+  static std::latch* waiting_latch;
+  waiting_latch = &waiting;
+  detail::reservation_waits_for_room.store([] { waiting_latch->count_down(); });
+  std::thread waiter([&] {
+    Lease d = leased_in.Acquire("d", 60, SimpleLoader("d", 60),
+                                WaitForRoom());
+    EXPECT_TRUE(d);
+  });
+  waiting.wait();
+  detail::reservation_waits_for_room.store(nullptr);
+  // Waiting, it has evicted nothing.
+  auto idle_models_resident = [&] {
+    return idle_in.Entry("b").has_value() && idle_in.Entry("c").has_value();
+  };
+  EXPECT_TRUE(idle_models_resident());
+  books.a.Release();
+  waiter.join();
+  EXPECT_TRUE(idle_models_resident());
+  EXPECT_FALSE(leased_in.Entry("a").has_value());
+  EXPECT_TRUE(leased_in.Entry("d").has_value());
+  uint64_t evictions = leased_in.Stats().evictions;
+  if (&idle_in != &leased_in) evictions += idle_in.Stats().evictions;
+  EXPECT_EQ(evictions, 1u);
+  EXPECT_EQ(budget.used(), 100u);
+  EXPECT_EQ(budget.wasted_evictions(), 0u);
+}
+
+TEST(CacheBudget, WaitSucceedsOnceALeaseEndsEvictingOnlyTheNeededVictims) {
+  auto budget = std::make_shared<Budget>(100, "host");
+  ModelCache cache(On(budget, "models"));
+  WaitSucceedsOnceALeaseEnds(cache, cache, *budget);
+}
+
+TEST(CacheBudget, WaitAcrossTwoCachesSucceedsOnceALeaseEnds) {
+  auto budget = std::make_shared<Budget>(100, "host");
+  ModelCache checkpoints(On(budget, "checkpoints"));
+  ModelCache adapters(On(budget, "adapters"));
+  WaitSucceedsOnceALeaseEnds(checkpoints, adapters, *budget);
+}
+
+// The check and the evictions are not one step: a lease taken on a counted
+// record after the check leaves the reservation short after it evicted. The
+// first victim's unloader takes that lease, at the one moment between the
+// check and the next eviction; the victim is counted as wasted.
+TEST(CacheBudget, LeaseTakenBetweenTheCheckAndTheEvictionIsCountedAsWasted) {
+  auto budget = std::make_shared<Budget>(100, "host");
+  ModelCache cache(On(budget, "models"));
+  Lease x = cache.Acquire("x", 40, SimpleLoader("x", 40));
+  Lease c_taken;
+  cache.Prefetch("b", 30, SimpleLoader("b", 30, nullptr, [&] {
+                   c_taken = *cache.Lookup("c");
+                 }));
+  cache.Prefetch("c", 30, SimpleLoader("c", 30));
+  // "d" needs 60 B: "b" and "c" (60 B) are evictable when it checks.
+  testing::ErrorMessage([&] { cache.Acquire("d", 60, SimpleLoader("d", 60)); },
+                        ErrorCode::kCapacity);
+  EXPECT_TRUE(c_taken);
+  EXPECT_EQ(ResidentKeys(cache), (std::vector<std::string>{"c", "x"}));
+  EXPECT_EQ(budget->wasted_evictions(), 1u);
+  EXPECT_EQ(cache.Stats().wasted_evictions, 1u);
+  EXPECT_EQ(budget->used(), 70u);
+}
+
+// A model larger than expected is refused by its second reservation; the
+// error does not name the refused record, although it holds its first one.
+TEST(CacheBudget, CapacityErrorForALargerRealSizeDoesNotNameItself) {
+  auto budget = std::make_shared<Budget>(100, "host");
+  ModelCache cache(On(budget, "models"));
+  HeldAndIdle books(cache, cache);
+  const std::string message = testing::ErrorMessage(
+      [&] {
+        cache.Acquire("d", 10, [] {
+          return Loaded{std::make_shared<FakeModel>("d", 1), 60, {}};
+        });
+      },
+      ErrorCode::kCapacity);
+  EXPECT_THAT(message, ::testing::Not(::testing::HasSubstr("'d'")));
+  EXPECT_EQ(ResidentKeys(cache), (std::vector<std::string>{"a", "b", "c"}));
+  EXPECT_EQ(budget->used(), 90u);
 }
 
 }  // namespace

@@ -212,7 +212,7 @@ TEST(CacheContract, BudgetArithmeticNeverWrapsNearTwoToTheSixtyFour) {
         ErrorCode::kCapacity);
     EXPECT_EQ(budget->used(), 10u);
     // A reservation that already holds bytes is checked as a whole.
-    ErrorMessage([&] { budget->Reserve(kMax - 5, WhenFull::kFail, {}, 10); },
+    ErrorMessage([&] { budget->Reserve(kMax - 5, {.already_reserved = 10}); },
                  ErrorCode::kTooLarge);
     // A real size that would wrap the reservation's adjustment.
     ErrorMessage(

@@ -412,32 +412,51 @@ class ReferenceModel {
     return true;
   }
   // Budget::Reserve's eviction: least recently used first, skipping victims
-  // whose unload failed, until `bytes` fit. False when they cannot.
+  // whose unload failed, until `bytes` fit. A reservation evicts only while
+  // what is evictable can make the room: when it cannot, it returns false
+  // and evicts nothing more (a victim whose unloader throws can still turn a
+  // feasible reservation into one that fails after evicting).
   bool MakeRoom(uint64_t bytes) {
     std::set<uint64_t> skip;
     for (;;) {
       if (used <= capacity && bytes <= capacity - used) return true;
-      ModelRecord* victim = nullptr;
+      uint64_t evictable = 0;
       for (auto& [k, r] : resident) {
-        if (Evictable(r) && !skip.count(r.id) &&
-            (!victim || r.touched < victim->touched)) {
-          victim = &r;
-        }
+        if (Evictable(r) && !skip.count(r.id)) evictable += r.bytes;
       }
-      if (!victim) return false;
-      if (TryUnload(*victim)) {
-        used -= victim->bytes;
-        ++stats.evictions;
-        resident.erase(victim->key);
-      } else {
-        skip.insert(victim->id);
-      }
+      // Sizes here are small: the sum cannot wrap.
+      const uint64_t shortfall = used + bytes - capacity;
+      if (evictable < shortfall) return false;
+      EvictLeastRecentlyUsed(&skip);
     }
   }
-  // Budget::EvictToCapacity: the same walk, until usage fits the capacity.
+  // Budget::EvictToCapacity: evicts whatever it can, in the same order,
+  // until usage fits the capacity; returns the bytes still over.
   uint64_t EvictToCapacity() {
-    MakeRoom(0);
+    std::set<uint64_t> skip;
+    while (used > capacity && EvictLeastRecentlyUsed(&skip)) {
+    }
     return used > capacity ? used - capacity : 0;
+  }
+  // Evicts the least recently used evictable record not in `skip` (or adds
+  // it to `skip` when its unloader throws); false when there is none.
+  bool EvictLeastRecentlyUsed(std::set<uint64_t>* skip) {
+    ModelRecord* victim = nullptr;
+    for (auto& [k, r] : resident) {
+      if (Evictable(r) && !skip->count(r.id) &&
+          (!victim || r.touched < victim->touched)) {
+        victim = &r;
+      }
+    }
+    if (!victim) return false;
+    if (TryUnload(*victim)) {
+      used -= victim->bytes;
+      ++stats.evictions;
+      resident.erase(victim->key);
+    } else {
+      skip->insert(victim->id);
+    }
+    return true;
   }
   size_t EvictExpired() {
     size_t evicted = 0;
@@ -780,8 +799,14 @@ class TwoCaches {
       for (auto& c : caches_) n += c->Stats().loads;
       return n;
     };
+    auto evictions = [&] {
+      uint64_t n = 0;
+      for (auto& c : caches_) n += c->Stats().evictions;
+      return n;
+    };
     const int failures_before = unload_failures();
     const uint64_t loads_before = loads();
+    const uint64_t evictions_before = evictions();
     // The record a Release lets go of: if that makes it evictable while usage
     // is over capacity, usage must come back within capacity.
     std::string released_key;
@@ -857,6 +882,16 @@ class TwoCaches {
     for (const auto& v : values_) {
       Expect(!v->unloaded_while_leased,
              where + ": '" + v->key + "' was unloaded while leased");
+    }
+    // A request refused for capacity evicted nothing, in either cache. (An
+    // unloader that throws midway can still leave a reservation short; and a
+    // model larger than expected is refused by its second reservation, after
+    // the first one made room for the expected size.)
+    if ((op.k() == Kind::kAcquire || op.k() == Kind::kPrefetch) &&
+        outcome == "Error capacity" && op.Real() <= op.Expected() &&
+        unload_failures() == failures_before) {
+      ExpectEq(evictions(), evictions_before,
+               where + ": evictions by a refused request");
     }
     // Admission never overshoots: after a load, usage is within capacity.
     if (loads() > loads_before) {

@@ -5,6 +5,14 @@
 // room, the budget evicts the lowest-priority evictable record among all its
 // members, whichever cache holds it.
 //
+// A reservation evicts only when evicting makes it succeed: it first adds up
+// what it could evict across every member (unleased, unpinned, resident, and
+// ranked below its bar) and evicts nothing when that cannot make room. Such a
+// request fails at once (WhenFull::kFail) or waits, still evicting nothing,
+// until enough becomes evictable or its deadline passes (WhenFull::kWait).
+// So one large request that cannot fit while others are leased never flushes
+// the idle models it could not use.
+//
 // Locking: the budget's mutex is a leaf, and the budget never calls a member
 // while holding it, so no lock-order inversion is possible. A member may call
 // Release while holding its own locks. Reserve, SetCapacity and
@@ -28,12 +36,13 @@
 
 namespace modelcache {
 
-// What an acquire does when nothing can be evicted to make room.
+// What an acquire does when evicting cannot make the room it needs. Either
+// way it evicts nothing meanwhile.
 enum class WhenFull {
   // Fail at once with ErrorCode::kCapacity, naming what holds the memory.
   kFail,
-  // Wait for a lease to end or bytes to be released, up to the deadline, then
-  // fail with ErrorCode::kTimeout.
+  // Wait until enough becomes evictable or free (a lease ends, an unpin, a
+  // release), up to the deadline, then fail with ErrorCode::kTimeout.
   kWait,
 };
 
@@ -75,18 +84,43 @@ class BudgetMember {
   // Evicts `victim` if it is still evictable. Runs the unloader outside
   // every lock and releases the bytes to the budget on success.
   virtual EvictOutcome TryEvict(const VictimCandidate& victim) = 0;
-  // Appends "key (size, why held)" items for a capacity error.
-  virtual void DescribeHolders(std::vector<std::string>* out) = 0;
+  // Bytes of the records BestVictim could offer now: resident, unleased,
+  // unpinned, not in `skip`, with a priority below `evict_below`.
+  virtual uint64_t EvictableBytes(const std::unordered_set<uint64_t>& skip,
+                                  double evict_below) = 0;
+  // Appends "key (size, why held)" items for a capacity error: every record
+  // that holds bytes, except the record with id `exclude` (the refused
+  // reservation's own; 0 for none).
+  virtual void DescribeHolders(std::vector<std::string>* out,
+                               uint64_t exclude) = 0;
   // Bytes no eviction could free now: leased, pinned, retired, or in flight.
   virtual uint64_t UnevictableBytes() = 0;
 };
 
 }  // namespace detail
 
+// How a reservation may make room (Budget::Reserve).
+struct ReserveOptions {
+  WhenFull when_full = WhenFull::kFail;
+  std::chrono::steady_clock::time_point deadline =
+      std::chrono::steady_clock::time_point::max();
+  // Bytes the reservation already holds (0 for a new one): the whole,
+  // already_reserved + bytes, must fit the capacity.
+  uint64_t already_reserved = 0;
+  // Run while waiting for capacity, as WaitInterrupt says (when not null).
+  const WaitInterrupt* interrupt = nullptr;
+  // Evict only records whose priority is below this; the others do not count
+  // as evictable.
+  double evict_below = std::numeric_limits<double>::infinity();
+  // The id of the record the bytes are for (detail::VictimCandidate::
+  // record_id), left out of the holders a capacity error names; 0 for none.
+  uint64_t for_record = 0;
+};
+
 class Budget {
  public:
   explicit Budget(uint64_t capacity_bytes, std::string name = "budget");
-  ~Budget();  // MC_REQUIRES: no member is registered
+  ~Budget();  // REQUIRES: no member is registered
   Budget(const Budget&) = delete;
   Budget& operator=(const Budget&) = delete;
 
@@ -98,6 +132,10 @@ class Budget {
   uint64_t high_water() const MC_EXCLUDES(mu_);
   // Reservations currently looking for room (evicting or waiting).
   int waiters() const { return waiters_.load(); }
+  // Evictions made for reservations that then failed anyway (see Reserve):
+  // the bytes a concurrent lease, pin or reservation, or a failed unloader,
+  // made useless.
+  uint64_t wasted_evictions() const { return wasted_evictions_.load(); }
 
   // How many bytes a reservation could get now by evicting every unleased,
   // unpinned record: capacity minus what nothing can evict. A snapshot; for
@@ -117,43 +155,61 @@ class Budget {
   // ---- For cache and store implementations. ----
 
   // Reserves `bytes` more for a reservation that already holds
-  // `already_reserved` (0 for a new one), evicting from members (lowest
-  // priority first) as needed. Throws Error kTooLarge when already_reserved
-  // + bytes > capacity (before evicting anything), kCapacity when nothing is
-  // evictable and `when_full` is kFail, kTimeout at the deadline. Exact for
-  // every byte count: sums that would pass 2^64 are too large, never wrapped.
-  // MC_REQUIRES: the caller holds no lock of any member.
-  // While waiting for capacity, runs `interrupt` (when not null) as
-  // WaitInterrupt says. Evicts only victims whose priority is below
-  // `evict_below`; when the best one left is not, nothing more counts as
-  // evictable (kCapacity under kFail, a wait under kWait).
-  void Reserve(uint64_t bytes, WhenFull when_full,
-               std::chrono::steady_clock::time_point deadline,
-               uint64_t already_reserved = 0,
-               const WaitInterrupt* interrupt = nullptr,
-               double evict_below = std::numeric_limits<double>::infinity())
+  // `options.already_reserved`. Throws Error kTooLarge when already_reserved
+  // + bytes > capacity (before evicting anything). Exact for every byte count:
+  // sums that would pass 2^64 are too large, never wrapped.
+  //
+  // Room comes from free bytes first, then from evicting members' records,
+  // lowest priority first, but only when evicting can make it: when the free
+  // bytes plus every record that could be evicted now (unleased, unpinned,
+  // resident, ranked below `options.evict_below`, across all members) fall
+  // short, nothing is evicted, and the call
+  //   * with WhenFull::kFail throws kCapacity at once, naming what holds the
+  //     memory (never the reservation's own record, `options.for_record`);
+  //   * with WhenFull::kWait waits, evicting nothing, until enough becomes
+  //     evictable or free (a lease ends, an unpin, a release, a capacity
+  //     change) and looks again, or throws kTimeout at the deadline.
+  //
+  // The check and the evictions cannot be one atomic step: each member's
+  // records are guarded by that member's locks, and a member's unloader runs
+  // outside every lock. So a reservation may still evict and then fall short
+  // when, between its check and its last eviction, another thread leases or
+  // pins a record it counted, another reservation takes the bytes it freed,
+  // or a victim's unloader throws. The check is repeated before every
+  // eviction, so at most the victims evicted before such a change are lost;
+  // each of them is counted in wasted_evictions().
+  //
+  // REQUIRES: the caller holds no lock of any member.
+  void Reserve(uint64_t bytes, const ReserveOptions& options = {})
       MC_EXCLUDES(mu_);
-  // MC_REQUIRES: bytes <= used().
+  // REQUIRES: bytes <= used().
   void Release(uint64_t bytes) MC_EXCLUDES(mu_);
   // A record just became evictable (its last lease ended or it was
   // unpinned): wakes acquires waiting for capacity, and evicts while usage
   // is over capacity (see SetCapacity). Cheap when neither applies.
-  // MC_REQUIRES: the caller holds no lock of any member.
+  // REQUIRES: the caller holds no lock of any member.
   void NotifyEvictable() MC_EXCLUDES(mu_);
 
   void Register(std::weak_ptr<detail::BudgetMember> member) MC_EXCLUDES(mu_);
   void Unregister(const detail::BudgetMember* member) MC_EXCLUDES(mu_);
 
  private:
-  // Evicts one victim among all members. Returns false when none exists.
-  bool EvictOne(std::unordered_set<uint64_t>* skip,
-                double evict_below = std::numeric_limits<double>::infinity())
+  enum class EvictStep { kEvicted, kUnloadFailed, kNone };
+  // Evicts one victim among all members: the lowest ranked not in `skip`
+  // and below `evict_below`. A victim whose unloader throws stays resident
+  // and joins `skip`.
+  EvictStep EvictOne(std::unordered_set<uint64_t>* skip,
+                     double evict_below = std::numeric_limits<double>::infinity())
       MC_EXCLUDES(mu_);
+  // What every member could evict now (see BudgetMember::EvictableBytes),
+  // saturating at 2^64 - 1.
+  uint64_t EvictableBytes(const std::unordered_set<uint64_t>& skip,
+                          double evict_below) MC_EXCLUDES(mu_);
   // Evicts until used <= capacity or nothing is evictable; returns the bytes
   // still over capacity.
   uint64_t EvictToCapacity() MC_EXCLUDES(mu_);
   std::vector<std::shared_ptr<detail::BudgetMember>> Members() MC_EXCLUDES(mu_);
-  std::string HoldersMessage() MC_EXCLUDES(mu_);
+  std::string HoldersMessage(uint64_t exclude) MC_EXCLUDES(mu_);
 
   const std::string name_;
   PolicyClock clock_;
@@ -176,6 +232,7 @@ class Budget {
   // NotifyEvictable (a stale read only delays the eviction to the next
   // release); written under mu_.
   std::atomic<bool> over_capacity_{false};
+  std::atomic<uint64_t> wasted_evictions_{0};
 };
 
 }  // namespace modelcache

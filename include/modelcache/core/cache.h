@@ -11,8 +11,15 @@
 //    atomically: nothing can evict a model between loading it and using it.
 //  * Bytes are reserved in the Budget before the loader runs, adjusted to the
 //    real size after, and returned on failure. Nothing is admitted over
-//    budget: when nothing is evictable the caller either waits (up to its
-//    deadline) or gets ErrorCode::kCapacity, as AcquireOptions says.
+//    budget: when the room cannot be made by evicting, the caller either
+//    waits (up to its deadline) or gets ErrorCode::kCapacity, as
+//    AcquireOptions says.
+//  * A request evicts only when the eviction makes it fit: when every
+//    unleased, unpinned model on the budget (in every cache sharing it)
+//    could not make room, nothing is evicted for it, whether it fails at
+//    once or waits. (A race with another thread can still waste an eviction;
+//    Budget::Reserve says exactly when, and CacheStats::wasted_evictions
+//    counts it.)
 //  * A record with a lease or a pin is never evicted or unloaded. Remove of a
 //    leased record retires it: new acquires no longer see it, its bytes stay
 //    counted until its last lease ends, and then it is unloaded.
@@ -79,6 +86,9 @@ struct AcquireOptions {
   // Bounds every wait of this call: for another caller's load, for an
   // unload in progress, and for capacity.
   Clock::time_point deadline = Clock::time_point::max();
+  // What a miss does when its bytes cannot be had by evicting: fail at once
+  // with kCapacity, or wait for enough to become evictable. Either way it
+  // evicts nothing until evicting can make the room.
   WhenFull when_full = WhenFull::kFail;
   // Passed to the eviction policy as AccessInfo::hint (Belady's needs it).
   double policy_hint = 0.0;
@@ -171,6 +181,9 @@ struct CacheStats {
   uint64_t capacity_bytes = 0;     // of the budget
   uint64_t budget_used_bytes = 0;  // of the budget, all members together
   uint64_t high_water_bytes = 0;   // of the budget
+  // Of the budget: evictions made for reservations that then failed anyway
+  // (Budget::wasted_evictions; only a race or a failing unloader causes one).
+  uint64_t wasted_evictions = 0;
   // Event callbacks that threw (and were caught).
   uint64_t callback_errors = 0;
 

@@ -207,15 +207,15 @@ void Budget::Reserve(uint64_t bytes, const ReserveOptions& options) {
       leave(/*failed=*/true);
       const bool ranked =
           options.evict_below != std::numeric_limits<double>::infinity();
-      throw Error(ErrorCode::kCapacity,
-                  "cannot reserve " + FormatBytes(bytes) + " in budget '" +
-                      name_ + "' (capacity " + FormatBytes(capacity) + ", " +
-                      FormatBytes(used) + " in use) and " +
-                      (evictable == 0 ? std::string("nothing")
-                                      : "only " + FormatBytes(evictable)) +
-                      (ranked ? " ranked below it" : "") +
-                      " is evictable; held by: " +
-                      HoldersMessage(options.for_record));
+      throw Error(
+          ErrorCode::kCapacity,
+          "cannot reserve " + FormatBytes(bytes) + " in budget '" + name_ +
+              "' (capacity " + FormatBytes(capacity) + ", " +
+              FormatBytes(used) + " in use) and " +
+              (evictable == 0 ? std::string("nothing")
+                              : "only " + FormatBytes(evictable)) +
+              (ranked ? " ranked below it" : "") +
+              " is evictable; held by: " + HoldersMessage(options.for_record));
     }
     if (auto hook = detail::reservation_waits_for_room.load(
             std::memory_order_acquire)) {
@@ -228,11 +228,11 @@ void Budget::Reserve(uint64_t bytes, const ReserveOptions& options) {
       while (change_count_ == seen_changes) {
         // An interruptible wait wakes every `every` to run the check, which
         // must run without the budget's lock.
-        const auto wake = interruptible
-                              ? std::min(options.deadline,
-                                         std::chrono::steady_clock::now() +
-                                             interrupt->every)
-                              : options.deadline;
+        const auto wake =
+            interruptible
+                ? std::min(options.deadline,
+                           std::chrono::steady_clock::now() + interrupt->every)
+                : options.deadline;
         if (!changed_.WaitUntil(&mu_, wake) && change_count_ == seen_changes) {
           if (wake < options.deadline) {
             check_interrupt = true;
@@ -256,8 +256,8 @@ void Budget::Reserve(uint64_t bytes, const ReserveOptions& options) {
       leave(/*failed=*/true);
       throw Error(ErrorCode::kTimeout,
                   "timed out waiting for " + FormatBytes(bytes) +
-                      " in budget '" + name_ + "'; held by: " +
-                      HoldersMessage(options.for_record));
+                      " in budget '" + name_ +
+                      "'; held by: " + HoldersMessage(options.for_record));
     }
   }
 }

@@ -305,21 +305,24 @@ class CacheCore final : public BudgetMember {
   // Notes a request for `key` in its history, if the policy keeps them and
   // the call is a request (AcquireOptions::request). Inline: on the hit
   // path of a policy without histories it is one test.
-  void NoteRequestLocked(Shard& shard, std::string_view key, bool request)
+  void NoteRequestLocked(Shard& shard, std::string_view key, bool request,
+                         const std::optional<Clock::time_point>& arrival = {})
       MC_REQUIRES(shard.mu) {
     if (history_length_ > 0 && request) [[unlikely]] {
-      RecordRequestLocked(shard, key);
+      RecordRequestLocked(shard, key,
+                          arrival ? Seconds(*arrival) : NowSeconds());
     }
   }
-  void RecordRequestLocked(Shard& shard, std::string_view key)
+  void RecordRequestLocked(Shard& shard, std::string_view key, double seconds)
       MC_REQUIRES(shard.mu);
   // The policy's inputs for `r`, at time `now_seconds` for a time-dependent
   // policy.
   AccessInfo AccessInfoLocked(Shard& shard, const Record& r, double hint,
                               double now_seconds) MC_REQUIRES(shard.mu);
-  double NowSeconds() const {
-    return std::chrono::duration<double>(Now().time_since_epoch()).count();
+  static double Seconds(Clock::time_point t) {
+    return std::chrono::duration<double>(t.time_since_epoch()).count();
   }
+  double NowSeconds() const { return Seconds(Now()); }
   void RetireLocked(Shard& shard, const std::shared_ptr<Record>& r)
       MC_REQUIRES(shard.mu);
 

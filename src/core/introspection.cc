@@ -195,9 +195,8 @@ uint64_t CacheCore::EvictableBytes(const std::unordered_set<uint64_t>& skip,
         // Ranked as BestVictim ranks it.
         const double priority =
             policy_time_dependent_
-                ? policy_->Priority(
-                      AccessInfoLocked(shard, *r, 0, now_seconds),
-                      budget_->policy_clock())
+                ? policy_->Priority(AccessInfoLocked(shard, *r, 0, now_seconds),
+                                    budget_->policy_clock())
                 : r->priority;
         if (!(priority < evict_below)) continue;
       }

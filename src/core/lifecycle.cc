@@ -72,7 +72,8 @@ AccessInfo CacheCore::AccessInfoLocked(Shard& shard, const Record& r,
   return info;
 }
 
-void CacheCore::RecordRequestLocked(Shard& shard, std::string_view key) {
+void CacheCore::RecordRequestLocked(Shard& shard, std::string_view key,
+                                    double seconds) {
   auto it = shard.history.find(key);
   if (it == shard.history.end()) {
     if (shard.history.size() >= kHistoryKeysPerShard) {
@@ -93,7 +94,7 @@ void CacheCore::RecordRequestLocked(Shard& shard, std::string_view key) {
         shard.history.emplace(std::string(key), RequestHistory(history_length_))
             .first;
   }
-  it->second.Record(NowSeconds());
+  it->second.Record(seconds);
 }
 
 void CacheCore::RetireLocked(Shard& shard, const std::shared_ptr<Record>& r) {
@@ -141,14 +142,14 @@ Lease CacheCore::Acquire(std::string_view key, uint64_t expected_bytes,
         owned->owner = std::this_thread::get_id();
         shard.map.emplace(owned->key, Slot{owned, {}});
         ++shard.counters.misses;
-        NoteRequestLocked(shard, key, options.request);
+        NoteRequestLocked(shard, key, options.request, options.arrival);
       } else if (!it->second.record) {
         alias_target = it->second.alias_of;
       } else {
         Record* r = it->second.record.get();
         switch (r->state) {
           case RecordState::kResident:
-            NoteRequestLocked(shard, key, options.request);
+            NoteRequestLocked(shard, key, options.request, options.arrival);
             TouchLocked(shard, r, options.policy_hint);
             ++r->leases;
             ++shard.hits;
@@ -172,7 +173,7 @@ Lease CacheCore::Acquire(std::string_view key, uint64_t expected_bytes,
             done = joined->done;
             ++joined->waiters;
             ++shard.counters.misses;
-            NoteRequestLocked(shard, key, options.request);
+            NoteRequestLocked(shard, key, options.request, options.arrival);
             break;
           case RecordState::kUnloading:
             // An eviction or removal is running its unloader: wait for the

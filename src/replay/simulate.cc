@@ -12,10 +12,12 @@
 //   absent   [no record]            nothing resident, no load queued
 //   queued   [no record]            a demand load waits in the FIFO queue for
 //                                   a slot, or at its head for room
-//   latency  [resident, 1 lease]    started: bytes reserved through
-//                                   Acquire, whose lease (the load lease)
-//                                   keeps it from eviction until the load ends
-//   transfer [resident, 1+ leases]  moving bytes at its share of the bandwidth
+//   latency  [no record; bytes      started: a demand load reserved its
+//             reserved]             bytes in the budget (Budget::Reserve, as
+//                                   the cache's miss does); a prewarm's
+//            [resident, 1 lease]    Prefetch-like Acquire holds a load lease
+//                                   that keeps it from eviction meanwhile
+//   transfer [as in latency]        moving bytes at its share of the bandwidth
 //   resident [resident]             loaded; idle when no request holds it
 //
 // Events, in time order (ties: first scheduled first), all before an arrival
@@ -34,23 +36,31 @@
 //
 // Arrivals: a resident model is a hit (wait 0). Otherwise the request waits
 // for the model's load, joining one queued or in flight (single flight), or
-// queueing a new one. When the load ends every waiter takes its lease (an
-// Acquire, a hit for the cache) and holds it for its service time.
+// queueing a new one. When the load ends every waiter takes its lease and
+// holds it for its service time: the first waiter's Acquire is the cache's
+// miss, which makes the record resident in the bytes the load reserved, and
+// the others' are hits. So a load's first use is its end, whoever joined it,
+// and the cache counts one access per request. Each Acquire passes its
+// request's arrival (AcquireOptions::arrival), so a policy that learns from
+// request times (next-use) sees arrivals, not load ends.
 //
 // Slots and classes: demand loads start in FIFO order while fewer than
-// `slots` demand loads are in flight and the head fits (Acquire with
-// WhenFull::kFail; on kCapacity, in-flight prewarms are cancelled first, then
-// the head waits until a lease ends). Prewarm loads start only when no demand
-// load is queued, only into free bytes (next-use-prewarm: or in place of
-// idle models the policy expects later, AcquireOptions::
-// evict_only_lower_ranked), and only on slots demand loads leave unused; a
-// demand request for a model being prewarmed promotes that load. So a
-// prewarm never delays a demand load. A prewarm's Acquire is not a request
-// (AcquireOptions::request): next-use learns only from requests.
+// `slots` demand loads are in flight and the head fits (a reservation with
+// WhenFull::kFail, which evicts nothing unless evicting makes the room; on
+// kCapacity, in-flight prewarms are cancelled first, then the head waits
+// until a lease ends, and the idle models it could not use stay). Prewarm loads
+// start only when no demand load is queued, only into free bytes
+// (next-use-prewarm: or in place of idle models the policy expects later,
+// AcquireOptions:: evict_only_lower_ranked), and only on slots demand loads
+// leave unused; a demand request for a model being prewarmed promotes that
+// load. So a prewarm never delays a demand load. A prewarm's Acquire is not a
+// request (AcquireOptions::request): next-use learns only from requests.
 //
 // Books: idle bytes (resident, no lease, not loading) and loads in flight are
-// integrated over [first request, last request]; the cache's on_event tells
-// the simulation of every eviction, expiry and removal.
+// integrated over the trace's span, [first request, last request]: a trace is
+// a window of continuing traffic, so what drains after its last request
+// belongs to the next window. The cache's on_event tells the simulation of
+// every eviction, expiry and removal.
 #include <algorithm>
 #include <cassert>
 #include <chrono>
@@ -279,8 +289,7 @@ class Simulation {
   // ---- requests and leases ----
   void Arrive(size_t i);
   // A hit, or a waiter whose load ended: its lease for its service time.
-  // `given`: the lease to take (the load's own), else Acquire one.
-  void TakeLease(uint32_t m, size_t request, Lease* given = nullptr);
+  void TakeLease(uint32_t m, size_t request, double arrival);
   void AddLease(uint32_t m);
   void DropLease(uint32_t m, bool request_ended);
   void BecameIdle(uint32_t m, bool request_ended);
@@ -550,24 +559,19 @@ void Simulation::OnEvent(const CacheEvent& e) {
   }
 }
 
-// A request for a resident model (a hit, or a waiter whose load just ended)
-// takes its lease for its service time.
-void Simulation::TakeLease(uint32_t m, size_t request, Lease* given) {
-  Lease lease;
-  if (given) {
-    lease = std::move(*given);
-  } else {
-    bool ran = false;
-    const Loader loader = [&]() -> Loaded {
-      ran = true;
-      return Loaded{nullptr, Size(m), {}};
-    };
-    AcquireOptions acquire;
-    acquire.policy_hint = Hint(request);
-    lease = cache_->Acquire(trace_.models[m], Size(m), loader, acquire);
-    assert(!ran);
-    (void)ran;
-  }
+// A request for a resident model takes its lease for its service time: a hit
+// at its arrival, or a waiter when its load ends. The first waiter's Acquire
+// is the cache's miss: it makes the record resident (into the room the
+// load's reservation kept) and stamps it, so a load is stamped once, at its
+// end, whoever joined it. Each request is noted at its arrival.
+void Simulation::TakeLease(uint32_t m, size_t request, double arrival) {
+  const Loader loader = [&]() -> Loaded {
+    return Loaded{nullptr, Size(m), {}};
+  };
+  AcquireOptions acquire;
+  acquire.policy_hint = Hint(request);
+  acquire.arrival = ClockAt(arrival);
+  Lease lease = cache_->Acquire(trace_.models[m], Size(m), loader, acquire);
   const double hold = HoldMs(request);
   AddLease(m);
   if (hold <= 0) {  // taken and given back at once
@@ -613,7 +617,7 @@ void Simulation::Arrive(size_t i) {
   if (s.state == State::kResident) {
     ++result_.hits;
     waits_.push_back(0);
-    TakeLease(m, i);
+    TakeLease(m, i, now_);
     return;
   }
   ++result_.misses;
@@ -690,18 +694,28 @@ bool Simulation::CancelOnePrewarm() {
 
 bool Simulation::StartLoad(uint32_t m, bool prewarm) {
   ModelState& s = models_[m];
-  const Loader loader = [&]() -> Loaded {
-    return Loaded{nullptr, Size(m), {}};
-  };
-  AcquireOptions acquire;
-  acquire.policy_hint = Hint(s.last_request);
-  acquire.request = !prewarm;  // a prewarm is not a request
-  acquire.evict_only_lower_ranked =
-      prewarm && spec_.prewarm_evicts_lower_ranked;
   for (;;) {
     try {
-      s.load_lease =
-          cache_->Acquire(trace_.models[m], Size(m), loader, acquire);
+      if (prewarm) {
+        // A prewarm is the cache's Prefetch: not a request, and (ours) room
+        // only in place of models ranked below it.
+        const Loader loader = [&]() -> Loaded {
+          return Loaded{nullptr, Size(m), {}};
+        };
+        AcquireOptions acquire;
+        acquire.policy_hint = Hint(s.last_request);
+        acquire.request = false;
+        acquire.evict_only_lower_ranked = spec_.prewarm_evicts_lower_ranked;
+        s.load_lease =
+            cache_->Acquire(trace_.models[m], Size(m), loader, acquire);
+      } else {
+        // A demand load reserves its bytes now, as the cache's miss does
+        // (idle models past the TTL go first; then eviction, only if it
+        // makes the room), and hands them to the cache's record when it
+        // ends (CompleteLoad): the record's first use is the load's end.
+        if (spec_.ttl_ms > 0) cache_->EvictExpired();
+        cache_->budget().Reserve(Size(m));
+      }
       break;
     } catch (const Error& e) {
       if (e.code() != ErrorCode::kCapacity) throw;
@@ -744,12 +758,29 @@ void Simulation::CompleteLoad(uint32_t m) {
   result_.load_seconds += (now_ - s.load_start) / 1000.0;
   std::vector<Waiter> waiters;
   waiters.swap(s.waiters);
-  // The load's Acquire counted as the first waiter's access, and its lease
-  // becomes that waiter's: one access per request, as in the untimed replay.
+  // A prewarm's record is resident since it started, under its load lease.
+  // A demand load's bytes were a bare reservation: they go back to the
+  // budget, and the first waiter's Acquire reserves them again for the
+  // record (nothing else runs in between, so it never evicts).
   Lease load_lease = std::move(s.load_lease);
+  if (!load_lease) {
+    cache_->budget().Release(Size(m));
+    if (waiters.empty()) {
+      // Every waiter left (--max-wait): the load still completes, as a
+      // load ahead of demand.
+      AcquireOptions acquire;
+      acquire.request = false;
+      load_lease = cache_->Acquire(
+          trace_.models[m], Size(m),
+          [&]() -> Loaded {
+            return Loaded{nullptr, Size(m), {}};
+          },
+          acquire);
+    }
+  }
   for (const Waiter& w : waiters) {
     waits_.push_back(now_ - w.arrival);
-    TakeLease(m, w.request, load_lease ? &load_lease : nullptr);
+    TakeLease(m, w.request, w.arrival);
   }
   load_lease.Release();
   DropLease(m, /*request_ended=*/!waiters.empty());

@@ -8,18 +8,18 @@
 #include <vector>
 
 #include "../../src/core/test_hooks.h"
+#include "../test_util.h"
 #include "gmock/gmock.h"
 #include "gtest/gtest.h"
 #include "modelcache/core/cache.h"
-#include "../test_util.h"
 
 namespace modelcache {
 namespace {
 
 using testing::FakeModel;
 using testing::Gate;
-using testing::SimpleLoader;
 using testing::ResidentKeys;
+using testing::SimpleLoader;
 using testing::SpinUntil;
 using testing::WaitForRoom;
 
@@ -377,8 +377,7 @@ void WaitSucceedsOnceALeaseEnds(ModelCache& leased_in, ModelCache& idle_in,
   waiting_latch = &waiting;
   detail::reservation_waits_for_room.store([] { waiting_latch->count_down(); });
   std::thread waiter([&] {
-    Lease d = leased_in.Acquire("d", 60, SimpleLoader("d", 60),
-                                WaitForRoom());
+    Lease d = leased_in.Acquire("d", 60, SimpleLoader("d", 60), WaitForRoom());
     EXPECT_TRUE(d);
   });
   waiting.wait();

@@ -31,8 +31,8 @@
 #include <utility>
 #include <vector>
 
-#include "modelcache/core/cache.h"
 #include "../test_util.h"
+#include "modelcache/core/cache.h"
 
 namespace modelcache {
 namespace {
@@ -920,6 +920,30 @@ TEST(NextUsePolicyTest, APrefetchIsNotARequest) {
   now = 62;
   Use(cache, models, "new", 100);
   EXPECT_THAT(ResidentKeys(cache), ElementsAre("new", "steady"));
+}
+
+// A request that waited before its Acquire (AcquireOptions::arrival) is
+// learned at its arrival. "x" was requested at 0 and again at 50, but the
+// second Acquire runs at 100; "y" was requested at 16 and 96. At 101:
+//   arrivals: x's gap is 50 and it has been idle 51, longer than any gap, so
+//     it is expected 51 s away; y (gap 80, idle 5) 75 s away: y goes.
+//   call times: x's gap would be 100 and its idle 1: 99 s away: x would go.
+TEST(NextUsePolicyTest, ARequestIsLearnedAtItsArrival) {
+  double now = 0;
+  Models models;
+  ModelCache cache(NextUseOptions(&now, 200));
+  Use(cache, models, "x", 100);
+  now = 16;
+  Use(cache, models, "y", 100);
+  now = 96;
+  Use(cache, models, "y", 100);
+  now = 100;
+  AcquireOptions waited;
+  waited.arrival = Clock::time_point(std::chrono::seconds(50));
+  ASSERT_TRUE(cache.Acquire("x", 100, models.For("x", 100), waited));
+  now = 101;
+  cache.Prefetch("z", 100, models.For("z", 100));
+  EXPECT_THAT(ResidentKeys(cache), ElementsAre("x", "z"));
 }
 
 TEST(NextUsePolicyTest, AWarmUpEvictsOnlyModelsExpectedLaterThanItself) {

@@ -6,6 +6,9 @@
 #include <cmath>
 #include <limits>
 #include <random>
+#include <string>
+#include <utility>
+#include <vector>
 
 #include "gmock/gmock.h"
 #include "gtest/gtest.h"
@@ -13,6 +16,8 @@
 
 namespace modelcache::replay {
 namespace {
+
+using ::testing::ElementsAre;
 
 constexpr double kInf = std::numeric_limits<double>::infinity();
 constexpr uint64_t kGiB = uint64_t{1} << 30;
@@ -263,6 +268,72 @@ TEST(TimedReplay, InfinitelyFastLoadsGiveTheUntimedCountsOnTheDefaultTrace) {
   Trace trace = GenerateDefaultTrace(42);
   // Belady's: the timed replay passes each request's next use as the hint.
   ExpectSameCounts(trace, "belady", 32 * kGiB);
+}
+
+// A load is stamped once, at its end, whether or not anyone joined it: the
+// first waiter takes its lease when the load ends, as every other waiter
+// does. Default time model (100 ms + 2 GB/s, 4 slots); capacity 3.5 GB.
+//   a loads 0..600; b loads 1000..2100; a at 1500 is a hit. At 3000, c
+//   needs room: b was last used when its load ended (2100), after a (1500),
+//   so LRU evicts a, then b too, since c still does not fit. a at 4000
+//   misses.
+TEST(TimedReplay, ALoadIsStampedAtItsEndSoLruEvictsTheEarlierHitFirst) {
+  Trace trace = MakeTrace({1'000'000'000, 2'000'000'000, 2'000'000'000},
+                          {{0, 0}, {1000, 1}, {1500, 0}, {3000, 2}, {4000, 0}});
+  std::vector<std::string> evicted;
+  ReplayOptions options;
+  options.on_event = [&](double, const CacheEvent& e) {
+    if (e.type == EventType::kEvicted) evicted.push_back(e.key);
+  };
+  RunResult r = Replay(trace, "lru", 3'500'000'000, options);
+  EXPECT_EQ(r.hits, 1u);
+  EXPECT_EQ(r.misses, 4u);
+  EXPECT_EQ(r.evictions, 2u);
+  EXPECT_EQ(r.bytes_loaded, 6'000'000'000u);
+  EXPECT_THAT(evicted, ElementsAre("a", "b"));
+  EXPECT_EQ(r.loads_per_model[0], 2u);
+}
+
+// One more request joining b's load does not change what LRU evicts: the
+// evictions are the same with and without it.
+TEST(TimedReplay, AJoinedRequestDoesNotChangeWhatALoadsStampEvicts) {
+  auto evictions = [](std::vector<std::pair<int64_t, uint32_t>> requests) {
+    Trace trace = MakeTrace({1'000'000'000, 2'000'000'000, 2'000'000'000},
+                            std::move(requests));
+    std::vector<std::string> evicted;
+    ReplayOptions options;
+    options.on_event = [&](double, const CacheEvent& e) {
+      if (e.type == EventType::kEvicted) evicted.push_back(e.key);
+    };
+    Replay(trace, "lru", 3'500'000'000, options);
+    return evicted;
+  };
+  const auto alone =
+      evictions({{0, 0}, {1000, 1}, {1500, 0}, {3000, 2}, {4000, 0}});
+  const auto joined = evictions(
+      {{0, 0}, {1000, 1}, {1050, 1}, {1500, 0}, {3000, 2}, {4000, 0}});
+  EXPECT_EQ(joined, alone);
+  EXPECT_THAT(joined, ElementsAre("a", "b"));
+}
+
+// A load waiting at the head of the queue for room evicts nothing it cannot
+// use: z needs 2 GB while x's load holds 2 GB of 3 GB, and the idle i
+// (0.5 GB) could never make room, so i stays and its request at 1500 is a
+// hit. When x's load ends, z evicts i and x (LRU) and loads.
+TEST(TimedReplay, ABlockedQueueHeadDoesNotDrainTheCache) {
+  Trace trace = MakeTrace({500'000'000, 2'000'000'000, 2'000'000'000},
+                          {{0, 0}, {1000, 1}, {1050, 2}, {1500, 0}});
+  trace.models = {"i", "x", "z"};
+  std::vector<std::pair<double, std::string>> evicted;
+  ReplayOptions options;
+  options.on_event = [&](double t, const CacheEvent& e) {
+    if (e.type == EventType::kEvicted) evicted.emplace_back(t, e.key);
+  };
+  RunResult r = Replay(trace, "lru", 3'000'000'000, options);
+  EXPECT_EQ(r.hits, 1u);
+  EXPECT_EQ(r.misses, 3u);
+  EXPECT_THAT(evicted, ElementsAre(std::pair<double, std::string>{2100, "i"},
+                                   std::pair<double, std::string>{2100, "x"}));
 }
 
 }  // namespace

@@ -198,8 +198,9 @@ class Budget {
   // Evicts one victim among all members: the lowest ranked not in `skip`
   // and below `evict_below`. A victim whose unloader throws stays resident
   // and joins `skip`.
-  EvictStep EvictOne(std::unordered_set<uint64_t>* skip,
-                     double evict_below = std::numeric_limits<double>::infinity())
+  EvictStep EvictOne(
+      std::unordered_set<uint64_t>* skip,
+      double evict_below = std::numeric_limits<double>::infinity())
       MC_EXCLUDES(mu_);
   // What every member could evict now (see BudgetMember::EvictableBytes),
   // saturating at 2^64 - 1.

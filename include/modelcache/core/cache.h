@@ -100,6 +100,11 @@ struct AcquireOptions {
   // come (EvictionPolicy::history_length() > 0, such as next-use) counts
   // only requests. Prefetch always passes false.
   bool request = true;
+  // When the request arrived, in the cache's clock (CacheOptions::now), for a
+  // request that waited before this call: in a server's own queue, or in a
+  // replay's queue of loads. A policy that learns from when requests come
+  // records this time instead of the call's. Unset: the call's time.
+  std::optional<Clock::time_point> arrival;
   // Make room only by evicting entries the policy ranks below this key, as
   // ranked now (for a key not resident: its first access, with its request
   // history). For loads ahead of demand: a prewarm may replace a model

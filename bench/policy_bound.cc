@@ -427,7 +427,8 @@ bool Measure(const Trace& trace, const std::vector<uint64_t>& capacities,
       if (names[p] == "belady") {
         ours = BytesLoaded(trace, cap, Belady());
       } else {
-        PolicyChooser chooser(trace, modelcache::PolicyByName(names[p]));
+        PolicyChooser chooser(trace,
+                              modelcache::PolicyByName(names[p]).eviction);
         ours = BytesLoaded(trace, cap, chooser);
       }
       if (ours != results[p * k + c].bytes_loaded) {
@@ -447,11 +448,13 @@ bool Measure(const Trace& trace, const std::vector<uint64_t>& capacities,
     row.sized_belady = ratio(BytesLoaded(trace, cap, SizedBelady()));
     PolicyChooser cooled(trace, std::make_shared<OneOffsAsCooled>());
     row.one_offs_cooled = ratio(BytesLoaded(trace, cap, cooled));
-    ExpertsChooser with_gdsf(trace, modelcache::PolicyByName("next-use"),
-                             modelcache::PolicyByName("gdsf"));
+    ExpertsChooser with_gdsf(trace,
+                             modelcache::PolicyByName("next-use").eviction,
+                             modelcache::PolicyByName("gdsf").eviction);
     row.experts_gdsf = ratio(BytesLoaded(trace, cap, with_gdsf));
-    ExpertsChooser with_lru(trace, modelcache::PolicyByName("next-use"),
-                            modelcache::PolicyByName("lru"));
+    ExpertsChooser with_lru(trace,
+                            modelcache::PolicyByName("next-use").eviction,
+                            modelcache::PolicyByName("lru").eviction);
     row.experts_lru = ratio(BytesLoaded(trace, cap, with_lru));
     rows.push_back(row);
   }

@@ -118,7 +118,7 @@ int main() {
               "misses", "loads", "evictions", "GiB loaded", "peak GiB",
               "seconds");
   for (const char* name : {"lru", "gdsf"}) {
-    Run run = Serve(modelcache::PolicyByName(name), zoo, requests, capacity);
+    Run run = Serve(modelcache::PolicyByName(name).eviction, zoo, requests, capacity);
     const auto& s = run.stats;
     std::printf("%-6s %6" PRIu64 " %6" PRIu64 " %6" PRIu64 " %10" PRIu64
                 " %14.2f %12.2f %8.2f\n",

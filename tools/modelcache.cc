@@ -10,11 +10,23 @@
 #include <exception>
 #include <iostream>
 #include <string>
+#include <vector>
 
 #include "CLI/CLI.hpp"
 #include "inspect_command.h"
+#include "modelcache/core/policy.h"
 #include "modelcache/replay/replay.h"
 #include "replay_command.h"
+
+namespace {
+
+std::string JoinNames(const std::vector<std::string>& names) {
+  std::string out;
+  for (const std::string& name : names) out += (out.empty() ? "" : ", ") + name;
+  return out;
+}
+
+}  // namespace
 
 int main(int argc, char** argv) {
   CLI::App app{"modelcache: keep ML models resident within memory budgets"};
@@ -35,7 +47,8 @@ int main(int argc, char** argv) {
   replay_cmd
       ->add_option(
           "--policy", replay_flags.policies,
-          "Policies: " + modelcache::replay::PolicyNames() + " (offline)")
+          "Policies: " + JoinNames(modelcache::PolicyNames()) +
+              "; offline: " + JoinNames(modelcache::OfflinePolicyNames()))
       ->delimiter(',');
   replay_cmd
       ->add_option("--capacity", replay_flags.capacities,

@@ -280,16 +280,12 @@ auto RunLoading(CacheHandle& handle, const std::string& key,
   }
 }
 
-std::shared_ptr<const EvictionPolicy> PolicyFrom(const std::string& name) {
-  auto policy = PolicyByName(name);
-  if (!policy) {
-    RaiseError(ErrorCode::kInvalidArgument,
-               "unknown policy '" + name +
-                   "'; known: lru, gdsf, gdsf-classic, gdsf-time, "
-                   "gdsf-uniform, faascache, next-use, "
-                   "next-use-uniform, belady");
+NamedPolicy PolicyFrom(const std::string& name) {
+  try {
+    return PolicyByName(name);
+  } catch (const Error& e) {
+    RaiseError(e.code(), e.what());
   }
-  return policy;
 }
 
 double MonotonicSeconds(Clock::time_point t) {
@@ -334,7 +330,7 @@ std::unique_ptr<CacheHandle> NewCache(std::string name,
   if (!budget) budget = std::make_shared<Budget>(*capacity_bytes, name);
   CacheOptions options;
   options.name = name;
-  options.policy = PolicyFrom(policy);
+  options.WithPolicy(PolicyFrom(policy));
   options.shard_bits = shard_bits;
   if (std::optional<double> ttl = SecondsFrom(idle_ttl, "idle_ttl")) {
     if (std::isinf(*ttl)) {

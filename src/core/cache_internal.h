@@ -120,6 +120,7 @@
 
 #include "absl/container/flat_hash_map.h"
 #include "eviction_order.h"
+#include "keep_alive_driver.h"
 #include "modelcache/base/mutex.h"
 #include "modelcache/core/budget.h"
 #include "modelcache/core/cache.h"
@@ -253,7 +254,23 @@ class CacheCore final : public BudgetMember {
   std::vector<EntryInfo> Entries();
   std::optional<EntryInfo> Entry(std::string_view key);
   uint64_t CheckInvariants();
-  void ReleaseLease(Record* record);
+  // `request_end`: the lease was a request's, not a Prefetch's own.
+  void ReleaseLease(Record* record, bool request_end = true);
+  void Prefetch(std::string_view key, uint64_t expected_bytes,
+                const Loader& loader, const AcquireOptions& options);
+  size_t RunKeepAlive();
+
+  // For the keep-alive driver (keep_alive_driver.h), with no lock held.
+  // Evicts `key` (canonical) if it is resident and evictable.
+  bool KeepAliveUnload(const std::string& key);
+  // Prefetches `key` through CacheOptions::prewarm_source if it is absent:
+  // never waiting for room, and evicting only idle models ranked below it
+  // when `evict_lower_ranked`, nothing otherwise. Never throws.
+  bool KeepAlivePrewarm(const std::string& key, bool evict_lower_ranked);
+  int DemandLoadsInFlight() const {
+    return demand_loads_.load(std::memory_order_acquire);
+  }
+  double NowMs() const { return NowSeconds() * 1000.0; }
 
   Budget& budget() { return *budget_; }
   const std::string& name() const { return options_.name; }
@@ -305,12 +322,19 @@ class CacheCore final : public BudgetMember {
   // Notes a request for `key` in its history, if the policy keeps them and
   // the call is a request (AcquireOptions::request). Inline: on the hit
   // path of a policy without histories it is one test.
+  // `in_progress`: another request for the key was in progress (holding a
+  // lease, waiting for a load, or loading it), so no idle time ended.
   void NoteRequestLocked(Shard& shard, std::string_view key, bool request,
-                         const std::optional<Clock::time_point>& arrival = {})
-      MC_REQUIRES(shard.mu) {
-    if (history_length_ > 0 && request) [[unlikely]] {
+                         const std::optional<Clock::time_point>& arrival,
+                         bool in_progress) MC_REQUIRES(shard.mu) {
+    if (!request) return;
+    if (history_length_ > 0) [[unlikely]] {
       RecordRequestLocked(shard, key,
                           arrival ? Seconds(*arrival) : NowSeconds());
+    }
+    if (keep_alive_) [[unlikely]] {
+      keep_alive_->OnRequest(
+          key, in_progress, (arrival ? Seconds(*arrival) : NowSeconds()) * 1e3);
     }
   }
   void RecordRequestLocked(Shard& shard, std::string_view key, double seconds)
@@ -343,6 +367,9 @@ class CacheCore final : public BudgetMember {
                     const AcquireOptions& options);
   void FailLoad(Shard& shard, const std::shared_ptr<Record>& rec,
                 std::exception_ptr error, uint64_t reserved, bool loader_threw);
+  // A load of `rec` ended, after `seconds` (< 0: it failed): the demand
+  // loads in flight and the keep-alive's load times follow.
+  void LoadEnded(const Record& rec, double seconds);
 
   // Runs the unloader of `rec` (state kUnloading) and, on success, erases it
   // and returns its bytes. Returns the unloader's exception on failure, in
@@ -383,6 +410,11 @@ class CacheCore final : public BudgetMember {
   std::unique_ptr<Shard[]> shards_;
   std::atomic<bool> shut_down_{false};
   std::atomic<uint64_t> callback_errors_{0};
+  // Loads started by a request and not yet ended.
+  std::atomic<int> demand_loads_{0};
+  std::atomic<uint64_t> prewarms_{0};
+  // Null without CacheOptions::keep_alive. Created last and stopped first.
+  std::unique_ptr<KeepAliveDriver> keep_alive_;
 
   // Alias mutations are serialised here so that the checks that keep
   // aliases one level deep (no target is an alias, no alias is a target)

@@ -47,6 +47,7 @@ CacheStats CacheCore::Stats() {
   stats.budget_used_bytes = budget_->used();
   stats.high_water_bytes = budget_->high_water();
   stats.wasted_evictions = budget_->wasted_evictions();
+  stats.prewarms = prewarms_.load(std::memory_order_relaxed);
   stats.callback_errors = callback_errors_.load(std::memory_order_relaxed);
   return stats;
 }

@@ -31,7 +31,14 @@ CacheCore::CacheCore(CacheOptions options)
       history_length_(policy_->history_length()),
       policy_time_dependent_(policy_->time_dependent()),
       shard_mask_((size_t{1} << std::clamp(options_.shard_bits, 0, 12)) - 1),
-      shards_(new Shard[shard_mask_ + 1]) {}
+      shards_(new Shard[shard_mask_ + 1]) {
+  if (options_.keep_alive) {
+    // Last: its thread may call in as soon as it starts.
+    keep_alive_ = std::make_unique<KeepAliveDriver>(
+        this, options_.keep_alive, options_.max_prewarms,
+        /*own_thread=*/!options_.now);
+  }
+}
 
 std::string_view CacheCore::Canonical(std::string_view key,
                                       std::string* storage) {
@@ -140,16 +147,20 @@ Lease CacheCore::Acquire(std::string_view key, uint64_t expected_bytes,
             std::string(key), next_record_id++,
             static_cast<uint32_t>(&shard - shards_.get()));
         owned->owner = std::this_thread::get_id();
+        owned->for_request = options.request;
+        if (options.request) demand_loads_.fetch_add(1);
         shard.map.emplace(owned->key, Slot{owned, {}});
         ++shard.counters.misses;
-        NoteRequestLocked(shard, key, options.request, options.arrival);
+        NoteRequestLocked(shard, key, options.request, options.arrival,
+                          /*in_progress=*/false);
       } else if (!it->second.record) {
         alias_target = it->second.alias_of;
       } else {
         Record* r = it->second.record.get();
         switch (r->state) {
           case RecordState::kResident:
-            NoteRequestLocked(shard, key, options.request, options.arrival);
+            NoteRequestLocked(shard, key, options.request, options.arrival,
+                              /*in_progress=*/r->leases > 0);
             TouchLocked(shard, r, options.policy_hint);
             ++r->leases;
             ++shard.hits;
@@ -171,9 +182,11 @@ Lease CacheCore::Acquire(std::string_view key, uint64_t expected_bytes,
               joined->done = joined->done_promise->get_future().share();
             }
             done = joined->done;
+            NoteRequestLocked(
+                shard, key, options.request, options.arrival,
+                /*in_progress=*/joined->waiters > 0 || joined->for_request);
             ++joined->waiters;
             ++shard.counters.misses;
-            NoteRequestLocked(shard, key, options.request, options.arrival);
             break;
           case RecordState::kUnloading:
             // An eviction or removal is running its unloader: wait for the
@@ -301,7 +314,9 @@ Lease CacheCore::LoadAsOwner(Shard& shard, const std::shared_ptr<Record>& rec,
                              const AcquireOptions& options) {
   if (options_.idle_ttl.count() > 0) EvictExpired();
   double evict_below = std::numeric_limits<double>::infinity();
-  if (options.evict_only_lower_ranked) {
+  if (!options.evict) {
+    evict_below = -std::numeric_limits<double>::infinity();
+  } else if (options.evict_only_lower_ranked) {
     base::MutexLock lock(&shard.mu);
     AccessInfo own =
         AccessInfoLocked(shard, *rec, options.policy_hint,
@@ -407,11 +422,76 @@ Lease CacheCore::LoadAsOwner(Shard& shard, const std::shared_ptr<Record>& rec,
   rec->Complete(waiters_promise);
   shard.changed.NotifyAll();
   Lease lease = MakeLease(rec.get());
+  LoadEnded(*rec, seconds);
   if (Observed()) {
     Emit({EventType::kLoaded, rec->key, rec->bytes, seconds, {}});
     if (retired_now) Emit({EventType::kRetired, rec->key, rec->bytes, 0, {}});
   }
   return lease;
+}
+
+void CacheCore::LoadEnded(const Record& rec, double seconds) {
+  if (keep_alive_ && seconds >= 0)
+    keep_alive_->OnLoaded(rec.key, seconds * 1e3);
+  if (rec.for_request && demand_loads_.fetch_sub(1) == 1 && keep_alive_) {
+    keep_alive_->OnNoDemandLoads();
+  }
+}
+
+void CacheCore::Prefetch(std::string_view key, uint64_t expected_bytes,
+                         const Loader& loader, const AcquireOptions& options) {
+  AcquireOptions prefetch = options;
+  prefetch.request = false;  // a load ahead of demand, not a request
+  Lease lease = Acquire(key, expected_bytes, loader, prefetch);
+  Record* r = lease.record_;
+  lease.core_ = nullptr;
+  lease.record_ = nullptr;
+  ReleaseLease(r, /*request_end=*/false);
+}
+
+size_t CacheCore::RunKeepAlive() {
+  return keep_alive_ ? keep_alive_->RunDue(NowMs()) : 0;
+}
+
+bool CacheCore::KeepAliveUnload(const std::string& key) {
+  Shard& shard = ShardFor(key);
+  std::shared_ptr<Record> rec;
+  {
+    base::MutexLock lock(&shard.mu);
+    auto it = shard.map.find(key);
+    if (it == shard.map.end() || !it->second.record ||
+        !Evictable(*it->second.record)) {
+      return false;
+    }
+    rec = it->second.record;
+  }
+  return EvictIfEvictable(rec, EventType::kExpired, Clock::time_point::max()) ==
+         EvictOutcome::kEvicted;
+}
+
+bool CacheCore::KeepAlivePrewarm(const std::string& key,
+                                 bool evict_lower_ranked) {
+  if (!options_.prewarm_source || shut_down_.load()) return false;
+  {
+    Shard& shard = ShardFor(key);
+    base::MutexLock lock(&shard.mu);
+    if (shard.map.find(key) != shard.map.end()) return false;  // not absent
+  }
+  try {
+    std::optional<PrewarmSource> source = options_.prewarm_source(key);
+    if (!source || !source->loader) return false;
+    AcquireOptions options;
+    options.when_full = WhenFull::kFail;
+    options.evict = evict_lower_ranked;
+    options.evict_only_lower_ranked = evict_lower_ranked;
+    Prefetch(key, source->expected_bytes, source->loader, options);
+  } catch (...) {
+    // No room, a failing loader (counted as a load failure), or a source
+    // that threw: the prewarm is dropped; the request, when it comes, loads.
+    return false;
+  }
+  prewarms_.fetch_add(1, std::memory_order_relaxed);
+  return true;
 }
 
 void CacheCore::FailLoad(Shard& shard, const std::shared_ptr<Record>& rec,
@@ -441,6 +521,7 @@ void CacheCore::FailLoad(Shard& shard, const std::shared_ptr<Record>& rec,
   rec->Complete(waiters_promise);
   shard.changed.NotifyAll();
   budget_->Release(reserved);
+  LoadEnded(*rec, -1);
   if (Observed() && loader_threw) {
     Emit({EventType::kLoadFailed, rec->key, 0, 0, std::move(message)});
   }
@@ -459,20 +540,31 @@ std::optional<Lease> CacheCore::Lookup(std::string_view key, bool count_miss,
     return std::nullopt;
   }
   Record* r = it->second.record.get();
-  NoteRequestLocked(shard, key, /*request=*/true);
+  NoteRequestLocked(shard, key, /*request=*/true, /*arrival=*/std::nullopt,
+                    /*in_progress=*/r->leases > 0);
   TouchLocked(shard, r, policy_hint);
   ++r->leases;
   ++shard.hits;
   return MakeLease(r);
 }
 
-void CacheCore::ReleaseLease(Record* r) {
+void CacheCore::ReleaseLease(Record* r, bool request_end) {
   Shard& shard = shards_[r->shard];
   std::shared_ptr<Record> to_free;
   bool now_evictable = false;
   {
     base::MutexLock lock(&shard.mu);
     assert(r->leases > 0);
+    if (keep_alive_) [[unlikely]] {
+      // The model's last request ended: plan its keep-alive, also when a
+      // Prefetch's own lease outlasted it.
+      if (r->leases == 1 && !r->retired && (request_end || r->request_ended)) {
+        r->request_ended = false;
+        keep_alive_->OnIdle(r->key, NowMs());
+      } else if (request_end) {
+        r->request_ended = true;
+      }
+    }
     if (--r->leases == 0) {
       if (r->retired) {
         auto it = shard.retired.find(r);
@@ -853,6 +945,8 @@ size_t CacheCore::Prune() {
 
 void CacheCore::Shutdown() {
   if (shut_down_.exchange(true)) return;
+  // No keep-alive action runs from here on: a prewarm in progress ends first.
+  if (keep_alive_) keep_alive_->Stop();
   budget_->Unregister(this);
   uint64_t to_release = 0;
   std::vector<std::shared_ptr<Record>> records;

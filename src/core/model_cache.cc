@@ -61,9 +61,7 @@ std::optional<Lease> ModelCache::TryAcquire(std::string_view key,
 
 void ModelCache::Prefetch(std::string_view key, uint64_t expected_bytes,
                           const Loader& loader, const AcquireOptions& options) {
-  AcquireOptions prefetch = options;
-  prefetch.request = false;  // a load ahead of demand, not a request
-  core_->Acquire(key, expected_bytes, loader, prefetch).Release();
+  core_->Prefetch(key, expected_bytes, loader, options);
 }
 
 RemoveOutcome ModelCache::Remove(std::string_view key,
@@ -90,6 +88,7 @@ std::string ModelCache::Resolve(std::string_view key) const {
 }
 
 size_t ModelCache::EvictExpired() { return core_->EvictExpired(); }
+size_t ModelCache::RunKeepAlive() { return core_->RunKeepAlive(); }
 size_t ModelCache::Prune() { return core_->Prune(); }
 uint64_t ModelCache::SetCapacity(uint64_t capacity_bytes) {
   return core_->budget().SetCapacity(capacity_bytes);

@@ -1,8 +1,14 @@
 #include "modelcache/core/policy.h"
 
 #include <algorithm>
+#include <charconv>
 #include <cmath>
 #include <limits>
+#include <optional>
+#include <string>
+#include <system_error>
+
+#include "modelcache/base/errors.h"
 
 namespace modelcache {
 namespace {
@@ -266,19 +272,101 @@ std::shared_ptr<const EvictionPolicy> NewFaasCachePolicy(
   return std::make_shared<FaasCachePolicy>(latency_seconds, bytes_per_second);
 }
 
-std::shared_ptr<const EvictionPolicy> PolicyByName(const std::string& name) {
-  if (name == "lru") return NewLruPolicy();
-  if (name == "gdsf") return NewGdsfPolicy(ReloadCost::kBytes);
-  if (name == "gdsf-classic") return NewClassicGdsfPolicy();
-  if (name == "faascache") return NewFaasCachePolicy(0.1, 2e9);
-  if (name == "gdsf-time") return NewGdsfPolicy(ReloadCost::kLoadTime);
-  if (name == "gdsf-uniform") return NewGdsfPolicy(ReloadCost::kUniform);
-  if (name == "next-use") return NewNextUsePolicy();
-  if (name == "next-use-uniform") {
-    return NewNextUsePolicy(kNextUseHistoryLength, kNextUseUniformSizeExponent);
+namespace {
+
+std::string Join(const std::vector<std::string>& names) {
+  std::string out;
+  for (const std::string& name : names) {
+    if (!out.empty()) out += ", ";
+    out += name;
   }
-  if (name == "belady") return NewBeladyPolicy();
-  return nullptr;
+  return out;
+}
+
+// "10m", "90s", "1.5h", "500ms": a positive, finite duration with a unit.
+std::optional<std::chrono::nanoseconds> ParseTtl(std::string_view text) {
+  double value = 0;
+  const auto [end, ec] =
+      std::from_chars(text.data(), text.data() + text.size(), value);
+  if (ec != std::errc() || end == text.data() || !std::isfinite(value) ||
+      !(value > 0)) {
+    return std::nullopt;
+  }
+  const std::string_view unit = text.substr(end - text.data());
+  double ms_per_unit = 0;
+  if (unit == "ms") ms_per_unit = 1;
+  if (unit == "s") ms_per_unit = 1e3;
+  if (unit == "m") ms_per_unit = 6e4;
+  if (unit == "h") ms_per_unit = 3.6e6;
+  const double ns = value * ms_per_unit * 1e6;
+  if (!(ns >= 1) || ns > 9e18) return std::nullopt;
+  return std::chrono::nanoseconds(static_cast<int64_t>(std::llround(ns)));
+}
+
+}  // namespace
+
+std::vector<std::string> PolicyNames() {
+  return {"lru",          "gdsf",      "gdsf-classic",     "gdsf-time",
+          "gdsf-uniform", "faascache", "ttl-<N>m",         "hybrid-histogram",
+          "gdsf-prewarm", "next-use",  "next-use-uniform", "next-use-prewarm"};
+}
+
+std::vector<std::string> OfflinePolicyNames() { return {"belady"}; }
+
+NamedPolicy PolicyByName(std::string_view name, const LoadCostModel& cost) {
+  NamedPolicy policy;
+  policy.name = std::string(name);
+  auto next_use_uniform = [] {
+    return NewNextUsePolicy(kNextUseHistoryLength, kNextUseUniformSizeExponent);
+  };
+  if (name == "lru") {
+    policy.eviction = NewLruPolicy();
+  } else if (name == "gdsf") {
+    policy.eviction = NewGdsfPolicy(ReloadCost::kBytes);
+  } else if (name == "gdsf-classic") {
+    policy.eviction = NewClassicGdsfPolicy();
+  } else if (name == "gdsf-time") {
+    policy.eviction = NewGdsfPolicy(ReloadCost::kLoadTime);
+  } else if (name == "gdsf-uniform") {
+    policy.eviction = NewGdsfPolicy(ReloadCost::kUniform);
+  } else if (name == "faascache") {
+    policy.eviction =
+        NewFaasCachePolicy(cost.latency_seconds, cost.bytes_per_second);
+  } else if (name.substr(0, 4) == "ttl-") {
+    const auto ttl = ParseTtl(name.substr(4));
+    if (!ttl) {
+      throw Error(ErrorCode::kInvalidArgument,
+                  "unknown policy '" + std::string(name) +
+                      "': ttl takes a positive duration with a unit, as in "
+                      "ttl-10m, ttl-90s or ttl-1h");
+    }
+    policy.eviction = NewLruPolicy();
+    policy.idle_ttl = *ttl;
+  } else if (name == "hybrid-histogram") {
+    policy.eviction = NewLruPolicy();
+    policy.keep_alive = NewHybridHistogramKeepAlive();
+  } else if (name == "gdsf-prewarm") {
+    policy.eviction = NewGdsfPolicy(ReloadCost::kBytes);
+    policy.keep_alive =
+        NewHybridHistogramKeepAlive({.lead_by_load_time = true});
+  } else if (name == "next-use") {
+    policy.eviction = NewNextUsePolicy();
+  } else if (name == "next-use-uniform") {
+    policy.eviction = next_use_uniform();
+  } else if (name == "next-use-prewarm") {
+    policy.eviction = next_use_uniform();
+    policy.keep_alive = NewHybridHistogramKeepAlive(
+        {.lead_by_load_time = true, .prewarm_evicts_lower_ranked = true});
+  } else if (name == "belady") {
+    policy.eviction = NewBeladyPolicy();
+    policy.offline = true;
+  } else {
+    throw Error(ErrorCode::kInvalidArgument,
+                "unknown policy '" + std::string(name) +
+                    "' (known: " + Join(PolicyNames()) + "; offline, for " +
+                    "replay only: " + Join(OfflinePolicyNames()) + ")");
+  }
+  return policy;
 }
 
 }  // namespace modelcache

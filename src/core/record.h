@@ -57,6 +57,12 @@ struct alignas(64) Record {
   const uint64_t id;
   const uint32_t shard;
   int waiters = 0;         // acquires waiting for this record's load
+  // Its load was started by a request (the owner's AcquireOptions::request),
+  // not a Prefetch: a demand load.
+  bool for_request = false;
+  // A request's lease ended while another lease (a Prefetch's own) was
+  // still out: the keep-alive plans when that one ends.
+  bool request_ended = false;
   int unload_waiters = 0;  // callers waiting for its unload to finish
   // The thread running this record's loader (kLoading) or unloader
   // (kUnloading); meaningless in other states. A call from that thread that

@@ -42,13 +42,17 @@ std::vector<std::pair<std::string, uint64_t>> SloAnswers(
 
 RunResult Replay(const Trace& trace, const std::string& policy_name,
                  uint64_t capacity_bytes, double hold_ms) {
-  auto policy = PolicyByName(policy_name);
-  if (!policy) {
-    throw Error(
-        ErrorCode::kInvalidArgument,
-        "unknown policy '" + policy_name + "' (known: " + PolicyNames() + ")");
+  NamedPolicy policy = PolicyByName(policy_name);
+  if (policy.idle_ttl.count() > 0 || policy.keep_alive) {
+    // Its keep-alive needs time: the simulation with an infinitely fast load
+    // path, which gives the untimed counts for every other policy.
+    ReplayOptions options;
+    options.timed = false;
+    options.hold_ms = hold_ms;
+    return Replay(trace, policy_name, capacity_bytes, options);
   }
-  return ReplayUntimed(trace, std::move(policy), capacity_bytes, hold_ms);
+  return ReplayUntimed(trace, std::move(policy.eviction), capacity_bytes,
+                       hold_ms);
 }
 
 RunResult ReplayUntimed(const Trace& trace,

@@ -80,81 +80,13 @@ namespace {
 
 constexpr double kInf = std::numeric_limits<double>::infinity();
 constexpr double kGiB = 1073741824.0;
-constexpr double kMinute = 60000.0;
 // The cache's clock ticks in nanoseconds and expires what has been idle
 // longer than the TTL: a TTL check runs one tick after the TTL.
 constexpr double kNanosecondMs = 1e-6;
 
-// Shahrad et al.'s hybrid histogram: idle times in one-minute bins over
-// four hours.
-constexpr int kHistogramBins = 240;
-constexpr uint32_t kMinSamples = 5;
-constexpr double kMinCv = 2.0;
-constexpr double kFallbackKeepAliveMs = 4 * 60 * kMinute;
-// Idle times for the moving average used when most fall beyond the range.
-constexpr size_t kRecentIdle = 8;
-
-struct PolicySpec {
-  std::shared_ptr<const EvictionPolicy> eviction;
-  double ttl_ms = 0;
-  bool histogram = false;  // hybrid-histogram keep-alive and prewarm
-  // Ours: start each prewarm its expected load time (and queue) earlier than
-  // Shahrad et al.'s window start, so that a large model is ready in time.
-  bool lead_by_load_time = false;
-  // Prewarms may evict idle models the policy expects later than the one
-  // they load (AcquireOptions::evict_only_lower_ranked), not only use free
-  // memory.
-  bool prewarm_evicts_lower_ranked = false;
-};
-
-PolicySpec ParsePolicy(const std::string& name, const TimeModel& time) {
-  PolicySpec spec;
-  if (name.rfind("ttl-", 0) == 0) {
-    const std::string arg = name.substr(4);
-    double ms = -1;
-    if (!arg.empty() &&
-        (arg.back() == 'm' || arg.back() == 's' || arg.back() == 'h')) {
-      try {
-        ms = ParseDurationMs(arg);
-      } catch (const Error&) {
-        ms = -1;
-      }
-    }
-    if (!(ms > 0)) {
-      throw Error(ErrorCode::kInvalidArgument,
-                  "unknown policy '" + name +
-                      "': ttl takes a positive duration with a "
-                      "unit, as in ttl-10m, ttl-90s or ttl-1h");
-    }
-    spec.eviction = NewLruPolicy();
-    spec.ttl_ms = ms;
-    return spec;
-  }
-  if (name == "faascache") {
-    spec.eviction = NewFaasCachePolicy(time.latency_ms / 1000,
-                                       time.bandwidth_bytes_per_second);
-    return spec;
-  }
-  if (name == "hybrid-histogram") {
-    spec.eviction = NewLruPolicy();
-    spec.histogram = true;
-    return spec;
-  }
-  if (name == "gdsf-prewarm" || name == "next-use-prewarm") {
-    const bool next_use = name == "next-use-prewarm";
-    spec.eviction = next_use ? PolicyByName("next-use-uniform")
-                             : NewGdsfPolicy(ReloadCost::kBytes);
-    spec.histogram = true;
-    spec.lead_by_load_time = true;
-    spec.prewarm_evicts_lower_ranked = next_use;
-    return spec;
-  }
-  spec.eviction = PolicyByName(name);
-  if (!spec.eviction) {
-    throw Error(ErrorCode::kInvalidArgument,
-                "unknown policy '" + name + "' (known: " + PolicyNames() + ")");
-  }
-  return spec;
+NamedPolicy ParsePolicy(const std::string& name, const TimeModel& time) {
+  return PolicyByName(name, LoadCostModel{time.latency_ms / 1000,
+                                          time.bandwidth_bytes_per_second});
 }
 
 enum class State : uint8_t { kAbsent, kQueued, kLatency, kTransfer, kResident };
@@ -199,24 +131,23 @@ struct ModelState {
   double last_end = -kInf;    // ditto, kept across unloads
   size_t last_request = 0;
   uint64_t requests = 0, cold_starts = 0;
-  // Idle-time histogram.
-  std::vector<uint32_t> bins;
-  uint32_t samples = 0, out_of_range = 0;
-  double sum_squares = 0;  // of the bin counts, for their CV in O(1)
+  IdleHistory idle;  // for a keep-alive policy
   // One live keep-alive event, at keep_alive_event: when it fires before
   // keep_until (a later request moved it on), it files itself again; a plan
   // with an earlier end files a new one and leaves the old one stale.
   double keep_until = kInf;
   double keep_alive_event = kInf;
-  std::deque<double> recent_idle;
 };
 
 class Simulation {
  public:
-  Simulation(const Trace& trace, const PolicySpec& spec, uint64_t capacity,
+  Simulation(const Trace& trace, const NamedPolicy& spec, uint64_t capacity,
              const ReplayOptions& options, RunResult* result)
       : trace_(trace),
         spec_(spec),
+        ttl_ms_(static_cast<double>(spec.idle_ttl.count()) / 1e6),
+        prewarm_evicts_lower_ranked_(
+            spec.keep_alive && spec.keep_alive->prewarm_evicts_lower_ranked()),
         options_(options),
         time_(options.timed ? options.time : TimeModel{kInf, 0, /*slots=*/0}),
         capacity_(capacity),
@@ -230,10 +161,7 @@ class Simulation {
     cache_options.policy = spec.eviction;
     cache_options.shard_bits = 0;
     cache_options.now = [this] { return ClockAt(now_); };
-    if (spec.ttl_ms > 0) {
-      cache_options.idle_ttl = std::chrono::nanoseconds(
-          static_cast<int64_t>(std::llround(spec.ttl_ms * 1e6)));
-    }
+    cache_options.idle_ttl = spec.idle_ttl;
     cache_options.on_event = [this](const CacheEvent& e) { OnEvent(e); };
     cache_.emplace(std::move(cache_options));
     belady_ = !spec.eviction->monotone();
@@ -245,9 +173,6 @@ class Simulation {
         next_use_[i] = seen[trace.requests[i].model];
         seen[trace.requests[i].model] = static_cast<double>(i);
       }
-    }
-    if (spec.histogram) {
-      for (auto& m : models_) m.bins.assign(kHistogramBins, 0);
     }
   }
 
@@ -309,12 +234,15 @@ class Simulation {
   void Prewarm(uint32_t m);
 
   // ---- histogram policies ----
-  void RecordIdle(ModelState& s, double idle_ms);
   void PlanKeepAlive(uint32_t m);
   double ExpectedLoadMs(uint32_t m) const;
 
   const Trace& trace_;
-  const PolicySpec& spec_;
+  const NamedPolicy& spec_;
+  // The idle TTL in ms (0: none), and whether prewarms may evict idle models
+  // ranked below them.
+  const double ttl_ms_;
+  const bool prewarm_evicts_lower_ranked_;
   const ReplayOptions& options_;
   const TimeModel time_;
   const uint64_t capacity_;
@@ -462,12 +390,12 @@ void Simulation::HandleEvent(const Event& e) {
     case EventType::kTtlCheck:
       s.ttl_check_pending = false;
       if (after_trace || s.state != State::kResident || s.leases > 0) break;
-      if (now_ > s.idle_since + spec_.ttl_ms) {
+      if (now_ > s.idle_since + ttl_ms_) {
         cache_->EvictExpired();
       } else {
         s.ttl_check_pending = true;
-        Schedule(s.idle_since + spec_.ttl_ms + kNanosecondMs,
-                 EventType::kTtlCheck, e.model, 0);
+        Schedule(s.idle_since + ttl_ms_ + kNanosecondMs, EventType::kTtlCheck,
+                 e.model, 0);
       }
       break;
     case EventType::kKeepAliveEnd:
@@ -529,11 +457,11 @@ void Simulation::BecameIdle(uint32_t m, bool request_ended) {
   // when the last request ended still holds.
   if (!request_ended) return;
   s.last_end = now_;
-  if (spec_.ttl_ms > 0 && !s.ttl_check_pending) {
+  if (ttl_ms_ > 0 && !s.ttl_check_pending) {
     s.ttl_check_pending = true;
-    Schedule(now_ + spec_.ttl_ms + kNanosecondMs, EventType::kTtlCheck, m, 0);
+    Schedule(now_ + ttl_ms_ + kNanosecondMs, EventType::kTtlCheck, m, 0);
   }
-  if (spec_.histogram) PlanKeepAlive(m);
+  if (spec_.keep_alive) PlanKeepAlive(m);
 }
 
 // The model left the cache (evicted, expired or removed).
@@ -582,20 +510,6 @@ void Simulation::TakeLease(uint32_t m, size_t request, double arrival) {
   Schedule(now_ + hold, EventType::kHoldEnd, m, holds_.Hold(std::move(lease)));
 }
 
-void Simulation::RecordIdle(ModelState& s, double idle_ms) {
-  const double bin = std::floor(idle_ms / kMinute);
-  if (bin < kHistogramBins) {
-    uint32_t& count = s.bins[static_cast<size_t>(bin)];
-    s.sum_squares += 2.0 * count + 1;  // (c+1)^2 - c^2
-    ++count;
-  } else {
-    ++s.out_of_range;
-  }
-  ++s.samples;
-  s.recent_idle.push_back(idle_ms);
-  if (s.recent_idle.size() > kRecentIdle) s.recent_idle.pop_front();
-}
-
 void Simulation::Arrive(size_t i) {
   const Request& r = trace_.requests[i];
   const uint32_t m = r.model;
@@ -610,9 +524,9 @@ void Simulation::Arrive(size_t i) {
   }
   const bool loading =
       s.state == State::kLatency || s.state == State::kTransfer;
-  if (spec_.histogram && s.waiters.empty() && s.leases == (loading ? 1 : 0) &&
+  if (spec_.keep_alive && s.waiters.empty() && s.leases == (loading ? 1 : 0) &&
       std::isfinite(s.last_end)) {
-    RecordIdle(s, now_ - s.last_end);
+    s.idle.Record(now_ - s.last_end);
   }
   if (s.state == State::kResident) {
     ++result_.hits;
@@ -705,7 +619,7 @@ bool Simulation::StartLoad(uint32_t m, bool prewarm) {
         AcquireOptions acquire;
         acquire.policy_hint = Hint(s.last_request);
         acquire.request = false;
-        acquire.evict_only_lower_ranked = spec_.prewarm_evicts_lower_ranked;
+        acquire.evict_only_lower_ranked = prewarm_evicts_lower_ranked_;
         s.load_lease =
             cache_->Acquire(trace_.models[m], Size(m), loader, acquire);
       } else {
@@ -713,7 +627,7 @@ bool Simulation::StartLoad(uint32_t m, bool prewarm) {
         // (idle models past the TTL go first; then eviction, only if it
         // makes the room), and hands them to the cache's record when it
         // ends (CompleteLoad): the record's first use is the load's end.
-        if (spec_.ttl_ms > 0) cache_->EvictExpired();
+        if (ttl_ms_ > 0) cache_->EvictExpired();
         cache_->budget().Reserve(Size(m));
       }
       break;
@@ -806,7 +720,7 @@ void Simulation::StartLoads() {
     if (s.state != State::kAbsent) continue;
     // Only into free bytes, or (ours) in place of idle models expected
     // later; a prewarm that finds no such room is dropped.
-    if (!spec_.prewarm_evicts_lower_ranked &&
+    if (!prewarm_evicts_lower_ranked_ &&
         cache_->budget().used() + Size(m) > capacity_) {
       continue;
     }
@@ -831,58 +745,18 @@ double Simulation::ExpectedLoadMs(uint32_t m) const {
   return time_.latency_ms + (static_cast<double>(Size(m)) + queued) / share;
 }
 
+// The policy plans when a request ends (keep_alive.h, the same code a
+// ModelCache runs); the simulation carries the plan out in trace time.
 void Simulation::PlanKeepAlive(uint32_t m) {
   ModelState& s = models_[m];
-  const uint64_t generation = s.generation;
-  double prewarm_at = 0, keep_until = kFallbackKeepAliveMs;
-  bool representative = false;
-  if (s.samples >= kMinSamples) {
-    if (s.out_of_range * 2 > s.samples) {
-      // Most idle times fall beyond the histogram: predict the next from the
-      // moving average of recent ones, with 15% margins either side.
-      double sum = 0;
-      for (double v : s.recent_idle) sum += v;
-      const double predicted = sum / static_cast<double>(s.recent_idle.size());
-      prewarm_at = 0.85 * predicted;
-      keep_until = 1.15 * predicted;
-      representative = true;
-    } else {
-      const double in_bins = s.samples - s.out_of_range;
-      const double mean = in_bins / kHistogramBins;
-      const double var =
-          std::max(0.0, s.sum_squares / kHistogramBins - mean * mean);
-      const double cv = mean > 0 ? std::sqrt(var) / mean : 0;
-      if (cv >= kMinCv) {
-        // The 5th and 99th percentiles of the in-range idle times, as the
-        // start and end of their bins.
-        const uint32_t in_range = s.samples - s.out_of_range;
-        const auto at = [&](double p) {
-          const uint32_t rank = static_cast<uint32_t>(
-              std::max(1.0, std::ceil(p * static_cast<double>(in_range))));
-          uint32_t seen = 0;
-          for (int b = 0; b < kHistogramBins; ++b) {
-            seen += s.bins[b];
-            if (seen >= rank) return b;
-          }
-          return kHistogramBins - 1;
-        };
-        const double head = at(0.05) * kMinute;
-        const double tail = (at(0.99) + 1) * kMinute;
-        prewarm_at = 0.9 * head;
-        keep_until = 1.1 * tail;
-        if (spec_.lead_by_load_time) {
-          prewarm_at = std::max(0.0, prewarm_at - ExpectedLoadMs(m));
-        }
-        representative = true;
-      }
-    }
-  }
-  if (representative && prewarm_at > 0) {
+  const KeepAlivePlan plan =
+      spec_.keep_alive->Plan(s.idle, now_, ExpectedLoadMs(m));
+  if (plan.unload_now) {
     // Unload now and load again just before the next request is due.
     cache_->Remove(trace_.models[m]);
-    Schedule(now_ + prewarm_at, EventType::kPrewarm, m, generation);
+    Schedule(plan.prewarm_at, EventType::kPrewarm, m, s.generation);
   }
-  s.keep_until = now_ + keep_until;
+  s.keep_until = plan.keep_until;
   if (s.keep_until < s.keep_alive_event) {
     s.keep_alive_event = s.keep_until;
     Schedule(s.keep_until, EventType::kKeepAliveEnd, m, 0);
@@ -927,16 +801,10 @@ double Percentile(const std::vector<double>& sorted, double p) {
   return sorted[index];
 }
 
-std::string PolicyNames() {
-  return "lru, gdsf, gdsf-classic, gdsf-time, gdsf-uniform, faascache, "
-         "ttl-<N>m, hybrid-histogram, gdsf-prewarm, next-use, "
-         "next-use-uniform, next-use-prewarm, belady";
-}
-
 RunResult Replay(const Trace& trace, const std::string& policy_name,
                  uint64_t capacity_bytes, const ReplayOptions& options) {
-  const PolicySpec spec = ParsePolicy(policy_name, options.time);
-  const bool plain = spec.ttl_ms == 0 && !spec.histogram;
+  const NamedPolicy spec = ParsePolicy(policy_name, options.time);
+  const bool plain = spec.idle_ttl.count() == 0 && !spec.keep_alive;
   if (!options.timed && plain && options.prewarms.empty() &&
       trace.hold_ms.empty()) {
     return ReplayUntimed(trace, spec.eviction, capacity_bytes, options.hold_ms);

@@ -103,7 +103,7 @@ std::vector<PolicyCase> AllPolicyCases() {
     cases.push_back({"NextUse" + shards, [] { return NewNextUsePolicy(); },
                      shard_bits, false});
     cases.push_back({"NextUseUniform" + shards,
-                     [] { return PolicyByName("next-use-uniform"); },
+                     [] { return PolicyByName("next-use-uniform").eviction; },
                      shard_bits, false});
   }
   return cases;
@@ -349,14 +349,14 @@ INSTANTIATE_TEST_SUITE_P(AllPolicies, PolicyContractTest,
 
 // ---- Priority is monotonic, for every policy (no cache involved). ----
 
-struct NamedPolicy {
+struct PolicyMaker {
   std::string name;
   std::function<std::shared_ptr<const EvictionPolicy>()> make;
 };
 
-void PrintTo(const NamedPolicy& p, std::ostream* os) { *os << p.name; }
+void PrintTo(const PolicyMaker& p, std::ostream* os) { *os << p.name; }
 
-class PolicyPriorityTest : public ::testing::TestWithParam<NamedPolicy> {};
+class PolicyPriorityTest : public ::testing::TestWithParam<PolicyMaker> {};
 
 TEST_P(PolicyPriorityTest, PriorityOfOneEntryNeverDecreases) {
   std::shared_ptr<const EvictionPolicy> policy = GetParam().make();
@@ -401,16 +401,16 @@ TEST_P(PolicyPriorityTest, PriorityOfOneEntryNeverDecreases) {
 INSTANTIATE_TEST_SUITE_P(
     AllPolicies, PolicyPriorityTest,
     ::testing::Values(
-        NamedPolicy{"Lru", [] { return NewLruPolicy(); }},
-        NamedPolicy{"GdsfBytes",
+        PolicyMaker{"Lru", [] { return NewLruPolicy(); }},
+        PolicyMaker{"GdsfBytes",
                     [] { return NewGdsfPolicy(ReloadCost::kBytes); }},
-        NamedPolicy{"GdsfLoadTime",
+        PolicyMaker{"GdsfLoadTime",
                     [] { return NewGdsfPolicy(ReloadCost::kLoadTime); }},
-        NamedPolicy{"GdsfUniform",
+        PolicyMaker{"GdsfUniform",
                     [] { return NewGdsfPolicy(ReloadCost::kUniform); }},
-        NamedPolicy{"GdsfClassic", [] { return NewClassicGdsfPolicy(); }},
-        NamedPolicy{"FaasCache", [] { return NewFaasCachePolicy(0.1, 2e9); }}),
-    [](const ::testing::TestParamInfo<NamedPolicy>& info) {
+        PolicyMaker{"GdsfClassic", [] { return NewClassicGdsfPolicy(); }},
+        PolicyMaker{"FaasCache", [] { return NewFaasCachePolicy(0.1, 2e9); }}),
+    [](const ::testing::TestParamInfo<PolicyMaker>& info) {
       return info.param.name;
     });
 
@@ -451,7 +451,7 @@ TEST(PolicyByNameTest, MapsEachNameToItsPolicy) {
   // ...and each name gives the matching one.
   for (const auto& [name, reference] : expected) {
     SCOPED_TRACE(name);
-    std::shared_ptr<const EvictionPolicy> policy = PolicyByName(name);
+    std::shared_ptr<const EvictionPolicy> policy = PolicyByName(name).eviction;
     ASSERT_NE(policy, nullptr);
     EXPECT_EQ(Fingerprint(*policy), Fingerprint(*reference));
     EXPECT_EQ(policy->name(), reference->name());
@@ -478,11 +478,54 @@ TEST(FaasCachePolicyTest, PriorityIsInflationPlusAccessesTimesLoadTimePerGiB) {
                    1.0 + 2 * 4.1 / 4);
 }
 
-TEST(PolicyByNameTest, UnknownNameGivesNull) {
-  EXPECT_EQ(PolicyByName(""), nullptr);
-  EXPECT_EQ(PolicyByName("unknown"), nullptr);
-  EXPECT_EQ(PolicyByName("lfu"), nullptr);
-  EXPECT_EQ(PolicyByName("gdsf-"), nullptr);
+TEST(PolicyByNameTest, UnknownNameIsAnErrorListingEveryValidName) {
+  for (const char* name : {"", "unknown", "lfu", "gdsf-", "ttl-", "ttl-10",
+                           "ttl-xm", "ttl--1m", "ttl-0m", "ttl-infm"}) {
+    SCOPED_TRACE(name);
+    const std::string message =
+        ErrorMessage([&] { PolicyByName(name); }, ErrorCode::kInvalidArgument);
+    EXPECT_THAT(message, HasSubstr("'" + std::string(name) + "'"));
+    if (std::string_view(name).substr(0, 4) == "ttl-") {
+      EXPECT_THAT(message, HasSubstr("ttl-10m"));
+    } else {
+      for (const std::string& valid : PolicyNames()) {
+        EXPECT_THAT(message, HasSubstr(valid));
+      }
+      EXPECT_THAT(message, HasSubstr("belady"));
+    }
+  }
+}
+
+// Every name the registry lists is accepted; what it gives: the eviction
+// order, a TTL for ttl-<N>, a keep-alive for the prewarm policies, and
+// faascache priced by the load cost model given.
+TEST(PolicyByNameTest, EveryListedNameGivesARunnablePolicy) {
+  for (std::string name : PolicyNames()) {
+    if (name == "ttl-<N>m") name = "ttl-10m";
+    SCOPED_TRACE(name);
+    const NamedPolicy policy = PolicyByName(name);
+    EXPECT_EQ(policy.name, name);
+    ASSERT_NE(policy.eviction, nullptr);
+    EXPECT_FALSE(policy.offline);
+    const bool keeps_alive = name == "hybrid-histogram" ||
+                             name == "gdsf-prewarm" ||
+                             name == "next-use-prewarm";
+    EXPECT_EQ(policy.keep_alive != nullptr, keeps_alive);
+    EXPECT_EQ(policy.idle_ttl.count() > 0, name == "ttl-10m");
+  }
+  for (const std::string& name : OfflinePolicyNames()) {
+    EXPECT_TRUE(PolicyByName(name).offline) << name;
+  }
+  EXPECT_EQ(PolicyByName("ttl-90s").idle_ttl, std::chrono::seconds(90));
+  EXPECT_EQ(PolicyByName("ttl-1.5h").idle_ttl, std::chrono::minutes(90));
+  EXPECT_EQ(PolicyByName("ttl-500ms").idle_ttl, std::chrono::milliseconds(500));
+  EXPECT_EQ(
+      Fingerprint(*PolicyByName("faascache", LoadCostModel{0.5, 1e9}).eviction),
+      Fingerprint(*NewFaasCachePolicy(0.5, 1e9)));
+  EXPECT_TRUE(PolicyByName("next-use-prewarm")
+                  .keep_alive->prewarm_evicts_lower_ranked());
+  EXPECT_FALSE(
+      PolicyByName("gdsf-prewarm").keep_alive->prewarm_evicts_lower_ranked());
 }
 
 // ---- LRU ----
@@ -773,9 +816,10 @@ TEST(NextUsePolicyTest, RanksByThePredictedWaitForTheNextRequest) {
 }
 
 TEST(NextUsePolicyTest, TheSizeExponentWeighsTheWaitBySize) {
-  std::shared_ptr<const EvictionPolicy> bytes = PolicyByName("next-use");
+  std::shared_ptr<const EvictionPolicy> bytes =
+      PolicyByName("next-use").eviction;
   std::shared_ptr<const EvictionPolicy> uniform =
-      PolicyByName("next-use-uniform");
+      PolicyByName("next-use-uniform").eviction;
   ASSERT_NE(bytes, nullptr);
   ASSERT_NE(uniform, nullptr);
   EXPECT_EQ(bytes->name(), "next-use");
@@ -813,7 +857,7 @@ TEST(NextUsePolicyTest, OfTwoModelsDueTogetherTheSizeDecidesWhichGoes) {
     double now = 0;
     Models models;
     CacheOptions options = NextUseOptions(&now, 400);
-    options.policy = PolicyByName(c.policy);
+    options.policy = PolicyByName(c.policy).eviction;
     ModelCache cache(std::move(options));
     const uint64_t kept_bytes = std::string(c.kept) == "small" ? 100 : 300;
     for (now = 0; now <= 30; now += 10) {

@@ -108,7 +108,7 @@ TEST_P(CacheStress, MixedOperationsKeepTheInvariants) {
   auto budget = std::make_shared<Budget>(kCapacity, "stress");
   CacheOptions options;
   options.budget = budget;
-  options.policy = PolicyByName(GetParam());
+  options.policy = PolicyByName(GetParam()).eviction;
   options.shard_bits = 2;
   options.name = "a";
   std::atomic<uint64_t> callback_throws{0};

@@ -112,6 +112,10 @@ struct AcquireOptions {
   // little, the call fails (kFail) or waits (kWait) as when nothing is
   // evictable.
   bool evict_only_lower_ranked = false;
+  // False: make room only from free bytes, evicting nothing (a prewarm into
+  // free memory). When that is too little, the call fails (kFail) or waits
+  // (kWait) as when nothing is evictable.
+  bool evict = true;
 };
 
 enum class EventType {
@@ -133,6 +137,13 @@ struct CacheEvent {
   uint64_t bytes = 0;
   double seconds = 0;  // load time, for kLoaded
   std::string error;   // for kLoadFailed and kUnloadFailed
+};
+
+// How to load a model ahead of demand, for a keep-alive policy's prewarm
+// (CacheOptions::prewarm_source).
+struct PrewarmSource {
+  uint64_t expected_bytes = 0;
+  Loader loader;
 };
 
 struct CacheOptions {
@@ -162,6 +173,40 @@ struct CacheOptions {
   // throws, the exception is caught and counted (CacheStats::
   // callback_errors); the cache's state is the same as if it had returned.
   std::function<void(const CacheEvent&)> on_event;
+
+  // Keep-alive and prewarm (keep_alive.h). The cache records each model's
+  // idle times (from the end of its last request to the arrival of the next)
+  // and asks the policy for a plan whenever a model's last request ends (its
+  // last lease, not a Prefetch's). It carries the plan out on its clock:
+  // unloads the model at the plan's time if it is still idle, unpinned and
+  // not requested since (an expiration: EventType::kExpired), and prewarms
+  // it at the plan's time with a Prefetch through `prewarm_source`.
+  //
+  // A prewarm never delays a demand load: it starts only while no demand
+  // load is in flight in this cache and fewer than `max_prewarms` prewarms
+  // are; it never waits for room and evicts nothing (or, for a policy whose
+  // prewarm_evicts_lower_ranked(), only idle models ranked below it). One
+  // that comes due during a demand load starts when no demand load is left.
+  //
+  // The plans run on a thread of the cache's, which it stops before it goes
+  // away, when `now` is empty (the real clock); with an injected clock, only
+  // when the caller runs ModelCache::RunKeepAlive. Null: no keep-alive.
+  std::shared_ptr<const KeepAlivePolicy> keep_alive;
+  // How to load `key` for a prewarm: its expected size and a loader, or
+  // nullopt to skip that prewarm. Called with no lock held, on the thread
+  // running the plans. Empty: no prewarms (unloads still happen).
+  std::function<std::optional<PrewarmSource>(std::string_view key)>
+      prewarm_source;
+  int max_prewarms = 1;
+
+  // Sets `policy`, `idle_ttl` and `keep_alive` from a named policy
+  // (PolicyByName).
+  CacheOptions& WithPolicy(const NamedPolicy& named) {
+    policy = named.eviction;
+    idle_ttl = named.idle_ttl;
+    keep_alive = named.keep_alive;
+    return *this;
+  }
 };
 
 struct CacheStats {
@@ -191,6 +236,9 @@ struct CacheStats {
   uint64_t wasted_evictions = 0;
   // Event callbacks that threw (and were caught).
   uint64_t callback_errors = 0;
+  // Loads the keep-alive policy made ahead of demand (CacheOptions::
+  // keep_alive); each is also counted in `loads`.
+  uint64_t prewarms = 0;
 
   bool operator==(const CacheStats&) const = default;
 };
@@ -337,6 +385,12 @@ class ModelCache {
 
   // Evicts unleased, unpinned records idle past idle_ttl; returns how many.
   size_t EvictExpired();
+  // Runs every keep-alive action (CacheOptions::keep_alive) due by now on
+  // the cache's clock, and the prewarms held back by a demand load that may
+  // start now; returns how many unloaded or prewarmed a model. For an
+  // injected clock: with the real clock the cache's own thread runs them as
+  // they come due. 0 without a keep-alive policy.
+  size_t RunKeepAlive();
   // Evicts every unleased, unpinned record of this cache; returns how many.
   size_t Prune();
   // Sets the capacity of this cache's budget (see Budget::SetCapacity).

@@ -13,10 +13,14 @@
 #define MODELCACHE_CORE_POLICY_H_
 
 #include <atomic>
+#include <chrono>
 #include <cstdint>
 #include <memory>
 #include <string>
+#include <string_view>
 #include <vector>
+
+#include "modelcache/core/keep_alive.h"
 
 namespace modelcache {
 
@@ -241,11 +245,53 @@ std::shared_ptr<const EvictionPolicy> NewNextUsePolicy(
 // there is none.
 std::shared_ptr<const EvictionPolicy> NewBeladyPolicy();
 
-// Looks a policy up by name: "lru", "gdsf" (cost = bytes), "gdsf-classic"
-// (raw counts), "gdsf-time", "gdsf-uniform", "faascache" (100 ms latency,
-// 2 GB/s), "next-use", "next-use-uniform", "belady" (offline). Returns nullptr
-// for an unknown name.
-std::shared_ptr<const EvictionPolicy> PolicyByName(const std::string& name);
+// ---- The policy registry: every policy by the name an operator gives it. ----
+//
+// One list for the replay, the command line, the Python package and the
+// daemon: each takes a name through PolicyByName and lists PolicyNames() when
+// a name is unknown.
+
+// What a load costs, for a policy that prices reloads by it (faascache) or
+// starts prewarms that much ahead (gdsf-prewarm, next-use-prewarm): a load
+// takes `latency_seconds` plus its bytes at `bytes_per_second`.
+struct LoadCostModel {
+  double latency_seconds = 0.1;
+  double bytes_per_second = 2e9;
+};
+
+// A policy as an operator names it: an eviction order and, for some, an idle
+// TTL or a keep-alive plan (CacheOptions::WithPolicy sets all three).
+struct NamedPolicy {
+  std::string name;
+  std::shared_ptr<const EvictionPolicy> eviction;
+  // 0: none. For "ttl-<N>": N.
+  std::chrono::nanoseconds idle_ttl{0};
+  // Null: none.
+  std::shared_ptr<const KeepAlivePolicy> keep_alive;
+  // It needs the future (AcquireOptions::policy_hint): only a replay of a
+  // known trace can run it.
+  bool offline = false;
+};
+
+// The online policies' names, in the order messages list them:
+//   lru, gdsf (GDSF, log2 of the count, cost = bytes), gdsf-classic (raw
+//   counts), gdsf-time (cost = measured load time), gdsf-uniform (one unit
+//   per load), faascache (FaaSCache's Greedy-Dual keep-alive, priced by the
+//   LoadCostModel), ttl-<N><unit> (LRU, and a model idle for N is unloaded:
+//   ttl-10m, ttl-90s, ttl-1h, ttl-500ms), hybrid-histogram (LRU with Shahrad
+//   et al.'s keep-alive and prewarm), gdsf-prewarm (the histogram with GDSF,
+//   prewarms led by the load time), next-use, next-use-uniform,
+//   next-use-prewarm (the histogram with next-use-uniform; its prewarms may
+//   replace idle models ranked below them).
+// "ttl-<N>m" stands for the ttl family.
+std::vector<std::string> PolicyNames();
+// The offline ones: "belady".
+std::vector<std::string> OfflinePolicyNames();
+
+// The policy named `name` (online or offline), priced by `cost`. Throws Error
+// kInvalidArgument naming every valid name for an unknown one, and saying
+// how to write a TTL for a malformed ttl-<N>.
+NamedPolicy PolicyByName(std::string_view name, const LoadCostModel& cost = {});
 
 }  // namespace modelcache
 

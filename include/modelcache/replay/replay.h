@@ -220,9 +220,6 @@ RunResult Replay(const Trace& trace, const std::string& policy,
 RunResult Replay(const Trace& trace, const std::string& policy,
                  uint64_t capacity_bytes, const ReplayOptions& options);
 
-// Every policy name Replay accepts, for messages and --help.
-std::string PolicyNames();
-
 // Every (policy, capacity) pair, on up to `threads` threads; results in
 // policy-major order. `progress` (may be empty) is called with the number of
 // finished runs, from the calling thread.

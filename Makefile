@@ -47,9 +47,10 @@ test-tsan: deps
 test-tsa: deps
 	$(call run_suite,clang-tsa,build/clang-tsa,)
 
-# The safetensors reader and the trace readers under libFuzzer (clang,
-# ASan+UBSan), seeded with the real files in ../shared/data/weights and
-# ../shared/data/traces: 20 s each in `make test`, longer on demand with
+# The safetensors reader, the trace readers and `modelcache ring`'s inputs
+# under libFuzzer (clang, ASan+UBSan), seeded with the real files in
+# ../shared/data/weights and ../shared/data/traces (and fuzz/ring_seeds):
+# 20 s each in `make test`, longer on demand with
 # `make fuzz FUZZ_SECONDS=3600`.
 test-fuzz: deps
 	bash fuzz/run.sh 20 build/fuzz

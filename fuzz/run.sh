@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # Builds the fuzzers (clang) and runs each for a bounded time: the
-# safetensors reader, then the trace readers of `modelcache replay`.
+# safetensors reader, the trace readers of `modelcache replay`, then what
+# `modelcache ring` parses.
 #
 #   fuzz/run.sh [SECONDS] [BUILD_DIR]      (defaults: 20 each, build/fuzz)
 #
@@ -10,7 +11,7 @@
 # reproducers to BUILD_DIR/artifacts/. Exits non-zero when a fuzzer finds a
 # crash. Reproduce one with
 #   BUILD_DIR/safetensors_fuzzer BUILD_DIR/artifacts/crash-...
-# (or trace_fuzzer, whichever reported it).
+# (or trace_fuzzer or ring_fuzzer, whichever reported it).
 set -euo pipefail
 
 seconds="${1:-20}"
@@ -18,7 +19,7 @@ build_dir="${2:-build/fuzz}"
 data="${MODELCACHE_SHARED_DATA:-../shared/data}"
 
 cmake -S fuzz -B "$build_dir" -G Ninja -DCMAKE_CXX_COMPILER=clang++ >/dev/null
-cmake --build "$build_dir" --target safetensors_fuzzer trace_fuzzer
+cmake --build "$build_dir" --target safetensors_fuzzer trace_fuzzer ring_fuzzer
 mkdir -p "$build_dir/artifacts"
 
 # run FUZZER DICT SEEDS [libFuzzer flags...]
@@ -45,3 +46,6 @@ run safetensors_fuzzer fuzz/safetensors.dict "$data/weights"
 # Each input is read six ways and the real traces are up to 120 KB; shorter
 # inputs keep the runs per second in the hundreds.
 run trace_fuzzer fuzz/trace.dict "$data/traces" -max_len=16384
+# Its inputs are a --nodes line, a --hash-type line, then a model list;
+# fuzz/ring_seeds holds a few.
+run ring_fuzzer fuzz/ring.dict fuzz/ring_seeds -max_len=4096

@@ -11,6 +11,10 @@ packages=(
   libabsl-dev
   librocksdb-dev libleveldb-dev
   python3-dev pybind11-dev python3-pytest python3-numpy python3-torch
+  # HAProxy 2.6, whose hash ring tests/replay/haproxy_ring_test.cc runs
+  # (Debian's own configuration defines no frontend, so its service listens
+  # on nothing).
+  haproxy
 )
 
 missing=()

@@ -2,6 +2,7 @@
 //
 //   modelcache replay [TRACE] [options]   predict a request mix under a budget
 //   modelcache inspect FILE [--json]      list a safetensors file's tensors
+//   modelcache ring --nodes N --models F  each model's HAProxy node
 //
 // With no TRACE, replay runs an embedded default: a generated model zoo and
 // an eight-hour request trace, several policies and capacities. This file is
@@ -17,6 +18,7 @@
 #include "modelcache/core/policy.h"
 #include "modelcache/replay/replay.h"
 #include "replay_command.h"
+#include "ring_command.h"
 
 namespace {
 
@@ -110,6 +112,25 @@ int main(int argc, char** argv) {
       ->required();
   inspect_cmd->add_flag("--json", inspect_json, "Print one JSON object");
 
+  modelcache::tools::RingFlags ring_flags;
+  CLI::App* ring_cmd = app.add_subcommand(
+      "ring", "Print the node HAProxy 2.6's hash sends each model to");
+  ring_cmd
+      ->add_option("--nodes", ring_flags.nodes,
+                   "HAProxy servers in declaration order: name:id:weight,...")
+      ->required();
+  ring_cmd
+      ->add_option("--models", ring_flags.models,
+                   "Model ids, one per line, or a CSV with a 'model' column")
+      ->required();
+  ring_cmd
+      ->add_option("--kill", ring_flags.kill,
+                   "Print the models that move when these nodes go down")
+      ->delimiter(',');
+  ring_cmd->add_option("--hash-type", ring_flags.hash_type,
+                       "HAProxy's hash-type: consistent (default), "
+                       "'consistent sdbm', map-based, ...");
+
   try {
     app.parse(argc, argv);
   } catch (const CLI::CallForHelp& e) {
@@ -123,6 +144,9 @@ int main(int argc, char** argv) {
 
   try {
     if (*replay_cmd) return modelcache::tools::RunReplay(replay_flags);
+    if (*ring_cmd) {
+      return modelcache::tools::RunRing(ring_flags, std::cout, std::cerr);
+    }
     if (*inspect_cmd) {
       return modelcache::tools::RunInspect(inspect_file, inspect_json,
                                            std::cout, std::cerr);

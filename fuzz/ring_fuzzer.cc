@@ -1,0 +1,165 @@
+// libFuzzer target: what `modelcache ring` parses, and the ring built from
+// it.
+//
+// The input's first line is a --nodes list, its second a --hash-type, and
+// the rest a --models file. Each parser must either throw modelcache::Error
+// or return what its contract says: servers that pass ValidateRingServers;
+// model ids that are non-empty, unique and free of the bytes a path segment
+// cannot hold raw. Where both parse (and the ring is small enough to stay
+// fast), every lookup must name a server that is up, with and without load
+// and an avoided server; taking a server down must move only its models;
+// and RunRing must exit 0, or 1 with one "error: " line and nothing on
+// stdout. Any other exception, a failed check (a trap), a memory error
+// (ASan) or undefined behaviour (UBSan, no recovery) is a crash.
+#include <unistd.h>
+
+#include <cstddef>
+#include <cstdint>
+#include <cstdio>
+#include <cstdlib>
+#include <fstream>
+#include <set>
+#include <sstream>
+#include <string>
+#include <string_view>
+#include <vector>
+
+#include "modelcache/base/errors.h"
+#include "modelcache/replay/ring.h"
+#include "ring_command.h"
+
+namespace {
+
+using modelcache::replay::ConsistentHashRing;
+using modelcache::replay::HaproxySampleKey;
+using modelcache::replay::MapBasedHash;
+using modelcache::replay::RingServer;
+
+void Check(bool condition) {
+  if (!condition) __builtin_trap();
+}
+
+// A file removed when the fuzzer exits.
+class TempFile {
+ public:
+  TempFile() {
+    const char* dir = std::getenv("TMPDIR");
+    path_ = std::string(dir && *dir ? dir : "/tmp") +
+            "/modelcache_ring_fuzzer." + std::to_string(getpid());
+  }
+  ~TempFile() { std::remove(path_.c_str()); }
+  const std::string& path() const { return path_; }
+
+ private:
+  std::string path_;
+};
+
+std::string_view NextLine(std::string_view* rest) {
+  const size_t end = rest->find('\n');
+  const std::string_view line = rest->substr(0, end);
+  rest->remove_prefix(end == std::string_view::npos ? rest->size() : end + 1);
+  return line;
+}
+
+void CheckRing(const std::vector<RingServer>& servers,
+               const std::vector<std::string>& models, bool avalanche,
+               std::string_view noise) {
+  // Loads and choices from the input's bytes.
+  const auto byte = [&](size_t i) -> uint32_t {
+    return noise.empty() ? 0
+                         : static_cast<unsigned char>(noise[i % noise.size()]);
+  };
+  const int64_t factor = byte(0) % 2 ? 101 + byte(1) * 4 : 0;
+  ConsistentHashRing ring(servers, factor);
+  MapBasedHash map(servers);
+  std::vector<uint32_t> in_flight(servers.size());
+  for (size_t i = 0; i < in_flight.size(); ++i) in_flight[i] = byte(i + 2) % 8;
+  std::vector<size_t> owners;
+  for (size_t m = 0; m < models.size() && m < 64; ++m) {
+    const uint32_t key = HaproxySampleKey(models[m], avalanche);
+    const size_t owner = ring.Owner(key);
+    Check(owner < servers.size() && ring.is_up(owner));
+    owners.push_back(owner);
+    const size_t avoid = byte(m) % servers.size();
+    const size_t chosen = ring.Select(key, in_flight, avoid);
+    Check(chosen < servers.size() && ring.is_up(chosen));
+    // Without load, an avoided server is passed over when another is up;
+    // with load it may still be chosen (nobody else has room).
+    if (factor == 0 && ring.up_count() > 1) Check(chosen != avoid);
+    const size_t mapped = map.Select(key);
+    Check(mapped < servers.size() && map.is_up(mapped));
+  }
+  if (servers.size() < 2) return;
+  const size_t down = byte(3) % servers.size();
+  ring.SetDown(down);
+  map.SetDown(down);
+  for (size_t m = 0; m < owners.size(); ++m) {
+    const uint32_t key = HaproxySampleKey(models[m], avalanche);
+    const size_t now = ring.Owner(key);
+    Check(now != down && ring.is_up(now));
+    if (owners[m] != down) Check(now == owners[m]);
+    Check(map.Select(key) != down);
+  }
+}
+
+}  // namespace
+
+extern "C" int LLVMFuzzerTestOneInput(const uint8_t* data, size_t size) {
+  static const TempFile models_file;
+  std::string_view rest(reinterpret_cast<const char*>(data), size);
+  const std::string nodes(NextLine(&rest));
+  const std::string hash_type(NextLine(&rest));
+  {
+    std::ofstream out(models_file.path(), std::ios::binary | std::ios::trunc);
+    out.write(rest.data(), static_cast<std::streamsize>(rest.size()));
+  }
+
+  std::vector<RingServer> servers;
+  bool servers_ok = false;
+  try {
+    servers = modelcache::tools::ParseNodeList(nodes);
+    modelcache::replay::ValidateRingServers(servers);
+    servers_ok = true;
+  } catch (const modelcache::Error&) {
+  }
+  bool avalanche = true;
+  try {
+    avalanche = modelcache::tools::ParseHashType(hash_type).avalanche;
+  } catch (const modelcache::Error&) {
+  }
+  std::vector<std::string> models;
+  try {
+    models = modelcache::tools::ReadModelIds(models_file.path());
+    Check(!models.empty());
+    std::set<std::string> unique(models.begin(), models.end());
+    Check(unique.size() == models.size());
+    for (const std::string& id : models) {
+      Check(!id.empty());
+      for (const char ch : id) {
+        const auto c = static_cast<unsigned char>(ch);
+        Check(c > 0x20 && c < 0x7f && c != '/' && c != '?' && c != '#');
+      }
+    }
+  } catch (const modelcache::Error&) {
+  }
+
+  // Keep each run fast: at most 4096 units of weight (65,536 points).
+  int64_t weight = 0;
+  for (const RingServer& s : servers) weight += s.weight;
+  if (servers_ok && !models.empty() && weight <= 4096) {
+    CheckRing(servers, models, avalanche, rest);
+    std::ostringstream out, err;
+    modelcache::tools::RingFlags flags;
+    flags.nodes = nodes;
+    flags.models = models_file.path();
+    flags.hash_type = hash_type;
+    if (!rest.empty() && rest[0] % 2) flags.kill = {servers[0].name};
+    const int status = modelcache::tools::RunRing(flags, out, err);
+    if (status != 0) {
+      Check(status == 1 && out.str().empty());
+      const std::string e = err.str();
+      Check(e.rfind("error: ", 0) == 0 && e.find('\n') == e.size() - 1);
+    }
+  }
+  return 0;
+}

@@ -323,34 +323,40 @@ namespace modelcache {
 
 // gtest printers, found by argument-dependent lookup, so that a failed
 // EXPECT_EQ on whole stats or entries names every field.
+namespace print_detail {
+inline void Value(std::ostream* os, const std::string& v) {
+  *os << '"' << v << '"';
+}
+inline void Value(std::ostream* os, EntryState v) { *os << EntryStateName(v); }
+inline void Value(std::ostream* os, bool v) { *os << (v ? "true" : "false"); }
+inline void Value(std::ostream* os, Clock::time_point v) {
+  *os << std::chrono::duration_cast<std::chrono::nanoseconds>(
+             v.time_since_epoch())
+             .count()
+      << "ns";
+}
+template <typename T>
+void Value(std::ostream* os, const T& v) {
+  *os << v;
+}
+template <typename Record>
+void Fields(const Record& r, std::ostream* os) {
+  const char* sep = "{";
+  ForEachField(r, [&](const char* name, const auto& value, const char*) {
+    *os << sep << name << "=";
+    Value(os, value);
+    sep = " ";
+  });
+  *os << "}";
+}
+}  // namespace print_detail
+
 inline void PrintTo(const CacheStats& s, std::ostream* os) {
-  *os << "{hits=" << s.hits << " misses=" << s.misses
-      << " refused=" << s.refused << " loads=" << s.loads
-      << " load_failures=" << s.load_failures << " evictions=" << s.evictions
-      << " expirations=" << s.expirations
-      << " failed_unloads=" << s.failed_unloads << " removals=" << s.removals
-      << " bytes_loaded=" << s.bytes_loaded
-      << " load_seconds=" << s.load_seconds
-      << " resident_entries=" << s.resident_entries
-      << " resident_bytes=" << s.resident_bytes
-      << " retired_entries=" << s.retired_entries
-      << " retired_bytes=" << s.retired_bytes
-      << " capacity_bytes=" << s.capacity_bytes
-      << " budget_used_bytes=" << s.budget_used_bytes
-      << " high_water_bytes=" << s.high_water_bytes
-      << " wasted_evictions=" << s.wasted_evictions
-      << " callback_errors=" << s.callback_errors << "}";
+  print_detail::Fields(s, os);
 }
 
 inline void PrintTo(const EntryInfo& e, std::ostream* os) {
-  *os << "{key=\"" << e.key << "\" state=" << EntryStateName(e.state)
-      << " bytes=" << e.bytes << " leases=" << e.leases
-      << " waiters=" << e.waiters << " pinned=" << (e.pinned ? "true" : "false")
-      << " accesses=" << e.accesses << " last_use="
-      << std::chrono::duration_cast<std::chrono::nanoseconds>(
-             e.last_use.time_since_epoch())
-             .count()
-      << "ns}";
+  print_detail::Fields(e, os);
 }
 
 }  // namespace modelcache

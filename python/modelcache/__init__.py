@@ -27,7 +27,7 @@ from __future__ import annotations
 from typing import Any, List, Optional
 
 from . import _core, runtime, weights
-from ._core import Budget, Lease, Loaded
+from ._core import Budget, Lease, Loaded, policy_names
 from ._types import CacheStats, Entry, Event
 from .errors import (
     CapacityError,
@@ -62,6 +62,7 @@ __all__ = [
     "TimeoutError",
     "TooLargeError",
     "UnavailableError",
+    "policy_names",
     "runtime",
     "torch_bytes",
     "weights",

@@ -3,10 +3,14 @@ for the documented API; the underscored names serve weights.py, runtime.py
 and the Cache wrapper)."""
 
 from datetime import timedelta
-from typing import Any, Callable, Dict, List, Literal, Optional, Union
+from typing import Any, Callable, Dict, List, Literal, Optional, Tuple, Union
 
 Timeout = Union[None, float, int, timedelta]
 WhenFull = Literal["fail", "wait"]
+
+def policy_names(offline: bool = False) -> List[str]: ...
+def _cache_stats_fields() -> List[Tuple[str, str, str]]: ...
+def _entry_fields() -> List[Tuple[str, str, str]]: ...
 
 class Budget:
     def __init__(self, capacity_bytes: int, name: str = "budget") -> None: ...

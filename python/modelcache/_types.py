@@ -2,57 +2,45 @@
 
 from __future__ import annotations
 
-from dataclasses import asdict, dataclass
-from typing import Any, Dict
+from dataclasses import asdict, dataclass, make_dataclass
+from typing import Any, Dict, List, Tuple
+
+from . import _core
 
 __all__ = ["CacheStats", "Entry", "Event"]
 
 
-@dataclass(frozen=True)
-class CacheStats:
-    """A snapshot of a cache's counters and of its budget."""
-
-    hits: int  #: acquires and lookups that found the key resident
-    misses: int  #: acquires that started or joined a load; failed lookups
-    refused: int  #: misses not admitted: too large, no capacity, timed out
-    loads: int  #: loads that completed
-    load_failures: int
-    evictions: int
-    expirations: int
-    failed_unloads: int
-    removals: int  #: models unloaded or retired by remove/invalidate
-    bytes_loaded: int
-    load_seconds: float
-    resident_entries: int
-    resident_bytes: int
-    retired_entries: int
-    retired_bytes: int
-    capacity_bytes: int  #: of the budget
-    budget_used_bytes: int  #: of the budget, every cache on it together
-    high_water_bytes: int  #: of the budget
-    wasted_evictions: int  #: of the budget: evictions for a reservation that failed anyway
-    callback_errors: int  #: on_event calls that raised
-
-    def as_dict(self) -> Dict[str, Any]:
-        """The stats as a plain dict (for JSON)."""
-        return asdict(self)
+def _record(name: str, doc: str, fields: List[Tuple[str, str, str]]) -> type:
+    """A frozen dataclass with the C++ record's fields, in its order: the
+    field list in cache.h is the only one (adding a counter there adds it
+    here)."""
+    types = {"int": int, "float": float, "bool": bool, "str": str}
+    cls = make_dataclass(
+        name,
+        [(field, types[kind]) for field, kind, _ in fields],
+        frozen=True,
+        namespace={"as_dict": lambda self: asdict(self)},
+    )
+    cls.__doc__ = doc + "\n\n" + "\n".join(
+        f"``{field}``: {what}" for field, _, what in fields
+    )
+    cls.__module__ = __name__
+    return cls
 
 
-@dataclass(frozen=True)
-class Entry:
-    """One model the cache holds."""
+#: A snapshot of a cache's counters and of its budget.
+CacheStats = _record(
+    "CacheStats",
+    "A snapshot of a cache's counters and of its budget.",
+    _core._cache_stats_fields(),
+)
 
-    key: str
-    state: str  #: "loading", "resident", "unloading" or "retired"
-    bytes: int
-    leases: int
-    waiters: int  #: threads blocked on its load or unload
-    pinned: bool
-    accesses: int
-    last_use: float  #: when it last became idle, on time.monotonic()'s clock
-
-    def as_dict(self) -> Dict[str, Any]:
-        return asdict(self)
+#: One model the cache holds; ``last_use`` is on time.monotonic()'s clock.
+Entry = _record(
+    "Entry",
+    "One model the cache holds; last_use is on time.monotonic()'s clock.",
+    _core._entry_fields(),
+)
 
 
 @dataclass(frozen=True)

@@ -43,11 +43,53 @@ struct PyLoaded {
   py::object unload;  // None or a callable
 };
 
+Loaded ToLoaded(const py::object& result, uint64_t expected_bytes);
+
+// The loader and expected size of each key's last load through acquire or
+// prefetch, kept for a cache whose policy prewarms (CacheOptions::
+// keep_alive): a prewarm loads a model the way the application last did.
+class PrewarmLoaders {
+ public:
+  // MC_REQUIRES: the GIL is held (a replaced loader is dropped here).
+  void Remember(const std::string& key, uint64_t expected_bytes,
+                const py::object& loader) {
+    PyRef old;
+    {
+      std::lock_guard<std::mutex> lock(mu_);
+      auto& slot = by_key_[key];
+      old = std::move(slot.second);
+      slot = {expected_bytes, PyRef(loader)};
+    }
+  }
+  // Called by the cache's keep-alive thread, without the GIL.
+  std::optional<PrewarmSource> SourceFor(std::string_view key) {
+    std::pair<uint64_t, PyRef> entry;
+    {
+      std::lock_guard<std::mutex> lock(mu_);
+      auto it = by_key_.find(std::string(key));
+      if (it == by_key_.end()) return std::nullopt;
+      entry = it->second;
+    }
+    const uint64_t bytes = entry.first;
+    return PrewarmSource{
+        bytes, [fn = std::move(entry.second), bytes] {
+          return WithGil([&] { return ToLoaded(CallPython(fn.get()), bytes); });
+        }};
+  }
+
+ private:
+  std::mutex mu_;
+  std::unordered_map<std::string, std::pair<uint64_t, PyRef>> by_key_;
+};
+
 class CacheHandle {
  public:
   CacheHandle(CacheOptions options, std::shared_ptr<Budget> budget,
-              py::object on_event)
-      : budget_(std::move(budget)), on_event_(std::move(on_event)) {
+              py::object on_event,
+              std::shared_ptr<PrewarmLoaders> prewarm_loaders)
+      : budget_(std::move(budget)),
+        on_event_(std::move(on_event)),
+        prewarm_loaders_(std::move(prewarm_loaders)) {
     options.budget = budget_;
     cache_ = std::make_unique<ModelCache>(std::move(options));
   }
@@ -71,10 +113,20 @@ class CacheHandle {
   ModelCache& cache() { return *cache_; }
   const std::shared_ptr<Budget>& budget() const { return budget_; }
   const py::object& on_event() const { return on_event_; }
+  // For a policy that prewarms: remembers how `key` was loaded.
+  // MC_REQUIRES: the GIL is held.
+  void RememberLoader(const std::string& key, uint64_t expected_bytes,
+                      const py::object& loader) {
+    if (prewarm_loaders_) {
+      prewarm_loaders_->Remember(cache_->Resolve(key), expected_bytes, loader);
+    }
+  }
 
  private:
   std::shared_ptr<Budget> budget_;
   py::object on_event_;
+  // Null unless the policy prewarms.
+  std::shared_ptr<PrewarmLoaders> prewarm_loaders_;
   std::unique_ptr<ModelCache> cache_;
 };
 
@@ -288,23 +340,6 @@ NamedPolicy PolicyFrom(const std::string& name) {
   }
 }
 
-double MonotonicSeconds(Clock::time_point t) {
-  return std::chrono::duration<double>(t.time_since_epoch()).count();
-}
-
-py::dict EntryDict(const EntryInfo& e) {
-  py::dict d;
-  d["key"] = e.key;
-  d["state"] = EntryStateName(e.state);
-  d["bytes"] = e.bytes;
-  d["leases"] = e.leases;
-  d["waiters"] = e.waiters;
-  d["pinned"] = e.pinned;
-  d["accesses"] = e.accesses;
-  d["last_use"] = MonotonicSeconds(e.last_use);
-  return d;
-}
-
 std::unique_ptr<CacheHandle> NewCache(std::string name,
                                       std::optional<uint64_t> capacity_bytes,
                                       std::shared_ptr<Budget> budget,
@@ -319,10 +354,10 @@ std::unique_ptr<CacheHandle> NewCache(std::string name,
     RaiseError(ErrorCode::kInvalidArgument,
                "give capacity_bytes (a new budget) or budget (a shared one)");
   }
-  if (shard_bits < 0 || shard_bits > 16) {
-    RaiseError(
-        ErrorCode::kInvalidArgument,
-        "shard_bits must be within 0..16, got " + std::to_string(shard_bits));
+  if (shard_bits < 0 || shard_bits > kMaxShardBits) {
+    RaiseError(ErrorCode::kInvalidArgument,
+               "shard_bits must be within 0.." + std::to_string(kMaxShardBits) +
+                   ", got " + std::to_string(shard_bits));
   }
   if (!on_event.is_none() && !PyCallable_Check(on_event.ptr())) {
     RaiseError(ErrorCode::kInvalidArgument, "on_event must be callable");
@@ -331,6 +366,13 @@ std::unique_ptr<CacheHandle> NewCache(std::string name,
   CacheOptions options;
   options.name = name;
   options.WithPolicy(PolicyFrom(policy));
+  std::shared_ptr<PrewarmLoaders> prewarm_loaders;
+  if (options.keep_alive) {
+    prewarm_loaders = std::make_shared<PrewarmLoaders>();
+    options.prewarm_source = [prewarm_loaders](std::string_view key) {
+      return prewarm_loaders->SourceFor(key);
+    };
+  }
   options.shard_bits = shard_bits;
   if (std::optional<double> ttl = SecondsFrom(idle_ttl, "idle_ttl")) {
     if (std::isinf(*ttl)) {
@@ -362,7 +404,8 @@ std::unique_ptr<CacheHandle> NewCache(std::string name,
     };
   }
   return std::make_unique<CacheHandle>(std::move(options), std::move(budget),
-                                       std::move(on_event));
+                                       std::move(on_event),
+                                       std::move(prewarm_loaders));
 }
 
 CacheHandle& Handle(const py::object& self) {
@@ -425,6 +468,23 @@ KeyboardInterrupt on Ctrl-C (main thread).
 }  // namespace
 
 void BindCache(py::module_& m) {
+  m.def(
+      "policy_names",
+      [](bool offline) {
+        std::vector<std::string> names = PolicyNames();
+        if (offline) {
+          for (std::string& name : OfflinePolicyNames()) {
+            names.push_back(std::move(name));
+          }
+        }
+        return names;
+      },
+      py::arg("offline") = false,
+      "The policy names Cache(policy=...) takes, as replay and the daemon "
+      "take them; \"ttl-<N>m\" stands for ttl-10m, ttl-90s, ttl-1h. With "
+      "offline=True, also those that need the future (\"belady\").");
+  m.def("_cache_stats_fields", &CacheStatsFields);
+  m.def("_entry_fields", &EntryFields);
   py::class_<Budget, std::shared_ptr<Budget>>(m, "Budget", R"doc(
 A byte budget that one or several caches draw from.
 
@@ -489,9 +549,13 @@ a lease on it is held, and never cached when its loader fails.
 
 ``Cache(name="models", capacity_bytes=None, budget=None, policy="lru",
 idle_ttl=None, shard_bits=4, on_event=None)``: give ``capacity_bytes`` for a
-budget of its own or ``budget`` to share one. ``policy`` is one of "lru",
-"gdsf", "gdsf-classic", "gdsf-time", "gdsf-uniform", "faascache", "next-use",
-"next-use-uniform", "belady".
+budget of its own or ``budget`` to share one. ``policy`` is a name from
+``modelcache.policy_names()`` ("lru", "gdsf", "next-use", "ttl-10m",
+"next-use-prewarm", ...): the same policies replay runs. A keep-alive policy
+("hybrid-histogram", "gdsf-prewarm", "next-use-prewarm") unloads idle models
+and prewarms them ahead of their expected next request, on a thread of the
+cache's, with the loader and size of each model's last acquire or prefetch.
+``shard_bits`` is within 0..12.
 ``idle_ttl`` (seconds or a timedelta) unloads models idle that long.
 ``on_event`` is called with an Event for every load, failure, eviction and
 removal, outside the cache's locks.
@@ -512,6 +576,7 @@ removal, outside the cache's locks.
              uint64_t expected_bytes, py::object timeout,
              const std::string& when_full) {
             CacheHandle& h = Handle(self);
+            h.RememberLoader(key, expected_bytes, loader);
             Lease lease = RunLoading(
                 h, key, loader, expected_bytes, timeout, when_full,
                 [&](ModelCache& cache, const AcquireOptions& options,
@@ -532,6 +597,7 @@ removal, outside the cache's locks.
              uint64_t expected_bytes, py::object timeout,
              const std::string& when_full, bool evict_only_lower_ranked) {
             CacheHandle& h = Handle(self);
+            h.RememberLoader(key, expected_bytes, loader);
             RunLoading(h, key, loader, expected_bytes, timeout, when_full,
                        [&](ModelCache& cache, const AcquireOptions& options,
                            const Loader& wrapped) {

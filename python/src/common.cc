@@ -216,29 +216,55 @@ void RegisterExceptionTranslators() {
   });
 }
 
-py::dict CacheStatsDict(const CacheStats& s) {
+namespace {
+
+py::object ToPython(const std::string& v) { return py::str(v); }
+py::object ToPython(EntryState v) { return py::str(EntryStateName(v)); }
+py::object ToPython(Clock::time_point v) {
+  return py::float_(
+      std::chrono::duration<double>(v.time_since_epoch()).count());
+}
+py::object ToPython(bool v) { return py::bool_(v); }
+py::object ToPython(double v) { return py::float_(v); }
+template <typename T>
+py::object ToPython(T v) {
+  return py::int_(v);
+}
+
+const char* PythonType(const std::string&) { return "str"; }
+const char* PythonType(EntryState) { return "str"; }
+const char* PythonType(Clock::time_point) { return "float"; }
+const char* PythonType(bool) { return "bool"; }
+const char* PythonType(double) { return "float"; }
+template <typename T>
+const char* PythonType(T) {
+  return "int";
+}
+
+template <typename Record>
+py::dict FieldsDict(const Record& r) {
   py::dict d;
-  d["hits"] = s.hits;
-  d["misses"] = s.misses;
-  d["refused"] = s.refused;
-  d["loads"] = s.loads;
-  d["load_failures"] = s.load_failures;
-  d["evictions"] = s.evictions;
-  d["expirations"] = s.expirations;
-  d["failed_unloads"] = s.failed_unloads;
-  d["removals"] = s.removals;
-  d["bytes_loaded"] = s.bytes_loaded;
-  d["load_seconds"] = s.load_seconds;
-  d["resident_entries"] = s.resident_entries;
-  d["resident_bytes"] = s.resident_bytes;
-  d["retired_entries"] = s.retired_entries;
-  d["retired_bytes"] = s.retired_bytes;
-  d["capacity_bytes"] = s.capacity_bytes;
-  d["budget_used_bytes"] = s.budget_used_bytes;
-  d["high_water_bytes"] = s.high_water_bytes;
-  d["wasted_evictions"] = s.wasted_evictions;
-  d["callback_errors"] = s.callback_errors;
+  ForEachField(r, [&](const char* name, const auto& value, const char*) {
+    d[name] = ToPython(value);
+  });
   return d;
 }
+
+template <typename Record>
+py::list FieldList() {
+  py::list out;
+  ForEachField(Record{},
+               [&](const char* name, const auto& value, const char* doc) {
+                 out.append(py::make_tuple(name, PythonType(value), doc));
+               });
+  return out;
+}
+
+}  // namespace
+
+py::dict CacheStatsDict(const CacheStats& s) { return FieldsDict(s); }
+py::dict EntryDict(const EntryInfo& e) { return FieldsDict(e); }
+py::list CacheStatsFields() { return FieldList<CacheStats>(); }
+py::list EntryFields() { return FieldList<EntryInfo>(); }
 
 }  // namespace modelcache::python

@@ -188,7 +188,12 @@ std::optional<double> SecondsFrom(const py::object& value, const char* what);
 
 // CacheStats as a dict keyed by its field names (modelcache.CacheStats's
 // fields). MC_REQUIRES: the GIL is held.
+// CacheStats and EntryInfo as dicts, and their fields as (name, Python type,
+// doc) tuples, all from the one field list in cache.h.
 py::dict CacheStatsDict(const CacheStats& stats);
+py::dict EntryDict(const EntryInfo& entry);
+py::list CacheStatsFields();
+py::list EntryFields();
 
 // Registers the translation of modelcache::Error and PythonError into Python
 // exceptions. Called once from the module's init.

@@ -179,6 +179,52 @@ def test_aliases_pins_prune_and_capacity():
     assert cache.budget.used == 0
 
 
+def test_every_policy_replay_recommends_runs_in_a_cache():
+    names = modelcache.policy_names()
+    assert "next-use-prewarm" in names and "hybrid-histogram" in names
+    assert "belady" not in names and "belady" in modelcache.policy_names(offline=True)
+    for name in names:
+        name = "ttl-10m" if name == "ttl-<N>m" else name
+        cache = modelcache.Cache(name, capacity_bytes=300, policy=name)
+        for i in range(12):
+            with cache.acquire("m%d" % (i % 4), lambda: Model("m"), 100):
+                pass
+        s = cache.stats()
+        assert s.hits + s.misses - s.prewarms == 12, name
+        assert cache.budget.used <= 300
+        del cache  # a keep-alive policy's thread stops with its cache
+        gc.collect()
+
+
+def test_an_unknown_policy_names_every_valid_one():
+    with pytest.raises(modelcache.InvalidArgumentError) as unknown:
+        modelcache.Cache(capacity_bytes=10, policy="lfu")
+    for name in modelcache.policy_names(offline=True):
+        assert name in str(unknown.value)
+    with pytest.raises(modelcache.InvalidArgumentError, match="ttl-10m"):
+        modelcache.Cache(capacity_bytes=10, policy="ttl-soon")
+
+
+def test_shard_bits_beyond_twelve_are_refused():
+    modelcache.Cache(capacity_bytes=10, shard_bits=12)
+    with pytest.raises(modelcache.InvalidArgumentError, match="0..12"):
+        modelcache.Cache(capacity_bytes=10, shard_bits=13)
+
+
+def test_stats_and_entries_have_the_fields_of_the_cpp_records():
+    cache = modelcache.Cache(capacity_bytes=100)
+    with cache.acquire("a", lambda: Model("a"), 10):
+        pass
+    stats = cache.stats()
+    assert [f for f, _, _ in modelcache._core._cache_stats_fields()] == list(
+        stats.as_dict()
+    )
+    assert stats.prewarms == 0 and stats.wasted_evictions == 0
+    entry = cache.entry("a")
+    assert entry.key == "a" and entry.state == "resident" and entry.bytes == 10
+    assert isinstance(entry.last_use, float)
+
+
 def test_a_request_that_cannot_fit_evicts_nothing():
     cache = modelcache.Cache("t", capacity_bytes=100)
     held = cache.acquire("a", lambda: Model("a"), 50)

@@ -30,7 +30,8 @@ CacheCore::CacheCore(CacheOptions options)
       policy_monotone_(policy_->monotone()),
       history_length_(policy_->history_length()),
       policy_time_dependent_(policy_->time_dependent()),
-      shard_mask_((size_t{1} << std::clamp(options_.shard_bits, 0, 12)) - 1),
+      shard_mask_(
+          (size_t{1} << std::clamp(options_.shard_bits, 0, kMaxShardBits)) - 1),
       shards_(new Shard[shard_mask_ + 1]) {
   if (options_.keep_alive) {
     // Last: its thread may call in as soon as it starts.

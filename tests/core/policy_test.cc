@@ -1046,4 +1046,33 @@ TEST(NextUsePolicyTest, HistoriesStayBoundedWhateverTheNumberOfKeys) {
 }
 
 }  // namespace
+// Every online name runs in a ModelCache: the cache takes its eviction
+// order, TTL and keep-alive (CacheOptions::WithPolicy), and its books stay
+// exact through loads, hits, evictions and keep-alive actions.
+TEST(PolicyByNameTest, EveryListedNameRunsInAModelCache) {
+  for (std::string name : PolicyNames()) {
+    if (name == "ttl-<N>m") name = "ttl-10m";
+    SCOPED_TRACE(name);
+    Models models;
+    double now = 0;
+    CacheOptions options = NextUseOptions(&now, 300);
+    options.WithPolicy(PolicyByName(name));
+    options.prewarm_source = [&](std::string_view key) {
+      return PrewarmSource{100, models.For(std::string(key), 100)};
+    };
+    ModelCache cache(std::move(options));
+    for (int i = 0; i < 40; ++i) {
+      now += 45;  // seconds: past the 10-minute TTL now and then
+      Use(cache, models, "m" + std::to_string(i % 5), 100);
+      cache.RunKeepAlive();
+      cache.EvictExpired();
+      ASSERT_LE(cache.budget().used(), 300u);
+      ASSERT_EQ(cache.CheckInvariants(), cache.budget().used());
+    }
+    EXPECT_EQ(
+        cache.Stats().hits + cache.Stats().misses - cache.Stats().prewarms,
+        40u);
+  }
+}
+
 }  // namespace modelcache

@@ -139,6 +139,9 @@ struct CacheEvent {
   std::string error;   // for kLoadFailed and kUnloadFailed
 };
 
+// CacheOptions::shard_bits above this means this (4,096 shards).
+inline constexpr int kMaxShardBits = 12;
+
 // How to load a model ahead of demand, for a keep-alive policy's prewarm
 // (CacheOptions::prewarm_source).
 struct PrewarmSource {
@@ -165,9 +168,9 @@ struct CacheOptions {
   // resolution, which idle TTLs do not need finer). Called under the cache's
   // locks: it must not call into the cache.
   std::function<Clock::time_point()> now;
-  // log2 of the number of lock shards. 0 gives one shard and an exact global
-  // eviction order; more shards let concurrent hits on different keys
-  // proceed without contention.
+  // log2 of the number of lock shards, clamped to [0, kMaxShardBits]. 0
+  // gives one shard and an exact global eviction order; more shards let
+  // concurrent hits on different keys proceed without contention.
   int shard_bits = 4;
   // Called outside every lock, on the thread that caused the event. If it
   // throws, the exception is caught and counted (CacheStats::
@@ -209,58 +212,92 @@ struct CacheOptions {
   }
 };
 
+// The fields of CacheStats, X(type, name, what it counts): the one list the
+// struct, the test printers, the Python package's dict and dataclass, and the
+// daemon's JSON and metrics read. Adding a counter is one line here.
+#define MODELCACHE_CACHE_STATS_FIELDS(X)                                       \
+  X(uint64_t, hits, "acquires and lookups that found the key resident")        \
+  X(uint64_t, misses,                                                          \
+    "acquires that started or joined a load, and lookups that did not find "   \
+    "the key resident")                                                        \
+  X(uint64_t, refused,                                                         \
+    "misses whose load never ran or was not admitted: too large, no "          \
+    "capacity, timed out waiting for room")                                    \
+  X(uint64_t, loads, "loads that completed")                                   \
+  X(uint64_t, load_failures, "loads whose loader threw")                       \
+  X(uint64_t, evictions,                                                       \
+    "records evicted to make room, by SetCapacity or "                         \
+    "by Prune")                                                                \
+  X(uint64_t, expirations,                                                     \
+    "idle records unloaded past the idle TTL or their keep-alive")             \
+  X(uint64_t, failed_unloads, "unloaders that threw")                          \
+  X(uint64_t, removals, "records unloaded or retired by Remove/Invalidate")    \
+  X(uint64_t, bytes_loaded, "bytes of the loads that completed")               \
+  X(double, load_seconds, "time the completed loads took")                     \
+  X(uint64_t, resident_entries, "records resident now")                        \
+  X(uint64_t, resident_bytes, "their bytes")                                   \
+  X(uint64_t, retired_entries, "records retired and still leased")             \
+  X(uint64_t, retired_bytes, "their bytes")                                    \
+  X(uint64_t, capacity_bytes, "of the budget")                                 \
+  X(uint64_t, budget_used_bytes, "of the budget, every cache on it together")  \
+  X(uint64_t, high_water_bytes, "of the budget: the most ever in use")         \
+  X(uint64_t, wasted_evictions,                                                \
+    "of the budget: evictions made for reservations that then failed anyway "  \
+    "(Budget::wasted_evictions; only a race or a failing unloader causes "     \
+    "one)")                                                                    \
+  X(uint64_t, callback_errors, "event callbacks that threw (and were caught)") \
+  X(uint64_t, prewarms,                                                        \
+    "loads the keep-alive policy made ahead of demand (CacheOptions::"         \
+    "keep_alive); each is also counted in loads and misses")
+
 struct CacheStats {
-  uint64_t hits = 0;    // acquires and lookups that found the key resident
-  uint64_t misses = 0;  // acquires that started or joined a load, and
-                        // lookups that did not find the key resident
-  // Misses whose load never ran or was not admitted: too large, no capacity,
-  // timed out waiting for room.
-  uint64_t refused = 0;
-  uint64_t loads = 0;  // loads that completed
-  uint64_t load_failures = 0;
-  uint64_t evictions = 0;
-  uint64_t expirations = 0;
-  uint64_t failed_unloads = 0;
-  uint64_t removals = 0;  // records unloaded or retired by Remove/Invalidate
-  uint64_t bytes_loaded = 0;
-  double load_seconds = 0;
-  uint64_t resident_entries = 0;
-  uint64_t resident_bytes = 0;
-  uint64_t retired_entries = 0;
-  uint64_t retired_bytes = 0;
-  uint64_t capacity_bytes = 0;     // of the budget
-  uint64_t budget_used_bytes = 0;  // of the budget, all members together
-  uint64_t high_water_bytes = 0;   // of the budget
-  // Of the budget: evictions made for reservations that then failed anyway
-  // (Budget::wasted_evictions; only a race or a failing unloader causes one).
-  uint64_t wasted_evictions = 0;
-  // Event callbacks that threw (and were caught).
-  uint64_t callback_errors = 0;
-  // Loads the keep-alive policy made ahead of demand (CacheOptions::
-  // keep_alive); each is also counted in `loads`.
-  uint64_t prewarms = 0;
+#define MODELCACHE_DECLARE_STAT(type, name, doc) type name = 0;
+  MODELCACHE_CACHE_STATS_FIELDS(MODELCACHE_DECLARE_STAT)
+#undef MODELCACHE_DECLARE_STAT
 
   bool operator==(const CacheStats&) const = default;
 };
 
+// Calls visit(name, value, doc) for every field of `stats`, in order.
+template <typename Visitor>
+void ForEachField(const CacheStats& stats, Visitor&& visit) {
+#define MODELCACHE_VISIT_STAT(type, name, doc) visit(#name, stats.name, doc);
+  MODELCACHE_CACHE_STATS_FIELDS(MODELCACHE_VISIT_STAT)
+#undef MODELCACHE_VISIT_STAT
+}
+
 enum class EntryState { kLoading, kResident, kUnloading, kRetired };
 const char* EntryStateName(EntryState state);
 
+// The fields of EntryInfo, X(type, name, what it is), as for CacheStats.
+#define MODELCACHE_ENTRY_INFO_FIELDS(X)                                     \
+  X(std::string, key, "the canonical key")                                  \
+  X(EntryState, state, "loading, resident, unloading or retired")           \
+  X(uint64_t, bytes, "its size (reserved, while loading)")                  \
+  X(int, leases, "leases held on it")                                       \
+  X(int, waiters, "callers blocked on it: waiting for its load or unload")  \
+  X(bool, pinned, "never evicted while pinned")                             \
+  X(uint64_t, accesses, "acquires since it was loaded")                     \
+  X(Clock::time_point, last_use,                                            \
+    "when it last became idle: its load, or the end of its last lease (an " \
+    "idle TTL counts from here)")
+
 struct EntryInfo {
-  std::string key;
-  EntryState state;
-  uint64_t bytes = 0;
-  int leases = 0;
-  // Callers blocked on this record: waiting for its load or its unload.
-  int waiters = 0;
-  bool pinned = false;
-  uint64_t accesses = 0;
-  // When it last became idle: its load, or the end of its last lease. An
-  // idle TTL counts from here.
-  Clock::time_point last_use;
+#define MODELCACHE_DECLARE_ENTRY_FIELD(type, name, doc) type name{};
+  MODELCACHE_ENTRY_INFO_FIELDS(MODELCACHE_DECLARE_ENTRY_FIELD)
+#undef MODELCACHE_DECLARE_ENTRY_FIELD
 
   bool operator==(const EntryInfo&) const = default;
 };
+
+// Calls visit(name, value, doc) for every field of `entry`, in order.
+template <typename Visitor>
+void ForEachField(const EntryInfo& entry, Visitor&& visit) {
+#define MODELCACHE_VISIT_ENTRY_FIELD(type, name, doc) \
+  visit(#name, entry.name, doc);
+  MODELCACHE_ENTRY_INFO_FIELDS(MODELCACHE_VISIT_ENTRY_FIELD)
+#undef MODELCACHE_VISIT_ENTRY_FIELD
+}
 
 enum class RemoveOutcome {
   kNotFound,  // nothing resident under that key

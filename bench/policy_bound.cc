@@ -76,6 +76,12 @@
 
 namespace {
 
+modelcache::replay::ReplayOptions Untimed() {
+  modelcache::replay::ReplayOptions options;
+  options.timed = false;
+  return options;
+}
+
 using modelcache::replay::DefaultTracePopularity;
 using modelcache::replay::Trace;
 
@@ -418,7 +424,8 @@ bool Measure(const Trace& trace, const std::vector<uint64_t>& capacities,
              std::vector<Row>& rows) {
   namespace replay = modelcache::replay;
   const std::vector<std::string> names = {"gdsf", "next-use", "lru", "belady"};
-  const auto results = replay::ReplayAll(trace, names, capacities, 0, 2);
+  const auto results =
+      replay::ReplayAll(trace, names, capacities, Untimed(), 2);
   const size_t k = capacities.size();
   for (size_t c = 0; c < k; ++c) {
     const uint64_t cap = capacities[c];
@@ -497,7 +504,8 @@ void PrintEqualSizes(const std::vector<uint64_t>& seeds) {
     for (uint64_t seed : seeds) {
       DefaultTracePopularity pop;
       const Trace trace = EqualSizes(seed, stationary, pop);
-      const auto results = replay::ReplayAll(trace, names, capacities, 0, 2);
+      const auto results =
+          replay::ReplayAll(trace, names, capacities, Untimed(), 2);
       const size_t k = capacities.size();
       for (size_t c = 0; c < k; ++c) {
         const uint64_t belady = results[c].bytes_loaded;

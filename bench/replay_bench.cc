@@ -31,13 +31,12 @@ const replay::Trace& DefaultTrace() {
 
 void RunReplay(benchmark::State& state, const replay::Trace& trace,
                const std::string& policy, uint64_t capacity_gib, bool timed) {
-  replay::ReplayOptions options;
-  options.timed = timed;
   uint64_t requests = 0;
   double hit_ratio = 0, p99 = 0;
   for (auto _ : state) {
     replay::RunResult result =
-        replay::Replay(trace, policy, capacity_gib << 30, options);
+        timed ? replay::Simulate(trace, policy, capacity_gib << 30)
+              : replay::ReplayUntimed(trace, policy, capacity_gib << 30);
     requests += result.requests;
     hit_ratio = result.hit_ratio;
     p99 = result.wait_ms.p99;

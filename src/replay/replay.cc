@@ -18,6 +18,7 @@
 #include <thread>
 
 #include "modelcache/core/cache.h"
+#include "modelcache/core/policy.h"
 #include "replay_internal.h"
 
 namespace modelcache::replay {
@@ -40,24 +41,9 @@ std::vector<std::pair<std::string, uint64_t>> SloAnswers(
   return answers;
 }
 
-RunResult Replay(const Trace& trace, const std::string& policy_name,
-                 uint64_t capacity_bytes, double hold_ms) {
-  NamedPolicy policy = PolicyByName(policy_name);
-  if (policy.idle_ttl.count() > 0 || policy.keep_alive) {
-    // Its keep-alive needs time: the simulation with an infinitely fast load
-    // path, which gives the untimed counts for every other policy.
-    ReplayOptions options;
-    options.timed = false;
-    options.hold_ms = hold_ms;
-    return Replay(trace, policy_name, capacity_bytes, options);
-  }
-  return ReplayUntimed(trace, std::move(policy.eviction), capacity_bytes,
-                       hold_ms);
-}
-
-RunResult ReplayUntimed(const Trace& trace,
-                        std::shared_ptr<const EvictionPolicy> policy,
-                        uint64_t capacity_bytes, double hold_ms) {
+RunResult ReplayUntimedWith(const Trace& trace,
+                            std::shared_ptr<const EvictionPolicy> policy,
+                            uint64_t capacity_bytes, double hold_ms) {
   const bool belady = !policy->monotone();
   const size_t n = trace.requests.size();
   RunResult result;
@@ -187,21 +173,15 @@ RunResult ReplayUntimed(const Trace& trace,
 
 std::vector<RunResult> ReplayAll(
     const Trace& trace, const std::vector<std::string>& policies,
-    const std::vector<uint64_t>& capacities, double hold_ms, unsigned threads,
-    const std::function<void(size_t, size_t)>& progress) {
-  ReplayOptions options;
-  options.timed = false;
-  options.hold_ms = hold_ms;
-  return ReplayAll(trace, policies, capacities, options, threads, progress);
-}
-
-std::vector<RunResult> ReplayAll(
-    const Trace& trace, const std::vector<std::string>& policies,
     const std::vector<uint64_t>& capacities, const ReplayOptions& options,
     unsigned threads, const std::function<void(size_t, size_t)>& progress) {
   for (const std::string& p : policies) {
-    Replay(Trace{}, p, 0, options);  // throws the clear error
+    PolicyByName(p);  // throws the clear error
   }
+  auto run = [&](const std::string& policy, uint64_t capacity) {
+    return options.timed ? Simulate(trace, policy, capacity, options)
+                         : ReplayUntimed(trace, policy, capacity, options);
+  };
   const size_t total = policies.size() * capacities.size();
   std::vector<RunResult> results(total);
   std::atomic<size_t> next{0};
@@ -212,8 +192,8 @@ std::vector<RunResult> ReplayAll(
   auto work = [&] {
     for (size_t task; (task = next.fetch_add(1)) < total;) {
       try {
-        results[task] = Replay(trace, policies[task / capacities.size()],
-                               capacities[task % capacities.size()], options);
+        results[task] = run(policies[task / capacities.size()],
+                            capacities[task % capacities.size()]);
       } catch (...) {
         std::lock_guard<std::mutex> lock(mu);
         if (!error) error = std::current_exception();

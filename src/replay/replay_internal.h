@@ -46,11 +46,12 @@ class LeasePool {
   std::vector<size_t> free_;
 };
 
-// The untimed replay with a policy object (the time model's faascache, say)
-// rather than a name. Defined in replay.cc.
-RunResult ReplayUntimed(const Trace& trace,
-                        std::shared_ptr<const EvictionPolicy> policy,
-                        uint64_t capacity_bytes, double hold_ms);
+// The untimed replay's own loop, with a policy object rather than a name:
+// for an eviction policy alone, every lease taken and given back at once or
+// held for `hold_ms`. Defined in replay.cc.
+RunResult ReplayUntimedWith(const Trace& trace,
+                            std::shared_ptr<const EvictionPolicy> policy,
+                            uint64_t capacity_bytes, double hold_ms);
 
 }  // namespace modelcache::replay
 

@@ -99,7 +99,7 @@ TEST(KeepAliveAgreementTest, TheCacheAndTheReplayTakeTheSameDecisions) {
         {static_cast<int64_t>(t), static_cast<uint32_t>(m)});
   }
   std::vector<Decision> replayed;
-  replay::ReplayOptions options;
+  replay::SimulateOptions options;
   options.time = replay::TimeModel{std::numeric_limits<double>::infinity(), 0,
                                    /*slots=*/0};
   options.on_event = [&](double t, const CacheEvent& e) {
@@ -110,7 +110,7 @@ TEST(KeepAliveAgreementTest, TheCacheAndTheReplayTakeTheSameDecisions) {
                             e.key);
     }
   };
-  replay::Replay(trace, "hybrid-histogram", 1000, options);
+  replay::Simulate(trace, "hybrid-histogram", 1000, options);
 
   const std::vector<Decision> live = RunLive("hybrid-histogram", requests);
   auto sorted = [](auto v) {

@@ -23,6 +23,12 @@
 namespace modelcache::replay {
 namespace {
 
+ReplayOptions Untimed() {
+  ReplayOptions options;
+  options.timed = false;
+  return options;
+}
+
 using ::testing::HasSubstr;
 using ::testing::StartsWith;
 
@@ -391,7 +397,7 @@ TEST(Replay, LruIsExactlyByteCapacityLru) {
     for (uint64_t capacity : {50u, 300u, 1000u}) {
       ReferenceLru reference;
       reference.Run(trace, capacity);
-      RunResult result = Replay(trace, "lru", capacity);
+      RunResult result = ReplayUntimed(trace, "lru", capacity);
       EXPECT_EQ(result.hits, reference.hits) << seed << " " << capacity;
       EXPECT_EQ(result.misses, reference.misses);
       EXPECT_EQ(result.too_large, reference.too_large);
@@ -405,26 +411,27 @@ TEST(Replay, LruIsExactlyByteCapacityLru) {
 TEST(Replay, BeladyIsOptimalForEqualSizes) {
   for (uint64_t seed = 1; seed <= 3; ++seed) {
     Trace trace = RandomTrace(seed, 30, 10000, /*equal_sizes=*/true);
-    RunResult belady = Replay(trace, "belady", 80);
+    RunResult belady = ReplayUntimed(trace, "belady", 80);
     EXPECT_TRUE(belady.offline);
     for (const char* online : {"lru", "gdsf", "gdsf-uniform"}) {
-      EXPECT_GT(belady.hits, Replay(trace, online, 80).hits) << online;
+      EXPECT_GT(belady.hits, ReplayUntimed(trace, online, 80).hits) << online;
     }
   }
   // A hand-checked case: capacity for two, requests a b c a b.
   Trace trace{
       {"a", "b", "c"}, {1, 1, 1}, {{0, 0}, {1, 1}, {2, 2}, {3, 0}, {4, 1}}};
-  EXPECT_EQ(Replay(trace, "belady", 2).hits, 1u);  // c evicts b, so a hits
-  EXPECT_EQ(Replay(trace, "lru", 2).hits, 0u);
+  EXPECT_EQ(ReplayUntimed(trace, "belady", 2).hits,
+            1u);  // c evicts b, so a hits
+  EXPECT_EQ(ReplayUntimed(trace, "lru", 2).hits, 0u);
 }
 
 TEST(Replay, HeldLeasesBlockEvictionForTheirServiceTime) {
   // Capacity for one model; b arrives while a is still being served.
   Trace trace{{"a", "b"}, {10, 10}, {{0, 0}, {5, 1}, {20, 1}}};
-  RunResult held = Replay(trace, "lru", 10, /*hold_ms=*/10);
+  RunResult held = ReplayUntimed(trace, "lru", 10, {.hold_ms = 10});
   EXPECT_EQ(held.blocked, 1u);  // b at t=5: a is held until t=10
   EXPECT_EQ(held.misses, 3u);
-  RunResult unheld = Replay(trace, "lru", 10);
+  RunResult unheld = ReplayUntimed(trace, "lru", 10);
   EXPECT_EQ(unheld.blocked, 0u);
   EXPECT_EQ(unheld.hits, 1u);  // b at t=20
 }
@@ -432,7 +439,7 @@ TEST(Replay, HeldLeasesBlockEvictionForTheirServiceTime) {
 TEST(Replay, UnknownPolicyIsAClearError) {
   Trace trace = RandomTrace(1, 3, 10, true);
   try {
-    Replay(trace, "fifo", 10);
+    ReplayUntimed(trace, "fifo", 10);
     FAIL();
   } catch (const Error& e) {
     EXPECT_EQ(e.code(), ErrorCode::kInvalidArgument);
@@ -446,7 +453,7 @@ TEST(Replay, CostAwarePolicyLoadsFewerBytesThanLruOnTheSharedTrace) {
   const std::vector<uint64_t> capacities = {
       ParseBytes("8GiB"), ParseBytes("16GiB"), ParseBytes("32GiB"),
       ParseBytes("64GiB")};
-  auto results = ReplayAll(trace, {"lru", "gdsf"}, capacities, 0, 2);
+  auto results = ReplayAll(trace, {"lru", "gdsf"}, capacities, Untimed(), 2);
   for (size_t i = 0; i < capacities.size(); ++i) {
     EXPECT_LT(results[capacities.size() + i].bytes_loaded,
               results[i].bytes_loaded)
@@ -480,7 +487,7 @@ TEST(Replay, NextUseLoadsFewerBytesThanEitherGdsfOnEveryWorkload) {
   for (const Workload& w : workloads) {
     const size_t n = w.capacities.size();
     auto results = ReplayAll(w.trace, {"gdsf", "gdsf-classic", "next-use"},
-                             w.capacities, 0, 2);
+                             w.capacities, Untimed(), 2);
     for (size_t i = 0; i < n; ++i) {
       SCOPED_TRACE(std::string(w.name) + " at " + FormatBytes(w.capacities[i]));
       EXPECT_EQ(results[2 * n + i].policy, "next-use");
@@ -529,7 +536,7 @@ TEST(Replay, DefaultTracePopularityIsWhatTheGeneratorDraws) {
 
 TEST(Replay, JsonAndHtmlCarryEveryRun) {
   Trace trace = RandomTrace(3, 20, 2000, false);
-  auto results = ReplayAll(trace, {"lru", "belady"}, {100, 400}, 0, 2);
+  auto results = ReplayAll(trace, {"lru", "belady"}, {100, 400}, Untimed(), 2);
   auto doc = nlohmann::json::parse(ResultsJson(trace, results));
   EXPECT_EQ(doc["requests"], 2000);
   ASSERT_EQ(doc["results"].size(), 4u);

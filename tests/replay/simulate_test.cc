@@ -43,7 +43,7 @@ Trace MakeTrace(std::vector<uint64_t> sizes,
 TEST(TimedReplay, OneModelOneSlotWaitsLatencyPlusTransfer) {
   // 100 ms + 1e9 bytes at 1 GB/s.
   Trace trace = MakeTrace({1'000'000'000}, {{0, 0}, {5000, 0}});
-  RunResult r = Replay(trace, "lru", 10 * kGiB, Timed(100, 1));
+  RunResult r = Simulate(trace, "lru", 10 * kGiB, Timed(100, 1));
   EXPECT_TRUE(r.timed);
   EXPECT_EQ(r.cold_starts, 1u);
   EXPECT_EQ(r.hits, 1u);
@@ -60,12 +60,12 @@ TEST(TimedReplay, TwoLoadsShareTheBandwidth) {
   // a finishes at 2a/B = 2000 ms; b then has 2e9 left at the full rate and
   // finishes at (a+b)/B = 4000 ms.
   Trace unequal = MakeTrace({1'000'000'000, 3'000'000'000}, {{0, 0}, {0, 1}});
-  RunResult r = Replay(unequal, "lru", 10 * kGiB, Timed(0, 2));
+  RunResult r = Simulate(unequal, "lru", 10 * kGiB, Timed(0, 2));
   EXPECT_DOUBLE_EQ(r.wait_ms.p50, 2000);
   EXPECT_DOUBLE_EQ(r.wait_ms.max, 4000);
   // Equal sizes: both finish at (a+b)/B.
   Trace equal = MakeTrace({2'000'000'000, 2'000'000'000}, {{0, 0}, {0, 1}});
-  RunResult e = Replay(equal, "lru", 10 * kGiB, Timed(0, 2));
+  RunResult e = Simulate(equal, "lru", 10 * kGiB, Timed(0, 2));
   EXPECT_DOUBLE_EQ(e.wait_ms.p50, 4000);
   EXPECT_DOUBLE_EQ(e.wait_ms.max, 4000);
 }
@@ -73,7 +73,7 @@ TEST(TimedReplay, TwoLoadsShareTheBandwidth) {
 TEST(TimedReplay, AJoiningRequestWaitsOnlyTheRemainder) {
   // The load runs 0..1100; the second request joins it at 500.
   Trace trace = MakeTrace({1'000'000'000}, {{0, 0}, {500, 0}});
-  RunResult r = Replay(trace, "lru", 10 * kGiB, Timed(100, 1));
+  RunResult r = Simulate(trace, "lru", 10 * kGiB, Timed(100, 1));
   EXPECT_EQ(r.cold_starts, 2u);
   EXPECT_EQ(r.loads_per_model[0], 1u);
   EXPECT_DOUBLE_EQ(r.wait_ms.p50, 600);
@@ -85,12 +85,12 @@ TEST(TimedReplay, LoadsBeyondTheSlotsQueueInOrder) {
   // trace. The queue holds 2 for 1100 ms and 1 for 1100 ms of 4000.
   Trace trace = MakeTrace({1'000'000'000, 1'000'000'000, 1'000'000'000},
                           {{0, 0}, {0, 1}, {0, 2}, {4000, 0}});
-  RunResult r = Replay(trace, "lru", 10 * kGiB, Timed(100, 1));
+  RunResult r = Simulate(trace, "lru", 10 * kGiB, Timed(100, 1));
   EXPECT_EQ(r.load_queue_peak, 2u);
   EXPECT_DOUBLE_EQ(r.load_queue_mean, (2 * 1100.0 + 1100.0) / 4000);
   EXPECT_DOUBLE_EQ(r.wait_ms.max, 3300);
   EXPECT_DOUBLE_EQ(r.wait_ms.p50, 1100);  // waits 0, 1100, 2200, 3300
-  EXPECT_DOUBLE_EQ(Replay(trace, "lru", 10 * kGiB, Timed(100, 3)).wait_ms.max,
+  EXPECT_DOUBLE_EQ(Simulate(trace, "lru", 10 * kGiB, Timed(100, 3)).wait_ms.max,
                    3100);  // three at a third of the bandwidth each
 }
 
@@ -101,7 +101,7 @@ TEST(TimedReplay, MaxWaitRejectsAndAQueuedLoadNobodyWantsNeverStarts) {
                           {{0, 0}, {0, 1}, {0, 2}, {4000, 0}});
   ReplayOptions options = Timed(100, 1);
   options.max_wait_ms = 1500;
-  RunResult r = Replay(trace, "lru", 10 * kGiB, options);
+  RunResult r = Simulate(trace, "lru", 10 * kGiB, options);
   EXPECT_EQ(r.rejected, 2u);
   EXPECT_EQ(r.loads_per_model[1], 1u);
   EXPECT_EQ(r.loads_per_model[2], 0u);
@@ -114,7 +114,7 @@ TEST(TimedReplay, AHeldLeaseBlocksEvictionUntilItsServiceTimeEnds) {
   Trace trace = MakeTrace({1'000'000'000, 1'000'000'000}, {{0, 0}, {500, 1}});
   ReplayOptions options = Timed(0, 4);
   options.hold_ms = 1000;
-  RunResult r = Replay(trace, "lru", 1'000'000'000, options);
+  RunResult r = Simulate(trace, "lru", 1'000'000'000, options);
   EXPECT_DOUBLE_EQ(r.wait_ms.max, 2500);
   EXPECT_EQ(r.evictions, 1u);
   EXPECT_EQ(r.peak_resident_bytes, 1'000'000'000u);
@@ -128,7 +128,7 @@ TEST(TimedReplay, IdleMemoryTimeByHand) {
       MakeTrace({kGiB, 2 * kGiB}, {{0, 0}, {3'600'000, 0}, {7'200'000, 1}});
   ReplayOptions options = Timed(0, 4, static_cast<double>(kGiB));
   options.hold_ms = 600'000;
-  RunResult r = Replay(trace, "lru", 10 * kGiB, options);
+  RunResult r = Simulate(trace, "lru", 10 * kGiB, options);
   EXPECT_NEAR(r.idle_gib_hours, (2'999'000.0 + 3'000'000.0) / 3'600'000.0,
               1e-9);
 }
@@ -169,7 +169,7 @@ TEST(TimedReplay, TtlUnloadsExactlyAfterTenMinutesIdle) {
   options.on_event = [&](double t, const CacheEvent& e) {
     if (e.type == EventType::kExpired) expired.emplace_back(t, e.key);
   };
-  RunResult r = Replay(trace, "ttl-10m", 10 * kGiB, options);
+  RunResult r = Simulate(trace, "ttl-10m", 10 * kGiB, options);
   ASSERT_EQ(expired.size(), 2u);
   EXPECT_NEAR(expired[0].first, 601'000, 1e-5);
   EXPECT_NEAR(expired[1].first, 1'801'000 + 600'000, 1e-5);
@@ -195,8 +195,8 @@ TEST(TimedReplay, HybridHistogramPrewarmsAPeriodicModelAndHoldsLessIdle) {
     Trace trace = Periodic(seed);
     ReplayOptions options = Timed(100, 4, static_cast<double>(kGiB));
     options.hold_ms = 1000;
-    RunResult hybrid = Replay(trace, "hybrid-histogram", 10 * kGiB, options);
-    RunResult ttl = Replay(trace, "ttl-60m", 10 * kGiB, options);
+    RunResult hybrid = Simulate(trace, "hybrid-histogram", 10 * kGiB, options);
+    RunResult ttl = Simulate(trace, "ttl-60m", 10 * kGiB, options);
     // The first request is cold; until the histogram is representative the
     // 4-hour keep-alive keeps the model; after it, a prewarm precedes every
     // request.
@@ -205,7 +205,7 @@ TEST(TimedReplay, HybridHistogramPrewarmsAPeriodicModelAndHoldsLessIdle) {
     EXPECT_EQ(ttl.cold_starts, 1u);
     EXPECT_LT(hybrid.idle_gib_hours, ttl.idle_gib_hours / 2) << seed;
     for (const char* ours_name : {"gdsf-prewarm", "next-use-prewarm"}) {
-      RunResult ours = Replay(trace, ours_name, 10 * kGiB, options);
+      RunResult ours = Simulate(trace, ours_name, 10 * kGiB, options);
       EXPECT_EQ(ours.cold_starts, 1u) << ours_name;
       EXPECT_GE(ours.prewarms, 40u) << ours_name;
       EXPECT_LT(ours.idle_gib_hours, ttl.idle_gib_hours / 2) << ours_name;
@@ -220,15 +220,15 @@ TEST(TimedReplay, APrewarmNeverDelaysADemandLoad) {
   Trace trace =
       MakeTrace({1'000'000'000, 4'000'000'000}, {{500, 0}, {9000, 1}});
   ReplayOptions options = Timed(100, 1);
-  RunResult alone = Replay(trace, "lru", 10 * kGiB, options);
+  RunResult alone = Simulate(trace, "lru", 10 * kGiB, options);
   options.prewarms = {Request{0, 1}};
-  RunResult with = Replay(trace, "lru", 10 * kGiB, options);
+  RunResult with = Simulate(trace, "lru", 10 * kGiB, options);
   EXPECT_DOUBLE_EQ(alone.wait_ms.max, 4100);  // p, loaded at 9000
   EXPECT_EQ(with.cold_starts, 1u);  // a, which waited 1100 ms as alone
   EXPECT_EQ(with.prewarms, 1u);
   EXPECT_DOUBLE_EQ(with.wait_ms.max, 1100);  // p was ready by 9000
   // Room for only one of them: the prewarm gives way.
-  RunResult tight = Replay(trace, "lru", 4'000'000'000, options);
+  RunResult tight = Simulate(trace, "lru", 4'000'000'000, options);
   EXPECT_DOUBLE_EQ(tight.wait_ms.p50, 1100);
   EXPECT_EQ(tight.prewarms, 0u);
 }
@@ -239,9 +239,8 @@ void ExpectSameCounts(const Trace& trace, const std::string& policy,
                       uint64_t capacity) {
   SCOPED_TRACE(policy + " " + FormatBytes(capacity));
   ReplayOptions untimed;
-  untimed.timed = false;
-  RunResult a = Replay(trace, policy, capacity, untimed);
-  RunResult b = Replay(trace, policy, capacity, Timed(0, 0, kInf));
+  RunResult a = ReplayUntimed(trace, policy, capacity, untimed);
+  RunResult b = Simulate(trace, policy, capacity, Timed(0, 0, kInf));
   EXPECT_FALSE(a.timed);
   EXPECT_TRUE(b.timed);
   EXPECT_EQ(a.hits, b.hits);
@@ -285,7 +284,7 @@ TEST(TimedReplay, ALoadIsStampedAtItsEndSoLruEvictsTheEarlierHitFirst) {
   options.on_event = [&](double, const CacheEvent& e) {
     if (e.type == EventType::kEvicted) evicted.push_back(e.key);
   };
-  RunResult r = Replay(trace, "lru", 3'500'000'000, options);
+  RunResult r = Simulate(trace, "lru", 3'500'000'000, options);
   EXPECT_EQ(r.hits, 1u);
   EXPECT_EQ(r.misses, 4u);
   EXPECT_EQ(r.evictions, 2u);
@@ -305,7 +304,7 @@ TEST(TimedReplay, AJoinedRequestDoesNotChangeWhatALoadsStampEvicts) {
     options.on_event = [&](double, const CacheEvent& e) {
       if (e.type == EventType::kEvicted) evicted.push_back(e.key);
     };
-    Replay(trace, "lru", 3'500'000'000, options);
+    Simulate(trace, "lru", 3'500'000'000, options);
     return evicted;
   };
   const auto alone =
@@ -329,7 +328,7 @@ TEST(TimedReplay, ABlockedQueueHeadDoesNotDrainTheCache) {
   options.on_event = [&](double t, const CacheEvent& e) {
     if (e.type == EventType::kEvicted) evicted.emplace_back(t, e.key);
   };
-  RunResult r = Replay(trace, "lru", 3'000'000'000, options);
+  RunResult r = Simulate(trace, "lru", 3'000'000'000, options);
   EXPECT_EQ(r.hits, 1u);
   EXPECT_EQ(r.misses, 3u);
   EXPECT_THAT(evicted, ElementsAre(std::pair<double, std::string>{2100, "i"},

@@ -1,11 +1,19 @@
 // Trace replay: how a request mix behaves under a memory budget.
 //
 // A trace is a time-ordered list of (time, model) requests with a size per
-// model. Replay runs it through the real core cache (ModelCache with one
-// shard, so the eviction order is exact) once per (policy, capacity) pair
-// and reports hits, misses, bytes loaded again and evictions. Requests are
-// served one at a time; each lease ends before the next request unless a
-// hold time keeps it for that long in trace time.
+// model. A replay runs it through the real core cache (ModelCache with one
+// shard, so the eviction order is exact), with a policy from the core's
+// registry (PolicyByName), once per (policy, capacity) pair, and reports
+// hits, misses, bytes loaded again and evictions. There are two:
+//   * Simulate: in trace time. Loads take time on a modelled load path
+//     (TimeModel: latency, shared bandwidth, slots), requests wait for them
+//     and hold their leases for their service time, keep-alive policies
+//     unload and prewarm on the trace's clock; it reports waits, cold
+//     starts, idle memory and the load queue besides.
+//   * ReplayUntimed: every load instantaneous, each lease given back before
+//     the next request unless a hold time keeps it; the counts alone.
+// ReplayAll runs either for many (policy, capacity) pairs on several
+// threads.
 #ifndef MODELCACHE_REPLAY_REPLAY_H_
 #define MODELCACHE_REPLAY_REPLAY_H_
 
@@ -130,11 +138,11 @@ struct TimeModel {
   uint32_t slots = 4;  // 0: unlimited
 };
 
-struct ReplayOptions {
+struct SimulateOptions {
   // Service time of requests whose trace gives none.
   double hold_ms = 0;
-  // False: the untimed replay (every load instantaneous, no queue).
-  bool timed = true;
+  // The load path (Simulate only); also prices faascache and leads the
+  // prewarm policies' prewarms.
   TimeModel time;
   // A request still waiting this long leaves, counted as rejected; a queued
   // load whose every requester left never starts. Infinity: none.
@@ -144,6 +152,11 @@ struct ReplayOptions {
   std::vector<Request> prewarms;
   // Told every cache event with the trace time it happened at (tests).
   std::function<void(double t_ms, const CacheEvent& event)> on_event;
+};
+
+struct ReplayOptions : SimulateOptions {
+  // Which replay ReplayAll runs: Simulate, or ReplayUntimed.
+  bool timed = true;
 };
 
 // Nearest-rank percentile (p in [0, 1]) of `sorted`, which must be sorted
@@ -206,27 +219,27 @@ struct RunResult {
   std::vector<Bin> bins;
 };
 
-// One replay through a fresh cache. `policy` is a PolicyByName name.
+// The replay in trace time, through a fresh cache of `capacity_bytes` run
+// by the policy named `policy` (PolicyByName, online or offline; faascache
+// is priced by options.time). A discrete-event simulation; see engine.h.
 // Throws Error kInvalidArgument for an unknown policy.
-// This is the untimed replay; see the overload below for the time model.
-RunResult Replay(const Trace& trace, const std::string& policy,
-                 uint64_t capacity_bytes, double hold_ms = 0);
+RunResult Simulate(const Trace& trace, const std::string& policy,
+                   uint64_t capacity_bytes,
+                   const SimulateOptions& options = {});
 
-// Replay in trace time (a discrete-event simulation, see simulate.cc), or the
-// untimed replay when !options.timed. Policies: PolicyByName's names, plus
-// ttl-<N>m (LRU with an N-minute idle keep-alive; s and h also work),
-// faascache, hybrid-histogram and gdsf-prewarm (PolicyNames lists them).
-// Throws Error kInvalidArgument for an unknown policy.
-RunResult Replay(const Trace& trace, const std::string& policy,
-                 uint64_t capacity_bytes, const ReplayOptions& options);
+// The untimed replay: every load instantaneous, no queue, nothing waits
+// (options.time is not used but to price faascache). Gives the counts of
+// Simulate with an infinitely fast load path. Throws Error kInvalidArgument
+// for an unknown policy.
+RunResult ReplayUntimed(const Trace& trace, const std::string& policy,
+                        uint64_t capacity_bytes,
+                        const SimulateOptions& options = {});
 
-// Every (policy, capacity) pair, on up to `threads` threads; results in
-// policy-major order. `progress` (may be empty) is called with the number of
-// finished runs, from the calling thread.
-std::vector<RunResult> ReplayAll(
-    const Trace& trace, const std::vector<std::string>& policies,
-    const std::vector<uint64_t>& capacities, double hold_ms, unsigned threads,
-    const std::function<void(size_t done, size_t total)>& progress = {});
+// Every (policy, capacity) pair through Simulate (options.timed) or
+// ReplayUntimed, on up to `threads` threads; results in policy-major order.
+// `progress` (may be empty) is called with the number of finished runs, from
+// the calling thread. Throws the first unknown policy's error before running
+// anything.
 std::vector<RunResult> ReplayAll(
     const Trace& trace, const std::vector<std::string>& policies,
     const std::vector<uint64_t>& capacities, const ReplayOptions& options,

@@ -1,0 +1,534 @@
+#include "engine.h"
+
+#include <algorithm>
+#include <cassert>
+#include <cmath>
+#include <utility>
+
+namespace modelcache::replay {
+namespace {
+
+// The cache's clock ticks in nanoseconds and expires what has been idle
+// longer than the TTL: a TTL check runs one tick after the TTL.
+constexpr double kNanosecondMs = 1e-6;
+
+}  // namespace
+
+Engine::Engine(const Trace& trace, const NamedPolicy& spec, uint64_t capacity,
+               const SimulateOptions& options, bool timed)
+    : trace_(trace),
+      spec_(spec),
+      ttl_ms_(static_cast<double>(spec.idle_ttl.count()) / 1e6),
+      prewarm_evicts_lower_ranked_(
+          spec.keep_alive && spec.keep_alive->prewarm_evicts_lower_ranked()),
+      options_(options),
+      timed_(timed),
+      time_(timed ? options.time : TimeModel{kInf, 0, /*slots=*/0}),
+      capacity_(capacity),
+      models_(trace.models.size()),
+      t_first_(trace.requests.empty()
+                   ? 0
+                   : static_cast<double>(trace.requests.front().t_ms)),
+      t_last_(trace.requests.empty()
+                  ? 0
+                  : static_cast<double>(trace.requests.back().t_ms)),
+      books_(trace, t_first_, t_last_) {
+  for (uint32_t m = 0; m < trace.models.size(); ++m)
+    index_.emplace(trace.models[m], m);
+  CacheOptions cache_options;
+  cache_options.name = "replay";
+  cache_options.capacity_bytes = capacity;
+  cache_options.policy = spec.eviction;
+  cache_options.shard_bits = 0;
+  cache_options.now = [this] { return ClockAt(now_); };
+  cache_options.idle_ttl = spec.idle_ttl;
+  cache_options.on_event = [this](const CacheEvent& e) { OnEvent(e); };
+  cache_.emplace(std::move(cache_options));
+  belady_ = !spec.eviction->monotone();
+  if (belady_) {
+    const size_t n = trace.requests.size();
+    next_use_.assign(n, kInf);
+    std::vector<double> seen(trace.models.size(), kInf);
+    for (size_t i = n; i-- > 0;) {
+      next_use_[i] = seen[trace.requests[i].model];
+      seen[trace.requests[i].model] = static_cast<double>(i);
+    }
+  }
+}
+
+Engine::~Engine() {
+  // Leases before the cache.
+  holds_.Clear();
+  for (auto& m : models_) m.load_lease.Release();
+}
+
+// ---- time ----
+
+void Engine::AdvanceTo(double t) {
+  if (t <= now_) return;
+  books_.Advance(
+      now_, t,
+      Books::State{idle_bytes_, demand_in_flight_ + prewarm_in_flight_ > 0,
+                   static_cast<uint32_t>(demand_queue_.size()),
+                   cache_->budget().used()});
+  // Transfers progress at their share of the bandwidth.
+  const auto& served =
+      demand_transfers_.empty() ? prewarm_transfers_ : demand_transfers_;
+  if (!served.empty() && std::isfinite(time_.bandwidth_bytes_per_second)) {
+    const double moved = (t - now_) * time_.bandwidth_bytes_per_second /
+                         1000.0 / static_cast<double>(served.size());
+    for (uint32_t m : served) models_[m].remaining -= moved;
+  }
+  now_ = t;
+}
+
+double Engine::NextTransferEnd() const {
+  const auto& served =
+      demand_transfers_.empty() ? prewarm_transfers_ : demand_transfers_;
+  if (served.empty()) return kInf;
+  double least = kInf;
+  for (uint32_t m : served) least = std::min(least, models_[m].remaining);
+  if (least <= 0.5) return now_;
+  return now_ + least * static_cast<double>(served.size()) * 1000.0 /
+                    time_.bandwidth_bytes_per_second;
+}
+
+void Engine::FinishTransfers() {
+  auto& served =
+      demand_transfers_.empty() ? prewarm_transfers_ : demand_transfers_;
+  // Less than half a byte left is rounding: done.
+  std::vector<uint32_t> done;
+  for (size_t k = 0; k < served.size();) {
+    if (models_[served[k]].remaining <= 0.5) {
+      done.push_back(served[k]);
+      served[k] = served.back();
+      served.pop_back();
+    } else {
+      ++k;
+    }
+  }
+  std::sort(done.begin(), done.end());
+  for (uint32_t m : done) CompleteLoad(m);
+}
+
+void Engine::RunUntil(double t) {
+  for (;;) {
+    const double next_event = events_.empty() ? kInf : events_.top().t;
+    const double next_transfer = NextTransferEnd();
+    const double next = std::min(next_event, next_transfer);
+    if (next > t || next == kInf) {
+      if (std::isfinite(t)) AdvanceTo(t);
+      return;
+    }
+    AdvanceTo(next);
+    if (next_transfer <= next_event) {
+      FinishTransfers();
+    } else {
+      const Event e = events_.top();
+      events_.pop();
+      HandleEvent(e);
+    }
+    StartLoads();
+    NoteQueue();
+  }
+}
+
+void Engine::HandleEvent(const Event& e) {
+  ModelState& s = models_[e.model];
+  // After the trace, only what finishes its requests matters.
+  const bool after_trace = now_ > t_last_;
+  switch (e.type) {
+    case EventKind::kHoldEnd:
+      holds_.Release(e.arg);
+      DropLease(e.model, /*request_ended=*/true);
+      break;
+    case EventKind::kLatencyEnd:
+      if (e.arg == s.load_id) EnterTransfer(e.model);
+      break;
+    case EventKind::kTtlCheck:
+      s.ttl_check_pending = false;
+      if (after_trace || s.state != State::kResident || s.leases > 0) break;
+      if (now_ > s.idle_since + ttl_ms_) {
+        cache_->EvictExpired();
+      } else {
+        s.ttl_check_pending = true;
+        Schedule(s.idle_since + ttl_ms_ + kNanosecondMs, EventKind::kTtlCheck,
+                 e.model, 0);
+      }
+      break;
+    case EventKind::kKeepAliveEnd:
+      if (e.t != s.keep_alive_event) break;  // superseded
+      s.keep_alive_event = kInf;
+      if (after_trace) break;
+      if (now_ < s.keep_until) {
+        s.keep_alive_event = s.keep_until;
+        Schedule(s.keep_until, EventKind::kKeepAliveEnd, e.model, 0);
+      } else if (s.state == State::kResident && s.leases == 0) {
+        cache_->Remove(trace_.models[e.model]);
+      }
+      break;
+    case EventKind::kPrewarm:
+      if (after_trace) break;
+      if (e.arg != s.generation && e.arg != ~uint64_t{0}) break;
+      Prewarm(e.model);
+      break;
+    case EventKind::kDeadline: {
+      auto it = std::find_if(s.waiters.begin(), s.waiters.end(),
+                             [&](const Waiter& w) { return w.id == e.arg; });
+      if (it == s.waiters.end()) break;
+      s.waiters.erase(it);
+      books_.Rejected();
+      if (s.state == State::kQueued && s.waiters.empty()) {
+        // Nobody wants it any more: it never loads.
+        demand_queue_.erase(
+            std::find(demand_queue_.begin(), demand_queue_.end(), e.model));
+        s.state = State::kAbsent;
+        room_changed_ = true;
+      }
+      break;
+    }
+  }
+}
+
+// ---- requests and leases ----
+
+void Engine::AddLease(uint32_t m) {
+  ModelState& s = models_[m];
+  if (s.leases++ == 0 && s.state == State::kResident) idle_bytes_ -= Size(m);
+  ++s.generation;  // cancels a planned prewarm
+}
+
+void Engine::DropLease(uint32_t m, bool request_ended) {
+  ModelState& s = models_[m];
+  assert(s.leases > 0);
+  if (--s.leases == 0 && s.state == State::kResident) {
+    BecameIdle(m, request_ended);
+  }
+}
+
+void Engine::BecameIdle(uint32_t m, bool request_ended) {
+  ModelState& s = models_[m];
+  idle_bytes_ += Size(m);
+  s.idle_since = now_;
+  room_changed_ = true;
+  // A prewarm that ends is not a request that ends: the keep-alive planned
+  // when the last request ended still holds.
+  if (!request_ended) return;
+  s.last_end = now_;
+  if (ttl_ms_ > 0 && !s.ttl_check_pending) {
+    s.ttl_check_pending = true;
+    Schedule(now_ + ttl_ms_ + kNanosecondMs, EventKind::kTtlCheck, m, 0);
+  }
+  if (spec_.keep_alive) PlanKeepAlive(m);
+}
+
+// The model left the cache (evicted, expired or removed).
+void Engine::Gone(uint32_t m) {
+  ModelState& s = models_[m];
+  if (s.state != State::kResident) return;
+  assert(s.leases == 0);
+  idle_bytes_ -= Size(m);
+  s.state = State::kAbsent;
+  room_changed_ = true;
+}
+
+void Engine::OnEvent(const CacheEvent& e) {
+  if (options_.on_event) options_.on_event(now_, e);
+  switch (e.type) {
+    case modelcache::EventType::kEvicted:
+    case modelcache::EventType::kExpired:
+    case modelcache::EventType::kRemoved:
+      Gone(index_.at(e.key));
+      break;
+    default:
+      break;
+  }
+}
+
+// A request for a resident model takes its lease for its service time: a hit
+// at its arrival, or a waiter when its load ends. The first waiter's Acquire
+// is the cache's miss: it makes the record resident (into the room the
+// load's reservation kept) and stamps it, so a load is stamped once, at its
+// end, whoever joined it. Each request is noted at its arrival.
+void Engine::TakeLease(uint32_t m, size_t request, double arrival) {
+  const Loader loader = [&]() -> Loaded {
+    return Loaded{nullptr, Size(m), {}};
+  };
+  AcquireOptions acquire;
+  acquire.policy_hint = Hint(request);
+  acquire.arrival = ClockAt(arrival);
+  Lease lease = cache_->Acquire(trace_.models[m], Size(m), loader, acquire);
+  const double hold = HoldMs(request);
+  AddLease(m);
+  if (hold <= 0) {  // taken and given back at once
+    lease.Release();
+    DropLease(m, /*request_ended=*/true);
+    return;
+  }
+  Schedule(now_ + hold, EventKind::kHoldEnd, m, holds_.Hold(std::move(lease)));
+}
+
+void Engine::Arrive(size_t i) {
+  const Request& r = trace_.requests[i];
+  const uint32_t m = r.model;
+  ModelState& s = models_[m];
+  s.last_request = i;
+  if (Size(m) > capacity_) {
+    books_.TooLarge(m);
+    return;
+  }
+  const bool loading =
+      s.state == State::kLatency || s.state == State::kTransfer;
+  if (spec_.keep_alive && s.waiters.empty() && s.leases == (loading ? 1 : 0) &&
+      std::isfinite(s.last_end)) {
+    s.idle.Record(now_ - s.last_end);
+  }
+  if (s.state == State::kResident) {
+    books_.Hit(m);
+    books_.Waited(0);
+    TakeLease(m, i, now_);
+    return;
+  }
+  books_.ColdStart(m);
+  const uint64_t id = next_waiter_id_++;
+  s.waiters.push_back(Waiter{i, now_, id});
+  ++s.generation;  // no planned prewarm applies now
+  if (std::isfinite(options_.max_wait_ms)) {
+    Schedule(now_ + options_.max_wait_ms, EventKind::kDeadline, m, id);
+  }
+  switch (s.state) {
+    case State::kAbsent:
+      Enqueue(m);
+      break;
+    case State::kQueued:
+      break;
+    case State::kLatency:
+    case State::kTransfer:
+      if (s.prewarm_class) {
+        // Someone waits for it now: it is a demand load.
+        s.prewarm_class = false;
+        --prewarm_in_flight_;
+        ++demand_in_flight_;
+        if (s.state == State::kTransfer) {
+          prewarm_transfers_.erase(std::find(prewarm_transfers_.begin(),
+                                             prewarm_transfers_.end(), m));
+          demand_transfers_.push_back(m);
+        }
+      }
+      break;
+    case State::kResident:
+      break;
+  }
+}
+
+// ---- loads ----
+
+void Engine::Enqueue(uint32_t m) {
+  models_[m].state = State::kQueued;
+  demand_queue_.push_back(m);
+}
+
+void Engine::NoteQueue() {
+  const uint32_t queued = static_cast<uint32_t>(demand_queue_.size());
+  books_.NoteQueue(queued);
+}
+
+bool Engine::CancelOnePrewarm() {
+  for (uint32_t m = 0; m < models_.size(); ++m) {
+    ModelState& s = models_[m];
+    if (!s.prewarm_class ||
+        (s.state != State::kLatency && s.state != State::kTransfer)) {
+      continue;
+    }
+    if (s.state == State::kTransfer) {
+      prewarm_transfers_.erase(
+          std::find(prewarm_transfers_.begin(), prewarm_transfers_.end(), m));
+    }
+    // A latency-end event may still come: the load id makes it a no-op.
+    --prewarm_in_flight_;
+    s.prewarm_class = false;
+    s.state = State::kAbsent;
+    s.leases = 0;
+    s.load_lease.Release();
+    cache_->Remove(trace_.models[m]);
+    room_changed_ = true;
+    return true;
+  }
+  return false;
+}
+
+bool Engine::StartLoad(uint32_t m, bool prewarm) {
+  ModelState& s = models_[m];
+  for (;;) {
+    try {
+      if (prewarm) {
+        // A prewarm is the cache's Prefetch: not a request, and (ours) room
+        // only in place of models ranked below it.
+        const Loader loader = [&]() -> Loaded {
+          return Loaded{nullptr, Size(m), {}};
+        };
+        AcquireOptions acquire;
+        acquire.policy_hint = Hint(s.last_request);
+        acquire.request = false;
+        acquire.evict_only_lower_ranked = prewarm_evicts_lower_ranked_;
+        s.load_lease =
+            cache_->Acquire(trace_.models[m], Size(m), loader, acquire);
+      } else {
+        // A demand load reserves its bytes now, as the cache's miss does
+        // (idle models past the TTL go first; then eviction, only if it
+        // makes the room), and hands them to the cache's record when it
+        // ends (CompleteLoad): the record's first use is the load's end.
+        if (ttl_ms_ > 0) cache_->EvictExpired();
+        cache_->budget().Reserve(Size(m));
+      }
+      break;
+    } catch (const Error& e) {
+      if (e.code() != ErrorCode::kCapacity) throw;
+      if (prewarm || !CancelOnePrewarm()) return false;
+    }
+  }
+  s.state = State::kLatency;
+  s.prewarm_class = prewarm;
+  ++s.load_id;
+  s.leases = 1;
+  s.load_start = now_;
+  s.remaining = static_cast<double>(Size(m));
+  (prewarm ? prewarm_in_flight_ : demand_in_flight_)++;
+  books_.LoadStarted(m);
+  if (time_.latency_ms > 0) {
+    Schedule(now_ + time_.latency_ms, EventKind::kLatencyEnd, m, s.load_id);
+  } else {
+    EnterTransfer(m);
+  }
+  return true;
+}
+
+void Engine::EnterTransfer(uint32_t m) {
+  ModelState& s = models_[m];
+  if (s.state != State::kLatency) return;  // cancelled meanwhile
+  s.state = State::kTransfer;
+  if (!std::isfinite(time_.bandwidth_bytes_per_second) || s.remaining <= 0.5) {
+    CompleteLoad(m);
+    return;
+  }
+  (s.prewarm_class ? prewarm_transfers_ : demand_transfers_).push_back(m);
+}
+
+void Engine::CompleteLoad(uint32_t m) {
+  ModelState& s = models_[m];
+  (s.prewarm_class ? prewarm_in_flight_ : demand_in_flight_)--;
+  books_.LoadEnded(now_ - s.load_start, s.prewarm_class);
+  s.prewarm_class = false;
+  s.state = State::kResident;
+  std::vector<Waiter> waiters;
+  waiters.swap(s.waiters);
+  // A prewarm's record is resident since it started, under its load lease.
+  // A demand load's bytes were a bare reservation: they go back to the
+  // budget, and the first waiter's Acquire reserves them again for the
+  // record (nothing else runs in between, so it never evicts).
+  Lease load_lease = std::move(s.load_lease);
+  if (!load_lease) {
+    cache_->budget().Release(Size(m));
+    if (waiters.empty()) {
+      // Every waiter left (--max-wait): the load still completes, as a
+      // load ahead of demand.
+      AcquireOptions acquire;
+      acquire.request = false;
+      load_lease = cache_->Acquire(
+          trace_.models[m], Size(m),
+          [&]() -> Loaded {
+            return Loaded{nullptr, Size(m), {}};
+          },
+          acquire);
+    }
+  }
+  for (const Waiter& w : waiters) {
+    books_.Waited(now_ - w.arrival);
+    TakeLease(m, w.request, w.arrival);
+  }
+  load_lease.Release();
+  DropLease(m, /*request_ended=*/!waiters.empty());
+}
+
+void Engine::StartLoads() {
+  const uint32_t slots =
+      time_.slots == 0 ? std::numeric_limits<uint32_t>::max() : time_.slots;
+  while (!demand_queue_.empty() && demand_in_flight_ < slots) {
+    const uint32_t m = demand_queue_.front();
+    if (!room_changed_) return;
+    if (!StartLoad(m, /*prewarm=*/false)) {
+      room_changed_ = false;  // wait until something becomes evictable
+      return;
+    }
+    demand_queue_.pop_front();
+  }
+  while (demand_queue_.empty() && !prewarm_queue_.empty() &&
+         demand_in_flight_ + prewarm_in_flight_ < slots) {
+    const uint32_t m = prewarm_queue_.front();
+    prewarm_queue_.pop_front();
+    ModelState& s = models_[m];
+    if (s.state != State::kAbsent) continue;
+    // Only into free bytes, or (ours) in place of idle models expected
+    // later; a prewarm that finds no such room is dropped.
+    if (!prewarm_evicts_lower_ranked_ &&
+        cache_->budget().used() + Size(m) > capacity_) {
+      continue;
+    }
+    StartLoad(m, /*prewarm=*/true);
+  }
+}
+
+void Engine::Prewarm(uint32_t m) {
+  if (models_[m].state != State::kAbsent || Size(m) > capacity_) return;
+  prewarm_queue_.push_back(m);
+}
+
+// ---- histogram policies ----
+
+double Engine::ExpectedLoadMs(uint32_t m) const {
+  if (!std::isfinite(time_.bandwidth_bytes_per_second)) return time_.latency_ms;
+  // Its own transfer at the share it would get now, behind the queue.
+  double queued = 0;
+  for (uint32_t q : demand_queue_) queued += static_cast<double>(Size(q));
+  const double share = time_.bandwidth_bytes_per_second / 1000.0 /
+                       static_cast<double>(1 + demand_transfers_.size());
+  return time_.latency_ms + (static_cast<double>(Size(m)) + queued) / share;
+}
+
+// The policy plans when a request ends (keep_alive.h, the same code a
+// ModelCache runs); the simulation carries the plan out in trace time.
+void Engine::PlanKeepAlive(uint32_t m) {
+  ModelState& s = models_[m];
+  const KeepAlivePlan plan =
+      spec_.keep_alive->Plan(s.idle, now_, ExpectedLoadMs(m));
+  if (plan.unload_now) {
+    // Unload now and load again just before the next request is due.
+    cache_->Remove(trace_.models[m]);
+    Schedule(plan.prewarm_at, EventKind::kPrewarm, m, s.generation);
+  }
+  s.keep_until = plan.keep_until;
+  if (s.keep_until < s.keep_alive_event) {
+    s.keep_alive_event = s.keep_until;
+    Schedule(s.keep_until, EventKind::kKeepAliveEnd, m, 0);
+  }
+}
+
+RunResult Engine::Run() && {
+  const auto& requests = trace_.requests;
+  const size_t n = requests.size();
+  now_ = t_first_;
+  for (const Request& p : options_.prewarms) {
+    Schedule(static_cast<double>(p.t_ms), EventKind::kPrewarm, p.model,
+             ~uint64_t{0});
+  }
+  for (size_t i = 0; i < n; ++i) {
+    RunUntil(static_cast<double>(requests[i].t_ms));
+    Arrive(i);
+    StartLoads();
+    NoteQueue();
+  }
+  if (n > 0) RunUntil(kInf);
+  return std::move(books_).Finish(cache_->Stats(), options_.time, timed_);
+}
+
+}  // namespace modelcache::replay

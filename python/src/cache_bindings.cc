@@ -50,7 +50,7 @@ Loaded ToLoaded(const py::object& result, uint64_t expected_bytes);
 // keep_alive): a prewarm loads a model the way the application last did.
 class PrewarmLoaders {
  public:
-  // MC_REQUIRES: the GIL is held (a replaced loader is dropped here).
+  // REQUIRES: the GIL is held (a replaced loader is dropped here).
   void Remember(const std::string& key, uint64_t expected_bytes,
                 const py::object& loader) {
     PyRef old;
@@ -114,7 +114,7 @@ class CacheHandle {
   const std::shared_ptr<Budget>& budget() const { return budget_; }
   const py::object& on_event() const { return on_event_; }
   // For a policy that prewarms: remembers how `key` was loaded.
-  // MC_REQUIRES: the GIL is held.
+  // REQUIRES: the GIL is held.
   void RememberLoader(const std::string& key, uint64_t expected_bytes,
                       const py::object& loader) {
     if (prewarm_loaders_) {

@@ -47,7 +47,7 @@ namespace py = pybind11;
 class PyRef {
  public:
   PyRef() = default;
-  // MC_REQUIRES: the GIL is held.
+  // REQUIRES: the GIL is held.
   explicit PyRef(py::handle object);
   py::handle get() const;  // borrowed; use with the GIL held
   explicit operator bool() const { return static_cast<bool>(holder_); }
@@ -57,7 +57,7 @@ class PyRef {
 };
 
 // A shared_ptr<void> owning a reference to `object`, dropped as PyRef's is;
-// the void* is the PyObject*. MC_REQUIRES: the GIL is held.
+// the void* is the PyObject*. REQUIRES: the GIL is held.
 std::shared_ptr<void> SharePyObject(py::handle object);
 
 // Ends the life of a thread the interpreter is done with: a daemon thread
@@ -75,7 +75,7 @@ bool MustNotTakeGil();
 void RememberMainThread();
 
 // Runs `fn` with the GIL released and returns its result; see the rules
-// above. MC_REQUIRES: the GIL is held.
+// above. REQUIRES: the GIL is held.
 template <typename Fn>
 auto WithoutGil(Fn&& fn) -> decltype(fn()) {
   PyThreadState* state = PyEval_SaveThread();
@@ -110,13 +110,13 @@ auto WithoutGil(Fn&& fn) -> decltype(fn()) {
 class PythonError : public std::exception {
  public:
   // Takes the Python error indicator (or the exception held by `error`).
-  // MC_REQUIRES: the GIL is held.
+  // REQUIRES: the GIL is held.
   explicit PythonError(py::error_already_set& error);
   const char* what() const noexcept override { return message_.c_str(); }
   // The exception object; use with the GIL held.
   py::handle value() const { return value_.get(); }
   // Raises the exception as it was (type, value, traceback) in the calling
-  // thread and throws py::error_already_set. MC_REQUIRES: the GIL is held.
+  // thread and throws py::error_already_set. REQUIRES: the GIL is held.
   [[noreturn]] void Reraise() const;
 
  private:
@@ -144,7 +144,7 @@ class GilHold {
 // wherever it takes the GIL back, and this catches that unwind in the frame
 // of the call itself, before any caller's Python references would be
 // dropped without the GIL, and parks the thread. Throws
-// py::error_already_set when the call raised. MC_REQUIRES: the GIL is held.
+// py::error_already_set when the call raised. REQUIRES: the GIL is held.
 py::object CallPython(py::handle fn, py::handle args = {},
                       py::handle kwargs = {});
 
@@ -163,19 +163,19 @@ auto WithGil(Fn&& fn) -> decltype(fn()) {
 }
 
 // Raises the modelcache.errors class for `code` with `message`.
-// MC_REQUIRES: the GIL is held.
+// REQUIRES: the GIL is held.
 [[noreturn]] void RaiseError(ErrorCode code, const std::string& message);
 
-// The modelcache.errors class for `code`. MC_REQUIRES: the GIL is held.
+// The modelcache.errors class for `code`. REQUIRES: the GIL is held.
 py::object ErrorClass(ErrorCode code);
-// modelcache.errors.LoadError. MC_REQUIRES: the GIL is held.
+// modelcache.errors.LoadError. REQUIRES: the GIL is held.
 py::object LoadErrorClass();
 
 // AcquireOptions from a Python timeout (None, seconds, or timedelta) and
 // when_full ("fail" or "wait"), with an interrupt check that takes the GIL
 // and runs Python's signal handlers, so that Ctrl-C ends a blocked wait with
 // KeyboardInterrupt (checked on the main thread only, the one Python runs
-// signal handlers on). MC_REQUIRES: the GIL is held.
+// signal handlers on). REQUIRES: the GIL is held.
 // `*interrupted` (when given) is set when the check raised.
 AcquireOptions MakeAcquireOptions(const py::object& timeout,
                                   const std::string& when_full,
@@ -187,7 +187,7 @@ Clock::time_point DeadlineFrom(const py::object& timeout);
 std::optional<double> SecondsFrom(const py::object& value, const char* what);
 
 // CacheStats as a dict keyed by its field names (modelcache.CacheStats's
-// fields). MC_REQUIRES: the GIL is held.
+// fields). REQUIRES: the GIL is held.
 // CacheStats and EntryInfo as dicts, and their fields as (name, Python type,
 // doc) tuples, all from the one field list in cache.h.
 py::dict CacheStatsDict(const CacheStats& stats);

@@ -17,17 +17,17 @@ namespace modelcache::python {
 
 // The path as the operating system takes it: str, bytes or os.PathLike,
 // through os.fsencode (so undecodable file names round-trip).
-// MC_REQUIRES: the GIL is held.
+// REQUIRES: the GIL is held.
 std::string PathFrom(const py::handle& path);
 
 // LoadOptions for mode "mmap" or "pread"; InvalidArgumentError otherwise.
-// MC_REQUIRES: the GIL is held.
+// REQUIRES: the GIL is held.
 weights::LoadOptions LoadOptionsFrom(const std::string& mode,
                                      int pread_threads);
 
 // The numpy dtype (little-endian, as safetensors stores it) of `dtype`.
 // Raises InvalidArgumentError for dtypes numpy has no type for (BF16, the
-// F8 kinds), naming `tensor`. MC_REQUIRES: the GIL is held.
+// F8 kinds), naming `tensor`. REQUIRES: the GIL is held.
 py::dtype NumpyDtype(weights::Dtype dtype, const std::string& tensor);
 
 }  // namespace modelcache::python

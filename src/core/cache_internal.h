@@ -70,10 +70,15 @@
 // callback's exception is caught and counted, so it can never leave a lease
 // or a load half done.
 //
-// Invariants: CheckInvariants() verifies them all, and the stress and
-// property tests call it after every round and every step; the debug build
-// asserts the local ones (a lease count that stays >= 0, one order entry per
-// record, the state a transition starts from) where they change.
+// Invariants: CheckInvariants() verifies those that a snapshot can show (I1
+// to I4, I6, I8, and I5 as "no record being unloaded holds a lease"), and
+// the stress and property tests call it after every round and every step;
+// the debug build asserts the local ones (a lease count that stays >= 0, one
+// order entry per record, the state a transition starts from) where they
+// change. I5 over time is also checked by the stress tests' unloaders (one
+// that runs while its model is in use fails the test); I7 is a rule about
+// when state is dropped, which no snapshot shows: the tests that drop values
+// under contention guard it (CacheContract.AWaiterForAnUnloadNeverDrops...).
 //   I1. Every map record has the key it is filed under, lives in this shard
 //       and is not retired; its state is kLoading, kResident or kUnloading.
 //   I2. A record has exactly one order entry iff it is kResident or

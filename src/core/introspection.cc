@@ -133,6 +133,9 @@ uint64_t CacheCore::CheckInvariants() {
       if (r.state == RecordState::kLoading) {
         MC_INVARIANT(r.leases == 0, "lease on a record still loading", key);
       }
+      if (r.state == RecordState::kUnloading) {  // I5, as of now
+        MC_INVARIANT(r.leases == 0, "lease on a record being unloaded", key);
+      }
       accounted += r.bytes;  // I4 (a loading record's bytes = reservation)
     }
     MC_INVARIANT(shard.order.size() == ordered_records,
@@ -143,6 +146,8 @@ uint64_t CacheCore::CheckInvariants() {
     for (const auto& [ptr, rec] : shard.retired) {           // I3
       MC_INVARIANT(rec->retired && !rec->in_order, "retired record misfiled",
                    rec->key);
+      MC_INVARIANT(rec->state != RecordState::kUnloading || rec->leases == 0,
+                   "lease on a retired record being unloaded", rec->key);  // I5
       MC_INVARIANT(rec->leases > 0 || rec->unload_failed ||
                        rec->state == RecordState::kUnloading,
                    "retired record without leases not freed", rec->key);

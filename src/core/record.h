@@ -63,7 +63,10 @@ struct alignas(64) Record {
   // A request's lease ended while another lease (a Prefetch's own) was
   // still out: the keep-alive plans when that one ends.
   bool request_ended = false;
-  int unload_waiters = 0;  // callers waiting for its unload to finish
+  // Callers waiting for this record to leave a busy state: an acquire or a
+  // removal waiting for its unload, an acquire waiting for a stale
+  // (invalidated) load, a removal waiting for its load.
+  int unload_waiters = 0;
   // The thread running this record's loader (kLoading) or unloader
   // (kUnloading); meaningless in other states. A call from that thread that
   // would wait for this record would wait for itself: it fails instead.

@@ -130,7 +130,7 @@ std::string FormatRange(uint64_t begin, uint64_t end) {
 }
 
 // A byte range of the data buffer: "[begin, end)".
-std::string FormatBytes(uint64_t begin, uint64_t end) {
+std::string FormatByteRange(uint64_t begin, uint64_t end) {
   return "[" + std::to_string(begin) + ", " + std::to_string(end) + ")";
 }
 
@@ -530,7 +530,7 @@ class HeaderBuilder {
                                       " " + FormatRange(prev.begin, prev.end));
       }
       if (t.begin > cursor) {
-        throw FormatError(source, "data bytes " + FormatBytes(cursor, t.begin) +
+        throw FormatError(source, "data bytes " + FormatByteRange(cursor, t.begin) +
                                       " belong to no tensor (gap before "
                                       "tensor " +
                                       Quoted(t.name) + ")");
@@ -539,7 +539,7 @@ class HeaderBuilder {
     }
     if (cursor != data_bytes) {
       throw FormatError(source, "data bytes " +
-                                    FormatBytes(cursor, data_bytes) +
+                                    FormatByteRange(cursor, data_bytes) +
                                     " belong to no tensor (after the last "
                                     "tensor)");
     }

@@ -158,7 +158,7 @@ struct CacheOptions {
   // Eviction order; LRU when null.
   std::shared_ptr<const EvictionPolicy> policy;
   // Records unleased for longer than this are evicted by EvictExpired(),
-  // which every miss also runs. A record's idle time counts from the end of
+  // which every miss that starts a load also runs. A record's idle time counts from the end of
   // its last lease (every acquire holds one), so a model held for longer
   // than the TTL is not expired the moment it is released. Zero disables
   // it.

@@ -184,13 +184,13 @@ enum class ReloadCost {
 // was popular early keeps its place for thousands of evictions after it
 // cools, and on the Azure Functions trace that loads more bytes than LRU at
 // some capacities; with the logarithm it loads fewer at every capacity we
-// measured (README, "Replay").
+// measured (docs/benchmarks.md, "Replay").
 std::shared_ptr<const EvictionPolicy> NewGdsfPolicy(
     ReloadCost cost = ReloadCost::kBytes);
 
 // Classic GDSF with raw access counts: priority = L + accesses (cost =
 // bytes). Kept beside the logarithmic variant because neither wins on every
-// workload (README, "Replay").
+// workload (docs/benchmarks.md, "Replay").
 std::shared_ptr<const EvictionPolicy> NewClassicGdsfPolicy();
 
 // FaaSCache's Greedy-Dual keep-alive (Fuerst & Sharma, ASPLOS 2021):

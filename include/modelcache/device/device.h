@@ -91,7 +91,7 @@ class Device;
 // A block of a Device's memory. Move-only; frees the memory exactly once:
 // when destroyed, when Reset(), or when assigned over. A moved-from or
 // default-constructed buffer is empty and frees nothing.
-// MC_REQUIRES: the device outlives its buffers.
+// REQUIRES: the device outlives its buffers.
 class DeviceBuffer {
  public:
   DeviceBuffer() = default;
@@ -148,7 +148,7 @@ struct DeviceStats {
 
 class Device {
  public:
-  // MC_REQUIRES: every buffer of this device has been freed. (Checked by an
+  // REQUIRES: every buffer of this device has been freed. (Checked by an
   // assert in debug builds.)
   virtual ~Device();
   Device(const Device&) = delete;
@@ -196,10 +196,10 @@ class Device {
   virtual void* DoAllocate(uint64_t bytes) = 0;
   // Frees what DoAllocate returned. Must not throw.
   virtual void DoFree(void* data, uint64_t bytes) noexcept = 0;
-  // MC_REQUIRES: offset + src.size() <= dst.size(), src is not empty.
+  // REQUIRES: offset + src.size() <= dst.size(), src is not empty.
   virtual void DoCopyToDevice(const DeviceBuffer& dst, uint64_t offset,
                               std::span<const std::byte> src) = 0;
-  // MC_REQUIRES: offset + dst.size() <= src.size(), dst is not empty.
+  // REQUIRES: offset + dst.size() <= src.size(), dst is not empty.
   virtual void DoCopyToHost(std::span<std::byte> dst, const DeviceBuffer& src,
                             uint64_t offset) = 0;
   virtual void DoSynchronize() = 0;

@@ -42,7 +42,7 @@ class HostWeights {
  public:
   HostWeights() = default;
   explicit operator bool() const { return static_cast<bool>(lease_); }
-  // MC_REQUIRES: *this holds a reference.
+  // REQUIRES: *this holds a reference.
   const WeightSet& weights() const { return *lease_.get<WeightSet>(); }
   void Release() { lease_.Release(); }
 
@@ -55,7 +55,7 @@ class HostWeights {
 class HostWeightStore {
  public:
   explicit HostWeightStore(HostStoreOptions options);
-  // MC_REQUIRES: every HostWeights and HostWeightHolder of this store is gone.
+  // REQUIRES: every HostWeights and HostWeightHolder of this store is gone.
   ~HostWeightStore();
 
   // A reference to the canonical copy of the file at `path` (by identity, so

@@ -384,7 +384,7 @@ class CudaDevice final : public Device {
         try {  // marks the device unusable; a free cannot throw
           Raise(waited, CudaMessage("waiting for copies before a free", waited),
                 DeviceErrorCode::kCopyFailed);
-        } catch (const DeviceError&) {
+        } catch (...) {
         }
       }
     }

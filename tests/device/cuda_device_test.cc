@@ -243,6 +243,13 @@ TEST_F(CudaDeviceTest, EnumeratesEveryGpuWithHeadroomLeftFree) {
     EXPECT_EQ(devices[i]->capacity_bytes() % (2 * kMiB), 0u);
     EXPECT_EQ(devices[i]->bytes_allocated(), 0u);
     EXPECT_NE(CudaStreamOf(*devices[i]), nullptr);
+    // And each copies exactly.
+    const std::vector<std::byte> data = Pattern(20 + i, 1 * kMiB + 7);
+    DeviceBuffer buffer = devices[i]->Allocate(data.size());
+    devices[i]->CopyToDevice(buffer, 0, data);
+    std::vector<std::byte> back(data.size());
+    devices[i]->CopyToHost(back, buffer, 0);
+    EXPECT_EQ(Mismatches(back, data), 0u) << devices[i]->name();
   }
   // The default leaves max(1 GiB, 5%) of what was free for others.
   const uint64_t headroom = std::max<uint64_t>(kGiB, total / 20);
@@ -512,6 +519,13 @@ TEST_F(CudaDeviceTest, AllocatingZeroBytesTakesNothing) {
   EXPECT_EQ(gpu->bytes_allocated(), 0u);
   empty.Reset();
   EXPECT_EQ(gpu->Stats().frees, 1u);
+  // The device goes on copying exactly.
+  const std::vector<std::byte> data = Pattern(21, 4 * kMiB + 1);
+  DeviceBuffer buffer = gpu->Allocate(data.size());
+  gpu->CopyToDevice(buffer, 0, data);
+  gpu->Synchronize();
+  EXPECT_EQ(Mismatches(ReadBehindTheDevicesBack(buffer, 0, data.size()), data),
+            0u);
 }
 
 TEST_F(CudaDeviceTest, CallsLeaveTheCallersContextAsItWas) {

@@ -27,6 +27,24 @@ capacity and a modelled bandwidth), :class:`HostDevice` or
 ("simulated", "host", "cuda"). A CUDA device raises
 :class:`~modelcache.errors.UnavailableError` when the build or the machine
 has no usable GPU (see :func:`cuda_available`).
+
+Devices are chosen by name ("sim0", "cuda:1") or by an integer index, which
+is a *position in the runtime's device list*, not a CUDA ordinal. Where the
+two could be confused (the position holds a GPU other than ``cuda:<index>``,
+or ``cuda:<index>`` sits at another position) an index raises
+InvalidArgumentError: pass the name.
+
+On a GPU, every placed tensor starts 256-byte aligned in the model's device
+buffer, and a device's books count each buffer rounded up to the allocator's
+2 MiB pages (``DeviceStats.allocation_granularity``). A device whose CUDA
+context was corrupted (a kernel's illegal address, anywhere in the process)
+is unusable: every call raises UnavailableError saying so, and
+``DeviceStats.unusable`` is set; the process must restart to use the GPU.
+
+CUDA and ``fork()``: :func:`cuda_available` and making a :class:`CudaDevice`
+initialise the CUDA driver, which a child process forked afterwards cannot
+use. A server that forks its workers should call them in the workers, or
+start the workers with the "spawn" method.
 """
 
 from __future__ import annotations
@@ -100,8 +118,11 @@ class HostDevice:
 class CudaDevice:
     """GPU ``ordinal`` through the CUDA backend, named "cuda:<ordinal>".
     ``capacity_bytes`` 0 means the GPU's free memory when the runtime is
-    made. Raises UnavailableError when the runtime is made if CUDA cannot be
-    used."""
+    made less a headroom of max(1 GiB, 5% of the GPU's memory), left for
+    the CUDA libraries and frameworks (torch's caching allocator, cuBLAS
+    workspaces) that allocate later. The books count allocations in 2 MiB
+    pages, so a capacity below 2 MiB holds nothing. Raises UnavailableError
+    when the runtime is made if CUDA cannot be used."""
 
     ordinal: int = 0
     capacity_bytes: int = 0
@@ -165,7 +186,9 @@ class DeviceStats:
     """A snapshot of one device's own books (its memory and copies)."""
 
     capacity_bytes: int
-    bytes_allocated: int  #: live buffers and allocations in progress
+    #: every allocation is counted rounded up to this (2 MiB on CUDA)
+    allocation_granularity: int
+    bytes_allocated: int  #: live buffers and allocations in progress, rounded
     high_water_bytes: int
     allocations: int  #: that succeeded
     frees: int
@@ -178,6 +201,10 @@ class DeviceStats:
     synchronizations: int
     #: the simulated backend's modelled transfer time; 0 for other backends
     simulated_transfer_seconds: float
+    #: the device can never be used again in this process (a corrupted CUDA
+    #: context); every call raises UnavailableError with the reason
+    unusable: bool = False
+    unusable_reason: str = ""
 
 
 @dataclasses.dataclass(frozen=True)
@@ -195,7 +222,10 @@ class RuntimeStats:
 
 
 def cuda_available() -> bool:
-    """True when this build has the CUDA backend and a GPU can be used."""
+    """True when this build has the CUDA backend and a GPU can be used.
+
+    It initialises the CUDA driver: a process forked after it cannot use
+    CUDA (call it after forking workers, or start them with "spawn")."""
     return _core._cuda_available()
 
 
@@ -298,8 +328,10 @@ class Runtime:
     def acquire(self, model: str, device: Union[int, str] = 0,
                 placement: str = "full", *, timeout: Timeout = None,
                 when_full: str = "fail") -> ModelLease:
-        """A lease on ``model`` (an id or alias) placed on ``device`` (an
-        index or a device name), loading and placing it if needed.
+        """A lease on ``model`` (an id or alias) placed on ``device`` (a
+        device name, or a position in the runtime's device list: not a CUDA
+        ordinal, and refused where it could be taken for one), loading and
+        placing it if needed.
 
         Args:
             placement: "full" puts every tensor on the device, evicting
@@ -310,11 +342,14 @@ class Runtime:
 
         Raises:
             modelcache.errors.NotFoundError: unknown model or device name.
-            modelcache.errors.InvalidArgumentError: bad index or option.
+            modelcache.errors.InvalidArgumentError: bad or ambiguous index,
+                bad option.
             modelcache.errors.TooLargeError: the model exceeds the device
                 budget (placement "full") or the host budget.
             modelcache.errors.CapacityError: no room (when_full="fail").
             modelcache.errors.InvalidDataError, IoError: bad weight files.
+            modelcache.errors.UnavailableError: the device is unusable (a
+                corrupted CUDA context).
         """
         return ModelLease(self._runtime.acquire(model, device, placement,
                                                 timeout, when_full))

@@ -88,6 +88,7 @@ std::unique_ptr<device::Device> MakeDevice(const py::dict& spec,
 py::dict DeviceStatsDict(const device::DeviceStats& s) {
   py::dict d;
   d["capacity_bytes"] = s.capacity_bytes;
+  d["allocation_granularity"] = s.allocation_granularity;
   d["bytes_allocated"] = s.bytes_allocated;
   d["high_water_bytes"] = s.high_water_bytes;
   d["allocations"] = s.allocations;
@@ -100,6 +101,8 @@ py::dict DeviceStatsDict(const device::DeviceStats& s) {
   d["failed_copies"] = s.failed_copies;
   d["synchronizations"] = s.synchronizations;
   d["simulated_transfer_seconds"] = s.simulated_transfer_seconds;
+  d["unusable"] = s.unusable;
+  d["unusable_reason"] = s.unusable_reason;
   return d;
 }
 
@@ -333,11 +336,39 @@ class PyRuntime {
                      std::string(py::str(device.get_type().attr("__name__"))));
     }
     const auto index = device.cast<long long>();
-    if (index < 0 || static_cast<size_t>(index) >= state_->devices.size()) {
+    const size_t count = state_->devices.size();
+    if (index < 0 || static_cast<size_t>(index) >= count) {
       RaiseError(ErrorCode::kInvalidArgument,
                  "device index " + std::to_string(index) +
-                     " out of range: the runtime has " +
-                     std::to_string(state_->devices.size()) + " devices");
+                     " out of range: the runtime has " + std::to_string(count) +
+                     " devices");
+    }
+    // An index is a position in the runtime's device list, not a CUDA
+    // ordinal. Where the two could be confused, refuse: the position holds
+    // a GPU other than cuda:<index>, or cuda:<index> sits at another
+    // position.
+    const std::string at = state_->devices[index]->name();
+    const std::string same_ordinal = "cuda:" + std::to_string(index);
+    const bool cuda_elsewhere = [&] {
+      for (size_t i = 0; i < count; ++i) {
+        if (i != static_cast<size_t>(index) &&
+            state_->devices[i]->kind() == device::DeviceKind::kCuda &&
+            state_->devices[i]->name() == same_ordinal) {
+          return true;
+        }
+      }
+      return false;
+    }();
+    const bool cuda_here =
+        state_->devices[index]->kind() == device::DeviceKind::kCuda;
+    if ((cuda_here && at != same_ordinal) || cuda_elsewhere) {
+      RaiseError(ErrorCode::kInvalidArgument,
+                 "device index " + std::to_string(index) +
+                     " is ambiguous: it is the runtime's device " +
+                     std::to_string(index) + " ('" + at +
+                     "'), not necessarily CUDA GPU " + std::to_string(index) +
+                     "; pass the device's name ('" + at + "' or '" +
+                     same_ordinal + "')");
     }
     return static_cast<size_t>(index);
   }

@@ -32,4 +32,6 @@ std::unique_ptr<Device> MakeCudaDevice(int ordinal,
                     "cuda:" + std::to_string(ordinal), kWhy);
 }
 
+void* CudaStreamOf(const Device& /*device*/) { return nullptr; }
+
 }  // namespace modelcache::device

@@ -3,15 +3,17 @@
 // The base class keeps the books; backends only move bytes. Every public
 // operation follows one pattern:
 //
-//   Allocate:     check and reserve under mu_  ->  DoAllocate (no lock)
+//   Allocate:     check usable, reserve AllocationSize(bytes) under mu_
+//                 ->  DoAllocate (no lock)
 //                 -> on success count it; on failure return the reservation.
 //   Free:         DoFree (no lock)  ->  return the bytes under mu_.
-//   Copy*:        check the range (no lock)  ->  Do*Copy (no lock)
+//   Copy*:        check the range and usable (no lock)  ->  Do*Copy (no lock)
 //                 -> count it, or count a failure.
 //
 // Invariants, under mu_:
-//   stats_.bytes_allocated = sum of sizes of live buffers + reservations of
-//                            allocations in progress  <=  capacity_
+//   stats_.bytes_allocated = sum of AllocationSize(size) of live buffers +
+//                            reservations of allocations in progress
+//                            <=  capacity_
 //   stats_.allocations - stats_.frees = live buffers
 //   stats_.high_water_bytes = max of bytes_allocated seen when an
 //                             allocation succeeded (a failed one leaves it)
@@ -21,7 +23,15 @@
 // backends may keep locks of their own in any order with respect to it.
 //
 // DeviceBuffer frees exactly once: Reset() clears device_ before it calls
-// Free, and a move leaves the source empty.
+// Free, and a move leaves the source empty. A buffer keeps the size asked
+// for; Free rounds it again (AllocationSize is a pure function of it), so
+// the bytes returned are exactly the bytes reserved.
+//
+// Unusable: unusable_ goes from false to true once, under mu_, together with
+// stats_.unusable_reason. Allocate checks it under mu_ with its
+// reservation; copies and Synchronize read the atomic first, so a call that
+// started before the device was marked may still reach the backend, which
+// then fails by itself (a corrupted context fails every call).
 #include "modelcache/device/device.h"
 
 #include <algorithm>
@@ -134,16 +144,35 @@ std::string CheckedName(std::string name) {
 
 }  // namespace
 
-Device::Device(std::string name, DeviceKind kind, uint64_t capacity_bytes)
+Device::Device(std::string name, DeviceKind kind, uint64_t capacity_bytes,
+               uint64_t allocation_granularity)
     : name_(CheckedName(std::move(name))),
       kind_(kind),
-      capacity_(capacity_bytes) {}
+      capacity_(capacity_bytes),
+      granularity_(allocation_granularity) {
+  if (granularity_ == 0) {
+    Fail(DeviceErrorCode::kInvalidArgument,
+         "the allocation granularity must be at least 1 byte");
+  }
+}
 
 Device::~Device() {
   base::MutexLock lock(&mu_);
   assert(stats_.allocations == stats_.frees &&
          "a DeviceBuffer outlived its Device");
   assert(stats_.bytes_allocated == 0 && "an allocation outlived its Device");
+}
+
+uint64_t Device::AllocationSize(uint64_t bytes) const {
+  const uint64_t remainder = bytes % granularity_;
+  if (remainder == 0) return bytes;
+  const uint64_t pad = granularity_ - remainder;
+  return bytes > UINT64_MAX - pad ? UINT64_MAX : bytes + pad;
+}
+
+std::string Device::unusable_reason() const {
+  base::MutexLock lock(&mu_);
+  return stats_.unusable_reason;
 }
 
 uint64_t Device::bytes_allocated() const {
@@ -155,6 +184,7 @@ DeviceStats Device::Stats() const {
   base::MutexLock lock(&mu_);
   DeviceStats stats = stats_;
   stats.capacity_bytes = capacity_;
+  stats.allocation_granularity = granularity_;
   return stats;
 }
 
@@ -162,25 +192,48 @@ void Device::Fail(DeviceErrorCode code, const std::string& message) const {
   throw DeviceError(code, name_, message);
 }
 
+void Device::FailUnusable(const std::string& reason) {
+  std::string first;
+  {
+    base::MutexLock lock(&mu_);
+    if (!stats_.unusable) {
+      stats_.unusable = true;
+      stats_.unusable_reason = reason;
+      unusable_.store(true, std::memory_order_release);
+    }
+    first = stats_.unusable_reason;
+  }
+  Fail(DeviceErrorCode::kUnavailable, first);
+}
+
 DeviceBuffer Device::Allocate(uint64_t bytes) {
+  const uint64_t rounded = AllocationSize(bytes);
   {
     base::MutexLock lock(&mu_);
     assert(stats_.bytes_allocated <= capacity_);
-    if (bytes > capacity_ - stats_.bytes_allocated) {
+    if (stats_.unusable) {
+      ++stats_.failed_allocations;
+      Fail(DeviceErrorCode::kUnavailable, stats_.unusable_reason);
+    }
+    if (rounded > capacity_ - stats_.bytes_allocated) {
       ++stats_.failed_allocations;
       Fail(DeviceErrorCode::kOutOfMemory,
-           "cannot allocate " + FormatBytes(bytes) + ": " +
-               FormatBytes(stats_.bytes_allocated) + " of " +
+           "cannot allocate " + FormatBytes(bytes) +
+               (rounded != bytes
+                    ? " (" + FormatBytes(rounded) + " in units of " +
+                          FormatBytes(granularity_) + ")"
+                    : std::string()) +
+               ": " + FormatBytes(stats_.bytes_allocated) + " of " +
                FormatBytes(capacity_) + " allocated");
     }
-    stats_.bytes_allocated += bytes;  // reserved while the backend allocates
+    stats_.bytes_allocated += rounded;  // reserved while the backend allocates
   }
   void* data = nullptr;
   try {
     data = DoAllocate(bytes);
   } catch (...) {
     base::MutexLock lock(&mu_);
-    stats_.bytes_allocated -= bytes;
+    stats_.bytes_allocated -= rounded;
     ++stats_.failed_allocations;
     throw;
   }
@@ -197,11 +250,19 @@ DeviceBuffer Device::Allocate(uint64_t bytes) {
 
 void Device::Free(void* data, uint64_t bytes) noexcept {
   DoFree(data, bytes);
+  const uint64_t rounded = AllocationSize(bytes);
   base::MutexLock lock(&mu_);
-  assert(stats_.bytes_allocated >= bytes);
+  assert(stats_.bytes_allocated >= rounded);
   assert(stats_.allocations > stats_.frees);
-  stats_.bytes_allocated -= bytes;
+  stats_.bytes_allocated -= rounded;
   ++stats_.frees;
+}
+
+void Device::CheckUsableForCopy() {
+  if (usable()) return;
+  base::MutexLock lock(&mu_);
+  ++stats_.failed_copies;
+  Fail(DeviceErrorCode::kUnavailable, stats_.unusable_reason);
 }
 
 void Device::CheckRange(const char* op, const DeviceBuffer& buffer,
@@ -228,6 +289,7 @@ void Device::CopyToDevice(DeviceBuffer& dst, uint64_t offset,
                           std::span<const std::byte> src) {
   CheckRange("CopyToDevice", dst, offset, src.size());
   if (src.empty()) return;
+  CheckUsableForCopy();
   try {
     DoCopyToDevice(dst, offset, src);
   } catch (...) {
@@ -244,6 +306,7 @@ void Device::CopyToHost(std::span<std::byte> dst, const DeviceBuffer& src,
                         uint64_t offset) {
   CheckRange("CopyToHost", src, offset, dst.size());
   if (dst.empty()) return;
+  CheckUsableForCopy();
   try {
     DoCopyToHost(dst, src, offset);
   } catch (...) {
@@ -257,6 +320,7 @@ void Device::CopyToHost(std::span<std::byte> dst, const DeviceBuffer& src,
 }
 
 void Device::Synchronize() {
+  if (!usable()) Fail(DeviceErrorCode::kUnavailable, unusable_reason());
   DoSynchronize();
   base::MutexLock lock(&mu_);
   ++stats_.synchronizations;

@@ -5,13 +5,17 @@
 // latency) rather than accumulated per copy, so it is exact, independent of
 // the order of concurrent copies, and nothing is counted for a failed copy.
 //
-// Faults live under fault_mu_, a leaf lock of this class (the base class
-// never calls the backend while holding its own lock, so the two are never
-// held together). Each backend call decides under fault_mu_ whether it fails
-// and consumes one-shot faults there, so concurrent calls consume a fault
-// exactly once. The copy predicate is user code: it is copied out under the
-// lock (a shared_ptr) and run after the lock is released. A failing copy
-// throws before touching the destination.
+// Faults and the backend's own memory books (backend_bytes_, external_bytes_)
+// live under fault_mu_, a leaf lock of this class (the base class never
+// calls the backend while holding its own lock, so the two are never held
+// together). An allocation reserves its rounded size in backend_bytes_
+// under fault_mu_ before it allocates and returns it on failure, so the
+// physical limit is exact under concurrency like the base's capacity. Each
+// backend call decides under fault_mu_ whether it fails and consumes one-shot
+// faults there, so concurrent calls consume a fault exactly once. The copy
+// predicate is user code: it is copied out under the lock (a shared_ptr) and
+// run after the lock is released. A failing copy throws before touching the
+// destination.
 //
 // Sleeping (options.sleep) happens after the copy, outside every lock.
 #include "modelcache/device/simulated_device.h"
@@ -38,7 +42,8 @@ double ToHostBandwidth(const SimulatedDeviceOptions& options) {
 }  // namespace
 
 SimulatedDevice::SimulatedDevice(SimulatedDeviceOptions options)
-    : Device(options.name, DeviceKind::kSimulated, options.capacity_bytes),
+    : Device(options.name, DeviceKind::kSimulated, options.capacity_bytes,
+             options.allocation_granularity),
       options_(std::move(options)),
       to_host_bandwidth_(ToHostBandwidth(options_)) {
   if (!(options_.bandwidth_bytes_per_second > 0) ||
@@ -110,12 +115,42 @@ void SimulatedDevice::FailCopiesWhere(
   copy_predicate_ = std::move(shared);
 }
 
+void SimulatedDevice::CorruptContext() {
+  base::MutexLock lock(&fault_mu_);
+  corrupt_next_ = true;
+}
+
+void SimulatedDevice::SetExternalBytes(uint64_t bytes) {
+  base::MutexLock lock(&fault_mu_);
+  external_bytes_ = bytes;
+}
+
+uint64_t SimulatedDevice::backend_bytes() const {
+  base::MutexLock lock(&fault_mu_);
+  return backend_bytes_;
+}
+
+void SimulatedDevice::MaybeCorrupt(const char* call) {
+  {
+    base::MutexLock lock(&fault_mu_);
+    if (!corrupt_next_ && !corrupted_) return;
+    if (corrupt_next_) ++injected_faults_;
+    corrupt_next_ = false;
+    corrupted_ = true;
+  }
+  FailUnusable(std::string("context corrupted: ") + call +
+               " failed with an injected sticky error (CorruptContext); every "
+               "later call fails: the process must restart to use the device "
+               "again");
+}
+
 void SimulatedDevice::ClearFaults() {
   base::MutexLock lock(&fault_mu_);
   fail_allocation_in_ = 0;
   fail_allocations_above_.reset();
   fail_next_copies_ = 0;
   copy_predicate_.reset();
+  corrupt_next_ = false;
 }
 
 uint64_t SimulatedDevice::injected_faults() const {
@@ -124,6 +159,8 @@ uint64_t SimulatedDevice::injected_faults() const {
 }
 
 void* SimulatedDevice::DoAllocate(uint64_t bytes) {
+  MaybeCorrupt("allocate");
+  const uint64_t rounded = AllocationSize(bytes);
   {
     base::MutexLock lock(&fault_mu_);
     if (fail_allocation_in_ > 0 && --fail_allocation_in_ == 0) {
@@ -139,6 +176,20 @@ void* SimulatedDevice::DoAllocate(uint64_t bytes) {
                ": injected fault (FailAllocationsAbove " +
                FormatBytes(*fail_allocations_above_) + ")");
     }
+    const uint64_t physical = options_.physical_bytes;
+    if (physical > 0) {
+      const uint64_t taken = backend_bytes_ + external_bytes_ < backend_bytes_
+                                 ? UINT64_MAX
+                                 : backend_bytes_ + external_bytes_;
+      if (taken > physical || rounded > physical - taken) {
+        Fail(DeviceErrorCode::kOutOfMemory,
+             "cannot allocate " + FormatBytes(bytes) + ": " +
+                 FormatBytes(backend_bytes_) + " held by this device and " +
+                 FormatBytes(external_bytes_) + " by others, of " +
+                 FormatBytes(physical) + " of memory");
+      }
+    }
+    backend_bytes_ += rounded;  // reserved while the host allocates
   }
   const uint64_t size = bytes == 0 ? options_.alignment : bytes;
   void* data = nullptr;
@@ -147,6 +198,10 @@ void* SimulatedDevice::DoAllocate(uint64_t bytes) {
                           std::align_val_t(options_.alignment), std::nothrow);
   }
   if (data == nullptr) {
+    {
+      base::MutexLock lock(&fault_mu_);
+      backend_bytes_ -= rounded;
+    }
     Fail(DeviceErrorCode::kOutOfMemory,
          "cannot allocate " + FormatBytes(bytes) +
              ": the host refused the memory standing in for the device's");
@@ -154,11 +209,17 @@ void* SimulatedDevice::DoAllocate(uint64_t bytes) {
   return data;
 }
 
-void SimulatedDevice::DoFree(void* data, uint64_t /*bytes*/) noexcept {
+void SimulatedDevice::DoFree(void* data, uint64_t bytes) noexcept {
   ::operator delete(data, std::align_val_t(options_.alignment));
+  base::MutexLock lock(&fault_mu_);
+  backend_bytes_ -= AllocationSize(bytes);
 }
 
+void SimulatedDevice::DoSynchronize() { MaybeCorrupt("synchronize"); }
+
 void SimulatedDevice::MaybeFailCopy(CopyInfo info) {
+  MaybeCorrupt(info.direction == CopyDirection::kToDevice ? "copy to device"
+                                                          : "copy to host");
   std::shared_ptr<const std::function<bool(const CopyInfo&)>> predicate;
   {
     base::MutexLock lock(&fault_mu_);

@@ -3,9 +3,13 @@
 // DeviceCache::Acquire, step by step:
 //   1. Take references to the model's host copies from the host store
 //      (single flight there: one read however many devices ask).
-//   2. Decide how many bytes to place: all of them for kFull; for kPartial,
-//      all of them if eviction of unleased models can make room, else what
-//      can be had.
+//   2. Lay the tensors out (PlanLayout: each at the next multiple of
+//      kTensorAlignment) and decide how much to place: every tensor for
+//      kFull; for kPartial, every tensor if eviction of unleased models can
+//      make room for the whole buffer, else the tensors that fit (greedy, in
+//      file order) in a buffer whose rounded size can be had. The bytes
+//      reserved are the buffer's size rounded up to the device's allocation
+//      granularity: exactly what the device's books will count.
 //   3. If the model is resident with at least that much on the device, that
 //      is a hit. A partial copy when more can be placed now is retired
 //      (current users keep it) and placed again, once the room for the new
@@ -18,6 +22,20 @@
 //      it, and synchronizes. The record's value is a DeviceModel that owns
 //      the buffer and the host references, so evicting or removing it frees
 //      both, and a failed load frees both.
+//
+// Eviction when the device's allocator runs out (AllocateEvictingIfNeeded).
+// The budget only knows the bytes of this cache; memory others took from
+// the GPU shows up as an out-of-memory error from the allocator while the
+// budget still has room. The loader then evicts one unleased model and
+// tries again, until the allocation succeeds or nothing is left to evict.
+// The core cache picks the victim: EvictOne reserves, for an instant, one
+// byte more than the budget has free, which makes Budget::Reserve evict the
+// policy's lowest-ranked unleased, unpinned record (whose value, the placed
+// model, is dropped on this thread, so its device memory is freed before
+// Reserve returns), or fail at once with kCapacity when there is none. The
+// loader runs with no cache lock held, so it may reserve. The momentary
+// reservation may show in the budget's high-water mark, never beyond its
+// capacity.
 #include "modelcache/runtime/runtime.h"
 
 #include <algorithm>
@@ -26,6 +44,42 @@
 namespace modelcache::runtime {
 
 namespace {
+
+// Where each tensor goes in the device buffer.
+struct Layout {
+  std::vector<PlacedTensor> tensors;
+  uint64_t buffer_bytes = 0;     // the end of the last placed tensor
+  uint64_t bytes_on_device = 0;  // of the placed tensors, padding excluded
+  bool full = true;              // every tensor placed
+};
+
+// Greedy in file order: a tensor goes to the device, at the next multiple
+// of kTensorAlignment, if it ends within `limit` bytes of buffer; zero-byte
+// tensors always do, at offset 0. Exact for every size: no sum wraps.
+Layout PlanLayout(const std::vector<weights::HostWeights>& host,
+                  uint64_t limit) {
+  Layout layout;
+  for (const weights::HostWeights& h : host) {
+    for (const weights::TensorInfo& tensor : h.weights().tensors()) {
+      const uint64_t bytes = tensor.bytes();
+      const uint64_t end = layout.buffer_bytes;
+      const uint64_t pad =
+          (kTensorAlignment - end % kTensorAlignment) % kTensorAlignment;
+      const bool fits = bytes == 0 || (end <= limit && pad <= limit - end &&
+                                       bytes <= limit - end - pad);
+      const uint64_t offset = bytes == 0 ? 0 : end + pad;
+      layout.tensors.push_back(PlacedTensor{&tensor, fits, fits ? offset : 0,
+                                            h.weights().data(tensor)});
+      if (!fits) {
+        layout.full = false;
+        continue;
+      }
+      if (bytes > 0) layout.buffer_bytes = offset + bytes;
+      layout.bytes_on_device += bytes;
+    }
+  }
+  return layout;
+}
 
 CacheOptions DeviceCacheOptionsOf(const device::Device& device,
                                   const DeviceCacheOptions& options) {
@@ -67,16 +121,30 @@ ModelLease DeviceCache::Acquire(const std::string& id,
     total += bytes;
   }
 
-  // 2. How much to place.
-  uint64_t want = total;
+  // 2. The layout, and how much to place.
+  Layout layout = PlanLayout(host, UINT64_MAX);
+  if (!layout.full) {
+    throw Error(ErrorCode::kTooLarge,
+                "model '" + id +
+                    "': its tensors, each aligned to 256 bytes, take more than "
+                    "2^64 bytes");
+  }
+  uint64_t want = device_.AllocationSize(layout.buffer_bytes);
   if (placement == Placement::kPartial) {
-    want = std::min(total, cache_.budget().ObtainableBytes());
+    const uint64_t obtainable = cache_.budget().ObtainableBytes();
+    if (want > obtainable) {
+      layout = PlanLayout(
+          host, obtainable - obtainable % device_.allocation_granularity());
+      want = device_.AllocationSize(layout.buffer_bytes);
+    }
   }
 
-  // 3. A resident copy with enough on the device is a hit.
+  // 3. A resident copy with at least as much on the device is a hit.
   const std::string key = cache_.Resolve(id);
   if (auto lease = cache_.Lookup(key)) {
-    if (lease->get<DeviceModel>()->bytes_on_device() >= want) {
+    const DeviceModel& resident = *lease->get<DeviceModel>();
+    if (resident.full() ||
+        resident.bytes_on_device() >= layout.bytes_on_device) {
       return ModelLease(std::move(*lease));
     }
     // More is wanted than this copy has on the device: place it again. The
@@ -103,18 +171,10 @@ ModelLease DeviceCache::Acquire(const std::string& id,
         auto model = std::make_shared<DeviceModel>();
         model->id_ = key;
         model->total_bytes_ = total;
-        // Greedy in file order: a tensor goes to the device if it fits in
-        // what is left of `want`.
-        uint64_t placed = 0;
-        for (const weights::HostWeights& h : host) {
-          for (const weights::TensorInfo& tensor : h.weights().tensors()) {
-            const bool fits = tensor.bytes() <= want - placed;
-            model->tensors_.push_back(PlacedTensor{
-                &tensor, fits, fits ? placed : 0, h.weights().data(tensor)});
-            if (fits) placed += tensor.bytes();
-          }
-        }
-        model->buffer_ = device_.Allocate(placed);
+        model->bytes_on_device_ = layout.bytes_on_device;
+        model->full_ = layout.full;
+        model->tensors_ = std::move(layout.tensors);
+        model->buffer_ = AllocateEvictingIfNeeded(layout.buffer_bytes);
         for (const PlacedTensor& t : model->tensors_) {
           if (t.on_device && !t.host.empty()) {
             device_.CopyToDevice(model->buffer_, t.device_offset, t.host);
@@ -123,10 +183,41 @@ ModelLease DeviceCache::Acquire(const std::string& id,
         device_.Synchronize();
         // The host copies now belong to the placed model.
         model->host_ = std::move(host);
-        return Loaded{model, placed, {}};
+        return Loaded{model, want, {}};
       },
       options);
   return ModelLease(std::move(lease));
+}
+
+device::DeviceBuffer DeviceCache::AllocateEvictingIfNeeded(uint64_t bytes) {
+  for (;;) {
+    try {
+      return device_.Allocate(bytes);
+    } catch (const device::DeviceError& e) {
+      if (e.device_code() != device::DeviceErrorCode::kOutOfMemory ||
+          !EvictOne()) {
+        throw;
+      }
+    }
+  }
+}
+
+bool DeviceCache::EvictOne() {
+  Budget& budget = cache_.budget();
+  const uint64_t capacity = budget.capacity();
+  const uint64_t used = budget.used();
+  if (used == 0) return false;  // nothing resident, nothing reserved
+  const uint64_t one_more_than_free = used < capacity ? capacity - used + 1 : 1;
+  try {
+    budget.Reserve(one_more_than_free, {.when_full = WhenFull::kFail});
+  } catch (const Error& e) {
+    if (e.code() == ErrorCode::kCapacity || e.code() == ErrorCode::kTooLarge) {
+      return false;  // every resident model is leased or pinned
+    }
+    throw;
+  }
+  budget.Release(one_more_than_free);
+  return true;
 }
 
 ModelRuntime::ModelRuntime(ModelRegistry registry, RuntimeOptions options)

@@ -1,7 +1,9 @@
 // The host backend, the shared vocabulary of devices, and how the CUDA entry
 // points behave in this build (on a machine without a GPU: unavailable, with
-// a reason, and no crash). Also runs the Device contract suite
-// (device_contract_test.cc) over the host and simulated backends.
+// a reason, and no crash), with the default capacity a CUDA device gets.
+// Also runs the Device contract suite (device_contract_test.cc) over the
+// host and simulated backends, and over a simulated device that counts in
+// CUDA's 2 MiB pages.
 
 #include "modelcache/device/device.h"
 
@@ -21,7 +23,9 @@
 
 namespace modelcache::device::testing {
 
-std::vector<std::string> ContractBackends() { return {"Host", "Simulated"}; }
+std::vector<std::string> ContractBackends() {
+  return {"Host", "Simulated", "SimulatedPaged"};
+}
 
 std::unique_ptr<Device> MakeContractDevice(const std::string& backend,
                                            uint64_t capacity_bytes,
@@ -30,10 +34,12 @@ std::unique_ptr<Device> MakeContractDevice(const std::string& backend,
     return std::make_unique<HostDevice>(
         HostDeviceOptions{.name = "host", .capacity_bytes = capacity_bytes});
   }
-  return std::make_unique<SimulatedDevice>(
-      SimulatedDeviceOptions{.name = "sim0",
-                             .capacity_bytes = capacity_bytes,
-                             .bandwidth_bytes_per_second = 25e9});
+  return std::make_unique<SimulatedDevice>(SimulatedDeviceOptions{
+      .name = "sim0",
+      .capacity_bytes = capacity_bytes,
+      .bandwidth_bytes_per_second = 25e9,
+      .allocation_granularity =
+          backend == "SimulatedPaged" ? kCudaAllocationGranularity : 1});
 }
 
 namespace {
@@ -126,6 +132,23 @@ TEST(DeviceBufferTest, DefaultIsEmpty) {
   buffer.Reset();  // no-op
 }
 
+TEST(CudaDefaultCapacityTest, LeavesAGibibyteOrFivePercentFree) {
+  constexpr uint64_t kMiB = uint64_t{1} << 20;
+  constexpr uint64_t kGiB = uint64_t{1} << 30;
+  // Small GPUs: 1 GiB of headroom.
+  EXPECT_EQ(CudaDefaultCapacity(10 * kGiB, 16 * kGiB), 9 * kGiB);
+  // Large ones: 5% of the total (an H200: 7 GiB of 140).
+  EXPECT_EQ(CudaDefaultCapacity(139 * kGiB, 140 * kGiB), 132 * kGiB);
+  EXPECT_EQ(CudaDefaultCapacity(80 * kGiB, 80 * kGiB), 76 * kGiB);
+  // Rounded down to whole 2 MiB pages.
+  EXPECT_EQ(CudaDefaultCapacity(kGiB + 5 * kMiB + 3, 8 * kGiB), 4 * kMiB);
+  // No room for anything beyond the headroom.
+  EXPECT_EQ(CudaDefaultCapacity(kGiB, 8 * kGiB), 0u);
+  EXPECT_EQ(CudaDefaultCapacity(kGiB + kMiB, 8 * kGiB), 0u);
+  EXPECT_EQ(CudaDefaultCapacity(0, 0), 0u);
+  EXPECT_EQ(CudaDefaultCapacity(UINT64_MAX, UINT64_MAX) % (2 * kMiB), 0u);
+}
+
 // Holds in every build: with the CUDA backend and a GPU, without a GPU (the
 // runtime reports why), and without the toolkit (the stub reports why).
 TEST(CudaEntryPointsTest, AgreeWithEachOtherAndNeverCrash) {
@@ -139,8 +162,13 @@ TEST(CudaEntryPointsTest, AgreeWithEachOtherAndNeverCrash) {
     return;
   }
   EXPECT_FALSE(reason.empty());
+#if MODELCACHE_HAVE_CUDA
+  EXPECT_THAT(reason, HasSubstr("CUDA runtime "));  // the versions, to act on
+#endif
   EXPECT_EQ(CudaDeviceCount(), 0);
   EXPECT_TRUE(CudaDevices().empty());
+  HostDevice host(HostDeviceOptions{.capacity_bytes = 1 << 20});
+  EXPECT_EQ(CudaStreamOf(host), nullptr);
   try {
     MakeCudaDevice(0);
     FAIL() << "MakeCudaDevice succeeded without CUDA";

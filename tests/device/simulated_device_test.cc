@@ -7,7 +7,10 @@
 // allocation above a size, the next N copies, or copies a predicate picks.
 // Each failure leaves the books unchanged, leaves the destination untouched,
 // and carries a clear error; one-shot faults are consumed exactly once even
-// under concurrency.
+// under concurrency. An allocation granularity rounds the books; a physical
+// memory smaller than the books allow, with memory held by others, makes the
+// backend refuse what the capacity admits, as cudaMalloc does; a corrupted
+// context makes the device unusable for good.
 
 #include "modelcache/device/simulated_device.h"
 
@@ -19,6 +22,7 @@
 #include <chrono>
 #include <cstddef>
 #include <cstdint>
+#include <functional>
 #include <memory>
 #include <string>
 #include <thread>
@@ -132,8 +136,10 @@ TEST(SimulatedDeviceTest, BadOptionsAreInvalidArguments) {
   no_name.name = "";
   SimulatedDeviceOptions negative_to_host = Options();
   negative_to_host.to_host_bandwidth_bytes_per_second = -5;
+  SimulatedDeviceOptions zero_granularity = Options();
+  zero_granularity.allocation_granularity = 0;
   for (const auto& options : {zero_bandwidth, negative_latency, odd_alignment,
-                              no_name, negative_to_host}) {
+                              no_name, negative_to_host, zero_granularity}) {
     EXPECT_EQ(code_of(options), DeviceErrorCode::kInvalidArgument);
   }
 }
@@ -315,6 +321,136 @@ TEST(SimulatedDeviceFaultTest,
   EXPECT_EQ(stats.allocations, 1u + kThreads * kCopies - 1u);
   EXPECT_EQ(stats.bytes_allocated, kThreads * kKiB);
   EXPECT_EQ(sim.injected_faults(), 6u);
+}
+
+TEST(SimulatedDeviceTest, BooksCountAllocationsInTheAllocatorsUnits) {
+  SimulatedDeviceOptions options = Options(10 * kKiB);
+  options.allocation_granularity = 4 * kKiB;
+  SimulatedDevice sim(options);
+  EXPECT_EQ(sim.allocation_granularity(), 4 * kKiB);
+  EXPECT_EQ(sim.AllocationSize(0), 0u);
+  EXPECT_EQ(sim.AllocationSize(1), 4 * kKiB);
+  EXPECT_EQ(sim.AllocationSize(4 * kKiB), 4 * kKiB);
+  EXPECT_EQ(sim.AllocationSize(4 * kKiB + 1), 8 * kKiB);
+  EXPECT_EQ(sim.AllocationSize(UINT64_MAX - 1), UINT64_MAX);  // saturates
+
+  DeviceBuffer one = sim.Allocate(1);
+  EXPECT_EQ(one.size(), 1u);  // the buffer keeps the size asked for
+  EXPECT_EQ(sim.bytes_allocated(), 4 * kKiB);
+  const DeviceStats before = sim.Stats();
+  try {
+    sim.Allocate(4 * kKiB + 1);  // 8 KiB: 12 KiB of 10 KiB
+    FAIL() << "the capacity check did not round";
+  } catch (const DeviceError& e) {
+    EXPECT_EQ(e.device_code(), DeviceErrorCode::kOutOfMemory);
+    EXPECT_THAT(e.what(), HasSubstr("cannot allocate 4.00 KiB (8.00 KiB in "
+                                    "units of 4.00 KiB): 4.00 KiB of 10.00 "
+                                    "KiB allocated"));
+  }
+  ExpectSameSimulatedBooks(before, sim.Stats());
+  DeviceBuffer four = sim.Allocate(4 * kKiB);
+  EXPECT_EQ(sim.bytes_allocated(), 8 * kKiB);
+  EXPECT_EQ(sim.Stats().high_water_bytes, 8 * kKiB);
+  EXPECT_EQ(sim.Stats().allocation_granularity, 4 * kKiB);
+  EXPECT_THROW(sim.Allocate(1), DeviceError);
+  one.Reset();
+  EXPECT_EQ(sim.bytes_allocated(), 4 * kKiB);  // exactly what was counted
+  four.Reset();
+  EXPECT_EQ(sim.bytes_allocated(), 0u);
+  EXPECT_EQ(sim.backend_bytes(), 0u);
+}
+
+TEST(SimulatedDeviceTest, MemoryHeldByOthersMakesTheBackendRefuse) {
+  SimulatedDeviceOptions options = Options(1 * kMiB);
+  options.physical_bytes = 1 * kMiB;
+  options.allocation_granularity = 64 * kKiB;
+  SimulatedDevice sim(options);
+  DeviceBuffer mine = sim.Allocate(100 * kKiB);  // 128 KiB
+  EXPECT_EQ(sim.backend_bytes(), 128 * kKiB);
+  sim.SetExternalBytes(768 * kKiB);  // a framework's allocator took it
+  const DeviceStats before = sim.Stats();
+  try {
+    sim.Allocate(129 * kKiB);  // 192 KiB: the books admit it, the memory not
+    FAIL() << "allocated memory others hold";
+  } catch (const DeviceError& e) {
+    EXPECT_EQ(e.device_code(), DeviceErrorCode::kOutOfMemory);
+    EXPECT_THAT(e.what(),
+                HasSubstr("128.00 KiB held by this device and 768.00 KiB by "
+                          "others, of 1.00 MiB of memory"));
+  }
+  ExpectSameSimulatedBooks(before, sim.Stats());
+  EXPECT_EQ(sim.backend_bytes(), 128 * kKiB);
+  EXPECT_EQ(sim.injected_faults(), 0u);          // not a fault: a real refusal
+  DeviceBuffer fits = sim.Allocate(128 * kKiB);  // exactly what is left
+  EXPECT_EQ(sim.backend_bytes(), 256 * kKiB);
+  EXPECT_THROW(sim.Allocate(1), DeviceError);
+  sim.SetExternalBytes(0);  // given back
+  DeviceBuffer more = sim.Allocate(512 * kKiB);
+  EXPECT_EQ(sim.bytes_allocated(), 768 * kKiB);
+  mine.Reset();
+  fits.Reset();
+  more.Reset();
+  EXPECT_EQ(sim.backend_bytes(), 0u);
+}
+
+TEST(SimulatedDeviceFaultTest, ACorruptedContextMakesTheDeviceUnusable) {
+  SimulatedDevice sim(Options());
+  DeviceBuffer buffer = sim.Allocate(1 * kMiB);
+  const std::vector<std::byte> data = Filled(1 * kMiB, 7);
+  sim.CopyToDevice(buffer, 0, data);
+  EXPECT_TRUE(sim.usable());
+  sim.CorruptContext();
+  auto expect_unavailable = [&](const char* what,
+                                const std::function<void()>& call) {
+    try {
+      call();
+      ADD_FAILURE() << what << " succeeded on a corrupted device";
+    } catch (const DeviceError& e) {
+      EXPECT_EQ(e.device_code(), DeviceErrorCode::kUnavailable) << what;
+      EXPECT_EQ(e.code(), ErrorCode::kUnavailable) << what;
+      EXPECT_THAT(e.what(), HasSubstr("device sim0: unavailable: context "
+                                      "corrupted: copy to device failed"))
+          << what;
+      EXPECT_THAT(e.what(), HasSubstr("the process must restart")) << what;
+    }
+  };
+  const DeviceStats before = sim.Stats();
+  expect_unavailable("the copy that meets it",
+                     [&] { sim.CopyToDevice(buffer, 0, data); });
+  EXPECT_FALSE(sim.usable());
+  sim.ClearFaults();  // does not undo a corruption
+  std::vector<std::byte> back(1 * kMiB);
+  expect_unavailable("CopyToDevice",
+                     [&] { sim.CopyToDevice(buffer, 0, data); });
+  expect_unavailable("CopyToHost", [&] { sim.CopyToHost(back, buffer, 0); });
+  expect_unavailable("Allocate", [&] { sim.Allocate(1); });
+  expect_unavailable("Allocate(0)", [&] { sim.Allocate(0); });
+  expect_unavailable("Synchronize", [&] { sim.Synchronize(); });
+  EXPECT_EQ(sim.injected_faults(), 1u);
+  const DeviceStats after = sim.Stats();
+  ExpectSameSimulatedBooks(before, after);
+  EXPECT_TRUE(after.unusable);
+  EXPECT_THAT(after.unusable_reason, HasSubstr("context corrupted"));
+  EXPECT_EQ(sim.unusable_reason(), after.unusable_reason);
+  EXPECT_EQ(after.failed_copies, 3u);
+  EXPECT_EQ(after.failed_allocations, 2u);
+  buffer.Reset();  // freeing still returns the books
+  EXPECT_EQ(sim.bytes_allocated(), 0u);
+  EXPECT_EQ(sim.Stats().frees, 1u);
+}
+
+TEST(SimulatedDeviceFaultTest, ACorruptionMetBySynchronizeIsReportedThere) {
+  SimulatedDevice sim(Options());
+  sim.CorruptContext();
+  try {
+    sim.Synchronize();
+    FAIL();
+  } catch (const DeviceError& e) {
+    EXPECT_EQ(e.device_code(), DeviceErrorCode::kUnavailable);
+    EXPECT_THAT(e.what(), HasSubstr("context corrupted: synchronize failed"));
+  }
+  EXPECT_FALSE(sim.usable());
+  EXPECT_EQ(sim.Stats().synchronizations, 0u);
 }
 
 TEST(SimulatedDeviceFaultTest, SleepOptionSpendsTheSimulatedTime) {

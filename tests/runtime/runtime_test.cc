@@ -1,7 +1,12 @@
 // The multi-device runtime on simulated devices: one host copy shared by
 // every device (InvokeAI's multi-GPU scenarios), partial placement, patch
 // scopes, failures that leave the books unchanged, and a stress run across
-// two devices.
+// two devices. What a first run on a GPU would hit, modelled on simulated
+// devices: tensors 256-byte aligned after odd sizes, across files and after
+// a tensor left on the host, with the padding in the books; placements
+// counted in the allocator's units in both books; an allocator out of memory
+// (others hold the GPU's memory) made up by evicting unleased models; a
+// corrupted device failing every placement at once.
 #include "modelcache/runtime/runtime.h"
 
 #include <unistd.h>
@@ -53,8 +58,44 @@ class RuntimeTest : public ::testing::Test {
     return std::make_unique<SimulatedDevice>(options);
   }
 
+  struct Tensor {
+    std::string name;
+    weights::Dtype dtype;
+    uint64_t elements;
+  };
+  // A model file of the given tensors.
+  std::string MakeFile(const std::string& name,
+                       const std::vector<Tensor>& tensors) {
+    const std::string path = (dir_.path() / (name + ".safetensors")).string();
+    weights::SafetensorsWriter writer;
+    uint64_t seed = 1;
+    for (const Tensor& t : tensors) {
+      writer.AddTensor(t.name, t.dtype, {t.elements},
+                       weights::PatternFill(seed++));
+    }
+    writer.Write(path);
+    return path;
+  }
+
   modelcache::testing::TestDirectory dir_{"modelcache_runtime"};
 };
+
+// The layout the header promises: the placed tensors, in file order, each at
+// the first multiple of 256 at or after the end of the one before; returns
+// where the last one ends.
+uint64_t ExpectPackedAt256(const DeviceModel& model) {
+  uint64_t end = 0;
+  for (const PlacedTensor& t : model.tensors()) {
+    if (!t.on_device || t.info->bytes() == 0) continue;
+    const uint64_t expected = (end + 255) / 256 * 256;
+    EXPECT_EQ(t.device_offset, expected) << t.info->name;
+    const auto address =
+        reinterpret_cast<uintptr_t>(model.buffer().data()) + t.device_offset;
+    EXPECT_EQ(address % 256, 0u) << t.info->name;
+    end = t.device_offset + t.info->bytes();
+  }
+  return end;
+}
 
 // Device bytes hold exactly the host bytes of the placed tensors.
 void ExpectDeviceBytesMatchHost(const DeviceModel& model) {
@@ -304,6 +345,177 @@ TEST_F(RuntimeTest, FailedAllocationOrCopyLeavesTheBooksUnchanged) {
   EXPECT_EQ(host.Prune(), 1u);
   // And the next attempt works.
   EXPECT_TRUE(cache.Acquire("a", {a}));
+}
+
+TEST_F(RuntimeTest, TensorsAreAlignedTo256BytesAndThePaddingIsInTheBooks) {
+  using weights::Dtype;
+  const std::string first = MakeFile("first", {{"a", Dtype::kU8, 1},
+                                               {"b", Dtype::kU8, 300},
+                                               {"c", Dtype::kF16, 3},
+                                               {"d", Dtype::kBool, 7}});
+  const std::string second =
+      MakeFile("second", {{"e", Dtype::kU8, 1001}, {"f", Dtype::kF32, 5}});
+  weights::HostWeightStore host({.capacity_bytes = 1 << 20});
+  auto gpu = Sim("gpu0", 1 << 20);
+  DeviceCache cache(host, *gpu);
+  ModelLease lease = cache.Acquire("m", {first, second});
+  ASSERT_TRUE(lease->full());
+  const uint64_t end = ExpectPackedAt256(lease.model());
+  EXPECT_GT(end, 5 * 256u);  // six tensors, each at its own multiple of 256
+  EXPECT_EQ(lease->bytes_on_device(), 1 + 300 + 6 + 7 + 1001 + 20u);
+  EXPECT_EQ(lease->bytes_on_device(), lease->total_bytes());
+  EXPECT_EQ(lease.model().buffer().size(), end);
+  EXPECT_EQ(lease->device_bytes(), end);
+  EXPECT_EQ(gpu->bytes_allocated(), end);
+  EXPECT_EQ(cache.cache().Entry("m")->bytes, end);
+  EXPECT_EQ(cache.cache().budget().used(), end);
+  ExpectDeviceBytesMatchHost(lease.model());
+}
+
+TEST_F(RuntimeTest, ATensorAfterOneLeftOnTheHostIsAlignedToo) {
+  using weights::Dtype;
+  const std::string file = MakeFile("m", {{"t0", Dtype::kU8, 100},
+                                          {"t1", Dtype::kU8, 5000},
+                                          {"t2", Dtype::kU8, 10},
+                                          {"t3", Dtype::kU8, 3}});
+  weights::HostWeightStore host({.capacity_bytes = 1 << 20});
+  auto gpu = Sim("gpu0", 1000);
+  DeviceCache cache(host, *gpu);
+  ModelLease lease = cache.Acquire("m", {file}, Placement::kPartial);
+  EXPECT_FALSE(lease->full());
+  std::vector<std::string> on_device;
+  for (const PlacedTensor& t : lease->tensors()) {
+    if (t.on_device) on_device.push_back(t.info->name);
+  }
+  EXPECT_EQ(on_device, (std::vector<std::string>{"t0", "t2", "t3"}));
+  EXPECT_EQ(ExpectPackedAt256(lease.model()),
+            512 + 3u);  // t2 at 256, t3 at 512
+  EXPECT_EQ(lease->bytes_on_device(), 113u);
+  EXPECT_EQ(gpu->bytes_allocated(), 515u);
+  EXPECT_EQ(cache.cache().Entry("m")->bytes, 515u);
+  ExpectDeviceBytesMatchHost(lease.model());
+}
+
+TEST_F(RuntimeTest, PlacementsAreCountedInTheAllocatorsUnitsInBothBooks) {
+  using weights::Dtype;
+  // 8 KiB + 1 of tensors: 12 KiB in 4 KiB units.
+  const std::string file =
+      MakeFile("m", {{"w", Dtype::kU8, 8 * kKiB}, {"b", Dtype::kU8, 1}});
+  weights::HostWeightStore host({.capacity_bytes = 1 << 20});
+  SimulatedDeviceOptions options;
+  options.name = "gpu0";
+  options.capacity_bytes = 32 * kKiB;
+  options.allocation_granularity = 4 * kKiB;
+  SimulatedDevice gpu(options);
+  DeviceCache cache(host, gpu);
+  ModelLease a = cache.Acquire("a", {file});
+  EXPECT_EQ(a->device_bytes(), 12 * kKiB);
+  EXPECT_EQ(cache.cache().Entry("a")->bytes, 12 * kKiB);
+  EXPECT_EQ(gpu.bytes_allocated(), 12 * kKiB);
+  cache.Acquire("b", {file}).Release();
+  a.Release();
+  // A third does not fit beside two (36 KiB of 32): the budget evicts one,
+  // as the device's books require, instead of the device refusing.
+  ModelLease c = cache.Acquire("c", {file});
+  EXPECT_EQ(cache.cache().Stats().evictions, 1u);
+  EXPECT_EQ(gpu.Stats().failed_allocations, 0u);
+  EXPECT_EQ(gpu.bytes_allocated(), 24 * kKiB);
+  EXPECT_EQ(cache.cache().budget().used(), gpu.bytes_allocated());
+  // Partial placement asks only for what whole units can hold: 32 KiB less
+  // c's 12 KiB leave 20 KiB; x and y, 16 KiB and 4 KiB + 1, would need 24.
+  const std::string big = MakeFile(
+      "big", {{"x", Dtype::kU8, 16 * kKiB}, {"y", Dtype::kU8, 4 * kKiB + 1}});
+  ModelLease partial = cache.Acquire("big", {big}, Placement::kPartial);
+  EXPECT_FALSE(partial->full());
+  EXPECT_EQ(partial->bytes_on_device(), 16 * kKiB);
+  EXPECT_EQ(partial->device_bytes(), 16 * kKiB);
+  EXPECT_EQ(cache.cache().budget().used(), gpu.bytes_allocated());
+  EXPECT_EQ(cache.cache().CheckInvariants(), cache.cache().budget().used());
+}
+
+TEST_F(RuntimeTest, DeviceOutOfMemoryEvictsUnleasedModelsAndRetries) {
+  const std::string a = MakeModel("a", 1, 256), b = MakeModel("b", 1, 256),
+                    c = MakeModel("c", 1, 256);
+  weights::HostWeightStore host({.capacity_bytes = 4 << 20});
+  SimulatedDeviceOptions options;
+  options.name = "gpu0";
+  options.capacity_bytes = 1024 * kKiB;
+  options.physical_bytes = 1024 * kKiB;
+  SimulatedDevice gpu(options);
+  DeviceCache cache(host, gpu);
+  cache.Acquire("a", {a}).Release();
+  cache.Acquire("b", {b}).Release();
+  // Another library takes 400 KiB: the budget still has 512 KiB free, the
+  // device only 112 KiB.
+  gpu.SetExternalBytes(400 * kKiB);
+  ModelLease lease = cache.Acquire("c", {c});
+  EXPECT_FALSE(cache.cache().Entry("a").has_value());  // the LRU victim
+  EXPECT_TRUE(cache.cache().Entry("b").has_value());
+  EXPECT_EQ(cache.cache().Stats().evictions, 1u);
+  EXPECT_EQ(gpu.Stats().failed_allocations, 1u);  // the one that was retried
+  EXPECT_EQ(gpu.bytes_allocated(), 512 * kKiB);
+  EXPECT_EQ(cache.cache().budget().used(), 512 * kKiB);
+  ExpectDeviceBytesMatchHost(lease.model());
+}
+
+TEST_F(RuntimeTest, DeviceOutOfMemoryWithEveryModelLeasedFailsAndKeepsBooks) {
+  const std::string a = MakeModel("a", 1, 256), b = MakeModel("b", 1, 256),
+                    c = MakeModel("c", 1, 256);
+  weights::HostWeightStore host({.capacity_bytes = 4 << 20});
+  SimulatedDeviceOptions options;
+  options.name = "gpu0";
+  options.capacity_bytes = 1024 * kKiB;
+  options.physical_bytes = 1024 * kKiB;
+  SimulatedDevice gpu(options);
+  DeviceCache cache(host, gpu);
+  ModelLease held_a = cache.Acquire("a", {a});
+  ModelLease held_b = cache.Acquire("b", {b});
+  cache.cache().Pin("b");
+  held_b.Release();  // pinned: not evictable either
+  gpu.SetExternalBytes(400 * kKiB);
+  const device::DeviceStats before = gpu.Stats();
+  try {
+    cache.Acquire("c", {c});
+    FAIL() << "placed beyond the device's memory";
+  } catch (const device::DeviceError& e) {
+    EXPECT_EQ(e.device_code(), device::DeviceErrorCode::kOutOfMemory);
+    EXPECT_THAT(e.what(), HasSubstr("by others"));
+  }
+  EXPECT_EQ(gpu.bytes_allocated(), before.bytes_allocated);
+  EXPECT_EQ(cache.cache().budget().used(), 512 * kKiB);
+  EXPECT_FALSE(cache.cache().Entry("c").has_value());
+  EXPECT_EQ(cache.cache().Stats().evictions, 0u);
+  EXPECT_EQ(cache.cache().CheckInvariants(), cache.cache().budget().used());
+  // Room again: the same placement works.
+  gpu.SetExternalBytes(0);
+  EXPECT_TRUE(cache.Acquire("c", {c}));
+}
+
+TEST_F(RuntimeTest, AnUnusableDeviceFailsEveryPlacementAtOnce) {
+  const std::string a = MakeModel("a", 2, 16), b = MakeModel("b", 2, 16);
+  weights::HostWeightStore host({.capacity_bytes = 1 << 20});
+  auto gpu = Sim("gpu0", 1 << 20);
+  DeviceCache cache(host, *gpu);
+  ModelLease resident = cache.Acquire("a", {a});
+  gpu->CorruptContext();  // as another library's faulty kernel would
+  for (int attempt = 0; attempt < 3; ++attempt) {
+    try {
+      cache.Acquire("b", {b});
+      FAIL() << "placed on a corrupted device";
+    } catch (const Error& e) {
+      EXPECT_EQ(e.code(), ErrorCode::kUnavailable) << e.what();
+      EXPECT_THAT(e.what(), HasSubstr("context corrupted"));
+    }
+  }
+  EXPECT_EQ(gpu->injected_faults(), 1u);  // later attempts never reached it
+  EXPECT_TRUE(gpu->Stats().unusable);
+  EXPECT_FALSE(cache.cache().Entry("b").has_value());
+  EXPECT_EQ(cache.cache().Stats().load_failures, 3u);
+  EXPECT_EQ(gpu->bytes_allocated(), 32 * kKiB);  // only "a"
+  EXPECT_EQ(cache.cache().budget().used(), 32 * kKiB);
+  resident.Release();
+  cache.cache().Prune();  // freeing still works
+  EXPECT_EQ(gpu->bytes_allocated(), 0u);
 }
 
 TEST_F(RuntimeTest, WorkingReserveIsKeptFree) {

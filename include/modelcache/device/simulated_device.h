@@ -7,6 +7,14 @@
 // simulated_seconds(); nothing sleeps unless `sleep` is set, so tests stay
 // fast and deterministic.
 //
+// Like a GPU's allocator it can hand out memory in units larger than a byte
+// (`allocation_granularity`: the books count every allocation rounded up),
+// and its memory can be smaller than what its books allow: with
+// `physical_bytes` set, the backend refuses an allocation, as cudaMalloc
+// does, when the rounded sizes of its live allocations plus what others hold
+// (SetExternalBytes: a framework's allocator, another process) would exceed
+// it, even though the capacity check passed.
+//
 // Fault injection makes the backend itself fail, as cudaMalloc or
 // cudaMemcpy would, after the Device contract's own checks passed:
 //
@@ -15,11 +23,16 @@
 //   gpu.FailAllocationsAbove(256 << 20);
 //   gpu.FailNextCopies(1);            // the next copy fails
 //   gpu.FailCopiesWhere([](const CopyInfo& c) { return c.offset > 0; });
+//   gpu.CorruptContext();             // the next call poisons the device
 //
 // An injected allocation fault throws DeviceError kOutOfMemory, an injected
 // copy fault kCopyFailed (the destination is left untouched); either leaves
 // the books unchanged, as every failure does. Faults are one-shot except the
-// size limit and the predicate, which stay until cleared.
+// size limit and the predicate, which stay until cleared. CorruptContext
+// stands for a kernel that corrupted a CUDA context: the next allocation,
+// copy or Synchronize that reaches the backend marks the device unusable
+// and fails with kUnavailable, and so does every later call; ClearFaults
+// does not undo that.
 #ifndef MODELCACHE_DEVICE_SIMULATED_DEVICE_H_
 #define MODELCACHE_DEVICE_SIMULATED_DEVICE_H_
 
@@ -51,6 +64,12 @@ struct SimulatedDeviceOptions {
   bool sleep = false;
   // Of every buffer's data(); cudaMalloc guarantees 256. A power of two.
   size_t alignment = 256;
+  // The allocator's unit: the books count each allocation rounded up to a
+  // multiple of it (CUDA: 2 MiB). >= 1.
+  uint64_t allocation_granularity = 1;
+  // The device's real memory; 0: as much as the capacity (no allocation the
+  // capacity admits is ever refused for room). See SetExternalBytes.
+  uint64_t physical_bytes = 0;
 };
 
 // What a copy fault predicate sees.
@@ -66,8 +85,8 @@ struct CopyInfo {
 class SimulatedDevice : public Device {
  public:
   // Throws DeviceError kInvalidArgument for a non-positive bandwidth, a
-  // negative latency, an alignment that is not a power of two, or an empty
-  // name.
+  // negative latency, an alignment that is not a power of two, a zero
+  // allocation granularity, or an empty name.
   explicit SimulatedDevice(SimulatedDeviceOptions options);
   ~SimulatedDevice() override;
 
@@ -96,8 +115,21 @@ class SimulatedDevice : public Device {
   // copying thread, and must be thread-safe.
   void FailCopiesWhere(std::function<bool(const CopyInfo&)> predicate)
       MC_EXCLUDES(fault_mu_);
-  // Disarms every fault.
+  // The next allocation, copy or Synchronize that reaches the backend marks
+  // the device unusable, as a corrupted CUDA context would (see above).
+  void CorruptContext() MC_EXCLUDES(fault_mu_);
+  // Disarms every fault (a device already unusable stays so).
   void ClearFaults() MC_EXCLUDES(fault_mu_);
+
+  // ---- Memory held outside this Device (only with physical_bytes set).
+
+  // Sets how much of physical_bytes others hold now: the backend refuses an
+  // allocation (kOutOfMemory) when its live allocations, rounded, plus
+  // `bytes` plus the new one would exceed physical_bytes. Buffers already
+  // handed out are unaffected.
+  void SetExternalBytes(uint64_t bytes) MC_EXCLUDES(fault_mu_);
+  // The rounded bytes of the live allocations the backend holds.
+  uint64_t backend_bytes() const MC_EXCLUDES(fault_mu_);
   // Faults injected so far (allocations and copies that failed because of
   // one).
   uint64_t injected_faults() const MC_EXCLUDES(fault_mu_);
@@ -110,11 +142,14 @@ class SimulatedDevice : public Device {
       MC_EXCLUDES(fault_mu_) override;
   void DoCopyToHost(std::span<std::byte> dst, const DeviceBuffer& src,
                     uint64_t offset) MC_EXCLUDES(fault_mu_) override;
-  void DoSynchronize() override {}
+  void DoSynchronize() MC_EXCLUDES(fault_mu_) override;
 
  private:
   // Throws kCopyFailed if a copy fault applies to this copy.
   void MaybeFailCopy(CopyInfo info) MC_EXCLUDES(fault_mu_);
+  // Marks the device unusable and throws, if CorruptContext is armed (or
+  // the device was already corrupted by the backend).
+  void MaybeCorrupt(const char* call) MC_EXCLUDES(fault_mu_);
   void Spend(CopyDirection direction, uint64_t bytes) const;
 
   const SimulatedDeviceOptions options_;
@@ -126,6 +161,10 @@ class SimulatedDevice : public Device {
   uint64_t fail_next_copies_ MC_GUARDED_BY(fault_mu_) = 0;
   std::shared_ptr<const std::function<bool(const CopyInfo&)>> copy_predicate_
       MC_GUARDED_BY(fault_mu_);
+  bool corrupt_next_ MC_GUARDED_BY(fault_mu_) = false;
+  bool corrupted_ MC_GUARDED_BY(fault_mu_) = false;
+  uint64_t external_bytes_ MC_GUARDED_BY(fault_mu_) = 0;
+  uint64_t backend_bytes_ MC_GUARDED_BY(fault_mu_) = 0;
   uint64_t backend_copies_ MC_GUARDED_BY(fault_mu_) = 0;
   uint64_t injected_faults_ MC_GUARDED_BY(fault_mu_) = 0;
 };

@@ -22,8 +22,27 @@
 // acquire that cannot get that room fails and leaves the partial copy
 // resident, with its device bytes, as it was.
 //
+// Layout and books. The placed tensors of a model share one device buffer.
+// Each starts at an offset that is a multiple of kTensorAlignment (256
+// bytes, what cudaMalloc guarantees for a buffer's base and what kernels
+// assume of a tensor's), whatever the sizes of the tensors before it, in
+// the same file or an earlier one, or of a tensor left on the host. The
+// padding between tensors is part of the buffer, and the books count the
+// buffer as the device's allocator does: its size rounded up to the
+// device's allocation granularity (Device::AllocationSize). That is what a
+// placement reserves in the device cache's budget, so the budget and the
+// device's books agree byte for byte.
+//
+// The device's own allocator may refuse memory the books say is free (other
+// libraries and processes use the GPU too). When the device allocator runs
+// out of memory while unleased models are resident on that device, the
+// placement evicts them one at a time (the policy's victim first) and tries
+// again; only when none is left does it fail (DeviceError kOutOfMemory).
+//
 // Failures leave the books unchanged: a failed read, device allocation or
-// copy returns every reserved byte and caches nothing.
+// copy returns every reserved byte and caches nothing. A device found
+// unusable (a corrupted CUDA context) fails every placement at once with
+// DeviceError kUnavailable; nothing is cached, so nothing retries on it.
 #ifndef MODELCACHE_RUNTIME_RUNTIME_H_
 #define MODELCACHE_RUNTIME_RUNTIME_H_
 
@@ -41,11 +60,17 @@ namespace modelcache::runtime {
 
 enum class Placement { kFull, kPartial };
 
+// Every placed tensor's device_offset is a multiple of this.
+inline constexpr uint64_t kTensorAlignment = 256;
+
 // One tensor of a placed model.
 struct PlacedTensor {
   const weights::TensorInfo* info;  // name, dtype, shape
   bool on_device;
-  uint64_t device_offset;           // into DeviceModel::buffer(), if on_device
+  // Into DeviceModel::buffer(), if on_device: a multiple of
+  // kTensorAlignment, so buffer().data() + device_offset is as aligned as
+  // the buffer (256 bytes on CUDA).
+  uint64_t device_offset;
   std::span<const std::byte> host;  // its bytes in the host copy (always valid)
 };
 
@@ -54,9 +79,18 @@ class DeviceModel {
  public:
   const std::string& id() const { return id_; }
   device::Device& device() const { return *buffer_.device(); }
+  // The bytes of all the model's tensors (its files' data buffers).
   uint64_t total_bytes() const { return total_bytes_; }
-  uint64_t bytes_on_device() const { return buffer_.size(); }
-  bool full() const { return bytes_on_device() == total_bytes_; }
+  // The bytes of the tensors placed on the device (padding not counted).
+  uint64_t bytes_on_device() const { return bytes_on_device_; }
+  // What the placement takes from the device and the device cache's budget:
+  // the buffer (tensors and the padding that aligns them), rounded up to the
+  // device's allocation granularity.
+  uint64_t device_bytes() const {
+    return buffer_.device()->AllocationSize(buffer_.size());
+  }
+  // Every tensor is on the device.
+  bool full() const { return full_; }
   const std::vector<PlacedTensor>& tensors() const { return tensors_; }
   // Every on-device tensor, at its device_offset.
   const device::DeviceBuffer& buffer() const { return buffer_; }
@@ -65,6 +99,8 @@ class DeviceModel {
   friend class DeviceCache;
   std::string id_;
   uint64_t total_bytes_ = 0;
+  uint64_t bytes_on_device_ = 0;
+  bool full_ = false;
   // Declared before buffer_ so that the device memory goes first.
   std::vector<weights::HostWeights> host_;
   device::DeviceBuffer buffer_;
@@ -108,9 +144,9 @@ class DeviceCache {
   ~DeviceCache() = default;
 
   // Places the model `id`, made of `files`, on this device (see the file
-  // comment for placement). Throws what the host store, the device or the
-  // cache throw: weights::IoError / FormatError, device::DeviceError,
-  // modelcache::Error.
+  // comment for placement, layout and books). Throws what the host store,
+  // the device or the cache throw: weights::IoError / FormatError,
+  // device::DeviceError, modelcache::Error.
   ModelLease Acquire(const std::string& id,
                      const std::vector<std::string>& files,
                      Placement placement = Placement::kFull,
@@ -120,6 +156,13 @@ class DeviceCache {
   ModelCache& cache() { return cache_; }
 
  private:
+  // device_.Allocate(bytes), evicting unleased models of this cache one at a
+  // time while the device's allocator is out of memory.
+  device::DeviceBuffer AllocateEvictingIfNeeded(uint64_t bytes);
+  // Evicts one unleased, unpinned model (the policy's victim); false if
+  // there is none.
+  bool EvictOne();
+
   weights::HostWeightStore& host_;
   device::Device& device_;
   ModelCache cache_;

@@ -262,6 +262,20 @@ void Budget::Reserve(uint64_t bytes, const ReserveOptions& options) {
   }
 }
 
+bool Budget::EvictLowestRanked() {
+  std::unordered_set<uint64_t> skip;
+  for (;;) {
+    switch (EvictOne(&skip)) {
+      case EvictStep::kEvicted:
+        return true;
+      case EvictStep::kUnloadFailed:
+        continue;
+      case EvictStep::kNone:
+        return false;
+    }
+  }
+}
+
 uint64_t Budget::ObtainableBytes() {
   uint64_t unevictable = 0;
   for (auto& member : Members()) unevictable += member->UnevictableBytes();

@@ -195,29 +195,11 @@ device::DeviceBuffer DeviceCache::AllocateEvictingIfNeeded(uint64_t bytes) {
       return device_.Allocate(bytes);
     } catch (const device::DeviceError& e) {
       if (e.device_code() != device::DeviceErrorCode::kOutOfMemory ||
-          !EvictOne()) {
+          !cache_.budget().EvictLowestRanked()) {
         throw;
       }
     }
   }
-}
-
-bool DeviceCache::EvictOne() {
-  Budget& budget = cache_.budget();
-  const uint64_t capacity = budget.capacity();
-  const uint64_t used = budget.used();
-  if (used == 0) return false;  // nothing resident, nothing reserved
-  const uint64_t one_more_than_free = used < capacity ? capacity - used + 1 : 1;
-  try {
-    budget.Reserve(one_more_than_free, {.when_full = WhenFull::kFail});
-  } catch (const Error& e) {
-    if (e.code() == ErrorCode::kCapacity || e.code() == ErrorCode::kTooLarge) {
-      return false;  // every resident model is leased or pinned
-    }
-    throw;
-  }
-  budget.Release(one_more_than_free);
-  return true;
 }
 
 ModelRuntime::ModelRuntime(ModelRegistry registry, RuntimeOptions options)

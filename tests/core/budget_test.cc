@@ -453,5 +453,30 @@ TEST(CacheBudget, CapacityErrorForALargerRealSizeDoesNotNameItself) {
   EXPECT_EQ(budget->used(), 90u);
 }
 
+TEST(CacheBudget, EvictLowestRankedTakesTheGlobalVictimAndSparesLeases) {
+  std::vector<std::string> unloaded;  // outlives the caches' unloaders
+  auto budget = std::make_shared<Budget>(100, "device");
+  ModelCache first(On(budget, "first"));
+  ModelCache second(On(budget, "second"));
+  auto loader = [&](const std::string& key) {
+    return SimpleLoader(key, 10, nullptr,
+                        [&, key] { unloaded.push_back(key); });
+  };
+  Lease oldest = first.Acquire("oldest", 10, loader("oldest"));  // leased
+  second.Prefetch("idle-1", 10, loader("idle-1"));
+  first.Prefetch("idle-2", 10, loader("idle-2"));
+  // The books have room; the caller's allocator has not. The least recently
+  // used record that no one holds goes, whichever cache owns it.
+  EXPECT_TRUE(budget->EvictLowestRanked());
+  EXPECT_EQ(unloaded, std::vector<std::string>{"idle-1"});
+  EXPECT_TRUE(budget->EvictLowestRanked());
+  EXPECT_EQ(unloaded, (std::vector<std::string>{"idle-1", "idle-2"}));
+  // Only a leased record is left: nothing is evicted.
+  EXPECT_FALSE(budget->EvictLowestRanked());
+  EXPECT_EQ(ResidentKeys(first), std::vector<std::string>{"oldest"});
+  EXPECT_EQ(budget->used(), first.CheckInvariants() + second.CheckInvariants());
+  EXPECT_EQ(budget->used(), 10u);
+}
+
 }  // namespace
 }  // namespace modelcache

@@ -184,6 +184,13 @@ class Budget {
       MC_EXCLUDES(mu_);
   // REQUIRES: bytes <= used().
   void Release(uint64_t bytes) MC_EXCLUDES(mu_);
+  // Evicts the lowest-ranked unleased, unpinned record of any member, for a
+  // member whose memory ran out although its books say there is room (a
+  // device allocator that rounds up, or that other libraries share). A
+  // victim whose unloader throws stays resident, and the next is tried.
+  // Returns false when nothing was evicted.
+  // REQUIRES: the caller holds no lock of any member.
+  bool EvictLowestRanked() MC_EXCLUDES(mu_);
   // A record just became evictable (its last lease ended or it was
   // unpinned): wakes acquires waiting for capacity, and evicts while usage
   // is over capacity (see SetCapacity). Cheap when neither applies.

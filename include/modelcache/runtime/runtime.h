@@ -158,10 +158,8 @@ class DeviceCache {
  private:
   // device_.Allocate(bytes), evicting unleased models of this cache one at a
   // time while the device's allocator is out of memory.
+  // (Budget::EvictLowestRanked picks each victim.)
   device::DeviceBuffer AllocateEvictingIfNeeded(uint64_t bytes);
-  // Evicts one unleased, unpinned model (the policy's victim); false if
-  // there is none.
-  bool EvictOne();
 
   weights::HostWeightStore& host_;
   device::Device& device_;

@@ -3,6 +3,7 @@
 #include <algorithm>
 #include <charconv>
 #include <cmath>
+#include <cstdlib>
 #include <limits>
 #include <optional>
 #include <string>
@@ -14,6 +15,26 @@ namespace modelcache {
 namespace {
 
 constexpr double kGiB = 1024.0 * 1024.0 * 1024.0;
+
+// RequestHistory's bins: half-octaves from 1 ms up; every gap shorter than
+// 1 ms is in bin 0.
+int BinIndex(double gap) {
+  constexpr double kFirstBinSeconds = 1e-3;
+  return gap < kFirstBinSeconds
+             ? 0
+             : 1 + static_cast<int>(2.0 * std::log2(gap / kFirstBinSeconds));
+}
+
+// How RequestHistory::Score smooths the histogram: the share of a bin's
+// weight that counts at a distance of 0, 1 and 2 bins from it, and the share
+// of the probability spread evenly over kEveryLengthBins bins (1 ms to about
+// 12 days), so that no gap is impossible.
+constexpr double kNeighbourShare[3] = {0.5, 0.2, 0.05};
+constexpr double kEveryLengthShare = 0.05;
+constexpr double kEveryLengthBins = 60;
+// Gaps shorter than this are scored as this long: the exponential's density
+// per unit of log(gap) vanishes at 0.
+constexpr double kShortestScoredGap = 5e-4;
 
 // GreedyDual's L only rises: this is what ages entries nobody asks for any
 // more.
@@ -156,6 +177,9 @@ class NextUsePolicy final : public EvictionPolicy {
     }
     const double idle =
         std::max(0.0, entry.now_seconds - history->last_request_seconds());
+    if (history->LooksMemoryless()) {
+      return Rank(history->MemorylessWait(idle), entry.bytes);
+    }
     // Gaps no longer than the idle time so far are ruled out: the next
     // request is one of the longer ones, if the past is a guide. Bursts
     // followed by long pauses are why: right after a burst its short gaps
@@ -164,13 +188,17 @@ class NextUsePolicy final : public EvictionPolicy {
     // Idle longer than any gap seen: the model has cooled, by as much as
     // it has been idle.
     const double wait = typical_longer > 0 ? typical_longer - idle : idle;
-    if (size_exponent_ == 0) return -wait;
-    const double gib = std::max(static_cast<double>(entry.bytes), 1.0) / kGiB;
-    return -wait / std::pow(gib, size_exponent_);
+    return Rank(wait, entry.bytes);
   }
   void OnEvict(double, PolicyClock&) const override {}
 
  private:
+  double Rank(double wait, uint64_t bytes) const {
+    if (size_exponent_ == 0) return -wait;
+    const double gib = std::max(static_cast<double>(bytes), 1.0) / kGiB;
+    return -wait / std::pow(gib, size_exponent_);
+  }
+
   const size_t history_length_;
   const double size_exponent_;
 };
@@ -182,7 +210,10 @@ RequestHistory::RequestHistory(size_t memory)
 
 void RequestHistory::Record(double now_seconds) {
   if (requests_ > 0) {
-    Add(std::max(0.0, now_seconds - last_));
+    const double gap = std::max(0.0, now_seconds - last_);
+    const int index = BinIndex(gap);
+    if (requests_ >= 2) Score(gap, index);
+    Add(gap, index);
     last_ = std::max(last_, now_seconds);
   } else {
     last_ = now_seconds;
@@ -190,7 +221,40 @@ void RequestHistory::Record(double now_seconds) {
   ++requests_;
 }
 
-void RequestHistory::Add(double gap) {
+void RequestHistory::Score(double gap, int index) {
+  double weight = 0, sum = 0, near = 0;
+  for (const Bin& bin : bins_) {
+    weight += bin.weight;
+    sum += bin.sum;
+    const int distance = std::abs(bin.index - index);
+    if (distance < 3) near += bin.weight * kNeighbourShare[distance];
+  }
+  if (weight <= 0) return;
+  // Densities per unit of log(gap), so that the two compare.
+  const double histogram = ((1 - kEveryLengthShare) * near / weight +
+                            kEveryLengthShare / kEveryLengthBins) /
+                           (0.5 * std::log(2.0));
+  const double rate = weight / std::max(sum, 1e-6 * weight);
+  const double scaled = rate * std::max(gap, kShortestScoredGap);
+  // log(histogram) - log(scaled * exp(-scaled))
+  score_ = score_ * fade_ + std::log(histogram / scaled) + scaled;
+}
+
+bool RequestHistory::LooksMemoryless() const {
+  return requests_ >= 3 && score_ < 0;
+}
+
+double RequestHistory::MemorylessWait(double idle_seconds) const {
+  double weight = 0, sum = 0;
+  for (const Bin& bin : bins_) {
+    weight += bin.weight;
+    sum += bin.sum;
+  }
+  if (weight <= 0) return 0.0;
+  return (sum + std::max(0.0, idle_seconds) * scale_) / weight;
+}
+
+void RequestHistory::Add(double gap, int index) {
   // Instead of fading every bin, weigh the new gap more: only ratios of
   // weights matter. Rescale before the numbers grow out of range, and let
   // bins that weigh nothing any more go.
@@ -208,11 +272,6 @@ void RequestHistory::Add(double gap) {
       std::erase_if(bins_, [](const Bin& bin) { return bin.weight < 1e-9; });
     }
   }
-  constexpr double kFirstBinSeconds = 1e-3;
-  const int index =
-      gap < kFirstBinSeconds
-          ? 0
-          : 1 + static_cast<int>(2.0 * std::log2(gap / kFirstBinSeconds));
   auto find = [&] {
     return std::lower_bound(
         bins_.begin(), bins_.end(), index,

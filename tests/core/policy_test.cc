@@ -8,8 +8,9 @@
 // keeps a frequently used large model where LRU would drop it; GDSF ages old
 // entries out through its inflation value; priorities never decrease;
 // next-use evicts the model expected last (by its gaps, kept across
-// evictions, not counting prefetches), cools models idle past their gaps,
-// and lets a ranked warm-up evict only models expected later.
+// evictions, not counting prefetches), cools models idle past their gaps
+// unless their gaps look memoryless (then ranks them by their mean gap), and
+// lets a ranked warm-up evict only models expected later.
 
 #include "modelcache/core/policy.h"
 
@@ -18,6 +19,7 @@
 
 #include <algorithm>
 #include <chrono>
+#include <cmath>
 #include <cstdint>
 #include <functional>
 #include <limits>
@@ -782,6 +784,78 @@ TEST(RequestHistoryTest, KeepsAtMostSixteenLengthsDroppingTheLightest) {
   EXPECT_DOUBLE_EQ(steady.TypicalGapLongerThan(-1), 7.0);
 }
 
+// A gap of a Poisson stream with this mean: the exponential's inverse CDF
+// of a uniform draw from the engine (whose output the standard fixes).
+double ExponentialGap(std::mt19937_64& rng, double mean) {
+  const double u = static_cast<double>(rng() >> 11) * 0x1p-53;  // [0, 1)
+  return -mean * std::log1p(-u);
+}
+
+TEST(RequestHistoryTest, ExponentialGapsLookMemorylessTimersAndBurstsDoNot) {
+  // Requests at random, ten seconds apart on average: once a few dozen gaps
+  // are known, the exponential predicts them better nearly every time.
+  int memoryless = 0, checked = 0;
+  for (uint64_t seed = 1; seed <= 20; ++seed) {
+    std::mt19937_64 rng(seed);
+    RequestHistory history(32);
+    double t = 0;
+    history.Record(t);
+    for (int i = 0; i < 150; ++i) {
+      history.Record(t += ExponentialGap(rng, 10));
+      if (i >= 50) {
+        ++checked;
+        memoryless += history.LooksMemoryless();
+      }
+    }
+  }
+  EXPECT_GT(memoryless, 0.9 * checked) << memoryless << " of " << checked;
+
+  // Fewer than two gaps: nothing to judge by.
+  RequestHistory young(32);
+  for (double t : {0.0, 10.0}) {
+    young.Record(t);
+    EXPECT_FALSE(young.LooksMemoryless());
+  }
+
+  // A timer, every minute give or take 5 s, from its second gap on.
+  std::mt19937_64 rng(7);
+  RequestHistory timer(32);
+  double t = 0;
+  timer.Record(t);
+  timer.Record(t += 60);
+  for (int i = 0; i < 100; ++i) {
+    const double jitter = static_cast<double>(rng() >> 11) * 0x1p-53 - 0.5;
+    timer.Record(t += 60 + 10 * jitter);
+    EXPECT_FALSE(timer.LooksMemoryless()) << "request " << i;
+  }
+
+  // Bursts of ten requests a second apart, every ten minutes.
+  RequestHistory bursts(32);
+  for (int burst = 0; burst < 20; ++burst) {
+    for (int i = 0; i < 10; ++i) {
+      bursts.Record(600.0 * burst + i);
+      if (bursts.requests() >= 3) {
+        EXPECT_FALSE(bursts.LooksMemoryless())
+            << "burst " << burst << ", request " << i;
+      }
+    }
+  }
+}
+
+TEST(RequestHistoryTest, MemorylessWaitIsTheMeanGapCountingTheIdleTime) {
+  RequestHistory history(4);  // each gap fades by 3/4 per later request
+  EXPECT_EQ(history.MemorylessWait(5), 0.0);
+  history.Record(0);
+  EXPECT_EQ(history.MemorylessWait(5), 0.0);  // no gap yet
+  history.Record(10);
+  history.Record(30);  // gaps of 10 s (weight 3/4) and 20 s (weight 1)
+  const double weight = 1.75, gaps = 0.75 * 10 + 20;
+  EXPECT_NEAR(history.MemorylessWait(0), gaps / weight, 1e-12);
+  // The idle time so far is part of the gap under way.
+  EXPECT_NEAR(history.MemorylessWait(7), (gaps + 7) / weight, 1e-12);
+  EXPECT_NEAR(history.MemorylessWait(-3), gaps / weight, 1e-12);
+}
+
 TEST(NextUsePolicyTest, RanksByThePredictedWaitForTheNextRequest) {
   std::shared_ptr<const EvictionPolicy> policy = NewNextUsePolicy(8, 0);
   EXPECT_EQ(policy->name(), "next-use");
@@ -813,6 +887,34 @@ TEST(NextUsePolicyTest, RanksByThePredictedWaitForTheNextRequest) {
   info.history = nullptr;
   EXPECT_EQ(policy->Priority(info, clock),
             -std::numeric_limits<double>::infinity());
+}
+
+TEST(NextUsePolicyTest, GapsThatLookMemorylessAreRankedByTheirMeanGap) {
+  const std::shared_ptr<const EvictionPolicy> policy =
+      PolicyByName("next-use").eviction;
+  PolicyClock clock;
+  std::mt19937_64 rng(3);
+  RequestHistory random(32);
+  double t = 0;
+  random.Record(t);
+  for (int i = 0; i < 100; ++i) random.Record(t += ExponentialGap(rng, 10));
+  ASSERT_TRUE(random.LooksMemoryless());
+  AccessInfo info{2 * kGiB, 1, 0.0};
+  info.history = &random;
+  for (double idle : {0.0, 3.0, 40.0, 400.0}) {
+    info.now_seconds = t + idle;
+    EXPECT_DOUBLE_EQ(policy->Priority(info, clock),
+                     -random.MemorylessWait(idle) / std::pow(2.0, 0.25))
+        << idle;
+  }
+  // Gaps that do not look memoryless keep the forecast from the gaps longer
+  // than the idle time.
+  RequestHistory timer(32);
+  for (double s : {0.0, 60.0, 120.0, 180.0}) timer.Record(s);
+  ASSERT_FALSE(timer.LooksMemoryless());
+  info.history = &timer;
+  info.now_seconds = 190;
+  EXPECT_DOUBLE_EQ(policy->Priority(info, clock), -50.0 / std::pow(2.0, 0.25));
 }
 
 TEST(NextUsePolicyTest, TheSizeExponentWeighsTheWaitBySize) {
@@ -904,6 +1006,42 @@ TEST(NextUsePolicyTest, AModelIdleLongerThanEveryGapCoolsAndGoes) {
   now = 390;
   Use(cache, models, "new", 100);
   EXPECT_THAT(ResidentKeys(cache), ElementsAre("new", "slow"));
+}
+
+TEST(NextUsePolicyTest, AModelAskedForAtRandomIsNotWrittenOffForOneLongWait) {
+  // "random" is asked for at random, every 10 s on average; "minutely" every
+  // 60 s. When a newcomer needs room, "random" has waited longer than any of
+  // its gaps and longer than a minute, which would cool it (as if it were
+  // due as late as it has been idle: later than "minutely"). But for
+  // requests at random a long wait says little about the next one, still
+  // about 10 s away: "minutely" goes.
+  double now = 0;
+  Models models;
+  ModelCache cache(NextUseOptions(&now, 200));
+  std::mt19937_64 rng(5);
+  std::vector<double> random_times = {0};
+  double longest = 0;
+  while (random_times.back() < 1000) {
+    const double gap = ExponentialGap(rng, 10);
+    longest = std::max(longest, gap);
+    random_times.push_back(random_times.back() + gap);
+  }
+  std::vector<std::pair<double, std::string>> requests;
+  for (double s : random_times) requests.emplace_back(s, "random");
+  const double arrival = random_times.back() + std::max(1.5 * longest, 100.0);
+  for (double s = 0.5; s < arrival - 1; s += 60) {
+    requests.emplace_back(s, "minutely");
+  }
+  requests.emplace_back(arrival - 1, "minutely");
+  std::sort(requests.begin(), requests.end());
+  for (const auto& [s, key] : requests) {
+    now = s;
+    Use(cache, models, key, 100);
+  }
+  now = arrival;
+  Use(cache, models, "new", 100);
+  EXPECT_THAT(ResidentKeys(cache), ElementsAre("new", "random"));
+  EXPECT_EQ(models.unloads("minutely"), 1);
 }
 
 TEST(NextUsePolicyTest, AModelRequestedOnceGoesFirstEvenIfMostRecent) {

@@ -49,13 +49,23 @@ namespace modelcache {
 // the forecast for every short gap. After a night of eight hours and then 30
 // gaps of five minutes, the plain mean forecasts 849 s, later than a model
 // asked for every ten minutes, which then stays while this one goes; the
-// square of the weighted mean square root forecasts 410 s. Orders from 0
-// (geometric) to 0.75 load about as many bytes on the workloads the order was
-// chosen on; 1/2 is in the middle of that range. On the replay workloads of
-// docs/benchmarks.md it loads 0.5-0.7% fewer bytes than the plain mean
-// (geometric mean over each of four sets): up to 3.5% fewer in rows of the
-// Azure trace, and up to 2.1% more in rows of the synthetic default, whose
-// gaps are exponential and have no such tail.
+// square of the weighted mean square root forecasts 410 s. (How the order
+// was chosen, and what it is worth: docs/benchmarks.md, "next-use".)
+//
+// Why a second forecast for gaps that look exponential: requests that come
+// independently of each other (a Poisson stream: many users, no schedule)
+// have exponential gaps, and then the wait for the next request does not
+// depend on how long the model has been idle. The forecast from the gaps
+// longer than the idle time rests on the few gaps that long, which is noise
+// that reorders models asked for at different rates; the mean gap over all of
+// them (MemorylessWait) is the better estimate. A model asked for on a timer
+// or in bursts is the opposite: there the idle time is what says when the
+// next request comes. Which one a key's gaps are is decided by how well each
+// forecast predicted them: before each new gap is added, it is scored by its
+// likelihood under the histogram (smoothed over the neighbouring bins) and
+// under the exponential of the mean gap, and the difference of the logarithms
+// is summed, fading as the gaps do (LooksMemoryless). This is prequential
+// model choice: each forecast is judged only on gaps it had not seen.
 class RequestHistory {
  public:
   // A gap's weight is multiplied by (1 - 1 / memory) at each later request:
@@ -81,6 +91,24 @@ class RequestHistory {
   // gaps. Gaps of one length give that length exactly.
   double TypicalGapLongerThan(double seconds) const;
 
+  // Whether the exponential has predicted this key's gaps better than the
+  // histogram: false until three requests (two gaps) are recorded; then
+  // whether the faded sum, over every gap after the first, of
+  // log(likelihood under the histogram) - log(likelihood under the
+  // exponential whose mean is the mean gap), each gap scored before it was
+  // added, is below 0. Both likelihoods are per unit of log(gap). The
+  // histogram's is smoothed over neighbouring bins, with a small share spread
+  // over every length so that no gap is impossible under it (the weights:
+  // docs/benchmarks.md, "next-use").
+  bool LooksMemoryless() const;
+
+  // The expected wait for the next request if gaps are exponential, after
+  // `idle_seconds` without one: (sum of weight * gap + idle) / (sum of the
+  // weights), the newest gap weighing 1, which is the maximum-likelihood mean
+  // of an exponential from the gaps and the idle time so far (a gap not yet
+  // over). A negative idle time counts as 0. 0 if no gap was recorded.
+  double MemorylessWait(double idle_seconds) const;
+
  private:
   struct Bin {
     int index;      // half-octaves above 1 ms
@@ -88,12 +116,16 @@ class RequestHistory {
     double sum;     // sum of weight * gap, times scale_
   };
   static constexpr size_t kMaxBins = 16;
-  void Add(double gap);
+  // Adds to score_ how much better the histogram than the exponential
+  // predicted `gap` (in bin `index`), which is not added yet.
+  void Score(double gap, int index);
+  void Add(double gap, int index);
 
   double fade_;         // 1 - 1 / memory
   double scale_ = 1.0;  // grows by 1 / fade_ a gap, so old bins need no update
   uint64_t requests_ = 0;
   double last_ = 0;
+  double score_ = 0;  // faded log-likelihood ratio, histogram : exponential
   std::vector<Bin> bins_;  // sorted by index
 };
 
@@ -203,11 +235,15 @@ std::shared_ptr<const EvictionPolicy> NewFaasCachePolicy(
 
 // Predicted next request (ours): Belady's rule with a forecast in place of
 // the future. The forecast comes from the key's RequestHistory (kept across
-// evictions; `history_length` is its memory): for an entry idle for d
-// seconds, the wait for its next request is the typical gap longer than d
-// (RequestHistory::TypicalGapLongerThan), minus d; if no gap was that long, d
-// (the longer idle, the later); with no gap yet (one request so far), never, so
-// one-off models go first.
+// evictions; `history_length` is its memory). For an entry idle for d
+// seconds, the wait for its next request is:
+// - with no gap yet (one request so far), never, so one-off models go first;
+// - if its gaps look memoryless (RequestHistory::LooksMemoryless), the mean
+//   gap counting d as part of the gap under way
+//   (RequestHistory::MemorylessWait(d));
+// - otherwise the typical gap longer than d
+//   (RequestHistory::TypicalGapLongerThan), minus d; if no gap was that
+//   long, d (the longer idle, the later).
 //
 // The entry evicted first is the one with the longest wait over size^e (size
 // in GiB, e = `size_exponent`). What e means: keeping a model until its next
@@ -218,12 +254,9 @@ std::shared_ptr<const EvictionPolicy> NewFaasCachePolicy(
 //   Belady's rule, blind to size. In replays, discounting small models a
 //   little loads fewer bytes still: a victim larger than the room a load
 //   needs frees bytes nothing uses yet, and models asked for equally often
-//   are better kept whole than in rotation. The default, 0.25
-//   (kNextUseSizeExponent), is on the flat optimum (0.2 to 0.4, measured
-//   with the current forecast) of exponents from 0 to 1 across the
-//   workloads it was chosen on, and was then checked on workloads held
-//   out (docs/benchmarks.md, "Replay"): there it loads fewer bytes than
-//   LRU, either GDSF and FaaSCache in every row.
+//   are better kept whole than in rotation. The default is
+//   kNextUseSizeExponent (how it was chosen, and what it loads against the
+//   other policies: docs/benchmarks.md, "next-use").
 // - Cold starts (c = 1 per reload, kNextUseUniformSizeExponent = -1) make
 //   it the wait times the size: large models go first, as in GreedyDual-
 //   Size with uniform cost. Fewer requests wait, at the price of more bytes

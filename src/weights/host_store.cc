@@ -80,6 +80,15 @@ HostWeights HostWeightStore::Acquire(const std::string& path,
   return HostWeights(std::move(lease));
 }
 
+std::vector<HostWeights> HostWeightStore::AcquireModel(
+    const std::string&, const std::vector<std::string>& files,
+    const AcquireOptions& options) {
+  std::vector<HostWeights> all;
+  all.reserve(files.size());
+  for (const std::string& file : files) all.push_back(Acquire(file, options));
+  return all;
+}
+
 RemoveOutcome HostWeightStore::Invalidate(const std::string& path) {
   return cache_.Invalidate(IdentityKey(path));
 }

@@ -604,6 +604,42 @@ SafetensorsHeader ParseSafetensors(std::span<const std::byte> image,
   return ParseSafetensorsHeader(json, image.size(), source);
 }
 
+std::string SafetensorsHeaderJson(const SafetensorsHeader& header) {
+  // Names and values were valid UTF-8 when parsed (the lexer checks), so
+  // dump() cannot throw; `replace` keeps that true whatever happens.
+  const auto quote = [](const std::string& text) {
+    return nlohmann::json(text).dump(-1, ' ', false,
+                                     nlohmann::json::error_handler_t::replace);
+  };
+  std::string out = "{";
+  bool first = true;
+  if (header.has_metadata()) {
+    out += "\"__metadata__\":{";
+    bool first_key = true;
+    for (const auto& [key, value] : header.metadata()) {
+      if (!first_key) out += ',';
+      first_key = false;
+      out += quote(key) + ":" + quote(value);
+    }
+    out += '}';
+    first = false;
+  }
+  for (const TensorInfo& tensor : header.tensors()) {
+    if (!first) out += ',';
+    first = false;
+    out += quote(tensor.name) + ":{\"dtype\":\"" + DtypeName(tensor.dtype) +
+           "\",\"shape\":[";
+    for (size_t i = 0; i < tensor.shape.size(); ++i) {
+      if (i > 0) out += ',';
+      out += std::to_string(tensor.shape[i]);
+    }
+    out += "],\"data_offsets\":[" + std::to_string(tensor.begin) + "," +
+           std::to_string(tensor.end) + "]}";
+  }
+  out += '}';
+  return out;
+}
+
 namespace detail {
 
 SafetensorsHeader ReadHeaderFromFd(int fd, uint64_t file_bytes,

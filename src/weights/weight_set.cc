@@ -71,6 +71,9 @@ class WeightSet::Storage {
         base_(base),
         length_(length),
         alignment_(alignment) {}
+  // Memory `owner` keeps valid.
+  explicit Storage(std::shared_ptr<const void> owner)
+      : owner_(std::move(owner)), base_(nullptr), length_(0) {}
   Storage(const Storage&) = delete;
   Storage& operator=(const Storage&) = delete;
   ~Storage() {
@@ -86,6 +89,7 @@ class WeightSet::Storage {
 
  private:
   const std::shared_ptr<HostBufferAllocator> allocator_;  // null: a mapping
+  const std::shared_ptr<const void> owner_;  // set: someone else's memory
   void* const base_;
   const size_t length_;
   const size_t alignment_ = 0;
@@ -208,13 +212,52 @@ WeightSet WeightSet::Open(const std::string& path, const LoadOptions& options) {
   CheckOptions(options);
   struct stat st;
   const detail::Fd fd = detail::OpenRegularFile(path, &st);
-  const uint64_t file_bytes = static_cast<uint64_t>(st.st_size);
+  return Load(fd.get(), IdentityOf(st), path, options);
+}
+
+WeightSet WeightSet::OpenFd(int fd, const std::string& path,
+                            const LoadOptions& options) {
+  CheckOptions(options);
+  struct stat st;
+  if (::fstat(fd, &st) != 0) {
+    const int e = errno;
+    throw IoError(path, "cannot stat: " + detail::ErrnoText(e), e);
+  }
+  if (S_ISDIR(st.st_mode)) throw IoError(path, "is a directory", EISDIR);
+  if (!S_ISREG(st.st_mode)) throw IoError(path, "not a regular file", EINVAL);
+  return Load(fd, IdentityOf(st), path, options);
+}
+
+WeightSet WeightSet::FromMemory(std::string path, FileIdentity identity,
+                                SafetensorsHeader header,
+                                std::span<const std::byte> data,
+                                std::shared_ptr<const void> owner) {
+  if (data.size() != header.data_bytes()) {
+    throw Error(ErrorCode::kInvalidArgument,
+                detail::Printable(path, 4096) + ": " +
+                    std::to_string(data.size()) +
+                    " bytes of data for a header that describes " +
+                    std::to_string(header.data_bytes()));
+  }
+  WeightSet set;
+  set.path_ = std::move(path);
+  set.mode_ = LoadMode::kPread;
+  set.identity_ = identity;
+  set.header_ = std::move(header);
+  set.storage_ = std::make_unique<Storage>(std::move(owner));
+  set.data_ = data;
+  return set;
+}
+
+WeightSet WeightSet::Load(int fd, const FileIdentity& identity,
+                          const std::string& path, const LoadOptions& options) {
+  const uint64_t file_bytes = identity.size;
 
   WeightSet set;
   set.path_ = path;
   set.mode_ = options.mode;
-  set.identity_ = IdentityOf(st);
-  set.header_ = detail::ReadHeaderFromFd(fd.get(), file_bytes, path);
+  set.identity_ = identity;
+  set.header_ = detail::ReadHeaderFromFd(fd, file_bytes, path);
   const uint64_t data_offset = set.header_.data_offset();
   const uint64_t data_bytes = set.header_.data_bytes();
 
@@ -222,7 +265,7 @@ WeightSet WeightSet::Open(const std::string& path, const LoadOptions& options) {
     // A valid file is never empty (it holds at least the 8-byte length).
     int flags = MAP_SHARED;
     if (options.mmap_populate) flags |= MAP_POPULATE;
-    void* base = ::mmap(nullptr, file_bytes, PROT_READ, flags, fd.get(), 0);
+    void* base = ::mmap(nullptr, file_bytes, PROT_READ, flags, fd, 0);
     if (base == MAP_FAILED) {
       const int e = errno;
       throw IoError(path, "mmap failed: " + detail::ErrnoText(e), e);
@@ -233,14 +276,14 @@ WeightSet WeightSet::Open(const std::string& path, const LoadOptions& options) {
       ::munmap(base, file_bytes);
       throw;
     }
-    CheckSizeUnchanged(fd.get(), file_bytes, path);
+    CheckSizeUnchanged(fd, file_bytes, path);
     set.data_ = std::span<const std::byte>(set.storage_->base() + data_offset,
                                            data_bytes);
     return set;
   }
 
   if (data_bytes == 0) {
-    CheckSizeUnchanged(fd.get(), file_bytes, path);
+    CheckSizeUnchanged(fd, file_bytes, path);
     return set;  // data_ stays an empty span
   }
   size_t alignment = options.buffer_alignment;
@@ -265,9 +308,9 @@ WeightSet WeightSet::Open(const std::string& path, const LoadOptions& options) {
     allocator->Deallocate(buffer, data_bytes, alignment);
     throw;
   }
-  ParallelPread(fd.get(), set.storage_->base(), data_offset, data_bytes,
+  ParallelPread(fd, set.storage_->base(), data_offset, data_bytes,
                 options.threads, options.chunk_bytes, path);
-  CheckSizeUnchanged(fd.get(), file_bytes, path);
+  CheckSizeUnchanged(fd, file_bytes, path);
   set.data_ = std::span<const std::byte>(set.storage_->base(), data_bytes);
   return set;
 }

@@ -41,22 +41,54 @@ struct HostStoreOptions {
 class HostWeights {
  public:
   HostWeights() = default;
-  explicit operator bool() const { return static_cast<bool>(lease_); }
+  // A reference to a copy held elsewhere, such as another process's store
+  // mapped here (serve::RemoteHostWeights): `weights` keeps it alive, and
+  // this reference ends when the pointer is dropped.
+  explicit HostWeights(std::shared_ptr<const WeightSet> weights)
+      : shared_(std::move(weights)) {}
+  explicit operator bool() const {
+    return static_cast<bool>(lease_) || static_cast<bool>(shared_);
+  }
   // REQUIRES: *this holds a reference.
-  const WeightSet& weights() const { return *lease_.get<WeightSet>(); }
-  void Release() { lease_.Release(); }
+  const WeightSet& weights() const {
+    return shared_ ? *shared_ : *lease_.get<WeightSet>();
+  }
+  void Release() {
+    lease_.Release();
+    shared_.reset();
+  }
 
  private:
   friend class HostWeightStore;
   explicit HostWeights(Lease lease) : lease_(std::move(lease)) {}
   Lease lease_;
+  std::shared_ptr<const WeightSet> shared_;
 };
 
-class HostWeightStore {
+// Where the host copies of a model's files come from: this process's own
+// HostWeightStore, or the copies a node daemon shares between processes
+// (serve::RemoteHostWeights). The runtime's device caches take their host
+// copies from one, so they run unchanged on either.
+class HostWeightSource {
+ public:
+  virtual ~HostWeightSource() = default;
+
+  // One reference per file of the model `model`, in the order of `files`,
+  // each valid until released. A store loads `files` by path; a source that
+  // names models by id (a daemon's catalog) may take `model` alone, and
+  // then returns the catalog's files. Throws what the source throws:
+  // IoError, FormatError, modelcache::Error (kTooLarge, kCapacity, kTimeout,
+  // kNotFound, kUnavailable).
+  virtual std::vector<HostWeights> AcquireModel(
+      const std::string& model, const std::vector<std::string>& files,
+      const AcquireOptions& options) = 0;
+};
+
+class HostWeightStore : public HostWeightSource {
  public:
   explicit HostWeightStore(HostStoreOptions options);
   // REQUIRES: every HostWeights and HostWeightHolder of this store is gone.
-  ~HostWeightStore();
+  ~HostWeightStore() override;
 
   // A reference to the canonical copy of the file at `path` (by identity, so
   // two paths to one file share a copy), loading it if needed. Throws
@@ -64,6 +96,13 @@ class HostWeightStore {
   // kTimeout) as ModelCache::Acquire does.
   HostWeights Acquire(const std::string& path,
                       const AcquireOptions& options = {});
+
+  // Acquire of each of `files` in turn; `model` only names it. If one
+  // fails, the references already taken are returned and the error
+  // propagates.
+  std::vector<HostWeights> AcquireModel(const std::string& model,
+                                        const std::vector<std::string>& files,
+                                        const AcquireOptions& options) override;
 
   // Retires the copy of the file at `path`: later acquires load it afresh,
   // current holders keep theirs until they let go. kNotFound when no copy of

@@ -190,6 +190,13 @@ SafetensorsHeader ParseSafetensorsHeader(std::string_view header_json,
                                          uint64_t file_bytes,
                                          std::string_view source);
 
+// The header as JSON text that ParseSafetensorsHeader accepts for a file of
+// 8 + text size + header.data_bytes() bytes, parsing to the same tensors and
+// metadata: "__metadata__" first (when the header has it), then the tensors
+// in data order, with no padding. A validated header needs no second reading
+// of the file it came from: the serve daemon hands this text to its workers.
+std::string SafetensorsHeaderJson(const SafetensorsHeader& header);
+
 // Reads and validates the header of the file at `path` without reading its
 // data buffer. Throws IoError (cannot open, not a regular file, read failed)
 // or FormatError.

@@ -92,6 +92,24 @@ class WeightSet {
   static WeightSet Open(const std::string& path,
                         const LoadOptions& options = {});
 
+  // Like Open, from a file already open for reading as `fd` (which stays
+  // the caller's: it is neither closed nor moved). `path` names the file in
+  // path() and in messages. For callers that open files their own way (the
+  // serve daemon opens them beneath its model root with openat2).
+  static WeightSet OpenFd(int fd, const std::string& path,
+                          const LoadOptions& options = {});
+
+  // A set over bytes already in memory that this process did not load
+  // itself, such as a read-only mapping of a host copy another process holds
+  // (serve::RemoteWeights). `data` is header.data_bytes() bytes and stays
+  // valid while `owner` lives; the set keeps `owner` until it is destroyed.
+  // mode() is kPread: a host copy, not a mapping of the file. Throws
+  // Error kInvalidArgument when data.size() != header.data_bytes().
+  static WeightSet FromMemory(std::string path, FileIdentity identity,
+                              SafetensorsHeader header,
+                              std::span<const std::byte> data,
+                              std::shared_ptr<const void> owner);
+
   WeightSet(WeightSet&& other) noexcept;
   WeightSet& operator=(WeightSet&& other) noexcept;
   WeightSet(const WeightSet&) = delete;
@@ -124,6 +142,10 @@ class WeightSet {
   class Storage;
 
   WeightSet() = default;
+  // Open and OpenFd, once the options are checked and `fd` is known to be a
+  // regular file of that identity.
+  static WeightSet Load(int fd, const FileIdentity& identity,
+                        const std::string& path, const LoadOptions& options);
 
   std::string path_;
   LoadMode mode_ = LoadMode::kMmap;

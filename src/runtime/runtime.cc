@@ -98,8 +98,8 @@ CacheOptions DeviceCacheOptionsOf(const device::Device& device,
 
 }  // namespace
 
-DeviceCache::DeviceCache(weights::HostWeightStore& host, device::Device& device,
-                         DeviceCacheOptions options)
+DeviceCache::DeviceCache(weights::HostWeightSource& host,
+                         device::Device& device, DeviceCacheOptions options)
     : host_(host),
       device_(device),
       cache_(DeviceCacheOptionsOf(device, options)) {}
@@ -109,11 +109,11 @@ ModelLease DeviceCache::Acquire(const std::string& id,
                                 Placement placement,
                                 const AcquireOptions& options) {
   // 1. Host copies.
-  std::vector<weights::HostWeights> host;
+  std::vector<weights::HostWeights> host =
+      host_.AcquireModel(id, files, options);
   uint64_t total = 0;
-  for (const std::string& file : files) {
-    host.push_back(host_.Acquire(file, options));
-    const uint64_t bytes = host.back().weights().data_bytes();
+  for (const weights::HostWeights& h : host) {
+    const uint64_t bytes = h.weights().data_bytes();
     if (bytes > UINT64_MAX - total) {
       throw Error(ErrorCode::kTooLarge,
                   "model '" + id + "': its files hold more than 2^64 bytes");
@@ -204,14 +204,21 @@ device::DeviceBuffer DeviceCache::AllocateEvictingIfNeeded(uint64_t bytes) {
 
 ModelRuntime::ModelRuntime(ModelRegistry registry, RuntimeOptions options)
     : registry_(std::move(registry)) {
-  weights::HostStoreOptions host;
-  host.budget = std::move(options.host_budget);
-  host.capacity_bytes = options.host_capacity_bytes;
-  host.load = options.load;
-  host_ = std::make_unique<weights::HostWeightStore>(std::move(host));
+  if (options.host_source) {
+    source_ = std::move(options.host_source);
+  } else {
+    weights::HostStoreOptions host;
+    host.budget = std::move(options.host_budget);
+    host.capacity_bytes = options.host_capacity_bytes;
+    host.load = options.load;
+    host_ = std::make_unique<weights::HostWeightStore>(std::move(host));
+    // Not owning: host_ outlives every use of source_.
+    source_ = std::shared_ptr<weights::HostWeightSource>(
+        std::shared_ptr<void>(), host_.get());
+  }
   for (const RuntimeDevice& d : options.devices) {
     devices_.push_back(
-        std::make_unique<DeviceCache>(*host_, *d.device, d.options));
+        std::make_unique<DeviceCache>(*source_, *d.device, d.options));
   }
 }
 

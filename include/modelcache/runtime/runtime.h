@@ -135,8 +135,10 @@ struct DeviceCacheOptions {
 // The models placed on one device.
 class DeviceCache {
  public:
-  // REQUIRES: `host` and `device` outlive the cache.
-  DeviceCache(weights::HostWeightStore& host, device::Device& device,
+  // REQUIRES: `host` and `device` outlive the cache. `host` is this
+  // process's HostWeightStore or another source of host copies (a node
+  // daemon's: serve::RemoteHostWeights).
+  DeviceCache(weights::HostWeightSource& host, device::Device& device,
               DeviceCacheOptions options = {});
   // Frees every placed model's device memory and returns its host
   // references, without any explicit shutdown.
@@ -161,7 +163,7 @@ class DeviceCache {
   // (Budget::EvictLowestRanked picks each victim.)
   device::DeviceBuffer AllocateEvictingIfNeeded(uint64_t bytes);
 
-  weights::HostWeightStore& host_;
+  weights::HostWeightSource& host_;
   device::Device& device_;
   ModelCache cache_;
 };
@@ -177,6 +179,11 @@ struct RuntimeOptions {
   uint64_t host_capacity_bytes = 0;
   weights::LoadOptions load;
   std::vector<RuntimeDevice> devices;
+  // Where host copies come from instead of a store of the runtime's own:
+  // for example a node daemon's shared copies (serve::RemoteHostWeights),
+  // which it names by model id. When set, host_budget, host_capacity_bytes
+  // and load are not used.
+  std::shared_ptr<weights::HostWeightSource> host_source;
 };
 
 class ModelRuntime {
@@ -195,13 +202,18 @@ class ModelRuntime {
                      const AcquireOptions& options = {});
 
   const ModelRegistry& registry() const { return registry_; }
+  // The runtime's own host store.
+  // REQUIRES: RuntimeOptions::host_source was not set.
   weights::HostWeightStore& host() { return *host_; }
+  // Where host copies come from: the own store, or host_source.
+  weights::HostWeightSource& host_source() { return *source_; }
   size_t device_count() const { return devices_.size(); }
   DeviceCache& device_cache(size_t index) { return *devices_.at(index); }
 
  private:
   ModelRegistry registry_;
-  std::unique_ptr<weights::HostWeightStore> host_;
+  std::unique_ptr<weights::HostWeightStore> host_;  // null with host_source
+  std::shared_ptr<weights::HostWeightSource> source_;
   std::vector<std::unique_ptr<DeviceCache>> devices_;
 };
 

@@ -3,6 +3,8 @@
 //   modelcache replay [TRACE] [options]   predict a request mix under a budget
 //   modelcache inspect FILE [--json]      list a safetensors file's tensors
 //   modelcache ring --nodes N --models F  each model's HAProxy node
+//   modelcache serve --catalog F --model-root D --socket S [options]
+//                                         the node daemon (README, "serve")
 //
 // With no TRACE, replay runs an embedded default: a generated model zoo and
 // an eight-hour request trace, several policies and capacities. This file is
@@ -19,6 +21,7 @@
 #include "modelcache/replay/replay.h"
 #include "replay_command.h"
 #include "ring_command.h"
+#include "serve_command.h"
 
 namespace {
 
@@ -130,6 +133,12 @@ int main(int argc, char** argv) {
   ring_cmd->add_option("--hash-type", ring_flags.hash_type,
                        "HAProxy's hash-type: consistent (default), "
                        "'consistent sdbm', map-based, ...");
+  modelcache::tools::ServeFlags serve_flags;
+  CLI::App* serve_cmd = app.add_subcommand(
+      "serve",
+      "Run the node daemon: one host copy of each model for every worker "
+      "process, leased over a UNIX socket; HTTP API and metrics");
+  modelcache::tools::AddServeOptions(*serve_cmd, serve_flags);
 
   try {
     app.parse(argc, argv);
@@ -146,6 +155,9 @@ int main(int argc, char** argv) {
     if (*replay_cmd) return modelcache::tools::RunReplay(replay_flags);
     if (*ring_cmd) {
       return modelcache::tools::RunRing(ring_flags, std::cout, std::cerr);
+    }
+    if (*serve_cmd) {
+      return modelcache::tools::RunServe(serve_flags, std::cout, std::cerr);
     }
     if (*inspect_cmd) {
       return modelcache::tools::RunInspect(inspect_file, inspect_json,

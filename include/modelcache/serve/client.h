@@ -1,0 +1,216 @@
+// The client of `modelcache serve`: leases of a node daemon's shared,
+// read-only copies of models.
+//
+//   auto client =
+//   modelcache::serve::Client::Connect("/run/modelcache/serve.sock");
+//   modelcache::serve::RemoteWeights unet =
+//       client.Acquire("sdxl-unet", std::chrono::seconds(30));
+//   for (const auto& t : unet.tensors()) Use(t.name(), t.dtype(), t.shape(),
+//   t.data);
+//   // ~RemoteWeights unmaps the copy, then ends the lease.
+//
+// A lease's copy is mapped read-only and shared: N processes on the node map
+// one copy, which stays valid while this process maps it, even if the
+// daemon dies. The daemon's memfds are sealed: nothing can change their
+// bytes. Its header arrives as validated text and is parsed here with the
+// same strict parser; no byte of the model file is read by the client.
+//
+// Errors are ServeError (serve/errors.h) with the protocol's code;
+// DaemonUnavailableError when the daemon cannot be reached.
+//
+// Reconnection: when the connection is lost (the daemon restarted), the
+// next call connects again, backing off (ClientOptions) until its own
+// deadline. Leases of the lost connection stay mapped and valid; releasing
+// them later does nothing (the daemon they came from is gone, and a new one
+// counts their copies as orphaned until they are unmapped).
+//
+// fork(): mappings are made with MADV_DONTFORK, so a child has none of its
+// parent's copies (its RemoteWeights objects are hollow: their spans must
+// not be read, and destroying them does nothing), and holds none of its
+// parent's leases; the parent's leases are untouched. The child's first
+// call on a Client connects afresh (the first call after fork() must not
+// race another call on the same Client). The parent's socket is closed in
+// the child at fork.
+//
+// Thread safety: a Client may be used from any number of threads at once;
+// replies are matched to requests by id, so a long acquire does not hold up
+// a hit or a release on another thread. A RemoteWeights is immutable; it
+// may be read from any thread and destroyed on any thread.
+#ifndef MODELCACHE_SERVE_CLIENT_H_
+#define MODELCACHE_SERVE_CLIENT_H_
+
+#include <chrono>
+#include <cstddef>
+#include <cstdint>
+#include <map>
+#include <memory>
+#include <span>
+#include <string>
+#include <string_view>
+#include <vector>
+
+#include "modelcache/core/budget.h"
+#include "modelcache/serve/errors.h"
+#include "modelcache/weights/host_store.h"
+#include "modelcache/weights/safetensors.h"
+#include "modelcache/weights/weight_set.h"
+
+namespace modelcache::serve {
+
+namespace detail {
+class ClientCore;
+struct Grant;
+}  // namespace detail
+
+struct ClientOptions {
+  // How long Connect keeps trying to reach the daemon; 0 tries once.
+  std::chrono::milliseconds connect_timeout{0};
+  // Waits between attempts to connect: from `backoff_initial`, doubling up
+  // to `backoff_max`.
+  std::chrono::milliseconds backoff_initial{10};
+  std::chrono::milliseconds backoff_max{1000};
+  // How much longer than its timeout a call waits for the daemon's answer
+  // (which is TIMEOUT when the daemon's clock ran out first).
+  std::chrono::milliseconds reply_margin{2000};
+};
+
+struct RemoteAcquireOptions {
+  // Bounds the whole call: reconnecting, waiting for the load, for room.
+  std::chrono::milliseconds timeout{60'000};
+  // What a load this acquire starts does when nothing can be evicted: wait
+  // for room, or fail at once with CAPACITY (naming what holds the memory).
+  WhenFull when_full = WhenFull::kWait;
+  // Lets the caller end the wait early (the Python binding's Ctrl-C): the
+  // check runs about every `every` while the call waits, and what it throws
+  // leaves the call. A lease granted after that is released.
+  WaitInterrupt interrupt;
+};
+
+// One tensor of a remote copy.
+struct RemoteTensor {
+  const weights::TensorInfo* info = nullptr;  // owned by the RemoteWeights
+  std::span<const std::byte> data;            // read-only shared memory
+  size_t file = 0;                            // index into files()
+
+  const std::string& name() const { return info->name; }
+  weights::Dtype dtype() const { return info->dtype; }
+  const std::vector<uint64_t>& shape() const { return info->shape; }
+};
+
+// A lease on a model's copy, mapped read-only. Move-only. Release() (or
+// destruction) unmaps the copy, then tells the daemon the lease ended.
+class RemoteWeights {
+ public:
+  RemoteWeights() = default;
+  RemoteWeights(RemoteWeights&&) noexcept = default;
+  RemoteWeights& operator=(RemoteWeights&& other) noexcept;
+  ~RemoteWeights() { Release(); }
+
+  explicit operator bool() const { return static_cast<bool>(grant_); }
+  // The model's id (an alias given to Acquire resolves to it).
+  const std::string& model() const;
+  // The daemon's lease id: never reused by the daemon or a successor.
+  uint64_t lease() const;
+  // One set per file of the catalog's model, in the catalog's order; each
+  // views the shared mapping (path(): "<model>/<file>").
+  const std::vector<weights::WeightSet>& files() const;
+  // Every tensor of every file, in file order then data order.
+  const std::vector<RemoteTensor>& tensors() const;
+  // The tensor of that name, or null. (Names are the files' own; when two
+  // files hold one name, the first file's.)
+  const RemoteTensor* Find(std::string_view name) const;
+  // Its bytes; throws modelcache::Error kNotFound when there is none.
+  std::span<const std::byte> data(std::string_view name) const;
+  // The data bytes of every file together.
+  uint64_t data_bytes() const;
+
+  // Unmaps and releases; later calls do nothing.
+  void Release();
+
+  // References to the files' weights for a runtime (HostWeightSource): each
+  // keeps the copy mapped and the lease held until it and this object are
+  // all released.
+  std::vector<weights::HostWeights> ShareAsHostWeights() const;
+
+ private:
+  friend class detail::ClientCore;
+  explicit RemoteWeights(std::shared_ptr<detail::Grant> grant)
+      : grant_(std::move(grant)) {}
+  std::shared_ptr<detail::Grant> grant_;
+};
+
+// What the daemon said when the connection was made.
+struct ServerInfo {
+  std::string server;
+  uint64_t version = 0;
+  std::map<std::string, uint64_t> limits;
+};
+
+class Client {
+ public:
+  // Connects to the daemon listening at `socket_path`, trying for up to
+  // options.connect_timeout. Throws DaemonUnavailableError, or ServeError
+  // kBusy (the daemon's client limit) or kInvalid (a peer not allowed, a
+  // version the daemon does not speak).
+  static Client Connect(const std::string& socket_path,
+                        ClientOptions options = {});
+
+  Client(Client&&) noexcept;
+  Client& operator=(Client&&) noexcept;
+  // The connection stays open while RemoteWeights of this client exist,
+  // and closes with the last of them.
+  ~Client();
+
+  // A lease on `model` (an id or alias of the daemon's catalog), loading it
+  // if needed. Throws ServeError: kNotFound, kTooLarge, kCapacity, kTimeout,
+  // kLoadFailed (its core code says kIo or kInvalidData), kBusy, kInvalid;
+  // DaemonUnavailableError; or what options.interrupt threw.
+  RemoteWeights Acquire(std::string_view model,
+                        const RemoteAcquireOptions& options = {});
+  RemoteWeights Acquire(std::string_view model,
+                        std::chrono::milliseconds timeout);
+
+  // A round trip to the daemon. Throws like Acquire.
+  void Ping(std::chrono::milliseconds timeout = std::chrono::seconds(5));
+
+  // Of the current connection (connecting if there is none).
+  ServerInfo Info();
+
+  // Closes the connection now, as if the process had closed the socket.
+  // Leases whose copies this process still maps stay orphaned in the daemon
+  // until the process exits (releasing them does nothing any more); the
+  // others end. The next call connects again.
+  void Close();
+
+  const std::string& socket_path() const;
+
+ private:
+  explicit Client(std::shared_ptr<detail::ClientCore> core);
+  detail::ClientCore& Core();
+  std::shared_ptr<detail::ClientCore> core_;
+};
+
+// The daemon's copies as the host copies of a runtime
+// (runtime::RuntimeOptions::host_source): ModelRuntime and its device
+// caches run unchanged on them. Models are named by the daemon's catalog
+// ids; the runtime's list of files is not used.
+class RemoteHostWeights final : public weights::HostWeightSource {
+ public:
+  // `defaults` apply where the runtime's AcquireOptions say nothing (no
+  // deadline: defaults.timeout).
+  explicit RemoteHostWeights(Client client, RemoteAcquireOptions defaults = {});
+
+  std::vector<weights::HostWeights> AcquireModel(
+      const std::string& model, const std::vector<std::string>& files,
+      const AcquireOptions& options) override;
+
+  Client& client() { return client_; }
+
+ private:
+  Client client_;
+  const RemoteAcquireOptions defaults_;
+};
+
+}  // namespace modelcache::serve
+
+#endif  // MODELCACHE_SERVE_CLIENT_H_

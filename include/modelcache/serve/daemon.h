@@ -1,0 +1,163 @@
+// The node daemon behind `modelcache serve`: one host budget and one host
+// copy of each model for every worker process of a node.
+//
+// Workers connect over a SOCK_SEQPACKET UNIX socket and lease models by id
+// (serve::Client). A lease's reply carries sealed memfds (weights/memfd.h)
+// that the worker maps read-only, so N workers hold one copy. The store is a
+// ModelCache keyed by catalog id, so single flight, the budget, the policy,
+// pins and retirement are the core's; the daemon keeps a table of leases
+// (lease -> connection, model, core lease) around it.
+//
+// Leases belong to connections. When a connection ends, the leases it never
+// received are released, and so are all of them if its process is gone. A
+// process can close its socket and keep mapping a copy, so if the process
+// still lives its leases become *orphaned*: still counted and never evicted,
+// they end when the process's pidfd (opened from the peer's credentials at
+// accept) says it exited. A connection also ends when its process exits
+// while the socket stays open (inherited by a child, say). So no copy a live
+// process was given is freed under it, and no dead process holds memory.
+//
+// Mappings outlive the daemon. At start it looks in /proc/*/maps for memfds
+// of its own instance name that processes still map (copies its predecessor
+// handed out), books them as orphaned bytes outside the store (the store's
+// capacity is the configured one minus those bytes, so used + orphaned never
+// exceeds it), and rescans until they are gone.
+//
+// Threads: Run() is the event loop (epoll over the listening socket, the
+// connections, their pidfds, a signalfd and an eventfd). A hit is served on
+// the loop (ModelCache::TryAcquire never waits). A miss queues the request
+// on its model; one pool task per model runs the blocking acquire, at most
+// Limits::load_slots at a time, and the loop hands every request waiting on
+// that model a lease when it completes. A client is never waited for: its
+// replies are sent without blocking, queued when its socket is full, and the
+// connection is closed when the queue passes its limit. HandleHttp is
+// thread-safe: the HTTP API reads the store and the lease table under their
+// locks and asks the loop for loads.
+#ifndef MODELCACHE_SERVE_DAEMON_H_
+#define MODELCACHE_SERVE_DAEMON_H_
+
+#include <sys/types.h>
+
+#include <chrono>
+#include <cstdint>
+#include <functional>
+#include <memory>
+#include <string>
+#include <vector>
+
+namespace modelcache::serve {
+
+// Each limit's reply past it is BUSY, except the reply queue's: a client
+// that does not read its replies is disconnected.
+struct Limits {
+  int max_clients = 1024;            // connections at once
+  int max_requests_per_client = 64;  // acquires waiting per connection
+  int max_leases_per_client = 4096;  // leases held per connection
+  int max_queued_replies = 256;      // replies the client has not read
+  int load_slots = 2;                // loads running at once
+  int max_waiters = 4096;            // acquires waiting, all clients together
+};
+
+struct DaemonOptions {
+  std::string catalog_path;
+  std::string model_root;
+  // The socket's folder is created with mode 0750 when missing and must not
+  // be open to others when present; the socket gets mode 0660. No abstract
+  // sockets.
+  std::string socket_path;
+  uint64_t host_capacity_bytes = 0;
+  // A name PolicyByName knows (Belady's, which needs the future, aside).
+  std::string policy = "next-use";
+  Limits limits;
+  int load_threads = 4;  // pread threads per file
+  // Names this daemon's memfds ("modelcache:<instance>:<model>#<file>"), so
+  // that a restarted daemon finds its predecessor's copies and no other
+  // daemon's. Default: a hash of the socket's absolute path.
+  std::string instance;
+  // When either list is not empty, only peers whose uid or gid is listed
+  // (or whose uid is the daemon's) may connect.
+  std::vector<uid_t> allow_uids;
+  std::vector<gid_t> allow_gids;
+  // /readyz stays 503 this long after start, so that clients reconnecting
+  // after a restart settle before a balancer sends traffic.
+  std::chrono::milliseconds ready_grace{2000};
+  // How often orphaned copies of a predecessor are looked for again while
+  // any remain (also whenever a process that maps one exits).
+  std::chrono::milliseconds orphan_rescan{1000};
+  // Per-model series in /metrics (a label per model: the operator's choice
+  // of cardinality).
+  bool per_model_metrics = false;
+  // SIGTERM and SIGINT shut down, SIGHUP reloads the catalog, through a
+  // signalfd. REQUIRES: the signals are blocked in every thread
+  // (BlockSignals() before any thread starts).
+  bool handle_signals = false;
+  // Where log lines go; standard error when empty.
+  std::function<void(const std::string&)> log;
+
+  // For tests only. Each load takes at least its file sizes at this many
+  // bytes per second (0: no throttle), so that load times are known.
+  double test_load_bytes_per_second = 0;
+  // Each file's read first takes one byte from this descriptor (-1: none),
+  // so that a test decides when loads proceed; end of file lets all pass.
+  int test_load_gate_fd = -1;
+  // Open files one component at a time with O_NOFOLLOW instead of openat2.
+  bool test_per_component_open = false;
+};
+
+struct HttpRequest {
+  std::string method;  // "GET", "POST", "PUT", ...
+  std::string path;    // without the query
+  std::string body;
+  // Whether it came through the admin listener: mutations need it.
+  bool admin = false;
+};
+
+struct HttpResponse {
+  int status = 200;
+  std::string content_type = "application/json";
+  std::string body;
+};
+
+class Daemon {
+ public:
+  // Validates the options and the catalog, opens the model root, creates
+  // and listens on the socket, books the orphaned copies of a predecessor
+  // and starts the load pool; then nothing happens until Run(). Throws
+  // modelcache::Error: CatalogError, weights::IoError (the root),
+  // kInvalidArgument (options, the socket's path or folder), kUnavailable
+  // (another daemon listens on the socket).
+  explicit Daemon(DaemonOptions options);
+  // Releases every lease and frees every copy; clients' mappings stay
+  // valid. REQUIRES: Run() is not running.
+  ~Daemon();
+  Daemon(const Daemon&) = delete;
+  Daemon& operator=(const Daemon&) = delete;
+
+  // Serves until Shutdown() (or SIGTERM/SIGINT with handle_signals): then
+  // stops accepting, answers every waiting acquire with UNAVAILABLE, waits
+  // for the loads in flight, closes every connection and returns.
+  void Run();
+  // Thread-safe; async-signal-safe.
+  void Shutdown();
+  // Reloads the catalog (as SIGHUP does). Thread-safe.
+  void Reload();
+
+  // The HTTP control API (docs in README.md, "serve"). Thread-safe.
+  HttpResponse HandleHttp(const HttpRequest& request);
+
+  // "modelcache:<instance>:", the start of every memfd name of this daemon.
+  const std::string& memfd_prefix() const;
+
+  // Blocks SIGTERM, SIGINT and SIGHUP in the calling thread, and so in the
+  // threads it starts from now on.
+  static void BlockSignals();
+
+  class Impl;
+
+ private:
+  std::unique_ptr<Impl> impl_;
+};
+
+}  // namespace modelcache::serve
+
+#endif  // MODELCACHE_SERVE_DAEMON_H_

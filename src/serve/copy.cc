@@ -1,0 +1,169 @@
+#include "copy.h"
+
+#include <sys/stat.h>
+#include <unistd.h>
+
+#include <cerrno>
+#include <utility>
+
+#include "files.h"
+#include "modelcache/base/bytes.h"
+#include "modelcache/base/errors.h"
+#include "modelcache/weights/safetensors.h"
+
+namespace modelcache::serve::detail {
+namespace {
+
+MemfdId IdOf(int fd) {
+  struct stat st;
+  if (::fstat(fd, &st) != 0) {
+    const int error = errno;
+    throw Error(ErrorCode::kIo,
+                std::string("cannot stat a memfd: ") + std::to_string(error));
+  }
+  return MemfdId{static_cast<uint64_t>(st.st_dev),
+                 static_cast<uint64_t>(st.st_ino)};
+}
+
+}  // namespace
+
+int FileCopy::data_fd() const {
+  if (empty_data) return empty_data.get();
+  return allocator->fd(weights.data().data());
+}
+
+ModelCopy::~ModelCopy() {
+  if (!observer_) return;
+  for (const FileCopy& file : files_) {
+    observer_(file.data_id, false);
+    observer_(file.header_id, false);
+  }
+}
+
+uint64_t ExpectedCopyBytes(const CopyLoadOptions& options,
+                           const CatalogModel& model) {
+  uint64_t total = 0;
+  for (const std::string& file : model.files) {
+    try {
+      const base::UniqueFd fd = OpenBeneath(
+          options.root_fd, file,
+          options.use_openat2 ? Resolver::kOpenat2 : Resolver::kPerComponent);
+      struct stat st;
+      if (::fstat(fd.get(), &st) != 0) continue;
+      const uint64_t bytes =
+          weights::PageRoundedBytes(static_cast<uint64_t>(st.st_size)) +
+          weights::PageRoundedBytes(1);
+      total = bytes > UINT64_MAX - total ? UINT64_MAX : total + bytes;
+    } catch (const Error&) {
+      // The load reports it.
+    }
+  }
+  return total;
+}
+
+std::shared_ptr<ModelCopy> LoadCopy(const CopyLoadOptions& options,
+                                    const CatalogModel& model) {
+  auto copy = std::make_shared<ModelCopy>(model.id);
+  std::vector<FileCopy>& files = copy->files_;
+  files.reserve(model.files.size());
+  uint64_t total = 0;
+  for (size_t i = 0; i < model.files.size(); ++i) {
+    const std::string& path = model.files[i];
+    const std::string name =
+        options.memfd_prefix + model.id + "#" + std::to_string(i);
+    const base::UniqueFd fd = OpenBeneath(
+        options.root_fd, path,
+        options.use_openat2 ? Resolver::kOpenat2 : Resolver::kPerComponent);
+    auto allocator = std::make_shared<weights::MemfdHostBufferAllocator>(name);
+    weights::LoadOptions load;
+    load.mode = weights::LoadMode::kPread;
+    load.threads = options.threads;
+    load.allocator = allocator;
+    if (options.before_read) {
+      struct stat st;
+      const uint64_t size =
+          ::fstat(fd.get(), &st) == 0 ? static_cast<uint64_t>(st.st_size) : 0;
+      options.before_read(size);
+    }
+    FileCopy file{path, weights::WeightSet::OpenFd(fd.get(), path, load)};
+    file.allocator = allocator;
+    if (file.weights.data_bytes() > 0) {
+      allocator->Seal(file.weights.data().data());
+      file.memfd_bytes = allocator->memfd_bytes(file.weights.data().data());
+    } else {
+      file.empty_data = weights::CreateSealedMemfd(name, {});
+    }
+    const std::string header =
+        weights::SafetensorsHeaderJson(file.weights.header());
+    file.header = weights::CreateSealedMemfd(
+        name + ":header",
+        std::span<const std::byte>(
+            reinterpret_cast<const std::byte*>(header.data()), header.size()));
+    file.header_bytes = header.size();
+    file.memfd_bytes += weights::PageRoundedBytes(header.size());
+    file.data_id = IdOf(file.data_fd());
+    file.header_id = IdOf(file.header.get());
+    total += file.memfd_bytes;
+    files.push_back(std::move(file));
+  }
+  copy->bytes_ = total;
+  // Known to the books only once complete: a failed load was never live.
+  if (options.observer) {
+    for (const FileCopy& file : files) {
+      options.observer(file.data_id, true);
+      options.observer(file.header_id, true);
+    }
+    copy->observer_ = options.observer;
+  }
+  return copy;
+}
+
+}  // namespace modelcache::serve::detail
+
+namespace modelcache::serve {
+
+std::string CheckCatalog(const std::string& catalog_path,
+                         const std::string& model_root) {
+  const Catalog catalog = Catalog::FromFile(catalog_path);
+  size_t files = 0;
+  uint64_t bytes = 0;
+  for (const CatalogModel& m : catalog.models()) files += m.files.size();
+  std::string summary = catalog_path + ": " +
+                        std::to_string(catalog.models().size()) + " models, " +
+                        std::to_string(files) + " files";
+  if (model_root.empty()) return summary + " (files not checked)";
+  const base::UniqueFd root = detail::OpenRoot(model_root);
+  for (const CatalogModel& m : catalog.models()) {
+    for (const std::string& file : m.files) {
+      const base::UniqueFd fd = detail::OpenBeneath(root.get(), file);
+      struct stat st;
+      if (::fstat(fd.get(), &st) != 0) {
+        throw weights::IoError(file, "cannot stat", errno);
+      }
+      const uint64_t size = static_cast<uint64_t>(st.st_size);
+      unsigned char prefix[8] = {};
+      if (size < 8 || ::pread(fd.get(), prefix, 8, 0) != 8) {
+        throw weights::FormatError(file, "too short for a safetensors file");
+      }
+      uint64_t length = 0;
+      for (int i = 7; i >= 0; --i) length = (length << 8) | prefix[i];
+      if (length > weights::kMaxHeaderBytes || length > size - 8) {
+        throw weights::FormatError(file, "header length " +
+                                             std::to_string(length) +
+                                             " does not fit the file of " +
+                                             std::to_string(size) + " bytes");
+      }
+      std::string json(length, '\0');
+      if (::pread(fd.get(), json.data(), length, 8) !=
+          static_cast<ssize_t>(length)) {
+        throw weights::IoError(file, "cannot read the header", errno);
+      }
+      weights::ParseSafetensorsHeader(json, size, file);
+      bytes += size;
+    }
+  }
+  return summary + " under " + model_root + ", " + FormatBytes(bytes) +
+         ": valid";
+}
+
+}  // namespace modelcache::serve

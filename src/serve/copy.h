@@ -1,0 +1,110 @@
+// A model's host copy in the daemon: one sealed data memfd and one sealed
+// header memfd per file.
+//
+// The header travels as a second, small memfd rather than a region in front
+// of the data: the data memfd then holds exactly the bytes a kPread load
+// writes (so the load goes through the ordinary HostBufferAllocator hook),
+// its data starts at offset 0 (2 MiB aligned in the daemon's mapping, as
+// huge pages want), and a worker maps the data alone. The header memfd holds
+// the validated header as JSON text (weights::SafetensorsHeaderJson), which
+// the worker parses with the same strict parser; it was validated once
+// against the file, and the seal guarantees it is the text the daemon wrote.
+#ifndef MODELCACHE_SRC_SERVE_COPY_H_
+#define MODELCACHE_SRC_SERVE_COPY_H_
+
+#include <sys/types.h>
+
+#include <atomic>
+#include <cstdint>
+#include <functional>
+#include <memory>
+#include <string>
+#include <vector>
+
+#include "modelcache/base/unique_fd.h"
+#include "modelcache/serve/catalog.h"
+#include "modelcache/weights/memfd.h"
+#include "modelcache/weights/weight_set.h"
+
+namespace modelcache::serve::detail {
+
+// A memfd's identity: its device and inode numbers as fstat sees them.
+struct MemfdId {
+  uint64_t dev = 0;
+  uint64_t inode = 0;
+  friend bool operator<(const MemfdId& a, const MemfdId& b) {
+    return a.dev != b.dev ? a.dev < b.dev : a.inode < b.inode;
+  }
+  friend bool operator==(const MemfdId&, const MemfdId&) = default;
+};
+
+struct FileCopy {
+  std::string name;            // the catalog's path, relative to the model root
+  weights::WeightSet weights;  // over the daemon's read-only mapping
+  // Owns the data memfd and the mapping (the weights give it back).
+  std::shared_ptr<weights::MemfdHostBufferAllocator> allocator;
+  base::UniqueFd empty_data;  // the data memfd of a file with no data
+  base::UniqueFd header;      // the header memfd
+  uint64_t header_bytes = 0;  // the header text's size
+  uint64_t memfd_bytes = 0;   // both memfds' pages together
+  MemfdId data_id;
+  MemfdId header_id;
+
+  int data_fd() const;
+};
+
+// Called with each memfd of a copy when it is made and again when it is
+// freed; the daemon keeps its books of live memfds with it.
+using MemfdObserver = std::function<void(const MemfdId&, bool live)>;
+
+struct CopyLoadOptions;
+
+class ModelCopy : public std::enable_shared_from_this<ModelCopy> {
+ public:
+  explicit ModelCopy(std::string model) : model_(std::move(model)) {}
+  ~ModelCopy();
+  ModelCopy(const ModelCopy&) = delete;
+  ModelCopy& operator=(const ModelCopy&) = delete;
+
+  const std::string& model() const { return model_; }
+  const std::vector<FileCopy>& files() const { return files_; }
+  // What the copy holds in memory: every memfd's pages.
+  uint64_t bytes() const { return bytes_; }
+
+ private:
+  friend std::shared_ptr<ModelCopy> LoadCopy(const CopyLoadOptions&,
+                                             const CatalogModel&);
+  const std::string model_;
+  MemfdObserver observer_;  // set once the copy is complete
+  std::vector<FileCopy> files_;
+  uint64_t bytes_ = 0;
+};
+
+struct CopyLoadOptions {
+  int root_fd = -1;
+  // Memfds are named prefix + model + "#" + file index (":header" for the
+  // header): "modelcache:<instance>:sdxl#0".
+  std::string memfd_prefix;
+  int threads = 4;  // pread threads per file
+  bool use_openat2 = true;
+  MemfdObserver observer;
+  // Runs before each file's data is read (the daemon's load slots and its
+  // test hooks); may throw to abandon the load.
+  std::function<void(uint64_t data_bytes)> before_read;
+};
+
+// What a load of `model` will reserve: each file's size rounded up to pages
+// plus a page for its header (an upper bound of ModelCopy::bytes()). Files
+// that cannot be opened count 0: the load then fails with their error.
+uint64_t ExpectedCopyBytes(const CopyLoadOptions& options,
+                           const CatalogModel& model);
+
+// Opens every file beneath the root, reads it into a sealed memfd and writes
+// its header into another. Throws weights::IoError, weights::FormatError or
+// modelcache::Error; nothing stays allocated on failure.
+std::shared_ptr<ModelCopy> LoadCopy(const CopyLoadOptions& options,
+                                    const CatalogModel& model);
+
+}  // namespace modelcache::serve::detail
+
+#endif  // MODELCACHE_SRC_SERVE_COPY_H_

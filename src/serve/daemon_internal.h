@@ -1,0 +1,405 @@
+// The daemon's state, shared by its event loop (daemon.cc) and its HTTP API
+// (http_api.cc).
+//
+// Design note (states and who owns what).
+//
+// A request of a connection is handled on the loop thread:
+//   hello, ping, release: answered at once.
+//   acquire: a hit (TryAcquire) is answered at once. A miss becomes a
+//     *waiter* of its model: queued on the model, counted against its
+//     connection and against max_waiters, filed by deadline.
+// A model with waiters has one *task*: running on the pool (at most
+// load_slots tasks run) or queued for a slot (by catalog priority, then
+// first come). A task is one blocking ModelCache::Acquire with an interrupt
+// check that ends it when its model has no waiter left or the daemon shuts
+// down. When it completes, the loop gives the task's lease to the first
+// waiter and a TryAcquire lease to each other one; a failure answers them
+// all, except that after CAPACITY under when_full "fail" the waiters that
+// asked to wait get a task of their own. A waiter whose deadline passes gets
+// TIMEOUT; one whose connection closes just goes.
+//
+// A lease (LeaseEntry) is granted on the loop and lives in leases_ until it
+// is released: by its connection's release request, when its connection
+// ends (at once if the reply with its descriptors was never sent or the
+// process is dead; otherwise it is orphaned, owned by an OrphanGroup
+// watching the process's pidfd), or at shutdown.
+//
+//   granted --release/close(dead peer, undelivered)--> released
+//   granted --close(live peer)--> orphaned --pidfd readable--> released
+//
+// Copies a predecessor handed out (restart orphans) are not in the store:
+// they are bytes taken off the store's capacity (capacity_ = configured_ -
+// orphaned_), recomputed from /proc/*/maps at start, when a process that
+// maps one exits, and every orphan_rescan while any remain.
+//
+// Ownership: loop-only members have no lock; everything the HTTP threads
+// read is under a mutex (leases_mu_, catalog_mu_, capacity_mu_, stats_mu_,
+// orphans_mu_, live_mu_) or atomic. Lock order: none of these is held while
+// another is taken, except capacity_mu_ -> (the store's own locks).
+#ifndef MODELCACHE_SRC_SERVE_DAEMON_INTERNAL_H_
+#define MODELCACHE_SRC_SERVE_DAEMON_INTERNAL_H_
+
+#include <sys/types.h>
+
+#include <array>
+#include <atomic>
+#include <chrono>
+#include <deque>
+#include <exception>
+#include <future>
+#include <map>
+#include <memory>
+#include <set>
+#include <string>
+#include <thread>
+#include <unordered_map>
+#include <vector>
+
+#include "copy.h"
+#include "modelcache/base/mutex.h"
+#include "modelcache/base/unique_fd.h"
+#include "modelcache/core/cache.h"
+#include "modelcache/serve/catalog.h"
+#include "modelcache/serve/daemon.h"
+#include "modelcache/serve/errors.h"
+#include "protocol.h"
+
+namespace modelcache::serve {
+
+namespace detail {
+
+// A Prometheus histogram with fixed bounds; lock-free.
+class Histogram {
+ public:
+  explicit Histogram(std::vector<double> bounds);
+  void Observe(double value);
+  // Appends the _bucket, _sum and _count samples of `name`.
+  void Render(const std::string& name, std::string* out) const;
+
+ private:
+  const std::vector<double> bounds_;
+  std::unique_ptr<std::atomic<uint64_t>[]> buckets_;  // bounds + 1 (+Inf)
+  std::atomic<uint64_t> count_{0};
+  std::atomic<double> sum_{0};
+};
+
+// Results of an acquire, for modelcache_acquires_total{result=...}.
+enum class Result {
+  kHit,
+  kLoaded,
+  kNotFound,
+  kTooLarge,
+  kCapacity,
+  kTimeout,
+  kLoadFailed,
+  kBusy,
+  kInvalid,
+  kUnavailable,
+  kCount
+};
+const char* ResultName(Result result);
+Result ResultOf(ServeCode code);
+
+// Why a connection ended, for modelcache_client_disconnects_total.
+enum class Disconnect {
+  kClosed,       // the client closed it
+  kProcessExit,  // its process exited
+  kSlowReader,   // it left more than max_queued_replies replies unread
+  kRefused,      // at accept: too many clients, or a peer not allowed
+  kError,        // a socket error
+  kShutdown,     // the daemon shut down
+  kCount
+};
+const char* DisconnectName(Disconnect reason);
+
+struct LeaseEntry {
+  Lease lease;
+  uint64_t connection = 0;  // 0 once orphaned
+  std::string model;
+  pid_t pid = 0;
+  uid_t uid = 0;
+  bool delivered = false;  // its reply (with the descriptors) was sent
+  bool orphaned = false;
+  uint64_t bytes = 0;
+};
+
+struct Outgoing {
+  std::string bytes;
+  std::vector<int> fds;
+  std::shared_ptr<const ModelCopy> keep;  // keeps `fds` open until sent
+  uint64_t lease = 0;                     // the lease it delivers, if any
+};
+
+struct Connection {
+  uint64_t id = 0;
+  base::UniqueFd fd;
+  base::UniqueFd pidfd;
+  pid_t pid = 0;
+  uid_t uid = 0;
+  gid_t gid = 0;
+  std::deque<Outgoing> out;
+  bool writing = false;  // EPOLLOUT is armed
+  bool doomed = false;   // closes after the current event
+  Disconnect doom_reason = Disconnect::kClosed;
+  std::set<uint64_t> leases;
+  std::set<uint64_t> waiters;  // waiter sequence numbers
+};
+
+struct Waiter {
+  uint64_t seq = 0;
+  uint64_t connection = 0;
+  uint64_t request_id = 0;
+  std::string model;
+  Clock::time_point start;
+  Clock::time_point deadline;
+  bool fail_when_full = false;
+};
+
+// Thrown by a task's interrupt check.
+struct Cancelled {};
+
+// How a prefetch (an HTTP load or pin) ended: an HTTP status and, when it
+// failed, why.
+struct PrefetchResult {
+  int status = 200;
+  std::string error;
+};
+
+struct Task {
+  uint64_t seq = 0;
+  CatalogModel model;
+  WhenFull when_full = WhenFull::kWait;
+  // A prefetch (HTTP load or pin, a pinned model at start): no waiters; it
+  // ends by reporting to `done` (when set) and pins when `pin`.
+  bool prefetch = false;
+  bool pin = false;
+  std::shared_ptr<std::promise<PrefetchResult>> done;
+  std::atomic<bool> cancel{false};
+  uint64_t expected_bytes = 0;  // what the load reserves
+  // Filled by the pool thread.
+  Lease lease;
+  std::exception_ptr error;
+};
+
+struct ModelQueue {
+  std::deque<uint64_t> waiters;  // sequence numbers, first come first
+  std::shared_ptr<Task> task;    // running
+  bool queued = false;           // waiting for a load slot
+  // Its copy fits the configured capacity but not what orphans leave of
+  // it: the waiters wait for a rescan to free some.
+  bool blocked_by_orphans = false;
+};
+
+struct OrphanGroup {
+  base::UniqueFd pidfd;
+  pid_t pid = 0;
+  std::vector<uint64_t> leases;
+};
+
+struct RestartOrphan {
+  uint64_t bytes = 0;
+  std::string name;
+  std::set<pid_t> pids;
+};
+
+// Per-model counts the HTTP API shows.
+struct ModelStats {
+  uint64_t loads = 0;
+  double last_load_seconds = 0;
+  std::string last_error;
+};
+
+}  // namespace detail
+
+class Daemon::Impl {
+ public:
+  explicit Impl(DaemonOptions options);
+  ~Impl();
+
+  void Run();
+  void RequestShutdown();
+  void RequestReload();
+  HttpResponse HandleHttp(const HttpRequest& request);
+  const std::string& memfd_prefix() const { return memfd_prefix_; }
+
+ private:
+  using Clock = modelcache::Clock;
+
+  // ---- setup (daemon.cc) ----
+  void Log(const std::string& line) const;
+  void Listen();
+  void CreateStore();
+
+  // ---- the loop (daemon.cc) ----
+  void Accept();
+  void Readable(detail::Connection& c);
+  void Writable(detail::Connection& c);
+  void HandleDatagram(detail::Connection& c, std::string_view bytes,
+                      bool truncated, size_t real_bytes, bool had_fds);
+  void HandleAcquire(detail::Connection& c, const protocol::Request& r);
+  void Send(detail::Connection& c, detail::Outgoing message);
+  void SendError(detail::Connection& c, uint64_t id, ServeCode code,
+                 const std::string& message, const std::string& cause = "");
+  void Doom(detail::Connection& c, detail::Disconnect reason);
+  void CloseDoomed();
+  void Close(uint64_t id, detail::Disconnect reason);
+  void Grant(detail::Connection& c, uint64_t request_id,
+             const std::string& model, Lease lease, detail::Result result,
+             Clock::time_point start);
+  void ReleaseLease(uint64_t lease) MC_EXCLUDES(leases_mu_);
+  void ReleaseOrphanGroup(uint64_t group);
+
+  void AddWaiter(detail::Connection& c, const protocol::Request& r,
+                 const CatalogModel& model);
+  // Removes a waiter from every index; answers it with `code` when given.
+  void RemoveWaiter(uint64_t seq, const ServeCode* code = nullptr,
+                    const std::string& message = "");
+  void Dispatch(const std::string& model);
+  void StartTask(const std::string& model);
+  void StartPrefetch(
+      const CatalogModel& model, bool pin,
+      std::shared_ptr<std::promise<detail::PrefetchResult>> done);
+  void StartQueued();
+  void Complete(std::shared_ptr<detail::Task> task);
+  void ExpireWaiters(Clock::time_point now);
+  void DrainEvents();
+  void BeginShutdown();
+  void DoReload();
+
+  void RescanOrphans() MC_EXCLUDES(orphans_mu_, capacity_mu_, live_mu_);
+  void ApplyCapacity() MC_REQUIRES(capacity_mu_);
+  void WatchPid(pid_t pid);
+
+  // ---- the pool (daemon.cc) ----
+  void PoolThread();
+  void RunTask(detail::Task& task);
+  void BeforeRead(uint64_t bytes);
+
+  // ---- helpers for both ----
+  std::shared_ptr<const Catalog> catalog() const MC_EXCLUDES(catalog_mu_);
+  std::string OrphanNote() const MC_EXCLUDES(capacity_mu_);
+  // Whether a copy of `bytes` is too large only because of orphans.
+  bool TooLargeForOrphansOnly(uint64_t bytes) const MC_EXCLUDES(capacity_mu_);
+  void OnEvent(const CacheEvent& event) MC_EXCLUDES(stats_mu_);
+
+  // ---- HTTP (http_api.cc) ----
+  HttpResponse Health();
+  HttpResponse Ready();
+  HttpResponse Models(const std::string& only);
+  HttpResponse ModelAction(const std::string& id, const std::string& action);
+  HttpResponse BudgetEndpoint(const HttpRequest& request);
+  HttpResponse Copies();
+  HttpResponse Metrics();
+
+  const DaemonOptions options_;
+  const Clock::time_point started_ = Clock::now();
+  std::string memfd_prefix_;
+  std::string socket_path_;  // absolute
+  ino_t socket_inode_ = 0;
+  base::UniqueFd root_fd_;
+  base::UniqueFd listen_fd_;
+  base::UniqueFd epoll_fd_;
+  base::UniqueFd event_fd_;
+  base::UniqueFd signal_fd_;
+  detail::CopyLoadOptions copy_options_;
+
+  std::unique_ptr<ModelCache> store_;
+
+  mutable base::Mutex catalog_mu_;
+  std::shared_ptr<const Catalog> catalog_ MC_GUARDED_BY(catalog_mu_);
+  std::string reload_error_ MC_GUARDED_BY(catalog_mu_);
+
+  mutable base::Mutex leases_mu_;
+  std::map<uint64_t, detail::LeaseEntry> leases_ MC_GUARDED_BY(leases_mu_);
+  // Lease ids start from the wall clock in microseconds, so that a
+  // restarted daemon never hands out an id its predecessor did.
+  uint64_t next_lease_ = 0;
+
+  mutable base::Mutex capacity_mu_;
+  uint64_t configured_ MC_GUARDED_BY(capacity_mu_) = 0;
+  uint64_t orphaned_ MC_GUARDED_BY(capacity_mu_) = 0;
+
+  mutable base::Mutex orphans_mu_;
+  std::map<detail::MemfdId, detail::RestartOrphan> restart_orphans_
+      MC_GUARDED_BY(orphans_mu_);
+  int unreadable_maps_ MC_GUARDED_BY(orphans_mu_) = 0;
+
+  // Memfds of the copies this daemon holds now.
+  mutable base::Mutex live_mu_;
+  std::set<detail::MemfdId> live_ MC_GUARDED_BY(live_mu_);
+
+  mutable base::Mutex stats_mu_;
+  std::map<std::string, detail::ModelStats> model_stats_
+      MC_GUARDED_BY(stats_mu_);
+
+  // Metrics.
+  std::array<std::atomic<uint64_t>, static_cast<size_t>(detail::Result::kCount)>
+      acquires_{};
+  std::array<std::atomic<uint64_t>,
+             static_cast<size_t>(detail::Disconnect::kCount)>
+      disconnects_{};
+  std::atomic<uint64_t> protocol_errors_{0};
+  detail::Histogram load_seconds_;
+  detail::Histogram acquire_wait_seconds_;
+  std::atomic<int> clients_{0};
+  std::atomic<int> waiting_{0};
+  std::atomic<int> orphaned_leases_{0};
+
+  // Loop-only state.
+  std::unordered_map<uint64_t, std::unique_ptr<detail::Connection>> conns_;
+  uint64_t next_connection_ = 1;
+  std::vector<uint64_t> doomed_;
+  std::unordered_map<uint64_t, detail::Waiter> waiters_;
+  std::multimap<Clock::time_point, uint64_t> deadlines_;
+  uint64_t next_waiter_ = 1;
+  std::unordered_map<std::string, detail::ModelQueue> queues_;
+  // (-priority, order) -> model, or a prefetch task.
+  struct Queued {
+    std::string model;
+    std::shared_ptr<detail::Task> prefetch;
+  };
+  std::map<std::pair<int, uint64_t>, Queued> slot_queue_;
+  uint64_t next_order_ = 0;
+  int running_ = 0;
+  uint64_t next_task_ = 1;
+  std::unordered_map<uint64_t, detail::OrphanGroup> orphan_groups_;
+  uint64_t next_group_ = 1;
+  std::map<pid_t, base::UniqueFd> restart_pids_;
+  Clock::time_point next_rescan_ = Clock::time_point::max();
+  bool stopping_ = false;  // shutdown begun on the loop
+
+  // Cross-thread requests to the loop, woken through event_fd_.
+  std::atomic<bool> shutdown_requested_{false};
+  std::atomic<bool> reload_requested_{false};
+  std::atomic<bool> shutting_down_{false};  // read by tasks' checks
+  base::Mutex inbox_mu_;
+  std::vector<std::shared_ptr<detail::Task>> completed_
+      MC_GUARDED_BY(inbox_mu_);
+  struct Command {
+    std::string model;
+    bool pin = false;
+    std::shared_ptr<std::promise<detail::PrefetchResult>> done;
+  };
+  std::vector<Command> commands_ MC_GUARDED_BY(inbox_mu_);
+  // Set when Run() has returned: commands are refused from then on.
+  bool loop_done_ MC_GUARDED_BY(inbox_mu_) = false;
+  uint64_t health_asked_ MC_GUARDED_BY(inbox_mu_) = 0;
+  uint64_t health_answered_ MC_GUARDED_BY(inbox_mu_) = 0;
+  base::CondVar health_cv_;
+  void Wake();
+
+  // The pool.
+  base::Mutex pool_mu_;
+  base::CondVar pool_cv_;
+  std::deque<std::shared_ptr<detail::Task>> pool_queue_ MC_GUARDED_BY(pool_mu_);
+  bool pool_stop_ MC_GUARDED_BY(pool_mu_) = false;
+  std::vector<std::thread> pool_;
+
+  // Test throttle: sleeps end early at shutdown.
+  base::Mutex throttle_mu_;
+  base::CondVar throttle_cv_;
+};
+
+}  // namespace modelcache::serve
+
+#endif  // MODELCACHE_SRC_SERVE_DAEMON_INTERNAL_H_

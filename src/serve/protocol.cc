@@ -1,0 +1,497 @@
+// The lease protocol's parsers and encoders.
+//
+// A request is untrusted: it is read by a SAX handler that accepts exactly
+// one flat JSON object of string and non-negative integer values, so the
+// parser's memory is bounded by the message and nothing nests. A reply comes
+// from the daemon, but a client must not crash on a bad one either: it is
+// checked for nesting depth before it is parsed into a tree (whose parser and
+// destructor are iterative in nlohmann::json 3.10 and later anyway), then
+// every field the client reads is type-checked. Fields of a reply the client
+// does not know are ignored, so that a newer daemon may add some; fields of
+// a request the daemon does not know are refused, so that a mistake in a
+// client shows at once.
+#include "protocol.h"
+
+#include <cstring>
+#include <nlohmann/json.hpp>
+#include <utility>
+
+namespace modelcache::serve::protocol {
+namespace {
+
+using json = nlohmann::json;
+
+// `text` for a message: printable ASCII kept, other bytes as \xNN, cut at
+// `max` bytes.
+std::string Shown(std::string_view text, size_t max = 64) {
+  std::string out;
+  for (size_t i = 0; i < text.size(); ++i) {
+    if (out.size() >= max) {
+      out += "...";
+      break;
+    }
+    const unsigned char c = static_cast<unsigned char>(text[i]);
+    if (c >= 0x20 && c < 0x7f && c != '\\' && c != '\'') {
+      out += static_cast<char>(c);
+    } else {
+      static const char kHex[] = "0123456789abcdef";
+      out += "\\x";
+      out += kHex[c >> 4];
+      out += kHex[c & 15];
+    }
+  }
+  return "'" + out + "'";
+}
+
+std::string Dump(const json& value) {
+  return value.dump(-1, ' ', false, json::error_handler_t::replace);
+}
+
+// One value of a request's flat object.
+struct Field {
+  bool is_string = false;
+  std::string text;
+  uint64_t number = 0;
+};
+
+constexpr size_t kMaxFields = 8;
+
+class RequestSax {
+ public:
+  std::map<std::string, Field>& fields() { return fields_; }
+  const std::string& error() const { return error_; }
+
+  bool null() { return Unexpected("null"); }
+  bool boolean(bool) { return Unexpected("a boolean"); }
+  bool number_integer(json::number_integer_t value) {
+    if (value == 0) return number_unsigned(0);
+    return Unexpected("a negative number");
+  }
+  bool number_unsigned(json::number_unsigned_t value) {
+    if (state_ != State::kValue) return Unexpected("a number");
+    fields_[key_].number = value;
+    state_ = State::kKey;
+    return true;
+  }
+  bool number_float(json::number_float_t, const std::string&) {
+    return Unexpected("a number that is not an integer below 2^64");
+  }
+  bool string(std::string& value) {
+    if (state_ != State::kValue) return Unexpected("a string");
+    Field& field = fields_[key_];
+    field.is_string = true;
+    field.text = std::move(value);
+    state_ = State::kKey;
+    return true;
+  }
+  bool binary(json::binary_t&) { return Unexpected("binary data"); }
+  bool start_object(std::size_t) {
+    if (state_ != State::kStart) return Unexpected("an object");
+    state_ = State::kKey;
+    return true;
+  }
+  bool key(std::string& key) {
+    if (fields_.count(key) != 0) return Fail("duplicate field " + Shown(key));
+    if (fields_.size() == kMaxFields) {
+      return Fail("more than " + std::to_string(kMaxFields) + " fields");
+    }
+    key_ = std::move(key);
+    fields_[key_];
+    state_ = State::kValue;
+    return true;
+  }
+  bool end_object() {
+    state_ = State::kDone;
+    return true;
+  }
+  bool start_array(std::size_t) { return Unexpected("an array"); }
+  bool end_array() { return Fail("unexpected end of array"); }
+  bool parse_error(std::size_t position, const std::string&,
+                   const nlohmann::detail::exception&) {
+    return Fail("not valid JSON (at byte " + std::to_string(position) + ")");
+  }
+
+ private:
+  enum class State { kStart, kKey, kValue, kDone };
+
+  bool Fail(std::string message) {
+    if (error_.empty()) error_ = std::move(message);
+    return false;
+  }
+  bool Unexpected(const std::string& what) {
+    if (state_ == State::kStart) {
+      return Fail("a request must be a JSON object, found " + what);
+    }
+    if (state_ == State::kValue) {
+      return Fail("field " + Shown(key_) +
+                  " must be a string or a non-negative integer, found " + what);
+    }
+    return Fail("unexpected " + what);
+  }
+
+  State state_ = State::kStart;
+  std::string key_;
+  std::map<std::string, Field> fields_;
+  std::string error_;
+};
+
+struct OpSpec {
+  Op op;
+  const char* name;
+  std::vector<const char*> fields;  // besides op and id
+};
+
+const std::vector<OpSpec>& Ops() {
+  static const std::vector<OpSpec> ops = {
+      {Op::kHello, "hello", {"version"}},
+      {Op::kAcquire, "acquire", {"model", "timeout_ms", "when_full"}},
+      {Op::kRelease, "release", {"lease"}},
+      {Op::kPing, "ping", {}},
+  };
+  return ops;
+}
+
+// Checks the nesting of a JSON text without parsing it: brackets outside
+// strings. Returns false past `max_depth`.
+bool NestingAtMost(std::string_view text, int max_depth) {
+  int depth = 0;
+  bool in_string = false;
+  for (size_t i = 0; i < text.size(); ++i) {
+    const char c = text[i];
+    if (in_string) {
+      if (c == '\\') {
+        ++i;
+      } else if (c == '"') {
+        in_string = false;
+      }
+    } else if (c == '"') {
+      in_string = true;
+    } else if (c == '{' || c == '[') {
+      if (++depth > max_depth) return false;
+    } else if (c == '}' || c == ']') {
+      --depth;
+    }
+  }
+  return true;
+}
+
+}  // namespace
+
+bool IsValidModelId(std::string_view id) {
+  if (id.empty() || id.size() > kMaxModelIdBytes) return false;
+  for (size_t i = 0; i < id.size(); ++i) {
+    const char c = id[i];
+    const bool alnum = (c >= 'a' && c <= 'z') || (c >= 'A' && c <= 'Z') ||
+                       (c >= '0' && c <= '9');
+    if (i == 0 && !alnum) return false;
+    if (!alnum && c != '.' && c != '_' && c != '-') return false;
+  }
+  return id.find("..") == std::string_view::npos;
+}
+
+const char* OpName(Op op) {
+  for (const OpSpec& spec : Ops()) {
+    if (spec.op == op) return spec.name;
+  }
+  return "unknown";
+}
+
+ParsedRequest ParseRequest(std::string_view message) {
+  ParsedRequest out;
+  if (message.size() > kMaxMessageBytes) {
+    out.error = "message of " + std::to_string(message.size()) +
+                " bytes exceeds the limit of " +
+                std::to_string(kMaxMessageBytes);
+    return out;
+  }
+  // The lexer would take a NUL for the end of the input.
+  if (std::memchr(message.data(), 0, message.size()) != nullptr) {
+    out.error = "not valid JSON: a NUL byte";
+    return out;
+  }
+  RequestSax sax;
+  const bool parsed =
+      json::sax_parse(message.data(), message.data() + message.size(), &sax,
+                      json::input_format_t::json,
+                      /*strict=*/true,
+                      /*ignore_comments=*/false);
+  auto& fields = sax.fields();
+  // The id, if one was read, so that even a bad request is answered as
+  // itself.
+  if (auto it = fields.find("id");
+      it != fields.end() && !it->second.is_string) {
+    out.id = it->second.number;
+  }
+  if (!parsed) {
+    out.error = sax.error().empty() ? "not valid JSON" : sax.error();
+    return out;
+  }
+  const auto id = fields.find("id");
+  if (id == fields.end()) {
+    out.error = "missing field 'id'";
+    return out;
+  }
+  if (id->second.is_string || id->second.number == 0) {
+    out.id = 0;
+    out.error = "field 'id' must be an integer from 1 to 2^64 - 1";
+    return out;
+  }
+  const auto op = fields.find("op");
+  if (op == fields.end()) {
+    out.error = "missing field 'op'";
+    return out;
+  }
+  if (!op->second.is_string) {
+    out.error = "field 'op' must be a string";
+    return out;
+  }
+  const OpSpec* spec = nullptr;
+  for (const OpSpec& s : Ops()) {
+    if (op->second.text == s.name) spec = &s;
+  }
+  if (spec == nullptr) {
+    out.error = "unknown op " + Shown(op->second.text) +
+                " (known: hello, acquire, release, ping)";
+    return out;
+  }
+  for (const auto& [name, value] : fields) {
+    if (name == "op" || name == "id") continue;
+    bool belongs = false;
+    for (const char* f : spec->fields) belongs = belongs || name == f;
+    if (!belongs) {
+      bool known = false;
+      for (const OpSpec& s : Ops()) {
+        for (const char* f : s.fields) known = known || name == f;
+      }
+      out.error = known ? "field " + Shown(name) + " does not belong to op '" +
+                              spec->name + "'"
+                        : "unknown field " + Shown(name);
+      return out;
+    }
+  }
+
+  Request request;
+  request.op = spec->op;
+  request.id = id->second.number;
+  const auto number = [&](const char* name, uint64_t* value,
+                          bool required) -> bool {
+    const auto it = fields.find(name);
+    if (it == fields.end()) {
+      if (required) out.error = std::string("missing field '") + name + "'";
+      return !required;
+    }
+    if (it->second.is_string) {
+      out.error =
+          std::string("field '") + name + "' must be a non-negative integer";
+      return false;
+    }
+    *value = it->second.number;
+    return true;
+  };
+  switch (spec->op) {
+    case Op::kHello:
+      if (!number("version", &request.version, false)) return out;
+      break;
+    case Op::kAcquire: {
+      const auto model = fields.find("model");
+      if (model == fields.end()) {
+        out.error = "missing field 'model'";
+        return out;
+      }
+      if (!model->second.is_string) {
+        out.error = "field 'model' must be a string";
+        return out;
+      }
+      if (!IsValidModelId(model->second.text)) {
+        out.error = "model id " + Shown(model->second.text) +
+                    " is not valid: 1 to 128 characters of [A-Za-z0-9._-], "
+                    "starting with a letter or digit, without '..'";
+        return out;
+      }
+      request.model = model->second.text;
+      if (!number("timeout_ms", &request.timeout_ms, false)) return out;
+      if (request.timeout_ms > kMaxTimeoutMs) {
+        out.error = "timeout_ms " + std::to_string(request.timeout_ms) +
+                    " exceeds " + std::to_string(kMaxTimeoutMs) + " (a day)";
+        return out;
+      }
+      if (const auto it = fields.find("when_full"); it != fields.end()) {
+        if (!it->second.is_string ||
+            (it->second.text != "wait" && it->second.text != "fail")) {
+          out.error = "field 'when_full' must be \"wait\" or \"fail\"";
+          return out;
+        }
+        request.fail_when_full = it->second.text == "fail";
+      }
+      break;
+    }
+    case Op::kRelease:
+      if (!number("lease", &request.lease, true)) return out;
+      break;
+    case Op::kPing:
+      break;
+  }
+  out.id = request.id;
+  out.request = std::move(request);
+  return out;
+}
+
+ParsedReply ParseReply(std::string_view message) {
+  ParsedReply out;
+  const auto fail = [&](std::string why) {
+    out.error = std::move(why);
+    return out;
+  };
+  if (message.size() > kMaxMessageBytes) {
+    return fail("reply of " + std::to_string(message.size()) +
+                " bytes exceeds the limit");
+  }
+  if (!NestingAtMost(message, 4)) return fail("reply nests too deeply");
+  const json doc = json::parse(message, nullptr, /*allow_exceptions=*/false);
+  if (doc.is_discarded() || !doc.is_object()) {
+    return fail("reply is not a JSON object");
+  }
+  const auto unsigned_field = [&](const json& object, const char* name,
+                                  uint64_t* value, bool required) -> bool {
+    const auto it = object.find(name);
+    if (it == object.end()) return !required;
+    if (!it->is_number_unsigned()) return false;
+    *value = it->get<uint64_t>();
+    return true;
+  };
+  const auto string_field = [&](const json& object, const char* name,
+                                std::string* value, bool required) -> bool {
+    const auto it = object.find(name);
+    if (it == object.end()) return !required;
+    if (!it->is_string()) return false;
+    *value = it->get<std::string>();
+    return true;
+  };
+
+  Reply reply;
+  if (!unsigned_field(doc, "id", &reply.id, true)) {
+    return fail("reply has no integer 'id'");
+  }
+  const auto ok = doc.find("ok");
+  if (ok == doc.end() || !ok->is_boolean()) {
+    return fail("reply has no boolean 'ok'");
+  }
+  reply.ok = ok->get<bool>();
+  if (!reply.ok) {
+    const auto error = doc.find("error");
+    if (error == doc.end() || !error->is_object()) {
+      return fail("error reply has no 'error' object");
+    }
+    std::string code;
+    if (!string_field(*error, "code", &code, true)) {
+      return fail("error reply has no 'code' string");
+    }
+    const auto parsed = ParseServeCode(code);
+    if (!parsed) return fail("error reply has an unknown code " + Shown(code));
+    reply.code = *parsed;
+    if (!string_field(*error, "message", &reply.message, true) ||
+        !string_field(*error, "cause", &reply.cause, false)) {
+      return fail("error reply has a bad 'message' or 'cause'");
+    }
+    out.reply = std::move(reply);
+    return out;
+  }
+  if (!unsigned_field(doc, "version", &reply.version, false) ||
+      !string_field(doc, "server", &reply.server, false) ||
+      !unsigned_field(doc, "lease", &reply.lease, false) ||
+      !string_field(doc, "model", &reply.model, false)) {
+    return fail("reply has a field of the wrong type");
+  }
+  if (const auto limits = doc.find("limits"); limits != doc.end()) {
+    if (!limits->is_object()) return fail("'limits' is not an object");
+    for (const auto& [name, value] : limits->items()) {
+      if (!value.is_number_unsigned()) {
+        return fail("limit " + Shown(name) + " is not an integer");
+      }
+      reply.limits[name] = value.get<uint64_t>();
+    }
+  }
+  if (const auto files = doc.find("files"); files != doc.end()) {
+    if (!files->is_array() || files->size() > kMaxFilesPerModel) {
+      return fail("'files' is not an array of at most " +
+                  std::to_string(kMaxFilesPerModel) + " files");
+    }
+    for (const json& file : *files) {
+      if (!file.is_object()) return fail("a file is not an object");
+      FileReply f;
+      if (!string_field(file, "name", &f.name, true) ||
+          !unsigned_field(file, "data_bytes", &f.data_bytes, true) ||
+          !unsigned_field(file, "header_bytes", &f.header_bytes, true)) {
+        return fail("a file lacks its name, data_bytes or header_bytes");
+      }
+      reply.files.push_back(std::move(f));
+    }
+  }
+  out.reply = std::move(reply);
+  return out;
+}
+
+std::string EncodeHello(uint64_t id) {
+  return "{\"op\":\"hello\",\"id\":" + std::to_string(id) +
+         ",\"version\":" + std::to_string(kVersion) + "}";
+}
+
+std::string EncodeAcquire(uint64_t id, std::string_view model,
+                          uint64_t timeout_ms, bool fail_when_full) {
+  json request = {{"op", "acquire"},
+                  {"id", id},
+                  {"model", std::string(model)},
+                  {"timeout_ms", timeout_ms}};
+  if (fail_when_full) request["when_full"] = "fail";
+  return Dump(request);
+}
+
+std::string EncodeRelease(uint64_t id, uint64_t lease) {
+  return "{\"op\":\"release\",\"id\":" + std::to_string(id) +
+         ",\"lease\":" + std::to_string(lease) + "}";
+}
+
+std::string EncodePing(uint64_t id) {
+  return "{\"op\":\"ping\",\"id\":" + std::to_string(id) + "}";
+}
+
+std::string EncodeOk(uint64_t id) {
+  return "{\"id\":" + std::to_string(id) + ",\"ok\":true}";
+}
+
+std::string EncodeHelloReply(uint64_t id, std::string_view server,
+                             const std::map<std::string, uint64_t>& limits) {
+  json reply = {{"id", id},
+                {"ok", true},
+                {"version", kVersion},
+                {"server", std::string(server)},
+                {"limits", limits}};
+  return Dump(reply);
+}
+
+std::string EncodeAcquireReply(uint64_t id, uint64_t lease,
+                               std::string_view model,
+                               const std::vector<FileReply>& files) {
+  json list = json::array();
+  for (const FileReply& f : files) {
+    list.push_back({{"name", f.name},
+                    {"data_bytes", f.data_bytes},
+                    {"header_bytes", f.header_bytes}});
+  }
+  json reply = {{"id", id},
+                {"ok", true},
+                {"lease", lease},
+                {"model", std::string(model)},
+                {"files", std::move(list)}};
+  return Dump(reply);
+}
+
+std::string EncodeError(uint64_t id, ServeCode code, std::string_view message,
+                        std::string_view cause) {
+  json error = {{"code", ServeCodeName(code)},
+                {"message", std::string(message)}};
+  if (!cause.empty()) error["cause"] = std::string(cause);
+  return Dump(json{{"id", id}, {"ok", false}, {"error", std::move(error)}});
+}
+
+}  // namespace modelcache::serve::protocol

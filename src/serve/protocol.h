@@ -1,0 +1,146 @@
+// The lease protocol between `modelcache serve` and its clients: message
+// formats, the parsers of both sides, and the encoders.
+//
+// Transport: a SOCK_SEQPACKET UNIX socket. One datagram is one message: a
+// JSON object of at most kMaxMessageBytes, with the file descriptors that
+// travel with it (SCM_RIGHTS). Requests, client to daemon:
+//
+//   {"op":"hello","id":1,"version":1}
+//   {"op":"acquire","id":2,"model":"sdxl","timeout_ms":30000,"when_full":"wait"}
+//   {"op":"release","id":3,"lease":17}
+//   {"op":"ping","id":4}
+//
+// `id` is the client's, >= 1, echoed in the reply; replies may come in any
+// order. `timeout_ms` (default kDefaultTimeoutMs) bounds the whole acquire:
+// the wait for a load and for room. `when_full` is what a load the acquire
+// starts does when nothing can be evicted: "wait" for room (the default) or
+// "fail" at once with CAPACITY. An acquire that joins a load already under
+// way waits for that load. A request has exactly the fields of its op: an
+// unknown or misplaced field is INVALID, as is a duplicate one.
+//
+// Replies, daemon to client; exactly one per request:
+//
+//   {"id":1,"ok":true,"version":1,"server":"modelcache 0.1.0",
+//    "limits":{"max_requests_in_flight":64,...}}
+//   {"id":2,"ok":true,"lease":17,"model":"sdxl",
+//    "files":[{"name":"unet.safetensors","data_bytes":N,"header_bytes":H}]}
+//     with 2 descriptors per file, in file order: the header memfd (the
+//     validated header as JSON text, H bytes) and the data memfd (the data
+//     buffer, N bytes, rounded up to pages), both sealed
+//   {"id":3,"ok":true}
+//   {"id":4,"ok":true}
+//   {"id":5,"ok":false,"error":{"code":"NOT_FOUND","message":"..."}}
+//
+// An error may carry "cause", the core's code name (weights errors: "io",
+// "invalid_data"). A message with id 0 is the daemon's own: an error that
+// says why it closes the connection (too many clients, a peer not allowed,
+// replies left unread).
+//
+// Both parsers take untrusted bytes and never throw: a request parser
+// returns the error reply to send, the reply parser the reason the reply is
+// malformed. Neither recurses over the input's nesting.
+#ifndef MODELCACHE_SRC_SERVE_PROTOCOL_H_
+#define MODELCACHE_SRC_SERVE_PROTOCOL_H_
+
+#include <cstddef>
+#include <cstdint>
+#include <map>
+#include <optional>
+#include <string>
+#include <string_view>
+#include <vector>
+
+#include "modelcache/serve/errors.h"
+
+namespace modelcache::serve::protocol {
+
+inline constexpr uint64_t kVersion = 1;
+inline constexpr size_t kMaxMessageBytes = size_t{64} << 10;
+inline constexpr size_t kMaxModelIdBytes = 128;
+// Two descriptors per file; SCM_MAX_FD is 253.
+inline constexpr size_t kMaxFilesPerModel = 100;
+inline constexpr uint64_t kDefaultTimeoutMs = 60'000;
+// A day: longer waits are surely mistakes.
+inline constexpr uint64_t kMaxTimeoutMs = 86'400'000;
+
+// Whether `id` is a model id or alias: 1 to 128 bytes of [A-Za-z0-9._-],
+// starting with a letter or digit, without "..". Never a path: no '/'.
+bool IsValidModelId(std::string_view id);
+
+enum class Op { kHello, kAcquire, kRelease, kPing };
+const char* OpName(Op op);
+
+struct Request {
+  Op op = Op::kPing;
+  uint64_t id = 0;
+  uint64_t version = kVersion;  // hello
+  std::string model;            // acquire
+  uint64_t timeout_ms = kDefaultTimeoutMs;
+  bool fail_when_full = false;  // acquire: when_full "fail"
+  uint64_t lease = 0;           // release
+};
+
+struct ParsedRequest {
+  std::optional<Request> request;  // set when valid
+  // When invalid: the id to answer (0 when none could be read), and why.
+  uint64_t id = 0;
+  std::string error;
+};
+
+// Parses one datagram's bytes. Never throws (std::bad_alloc aside).
+ParsedRequest ParseRequest(std::string_view message);
+
+// ---- replies ----
+
+struct FileReply {
+  std::string name;
+  uint64_t data_bytes = 0;
+  uint64_t header_bytes = 0;
+};
+
+struct Reply {
+  uint64_t id = 0;
+  bool ok = false;
+  // When !ok:
+  ServeCode code = ServeCode::kInvalid;
+  std::string message;
+  std::string cause;  // the core's code name, when given
+  // hello:
+  uint64_t version = 0;
+  std::string server;
+  std::map<std::string, uint64_t> limits;
+  // acquire:
+  uint64_t lease = 0;
+  std::string model;
+  std::vector<FileReply> files;
+};
+
+struct ParsedReply {
+  std::optional<Reply> reply;
+  std::string error;  // when the bytes are not a well-formed reply
+};
+
+// Parses one datagram's bytes as a reply. Never throws (bad_alloc aside).
+ParsedReply ParseReply(std::string_view message);
+
+// ---- encoders ----
+
+std::string EncodeHello(uint64_t id);
+std::string EncodeAcquire(uint64_t id, std::string_view model,
+                          uint64_t timeout_ms, bool fail_when_full);
+std::string EncodeRelease(uint64_t id, uint64_t lease);
+std::string EncodePing(uint64_t id);
+
+std::string EncodeOk(uint64_t id);
+std::string EncodeHelloReply(uint64_t id, std::string_view server,
+                             const std::map<std::string, uint64_t>& limits);
+std::string EncodeAcquireReply(uint64_t id, uint64_t lease,
+                               std::string_view model,
+                               const std::vector<FileReply>& files);
+// `message` may hold any bytes: what is not UTF-8 is replaced.
+std::string EncodeError(uint64_t id, ServeCode code, std::string_view message,
+                        std::string_view cause = {});
+
+}  // namespace modelcache::serve::protocol
+
+#endif  // MODELCACHE_SRC_SERVE_PROTOCOL_H_

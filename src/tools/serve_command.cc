@@ -1,0 +1,375 @@
+// `modelcache serve`: flags to DaemonOptions, the HTTP listeners on
+// cpp-httplib, the ready line, then the daemon's event loop on this thread.
+//
+// Order matters for signals: SIGTERM, SIGINT and SIGHUP are blocked before
+// any thread starts (the daemon's pool, httplib's workers), so that only the
+// daemon's signalfd sees them.
+#include "serve_command.h"
+
+#include <arpa/inet.h>
+#include <httplib.h>
+#include <signal.h>
+#include <sys/stat.h>
+#include <unistd.h>
+
+#include <fstream>
+#include <memory>
+#include <nlohmann/json.hpp>
+#include <sstream>
+#include <thread>
+
+#include "CLI/CLI.hpp"
+#include "modelcache/base/bytes.h"
+#include "modelcache/base/errors.h"
+#include "modelcache/replay/replay.h"
+#include "modelcache/serve/catalog.h"
+#include "modelcache/serve/daemon.h"
+
+namespace modelcache::tools {
+namespace {
+
+constexpr size_t kMaxBodyBytes = size_t{64} << 10;
+// What httplib reads at most; a body past kMaxBodyBytes is read, dropped
+// and answered 413.
+constexpr size_t kMaxReadBytes = size_t{1} << 20;
+
+[[noreturn]] void Invalid(const std::string& message) {
+  throw Error(ErrorCode::kInvalidArgument, message);
+}
+
+std::chrono::milliseconds Duration(const std::string& flag,
+                                   const std::string& text) {
+  try {
+    return std::chrono::milliseconds(
+        static_cast<int64_t>(replay::ParseDurationMs(text)));
+  } catch (const Error& e) {
+    Invalid(flag + ": " + e.what());
+  }
+}
+
+uint64_t HalfOfMemory() {
+  std::ifstream in("/proc/meminfo");
+  std::string key;
+  uint64_t kib = 0;
+  std::string unit;
+  while (in >> key >> kib >> unit) {
+    if (key == "MemTotal:") return kib * 1024 / 2;
+  }
+  return uint64_t{1} << 30;
+}
+
+// One HTTP listener: the daemon's handler behind httplib, on a loopback
+// address or a UNIX socket.
+class Listener {
+ public:
+  Listener(serve::Daemon& daemon, bool admin) {
+    server_.set_payload_max_length(kMaxReadBytes);
+    const auto handler = [&daemon, admin](const httplib::Request& request,
+                                          httplib::Response& response) {
+      serve::HttpRequest r;
+      r.method = request.method;
+      r.path = request.path;
+      r.body = request.body;
+      r.admin = admin;
+      const serve::HttpResponse out = daemon.HandleHttp(r);
+      response.status = out.status;
+      response.set_content(out.body, out.content_type.c_str());
+    };
+    // Methods with a body take a content reader: httplib then answers a
+    // body-less POST (`curl -X POST`) instead of refusing it with 400.
+    const auto with_body = [&daemon, admin](
+                               const httplib::Request& request,
+                               httplib::Response& response,
+                               const httplib::ContentReader& read) {
+      serve::HttpRequest r;
+      r.method = request.method;
+      r.path = request.path;
+      r.admin = admin;
+      bool too_large = false;
+      if (request.has_header("Content-Length") ||
+          request.get_header_value("Transfer-Encoding") == "chunked") {
+        read([&](const char* data, size_t length) {
+          if (too_large || r.body.size() + length > kMaxBodyBytes) {
+            too_large = true;
+            r.body.clear();
+          } else {
+            r.body.append(data, length);
+          }
+          return true;
+        });
+      }
+      if (too_large) {
+        response.status = 413;
+        response.set_content(
+            "{\"error\": \"request bodies are at most 64 KiB\"}\n",
+            "application/json");
+        return;
+      }
+      const serve::HttpResponse out = daemon.HandleHttp(r);
+      response.status = out.status;
+      response.set_content(out.body, out.content_type.c_str());
+    };
+    server_.Get(".*", handler);
+    server_.Post(".*", with_body);
+    server_.Put(".*", with_body);
+    server_.Delete(".*", with_body);
+    server_.Patch(".*", with_body);
+  }
+  ~Listener() { Stop(); }
+
+  // Returns the address bound, port included.
+  std::string BindTcp(const std::string& host, int port) {
+    if (port == 0) {
+      port = server_.bind_to_any_port(host);
+      if (port < 0) Invalid("cannot listen on " + host + ": port in use?");
+    } else if (!server_.bind_to_port(host, port)) {
+      Invalid("cannot listen on " + host + ":" + std::to_string(port) +
+              " (in use?)");
+    }
+    return (host.find(':') != std::string::npos ? "[" + host + "]" : host) +
+           ":" + std::to_string(port);
+  }
+
+  void BindUnix(const std::string& path) {
+    struct stat st;
+    if (::lstat(path.c_str(), &st) == 0) {
+      if (!S_ISSOCK(st.st_mode)) Invalid(path + " exists and is not a socket");
+      ::unlink(path.c_str());
+    }
+    server_.set_address_family(AF_UNIX);
+    if (!server_.bind_to_port(path, 80)) Invalid("cannot listen on " + path);
+    if (::chmod(path.c_str(), 0660) != 0) Invalid("cannot chmod " + path);
+    unix_path_ = path;
+  }
+
+  void Start() {
+    thread_ = std::thread([this] { server_.listen_after_bind(); });
+  }
+
+  void Stop() {
+    if (!thread_.joinable()) return;
+    server_.stop();
+    thread_.join();
+    if (!unix_path_.empty()) ::unlink(unix_path_.c_str());
+  }
+
+ private:
+  httplib::Server server_;
+  std::thread thread_;
+  std::string unix_path_;
+};
+
+}  // namespace
+
+void AddServeOptions(CLI::App& c, ServeFlags& f) {
+  // A flag given twice takes its last value (a script may add to defaults).
+  c.option_defaults()->multi_option_policy(CLI::MultiOptionPolicy::TakeLast);
+  c.add_option("--catalog", f.catalog,
+               "The catalog: JSON {\"models\": [{\"id\", \"files\", "
+               "\"aliases\", \"pinned\", \"priority\"}]}");
+  c.add_option("--model-root", f.model_root,
+               "The folder the catalog's files are relative to");
+  c.add_option("--socket", f.socket,
+               "The lease socket (its folder: mode 0750, created if missing)");
+  c.add_option("--http", f.http,
+               "HTTP API and /metrics on a loopback ADDRESS:PORT, or off "
+               "(default 127.0.0.1:9464)");
+  c.add_option("--admin-socket", f.admin_socket,
+               "UNIX socket of the HTTP API with changes allowed (default: "
+               "the socket's path + .admin), or off");
+  c.add_option("--http-admin", f.http_admin,
+               "Also allow changes on this loopback ADDRESS:PORT");
+  c.add_option("--host-capacity", f.host_capacity,
+               "The host budget, e.g. 24GiB (default: half of the RAM)");
+  c.add_option("--policy", f.policy,
+               "Eviction policy: lru, gdsf, gdsf-classic, gdsf-time, "
+               "gdsf-uniform, faascache, next-use, next-use-uniform "
+               "(default next-use)");
+  c.add_option("--max-clients", f.max_clients, "Connections at once (1024)")
+      ->check(CLI::PositiveNumber);
+  c.add_option("--max-requests-per-client", f.max_requests_per_client,
+               "Acquires waiting per connection (64)")
+      ->check(CLI::PositiveNumber);
+  c.add_option("--max-leases-per-client", f.max_leases_per_client,
+               "Leases per connection (4096)")
+      ->check(CLI::PositiveNumber);
+  c.add_option("--max-queued-replies", f.max_queued_replies,
+               "Replies a client may leave unread before it is "
+               "disconnected (256)")
+      ->check(CLI::PositiveNumber);
+  c.add_option("--load-slots", f.load_slots, "Loads at once (2)")
+      ->check(CLI::PositiveNumber);
+  c.add_option("--max-waiters", f.max_waiters,
+               "Acquires waiting, all clients together (4096)")
+      ->check(CLI::PositiveNumber);
+  c.add_option("--load-threads", f.load_threads, "pread threads per file (4)")
+      ->check(CLI::PositiveNumber);
+  c.add_option("--instance", f.instance,
+               "Names this daemon's memfds (default: from the socket path)");
+  c.add_option("--allow-uid", f.allow_uids,
+               "Only these uids (and --allow-gid's gids) may connect");
+  c.add_option("--allow-gid", f.allow_gids, "See --allow-uid");
+  c.add_option("--ready-grace", f.ready_grace,
+               "/readyz stays 503 this long after start (2s)");
+  c.add_option("--orphan-rescan", f.orphan_rescan,
+               "How often a predecessor's orphaned copies are looked for "
+               "while any remain (1s)");
+  c.add_flag("--per-model-metrics", f.per_model_metrics,
+             "Per-model series in /metrics");
+  c.add_flag("--check-catalog", f.check_catalog,
+             "Validate the catalog (and, with --model-root, every file's "
+             "header) and exit");
+  c.add_option("--ready-fd", f.ready_fd,
+               "Write one JSON line to this descriptor once serving, then "
+               "close it");
+  // For tests: deterministic load times and a gate on loads.
+  c.add_option("--test-load-bandwidth", f.test_load_bandwidth)->group("");
+  c.add_option("--test-load-gate-fd", f.test_load_gate_fd)->group("");
+  c.add_flag("--test-per-component-open", f.test_per_component_open)->group("");
+}
+
+void ParseLoopbackAddress(const std::string& text, std::string* host,
+                          int* port) {
+  const size_t colon = text.rfind(':');
+  if (colon == std::string::npos || colon + 1 == text.size()) {
+    Invalid("'" + text + "' is not ADDRESS:PORT (e.g. 127.0.0.1:9464)");
+  }
+  std::string h = text.substr(0, colon);
+  const std::string p = text.substr(colon + 1);
+  int number = -1;
+  try {
+    size_t used = 0;
+    number = std::stoi(p, &used);
+    if (used != p.size()) number = -1;
+  } catch (const std::exception&) {
+    number = -1;
+  }
+  if (number < 0 || number > 65535) {
+    Invalid("'" + p + "' is not a port (0 to 65535; 0 picks a free one)");
+  }
+  if (h == "localhost") h = "127.0.0.1";
+  bool loopback = false;
+  if (h.size() > 2 && h.front() == '[' && h.back() == ']') {
+    h = h.substr(1, h.size() - 2);
+    in6_addr a6;
+    loopback =
+        ::inet_pton(AF_INET6, h.c_str(), &a6) == 1 && IN6_IS_ADDR_LOOPBACK(&a6);
+  } else {
+    in_addr a4;
+    loopback = ::inet_pton(AF_INET, h.c_str(), &a4) == 1 &&
+               (ntohl(a4.s_addr) >> 24) == 127;
+  }
+  if (!loopback) {
+    Invalid("'" + text +
+            "': the HTTP API listens on loopback only (127.0.0.0/8 or [::1])");
+  }
+  *host = h;
+  *port = number;
+}
+
+int RunServe(const ServeFlags& flags, std::ostream& out, std::ostream& err) {
+  try {
+    if (flags.check_catalog) {
+      if (flags.catalog.empty()) Invalid("--check-catalog needs --catalog");
+      out << serve::CheckCatalog(flags.catalog, flags.model_root) << "\n";
+      return 0;
+    }
+    if (flags.catalog.empty() || flags.model_root.empty() ||
+        flags.socket.empty()) {
+      Invalid("serve needs --catalog, --model-root and --socket");
+    }
+    // Before any thread starts: see the top of this file.
+    serve::Daemon::BlockSignals();
+    ::signal(SIGPIPE, SIG_IGN);
+
+    serve::DaemonOptions options;
+    options.catalog_path = flags.catalog;
+    options.model_root = flags.model_root;
+    options.socket_path = flags.socket;
+    options.host_capacity_bytes = flags.host_capacity.empty()
+                                      ? HalfOfMemory()
+                                      : ParseBytes(flags.host_capacity);
+    options.policy = flags.policy;
+    options.limits.max_clients = flags.max_clients;
+    options.limits.max_requests_per_client = flags.max_requests_per_client;
+    options.limits.max_leases_per_client = flags.max_leases_per_client;
+    options.limits.max_queued_replies = flags.max_queued_replies;
+    options.limits.load_slots = flags.load_slots;
+    options.limits.max_waiters = flags.max_waiters;
+    options.load_threads = flags.load_threads;
+    options.instance = flags.instance;
+    options.allow_uids.assign(flags.allow_uids.begin(), flags.allow_uids.end());
+    options.allow_gids.assign(flags.allow_gids.begin(), flags.allow_gids.end());
+    options.ready_grace = Duration("--ready-grace", flags.ready_grace);
+    options.orphan_rescan = Duration("--orphan-rescan", flags.orphan_rescan);
+    if (options.orphan_rescan.count() <= 0) {
+      Invalid("--orphan-rescan must be above 0");
+    }
+    options.per_model_metrics = flags.per_model_metrics;
+    options.handle_signals = true;
+    if (!flags.test_load_bandwidth.empty()) {
+      std::string_view bytes = flags.test_load_bandwidth;
+      if (bytes.size() > 2 && bytes.substr(bytes.size() - 2) == "/s") {
+        bytes.remove_suffix(2);
+      }
+      options.test_load_bytes_per_second =
+          static_cast<double>(ParseBytes(bytes));
+    }
+    options.test_load_gate_fd = flags.test_load_gate_fd;
+    options.test_per_component_open = flags.test_per_component_open;
+
+    std::string http_host;
+    int http_port = 0;
+    const bool http = flags.http != "off" && !flags.http.empty();
+    if (http) ParseLoopbackAddress(flags.http, &http_host, &http_port);
+    std::string admin_host;
+    int admin_port = 0;
+    if (!flags.http_admin.empty()) {
+      ParseLoopbackAddress(flags.http_admin, &admin_host, &admin_port);
+    }
+    const std::string admin_socket = flags.admin_socket.empty()
+                                         ? flags.socket + ".admin"
+                                         : flags.admin_socket;
+
+    serve::Daemon daemon(std::move(options));
+    std::vector<std::unique_ptr<Listener>> listeners;
+    nlohmann::json ready = {{"socket", flags.socket},
+                            {"pid", ::getpid()},
+                            {"memfd_prefix", daemon.memfd_prefix()},
+                            {"http", nullptr},
+                            {"admin_socket", nullptr},
+                            {"http_admin", nullptr}};
+    if (http) {
+      auto l = std::make_unique<Listener>(daemon, /*admin=*/false);
+      ready["http"] = l->BindTcp(http_host, http_port);
+      listeners.push_back(std::move(l));
+    }
+    if (admin_socket != "off") {
+      auto l = std::make_unique<Listener>(daemon, /*admin=*/true);
+      l->BindUnix(admin_socket);
+      ready["admin_socket"] = admin_socket;
+      listeners.push_back(std::move(l));
+    }
+    if (!flags.http_admin.empty()) {
+      auto l = std::make_unique<Listener>(daemon, /*admin=*/true);
+      ready["http_admin"] = l->BindTcp(admin_host, admin_port);
+      listeners.push_back(std::move(l));
+    }
+    for (auto& l : listeners) l->Start();
+    const std::string line = ready.dump() + "\n";
+    err << "modelcache serve: ready " << line << std::flush;
+    if (flags.ready_fd >= 0) {
+      [[maybe_unused]] const ssize_t n =
+          ::write(flags.ready_fd, line.data(), line.size());
+      ::close(flags.ready_fd);
+    }
+    daemon.Run();
+    for (auto& l : listeners) l->Stop();
+    return 0;
+  } catch (const std::exception& e) {
+    err << "error: " << e.what() << "\n";
+    return 1;
+  }
+}
+
+}  // namespace modelcache::tools

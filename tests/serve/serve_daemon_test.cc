@@ -1,0 +1,818 @@
+// `modelcache serve` as its users meet it: the daemon is the real binary,
+// clients are real processes (serve_test_worker) or this process, and every
+// step is synchronised through pipes, sockets, pidfds and the daemon's own
+// books. After every test, the "Never" checks hold: no memfd that a live
+// process maps is missing from the daemon's books, used + orphaned never
+// exceeds the capacity, the daemon's descriptors come back to their number
+// at start once every client is gone, and no lease id is ever handed out
+// twice.
+#include <gmock/gmock.h>
+#include <gtest/gtest.h>
+#include <sys/inotify.h>
+#include <sys/mman.h>
+
+#include <algorithm>
+#include <cstdlib>
+#include <memory>
+#include <string>
+#include <thread>
+#include <vector>
+
+#include "modelcache/serve/client.h"
+#include "modelcache/weights/memfd.h"
+#include "serve_test_util.h"
+
+namespace modelcache::serve::testing {
+namespace {
+
+using ::testing::HasSubstr;
+
+constexpr uint64_t kKiB = 1024;
+constexpr uint64_t kMiB = 1024 * 1024;
+
+class ServeTest : public ::testing::Test {
+ protected:
+  // A model of about `bytes` bytes in one file under the root.
+  void AddModel(const std::string& id, uint64_t bytes, uint64_t seed,
+                bool pinned = false, std::vector<std::string> aliases = {}) {
+    const std::string file = id + "/model.safetensors";
+    checksums_[id] = WriteModel(root_ + "/" + file, bytes, seed);
+    ModelSpec spec;
+    spec.id = id;
+    spec.files = {file};
+    spec.pinned = pinned;
+    spec.aliases = std::move(aliases);
+    models_.push_back(spec);
+    WriteCatalog(catalog_, models_);
+  }
+
+  Daemon& StartDaemon(const std::string& capacity = "1GiB",
+                      std::vector<std::string> args = {}, bool gate = false) {
+    DaemonOptions options;
+    options.catalog = catalog_;
+    options.root = root_;
+    options.socket = socket_;
+    options.capacity = capacity;
+    options.args = std::move(args);
+    options.gate = gate;
+    daemon_ = std::make_unique<Daemon>(options);
+    return *daemon_;
+  }
+
+  // The Never checks, on a daemon still running with every client gone.
+  void TearDown() override {
+    if (!daemon_ || daemon_->process().Exited()) return;
+    ExpectBooksCoverMaps(*daemon_);
+    ExpectWithinBudget(*daemon_);
+    if (!skip_fd_check_) ExpectNoFdLeak(*daemon_);
+  }
+
+  // A copy's bytes in the budget: data and header memfds, in pages.
+  uint64_t CopyBytes(const std::string& id) {
+    return daemon_->Model(id)["bytes"].get<uint64_t>();
+  }
+
+  TempDir dir_;
+  const std::string root_ = dir_ / "models";
+  const std::string catalog_ = dir_ / "catalog.json";
+  const std::string socket_ = dir_ / "run/serve.sock";
+  std::vector<ModelSpec> models_;
+  std::map<std::string, uint64_t> checksums_;
+  std::unique_ptr<Daemon> daemon_;
+  LeaseIds leases_;
+  bool skip_fd_check_ = false;
+};
+
+TEST_F(ServeTest, AnotherProcessLeasesMapsAndReleasesACopy) {
+  AddModel("tiny", 300 * kKiB, 1, false, {"small"});
+  Daemon& d = StartDaemon();
+  {
+    Worker worker(d.socket());
+    const auto got = worker.Ok("acquire small");  // by alias
+    ASSERT_EQ(got.size(), 3u);
+    leases_.Add(got[0]);
+    EXPECT_EQ(got[1], std::to_string(checksums_["tiny"]));
+    const json model = d.Model("tiny");
+    EXPECT_EQ(model["state"], "READY");
+    ASSERT_EQ(model["leases"].size(), 1u);
+    EXPECT_EQ(model["leases"][0]["pid"].get<pid_t>(), worker.pid());
+    EXPECT_EQ(model["leases"][0]["uid"].get<uid_t>(), ::getuid());
+    EXPECT_EQ(std::to_string(model["leases"][0]["lease"].get<uint64_t>()),
+              got[0]);
+    EXPECT_EQ(worker.Ok("maps " + d.memfd_prefix()),
+              std::vector<std::string>{"1"})
+        << "one mapping: the data (the header is read, not kept mapped)";
+    worker.Ok("release-all");
+    Eventually([&] { return d.Model("tiny")["leases"].empty(); },
+               "the release reaches the daemon");
+    EXPECT_EQ(worker.Ok("maps " + d.memfd_prefix()),
+              std::vector<std::string>{"0"});
+  }
+  EXPECT_EQ(d.Metric("modelcache_loads_total"), 1);
+  EXPECT_EQ(d.Metric("modelcache_acquires_total{result=\"loaded\"}"), 1);
+}
+
+TEST_F(ServeTest, TwoWorkersShareOneCopy) {
+  AddModel("shared", 2 * kMiB, 2);
+  Daemon& d = StartDaemon();
+  Worker a(d.socket());
+  Worker b(d.socket());
+  const auto got_a = a.Ok("acquire shared");
+  const auto got_b = b.Ok("acquire shared");
+  leases_.Add(got_a[0]);
+  leases_.Add(got_b[0]);
+  EXPECT_EQ(got_a[1], got_b[1]);
+  EXPECT_EQ(got_a[1], std::to_string(checksums_["shared"]));
+  // One copy: the same data memfd in both processes, one load, bytes once.
+  std::set<uint64_t> inodes;
+  for (const auto& m : detail::ScanMemfdMappings(d.memfd_prefix(), d.pid())) {
+    if (m.pid == a.pid() || m.pid == b.pid()) inodes.insert(m.inode);
+  }
+  EXPECT_EQ(inodes.size(), 1u);
+  EXPECT_EQ(d.Metric("modelcache_loads_total"), 1);
+  EXPECT_EQ(d.Budget()["used_bytes"].get<uint64_t>(), CopyBytes("shared"));
+  EXPECT_GE(CopyBytes("shared"), 2 * kMiB);
+  EXPECT_EQ(d.Model("shared")["leases"].size(), 2u);
+}
+
+TEST_F(ServeTest, ASigkilledClientsLeaseIsFreedAndTheCopyIsEvictableAgain) {
+  AddModel("first", 1 * kMiB, 3);
+  AddModel("second", 1 * kMiB, 4);
+  // Room for one copy only.
+  Daemon& d = StartDaemon("1500KiB");
+  Worker holder(d.socket());
+  leases_.Add(holder.Ok("acquire first")[0]);
+
+  Client client = Client::Connect(d.socket());
+  RemoteAcquireOptions fail_at_once;
+  fail_at_once.when_full = WhenFull::kFail;
+  try {
+    client.Acquire("second", fail_at_once);
+    FAIL() << "no CAPACITY while 'first' is leased";
+  } catch (const ServeError& e) {
+    EXPECT_EQ(e.serve_code(), ServeCode::kCapacity);
+    EXPECT_THAT(e.what(), HasSubstr("first"));
+  }
+
+  holder.process().Signal(SIGKILL);
+  holder.process().Wait();
+  const auto killed = Clock::now();
+  // Waits for room: served once the dead client's lease is freed and
+  // 'first' evicted.
+  RemoteAcquireOptions wait;
+  wait.timeout = std::chrono::seconds(60);
+  RemoteWeights second = client.Acquire("second", wait);
+  const double ms =
+      std::chrono::duration<double, std::milli>(Clock::now() - killed).count();
+  RecordProperty("freed_after_kill_ms", std::to_string(ms));
+  std::cout << "lease freed and the room reused " << ms
+            << " ms after the client's death was reaped\n";
+  leases_.Add(std::to_string(second.lease()));
+  EXPECT_EQ(Checksum(second.files()[0].data()), checksums_["second"]);
+  EXPECT_GE(d.Metric("modelcache_evictions_total"), 1);
+  EXPECT_EQ(
+      d.Metric("modelcache_client_disconnects_total{reason=\"closed\"}") +
+          d.Metric(
+              "modelcache_client_disconnects_total{reason=\"process_exit\"}"),
+      1);
+}
+
+TEST_F(ServeTest, AClosedSocketWithAMappingStaysOrphanedUntilTheProcessExits) {
+  AddModel("kept", 1 * kMiB, 5);
+  AddModel("other", 1 * kMiB, 6);
+  Daemon& d = StartDaemon("1500KiB");
+  auto worker = std::make_unique<Worker>(d.socket());
+  const auto got = worker->Ok("acquire kept");
+  leases_.Add(got[0]);
+  worker->Ok("close");
+  Eventually([&] { return d.Budget()["orphaned_leases"] == 1; },
+             "the lease becomes orphaned");
+  // Counted and never evicted: no room for 'other'.
+  Client client = Client::Connect(d.socket());
+  RemoteAcquireOptions fail_at_once;
+  fail_at_once.when_full = WhenFull::kFail;
+  try {
+    client.Acquire("other", fail_at_once);
+    FAIL() << "an orphaned copy was evicted";
+  } catch (const ServeError& e) {
+    EXPECT_EQ(e.serve_code(), ServeCode::kCapacity);
+  }
+  // The worker still reads its copy.
+  EXPECT_EQ(worker->Ok("checksum"), std::vector<std::string>{got[1]});
+  EXPECT_EQ(d.Model("kept")["leases"][0]["orphaned"], true);
+
+  worker->Ok("exit");
+  worker->process().Wait();
+  worker.reset();
+  Eventually([&] { return d.Budget()["orphaned_leases"] == 0; },
+             "the orphaned lease ends with its process");
+  RemoteWeights other = client.Acquire("other", fail_at_once);
+  leases_.Add(std::to_string(other.lease()));
+  EXPECT_EQ(Checksum(other.files()[0].data()), checksums_["other"]);
+}
+
+TEST_F(ServeTest,
+       ADaemonKilledWhileCopiesAreMappedIsFollowedByOneThatBooksThem) {
+  AddModel("big", 2 * kMiB, 7);
+  // Room for one copy and a little more.
+  Daemon& d = StartDaemon("2200KiB");
+  Worker worker(d.socket());
+  const auto got = worker.Ok("acquire big");
+  leases_.Add(got[0]);
+  const uint64_t copy = CopyBytes("big");
+
+  d.process().Signal(SIGKILL);
+  d.process().Wait();
+  // Every byte, still there, no SIGBUS.
+  EXPECT_EQ(worker.Ok("checksum"), std::vector<std::string>{got[1]});
+  d.Start();
+  const json budget = d.Budget();
+  // Only the data memfd is still mapped; its pages are booked.
+  EXPECT_EQ(budget["orphaned_bytes"].get<uint64_t>(),
+            weights::PageRoundedBytes(std::stoull(got[2])));
+  EXPECT_LE(budget["used_bytes"].get<uint64_t>() +
+                budget["orphaned_bytes"].get<uint64_t>(),
+            budget["capacity_bytes"].get<uint64_t>());
+  const json copies = d.GetJson("/v1/copies");
+  ASSERT_EQ(copies["orphans"].size(), 1u);
+  EXPECT_EQ(copies["orphans"][0]["pids"][0].get<pid_t>(), worker.pid());
+  ExpectBooksCoverMaps(d);
+
+  // The worker reconnects; the old copy and a new one do not both fit.
+  const std::string refused = worker.Do("acquire big 60000 fail");
+  EXPECT_THAT(refused, HasSubstr("error CAPACITY"));
+  EXPECT_THAT(refused, HasSubstr("previous daemon"));
+  worker.Ok("release-all");  // unmaps: the orphan goes
+  Eventually([&] { return d.Budget()["orphaned_bytes"] == 0; },
+             "the orphan is freed once unmapped");
+  const auto again = worker.Ok("acquire big 60000 fail");
+  leases_.Add(again[0]);
+  EXPECT_EQ(again[1], got[1]);
+  EXPECT_GT(std::stoull(again[0]), std::stoull(got[0]))
+      << "a successor's lease ids come after its predecessor's";
+  EXPECT_EQ(CopyBytes("big"), copy);
+}
+
+TEST_F(ServeTest, AForkedChildHasNoMappingAndNoLeaseAndItsParentIsUnchanged) {
+  AddModel("forked", 1 * kMiB, 8);
+  Daemon& d = StartDaemon();
+  Worker worker(d.socket());
+  const auto got = worker.Ok("acquire forked");
+  leases_.Add(got[0]);
+  // ok CHILD_MAPS CHILD_LEASE CHILD_SUM | PARENT_SUM
+  const auto report = worker.Ok("fork " + d.memfd_prefix() + " forked");
+  ASSERT_EQ(report.size(), 5u) << ::testing::PrintToString(report);
+  EXPECT_EQ(report[0], "0") << "the child maps its parent's copy";
+  leases_.Add(report[1]);
+  EXPECT_EQ(report[2], got[1]) << "the child reconnected and got the copy";
+  EXPECT_EQ(report[4], got[1]) << "the parent's copy changed";
+  // The child is gone: its lease with it. The parent's is untouched.
+  Eventually([&] { return d.Model("forked")["leases"].size() == 1; },
+             "the child's lease ends with the child");
+  const json lease = d.Model("forked")["leases"][0];
+  EXPECT_EQ(std::to_string(lease["lease"].get<uint64_t>()), got[0]);
+  EXPECT_EQ(lease["pid"].get<pid_t>(), worker.pid());
+  EXPECT_EQ(worker.Ok("checksum"), std::vector<std::string>{got[1]});
+  worker.Ok("release-all");
+}
+
+TEST_F(ServeTest, ClientsThatDoNotReadOrFloodAreCutOffAndOthersAreServed) {
+  AddModel("hot", 64 * kKiB, 9);
+  Daemon& d = StartDaemon("1GiB", {"--max-queued-replies", "64"});
+  Client client = Client::Connect(d.socket());
+  { RemoteWeights warm = client.Acquire("hot", std::chrono::seconds(60)); }
+
+  Worker flooder;
+  Worker silent;
+  flooder.Send("flood " + d.socket() + " 10000");
+  silent.Send("noread " + d.socket() + " hot 10000");
+  // A third client, meanwhile.
+  std::vector<double> micros;
+  for (int i = 0; i < 300; ++i) {
+    const auto start = Clock::now();
+    RemoteWeights w = client.Acquire("hot", std::chrono::seconds(60));
+    w.Release();
+    micros.push_back(
+        std::chrono::duration<double, std::micro>(Clock::now() - start)
+            .count());
+  }
+  const auto flooded = flooder.Receive();
+  const auto silenced = silent.Receive();
+  EXPECT_EQ(flooded.rfind("ok ", 0), 0u) << flooded;
+  EXPECT_EQ(silenced.rfind("ok ", 0), 0u) << silenced;
+  EXPECT_LT(std::stoi(flooded.substr(3)), 10000) << "the flood was not cut off";
+  EXPECT_EQ(
+      d.Metric("modelcache_client_disconnects_total{reason=\"slow_reader\"}"),
+      2);
+  std::sort(micros.begin(), micros.end());
+  const double p50 = micros[micros.size() / 2];
+  const double p99 = micros[micros.size() * 99 / 100];
+  RecordProperty("third_client_p50_us", std::to_string(p50));
+  RecordProperty("third_client_p99_us", std::to_string(p99));
+  std::cout << "third client during the flood: acquire+release p50 " << p50
+            << " us, p99 " << p99 << " us\n";
+  // The daemon is well.
+  EXPECT_EQ(d.Get("/healthz").status, 200);
+  client.Ping();
+}
+
+TEST_F(ServeTest, AThousandClientsOnOneColdModelLoadItOnceAndTheNextIsBusy) {
+  AddModel("cold", 256 * kKiB, 10);
+  Daemon& d = StartDaemon("1GiB", {"--max-clients", "1000"}, /*gate=*/true);
+  std::vector<std::unique_ptr<Worker>> workers;
+  for (int i = 0; i < 4; ++i) {
+    workers.push_back(std::make_unique<Worker>());
+    workers.back()->Send("storm " + d.socket() + " cold 250 600000");
+  }
+  // All 1,000 wait on the one load, held at the gate.
+  Eventually([&] { return d.Metric("modelcache_waiting_acquires") == 1000; },
+             "1,000 acquires waiting");
+  EXPECT_EQ(d.Metric("modelcache_clients"), 1000);
+  {
+    Raw extra(d.socket());
+    extra.Send(protocol::EncodeHello(1));
+    const auto reply = extra.Reply();
+    ASSERT_TRUE(reply);
+    EXPECT_FALSE(reply->ok);
+    EXPECT_EQ(reply->code, ServeCode::kBusy);
+    EXPECT_EQ(reply->id, 0u);
+    EXPECT_THAT(reply->message, HasSubstr("too many clients"));
+  }
+  d.CloseGate();
+  int served = 0;
+  for (auto& w : workers) {
+    const std::string reply = w->Receive();
+    std::istringstream in(reply);
+    std::string ok;
+    int s = 0;
+    int busy = 0;
+    int other = 0;
+    in >> ok >> s >> busy >> other;
+    EXPECT_EQ(ok, "ok") << reply;
+    EXPECT_EQ(busy + other, 0) << reply;
+    served += s;
+    std::string lease;
+    while (in >> lease) leases_.Add(lease);
+  }
+  EXPECT_EQ(served, 1000);
+  EXPECT_EQ(d.Metric("modelcache_loads_total"), 1);
+  EXPECT_EQ(d.Metric("modelcache_acquires_total{result=\"loaded\"}"), 1000);
+  ExpectBooksCoverMaps(d);
+  for (auto& w : workers) w->Ok("storm-close");
+}
+
+TEST_F(ServeTest, BadMessagesGetClearErrorsAndNothingBreaks) {
+  AddModel("m", 64 * kKiB, 11);
+  Daemon& d = StartDaemon();
+  const int fds_at_start = d.OpenFds();
+  Raw raw(d.socket());
+  const auto expect_invalid = [&](std::string_view message,
+                                  const std::string& says) {
+    SCOPED_TRACE(std::string(message.substr(0, 80)));
+    ASSERT_TRUE(raw.Send(message));
+    const auto reply = raw.Reply();
+    ASSERT_TRUE(reply) << "no reply: the daemon hung up";
+    EXPECT_FALSE(reply->ok);
+    EXPECT_EQ(reply->code, ServeCode::kInvalid);
+    EXPECT_THAT(reply->message, HasSubstr(says));
+  };
+  expect_invalid("not json", "not valid JSON");
+  expect_invalid("[1, 2]", "must be a JSON object");
+  expect_invalid("{\"op\": \"ping\", \"id\": 1, \"x\": {\"deep\": 1}}",
+                 "must be a string or a non-negative integer");
+  expect_invalid("{\"op\": \"launch\", \"id\": 2}", "unknown op 'launch'");
+  expect_invalid("{\"op\": \"ping\", \"id\": 3, \"color\": \"red\"}",
+                 "unknown field 'color'");
+  expect_invalid("{\"op\": \"ping\", \"id\": 4, \"id\": 5}", "duplicate field");
+  expect_invalid("{\"op\": \"ping\"}", "missing field 'id'");
+  expect_invalid("{\"op\": \"release\", \"id\": 6}", "missing field 'lease'");
+  expect_invalid(
+      "{\"op\": \"acquire\", \"id\": 7, \"model\": \"m\", \"lease\": 1}",
+      "does not belong to op 'acquire'");
+  expect_invalid(
+      "{\"op\": \"acquire\", \"id\": 8, \"model\": \"../etc/passwd\"}",
+      "is not valid");
+  expect_invalid("{\"op\": \"acquire\", \"id\": 9, \"model\": \"/etc/passwd\"}",
+                 "is not valid");
+  expect_invalid("{\"op\": \"acquire\", \"id\": 10, \"model\": \"" +
+                     std::string(200, 'a') + "\"}",
+                 "is not valid");
+  expect_invalid("{\"op\": \"hello\", \"id\": 11, \"version\": 99}",
+                 "version 99 is not supported");
+  expect_invalid(std::string("{\"op\": \"ping\", \"id\": 12}\0junk", 31),
+                 "NUL");
+  expect_invalid("{\"op\": \"ping\", \"id\": 13", "not valid JSON");
+  // Oversized: truncated on receipt, refused by size.
+  expect_invalid(std::string(200 * 1024, ' '), "exceeds the limit");
+  // Descriptors sent to the daemon are closed and the request refused.
+  {
+    const int devnull = ::open("/dev/null", O_RDONLY | O_CLOEXEC);
+    const int fds[2] = {devnull, devnull};
+    ASSERT_TRUE(raw.Send(protocol::EncodePing(14), fds));
+    const auto reply = raw.Reply();
+    ASSERT_TRUE(reply);
+    EXPECT_EQ(reply->code, ServeCode::kInvalid);
+    EXPECT_THAT(reply->message, HasSubstr("accepts no file descriptors"));
+    ::close(devnull);
+  }
+  // Unknown leases and models.
+  ASSERT_TRUE(raw.Send(protocol::EncodeRelease(15, 123456)));
+  auto reply = raw.Reply();
+  ASSERT_TRUE(reply);
+  EXPECT_EQ(reply->code, ServeCode::kNotFound);
+  ASSERT_TRUE(raw.Send(protocol::EncodeAcquire(16, "ghost", 1000, false)));
+  reply = raw.Reply();
+  ASSERT_TRUE(reply);
+  EXPECT_EQ(reply->code, ServeCode::kNotFound);
+  EXPECT_THAT(reply->message, HasSubstr("no model 'ghost'"));
+  // Still serving, with the same descriptors as before (the received ones
+  // were closed) plus this connection's socket and pidfd.
+  ASSERT_TRUE(raw.Send(protocol::EncodePing(17)));
+  reply = raw.Reply();
+  ASSERT_TRUE(reply);
+  EXPECT_TRUE(reply->ok);
+  EXPECT_EQ(reply->id, 17u);
+  EXPECT_EQ(d.OpenFds(), fds_at_start + 2);
+  EXPECT_EQ(d.Metric("modelcache_protocol_errors_total"), 17);
+  // An empty datagram reads as the end of the stream: the daemon hangs up.
+  ASSERT_TRUE(raw.Send(""));
+  EXPECT_FALSE(raw.Receive());
+  EXPECT_EQ(d.Get("/healthz").status, 200);
+}
+
+TEST_F(ServeTest, AReceivedCopyCannotBeWritten) {
+  AddModel("sealed", 100 * kKiB, 12);
+  Daemon& d = StartDaemon();
+  Raw raw(d.socket());
+  raw.Send(protocol::EncodeHello(1));
+  ASSERT_TRUE(raw.Reply());
+  raw.Send(protocol::EncodeAcquire(2, "sealed", 60000, false));
+  const auto reply = raw.Reply();
+  ASSERT_TRUE(reply && reply->ok);
+  leases_.Add(std::to_string(reply->lease));
+  ASSERT_EQ(raw.last_fds().size(), 2u);
+  for (const base::UniqueFd& fd : raw.last_fds()) {
+    struct stat st;
+    ASSERT_EQ(::fstat(fd.get(), &st), 0);
+    const size_t bytes = static_cast<size_t>(st.st_size);
+    errno = 0;
+    void* writable =
+        ::mmap(nullptr, bytes, PROT_READ | PROT_WRITE, MAP_SHARED, fd.get(), 0);
+    EXPECT_EQ(writable, MAP_FAILED);
+    void* readable = ::mmap(nullptr, bytes, PROT_READ, MAP_SHARED, fd.get(), 0);
+    ASSERT_NE(readable, MAP_FAILED);
+    EXPECT_NE(::mprotect(readable, bytes, PROT_READ | PROT_WRITE), 0);
+    ::munmap(readable, bytes);
+    const char byte = 0;
+    EXPECT_EQ(::pwrite(fd.get(), &byte, 1, 0), -1);
+    EXPECT_NE(::ftruncate(fd.get(), 0), 0);
+    EXPECT_NE(::ftruncate(fd.get(), static_cast<off_t>(bytes) + 4096), 0);
+    EXPECT_EQ(::fcntl(fd.get(), F_GET_SEALS), weights::MemfdSeals());
+  }
+  raw.last_fds().clear();
+  raw.Send(protocol::EncodeRelease(3, reply->lease));
+  ASSERT_TRUE(raw.Reply());
+}
+
+TEST_F(ServeTest, ASymlinkUnderTheRootIsNeverFollowed) {
+  AddModel("fine", 64 * kKiB, 13);
+  // Outside the root: a real model file and a folder holding one.
+  const std::string outside = dir_ / "outside/model.safetensors";
+  WriteModel(outside, 64 * kKiB, 14);
+  fs::create_directories(root_ + "/linked");
+  fs::create_symlink(outside, root_ + "/linked/model.safetensors");
+  fs::create_directory_symlink(dir_ / "outside", root_ + "/via");
+  models_.push_back({"linked", {"linked/model.safetensors"}});
+  models_.push_back({"via", {"via/model.safetensors"}});
+  WriteCatalog(catalog_, models_);
+  // Any open of the outside file shows here.
+  const int watch = ::inotify_init1(IN_NONBLOCK | IN_CLOEXEC);
+  ASSERT_GE(watch, 0);
+  ASSERT_GE(::inotify_add_watch(watch, outside.c_str(), IN_OPEN), 0);
+
+  for (const bool per_component : {false, true}) {
+    SCOPED_TRACE(per_component ? "one component at a time" : "openat2");
+    std::vector<std::string> args;
+    if (per_component) args.push_back("--test-per-component-open");
+    Daemon& d = StartDaemon("1GiB", args);
+    Client client = Client::Connect(d.socket());
+    for (const char* id : {"linked", "via"}) {
+      try {
+        client.Acquire(id, std::chrono::seconds(60));
+        ADD_FAILURE() << id << " was loaded through a symbolic link";
+      } catch (const ServeError& e) {
+        EXPECT_EQ(e.serve_code(), ServeCode::kLoadFailed) << e.what();
+        EXPECT_THAT(e.what(), HasSubstr("symbolic link")) << e.what();
+        EXPECT_EQ(e.code(), ErrorCode::kIo);
+      }
+    }
+    RemoteWeights fine = client.Acquire("fine", std::chrono::seconds(60));
+    EXPECT_EQ(Checksum(fine.files()[0].data()), checksums_["fine"]);
+    fine.Release();
+    const json model = d.Model("linked");
+    EXPECT_THAT(model["reason"].get<std::string>(), HasSubstr("symbolic link"));
+    ExpectBooksCoverMaps(d);
+    daemon_.reset();
+  }
+  char events[4096];
+  EXPECT_EQ(::read(watch, events, sizeof(events)), -1)
+      << "the file outside the root was opened";
+  ::close(watch);
+}
+
+TEST_F(ServeTest, ACatalogWithDotDotIsRefusedWithItsReason) {
+  AddModel("ok", 64 * kKiB, 15);
+  models_.push_back({"escape", {"../outside.safetensors"}});
+  WriteCatalog(catalog_, models_);
+  for (const bool check : {true, false}) {
+    Process::Spec spec;
+    const std::string out = dir_ / "out.txt";
+    spec.argv = {"/bin/sh", "-c",
+                 std::string(MODELCACHE_CLI) + " serve --catalog " + catalog_ +
+                     " --model-root " + root_ + " --socket " + socket_ +
+                     (check ? " --check-catalog" : " --http off") + " >" + out +
+                     " 2>&1"};
+    Process p(spec);
+    const int status = p.Wait();
+    EXPECT_TRUE(WIFEXITED(status));
+    EXPECT_EQ(WEXITSTATUS(status), 1);
+    std::ifstream in(out);
+    std::string text((std::istreambuf_iterator<char>(in)),
+                     std::istreambuf_iterator<char>());
+    EXPECT_THAT(text, HasSubstr("model 'escape': file '../outside.safetensors' "
+                                "has a '..' component"));
+  }
+  EXPECT_FALSE(fs::exists(socket_));
+}
+
+TEST_F(ServeTest, ErrorsNameTheirCause) {
+  AddModel("small", 64 * kKiB, 16);
+  AddModel("huge", 4 * kMiB, 17);
+  std::ofstream(root_ + "/broken.safetensors") << "not a safetensors file";
+  models_.push_back({"broken", {"broken.safetensors"}});
+  WriteCatalog(catalog_, models_);
+  Daemon& d = StartDaemon("2MiB", {}, /*gate=*/true);
+  Client client = Client::Connect(d.socket());
+  const auto code_of = [&](const std::string& model,
+                           std::chrono::milliseconds timeout) {
+    try {
+      client.Acquire(model, timeout);
+    } catch (const ServeError& e) {
+      return std::make_pair(e.serve_code(), std::string(e.what()));
+    }
+    return std::make_pair(ServeCode::kInvalid, std::string("no error"));
+  };
+  auto [code, message] = code_of("huge", std::chrono::seconds(60));
+  EXPECT_EQ(code, ServeCode::kTooLarge) << message;
+  // The gate holds the load: the daemon's timer answers.
+  std::tie(code, message) = code_of("small", std::chrono::milliseconds(100));
+  EXPECT_EQ(code, ServeCode::kTimeout) << message;
+  EXPECT_THAT(message, HasSubstr("within 100 ms"));
+  d.CloseGate();
+  std::tie(code, message) = code_of("broken", std::chrono::seconds(60));
+  EXPECT_EQ(code, ServeCode::kLoadFailed) << message;
+  EXPECT_THAT(message, HasSubstr("broken.safetensors"));
+  try {
+    client.Acquire("broken", std::chrono::seconds(60));
+  } catch (const ServeError& e) {
+    EXPECT_EQ(e.code(), ErrorCode::kInvalidData) << "a format error's cause";
+  }
+  RemoteWeights small = client.Acquire("small", std::chrono::seconds(60));
+  EXPECT_EQ(small.Find("first")->dtype(), weights::Dtype::kF32);
+  EXPECT_EQ(small.Find("scalar")->shape().size(), 0u);
+  EXPECT_EQ(small.Find("nothing"), nullptr);
+  EXPECT_THROW(small.data("nothing"), Error);
+  EXPECT_EQ(d.Metric("modelcache_acquires_total{result=\"too_large\"}"), 1);
+  EXPECT_EQ(d.Metric("modelcache_acquires_total{result=\"timeout\"}"), 1);
+  EXPECT_EQ(d.Metric("modelcache_acquires_total{result=\"load_failed\"}"), 2);
+}
+
+TEST_F(ServeTest, TheHttpApiShowsAndSteersTheStore) {
+  AddModel("a", 256 * kKiB, 18);
+  AddModel("b", 256 * kKiB, 19);
+  Daemon& d = StartDaemon();
+  EXPECT_EQ(d.Get("/healthz").status, 200);
+  EXPECT_EQ(d.Get("/readyz").status, 200);
+  EXPECT_EQ(d.Get("/nothing").status, 404);
+  EXPECT_EQ(d.Get("/v1/models/ghost").status, 404);
+  EXPECT_EQ(d.Get("/v1/models/..").status, 400);
+  // Changes only on the admin listener.
+  EXPECT_EQ(d.Send("POST", "/v1/models/a/load", "", /*admin=*/false).status,
+            403);
+  EXPECT_EQ(d.Send("POST", "/v1/models/a/load").status, 200);
+  EXPECT_EQ(d.Model("a")["state"], "READY");
+  EXPECT_EQ(d.Model("a")["loads"], 1);
+  EXPECT_EQ(d.Send("POST", "/v1/models/a/launch").status, 404);
+  // Pin: never evicted, even by a shrink.
+  EXPECT_EQ(d.Send("POST", "/v1/models/b/pin").status, 200);
+  EXPECT_EQ(d.Model("b")["pinned"], true);
+  EXPECT_EQ(
+      d.Send("PUT", "/v1/budget", "{\"capacity_bytes\": \"300KiB\"}").status,
+      200);
+  EXPECT_EQ(d.Model("b")["state"], "READY");
+  EXPECT_EQ(d.Model("a")["state"], "UNAVAILABLE") << "evicted by the shrink";
+  EXPECT_EQ(d.Send("POST", "/v1/models/b/unpin").status, 200);
+  EXPECT_EQ(
+      d.Send("PUT", "/v1/budget", "{\"capacity_bytes\": 1073741824}").status,
+      200);
+  EXPECT_EQ(d.Budget()["capacity_bytes"], 1073741824);
+  EXPECT_EQ(d.Send("PUT", "/v1/budget", "{\"capacity\": 1}").status, 400);
+  EXPECT_EQ(d.Send("PUT", "/v1/budget", std::string(100 * 1024, ' ')).status,
+            413);
+  // Unload of a leased model retires it.
+  Client client = Client::Connect(d.socket());
+  RemoteWeights held = client.Acquire("b", std::chrono::seconds(60));
+  leases_.Add(std::to_string(held.lease()));
+  const HttpResult unload = d.Send("POST", "/v1/models/b/unload");
+  EXPECT_EQ(unload.status, 200);
+  EXPECT_EQ(unload.Json()["outcome"], "retired");
+  EXPECT_THAT(unload.Json()["message"].get<std::string>(),
+              HasSubstr("1 leases"));
+  EXPECT_EQ(d.Model("b")["state"], "UNAVAILABLE");
+  EXPECT_GT(d.Model("b")["retired_bytes"].get<uint64_t>(), 0u);
+  EXPECT_EQ(Checksum(held.files()[0].data()), checksums_["b"]);
+  held.Release();
+  Eventually([&] { return d.Model("b")["retired_bytes"] == 0; },
+             "the retired copy is freed by its last lease");
+  EXPECT_EQ(d.Send("POST", "/v1/models/b/unload").Json()["outcome"],
+            "not_resident");
+  const json list = d.GetJson("/v1/models");
+  EXPECT_EQ(list["models"].size(), 2u);
+}
+
+TEST_F(ServeTest, MetricsPassPromtool) {
+  AddModel("m1", 64 * kKiB, 20);
+  AddModel("m2", 64 * kKiB, 21);
+  Daemon& d = StartDaemon("1GiB", {"--per-model-metrics"});
+  {
+    Client client = Client::Connect(d.socket());
+    RemoteWeights w = client.Acquire("m1", std::chrono::seconds(60));
+    try {
+      client.Acquire("ghost", std::chrono::seconds(1));
+    } catch (const ServeError&) {
+    }
+    const std::string metrics = d.Get("/metrics").body;
+    EXPECT_THAT(metrics, HasSubstr("modelcache_model_leases{model=\"m1\"} 1"));
+    const std::string file = dir_ / "metrics.txt";
+    std::ofstream(file) << metrics;
+    Process::Spec spec;
+    spec.argv = {"/bin/sh", "-c", "promtool check metrics < " + file};
+    Process promtool(spec);
+    const int status = promtool.Wait();
+    EXPECT_TRUE(WIFEXITED(status) && WEXITSTATUS(status) == 0)
+        << "promtool check metrics failed on:\n"
+        << metrics;
+  }
+  for (const char* name :
+       {"modelcache_budget_capacity_bytes", "modelcache_budget_used_bytes",
+        "modelcache_budget_high_water_bytes", "modelcache_resident_bytes",
+        "modelcache_retired_bytes", "modelcache_orphaned_bytes",
+        "modelcache_resident_models", "modelcache_leases", "modelcache_clients",
+        "modelcache_waiting_acquires", "modelcache_loads_total",
+        "modelcache_load_failures_total", "modelcache_evictions_total",
+        "modelcache_loaded_bytes_total", "modelcache_protocol_errors_total",
+        "modelcache_load_duration_seconds_count",
+        "modelcache_acquire_wait_seconds_count"}) {
+    EXPECT_GE(d.Metric(name), 0) << name;
+  }
+  EXPECT_EQ(d.Metric("modelcache_acquires_total{result=\"not_found\"}"), 1);
+  EXPECT_EQ(d.Metric("modelcache_load_duration_seconds_count"), 1);
+}
+
+TEST_F(ServeTest, SigtermAnswersWaitersAndExitsOnceTheLoadInFlightEnds) {
+  AddModel("held", 256 * kKiB, 22);
+  AddModel("slow", 256 * kKiB, 23);
+  Daemon& d = StartDaemon("1GiB", {}, /*gate=*/true);
+  d.OpenGate();  // one load passes: 'held'
+  Worker holder(d.socket());
+  const auto got = holder.Ok("acquire held");
+  Worker waiter(d.socket());
+  waiter.Send("acquire slow 600000");
+  Eventually([&] { return d.Metric("modelcache_waiting_acquires") == 1; },
+             "the acquire of 'slow' waits at the gate");
+  d.process().Signal(SIGTERM);
+  const std::string answer = waiter.Receive();
+  EXPECT_THAT(answer, HasSubstr("error UNAVAILABLE"));
+  EXPECT_THAT(answer, HasSubstr("shutting down"));
+  // The load of 'slow' is still in flight: the daemon waits for it.
+  EXPECT_FALSE(d.process().Exited());
+  EXPECT_FALSE(fs::exists(d.socket())) << "still accepting";
+  d.CloseGate();
+  const int status = d.process().Wait();
+  EXPECT_TRUE(WIFEXITED(status) && WEXITSTATUS(status) == 0) << status;
+  // The holder's copy outlives the daemon.
+  EXPECT_EQ(holder.Ok("checksum"), std::vector<std::string>{got[1]});
+}
+
+TEST_F(ServeTest, SighupReloadsTheCatalogAndRetiresWhatLeftIt) {
+  AddModel("stays", 64 * kKiB, 24);
+  AddModel("goes", 64 * kKiB, 25);
+  Daemon& d = StartDaemon();
+  Worker worker(d.socket());
+  const auto got = worker.Ok("acquire goes");
+  leases_.Add(got[0]);
+  models_.erase(models_.begin() + 1);
+  const std::string file = "comes/model.safetensors";
+  checksums_["comes"] = WriteModel(root_ + "/" + file, 64 * kKiB, 26);
+  models_.push_back({"comes", {file}, /*pinned=*/true});
+  WriteCatalog(catalog_, models_);
+  d.process().Signal(SIGHUP);
+  Eventually([&] { return d.Get("/v1/models/goes").status == 404; },
+             "the reload drops 'goes'");
+  Eventually([&] { return d.Get("/readyz").status == 200; },
+             "the new pinned model is loaded");
+  EXPECT_EQ(d.Model("comes")["pinned"], true);
+  EXPECT_THAT(worker.Do("acquire goes"), HasSubstr("error NOT_FOUND"));
+  EXPECT_EQ(worker.Ok("checksum"), std::vector<std::string>{got[1]})
+      << "a current lease keeps its copy";
+  EXPECT_GT(d.Metric("modelcache_retired_bytes"), 0);
+  worker.Ok("release-all");
+  Eventually([&] { return d.Metric("modelcache_retired_bytes") == 0; },
+             "the retired copy goes with its lease");
+  // A bad catalog is refused and the old one kept.
+  std::ofstream(catalog_) << "{\"models\": [{\"id\": \"x\"}]}";
+  d.process().Signal(SIGHUP);
+  Eventually(
+      [&] { return d.GetJson("/readyz").contains("catalog_reload_error"); },
+      "the failed reload is reported");
+  EXPECT_EQ(d.Get("/v1/models/stays").status, 200);
+  worker.Ok("acquire stays");
+  worker.Ok("release-all");
+  d.Send("POST", "/v1/models/comes/unpin");
+}
+
+TEST_F(ServeTest, PinnedModelsLoadAtStartAndReadyWaitsForThem) {
+  AddModel("pinned", 64 * kKiB, 27, /*pinned=*/true);
+  Daemon& d = StartDaemon("1GiB", {}, /*gate=*/true);
+  const HttpResult not_yet = d.Get("/readyz");
+  EXPECT_EQ(not_yet.status, 503);
+  EXPECT_THAT(not_yet.body, HasSubstr("pinned model 'pinned'"));
+  d.CloseGate();
+  Eventually([&] { return d.Get("/readyz").status == 200; },
+             "the pinned model is resident");
+  EXPECT_EQ(d.Model("pinned")["pinned"], true);
+  d.Send("POST", "/v1/models/pinned/unpin");
+}
+
+TEST_F(ServeTest, ReadyzStaysUnreadyForTheGracePeriod) {
+  AddModel("m", 64 * kKiB, 28);
+  Daemon& d = StartDaemon("1GiB", {"--ready-grace", "1h"});
+  const HttpResult r = d.Get("/readyz");
+  EXPECT_EQ(r.status, 503);
+  EXPECT_THAT(r.body, HasSubstr("grace period"));
+  EXPECT_EQ(d.Get("/healthz").status, 200);
+}
+
+TEST_F(ServeTest, TheSocketAndItsFolderAreClosedToOthers) {
+  AddModel("m", 64 * kKiB, 29);
+  Daemon& d = StartDaemon();
+  struct stat st;
+  ASSERT_EQ(::stat(d.socket().c_str(), &st), 0);
+  EXPECT_EQ(st.st_mode & 0777, 0660u);
+  ASSERT_EQ(::stat(fs::path(d.socket()).parent_path().c_str(), &st), 0);
+  EXPECT_EQ(st.st_mode & 0777, 0750u);
+  daemon_.reset();
+  // A folder open to others is refused.
+  ::chmod(fs::path(socket_).parent_path().c_str(), 0777);
+  EXPECT_THROW(StartDaemon(), std::runtime_error);
+  daemon_.reset();
+  ::chmod(fs::path(socket_).parent_path().c_str(), 0750);
+}
+
+TEST_F(ServeTest, PeersOutsideTheAllowListAreRefused) {
+  if (::geteuid() != 0)
+    GTEST_SKIP() << "needs root to run a peer as another uid";
+  AddModel("m", 64 * kKiB, 30);
+  // Let group 0 reach the socket's folder (0750 itself).
+  ::chmod(dir_.path().c_str(), 0750);
+  Daemon& d = StartDaemon("1GiB", {"--allow-uid", "4242"});
+  // uid 65534 in group 0: the socket's mode lets it in, the list does not.
+  const std::string program =
+      std::string(
+          "import socket,os\n"
+          "os.setgid(0); os.setgroups([]); os.setuid(65534)\n"
+          "s=socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET)\n"
+          "s.connect('") +
+      d.socket() +
+      "')\n"
+      "s.send(b'{\"op\":\"hello\",\"id\":1,\"version\":1}')\n"
+      "print(s.recv(65536).decode())\n";
+  const std::string out = dir_ / "peer.txt";
+  Process::Spec spec;
+  spec.argv = {"/bin/sh", "-c", "/usr/bin/python3 -c \"$0\" > " + out + " 2>&1",
+               program};
+  Process peer(spec);
+  peer.Wait();
+  std::ifstream in(out);
+  std::string text((std::istreambuf_iterator<char>(in)),
+                   std::istreambuf_iterator<char>());
+  EXPECT_THAT(text, HasSubstr("INVALID"));
+  EXPECT_THAT(text, HasSubstr("uid 65534 is not allowed"));
+  EXPECT_GE(d.Metric("modelcache_client_disconnects_total{reason=\"refused\"}"),
+            1);
+  // This process's uid is the daemon's: always allowed.
+  Client::Connect(d.socket()).Ping();
+}
+
+}  // namespace
+}  // namespace modelcache::serve::testing

@@ -1,0 +1,280 @@
+// A worker process for the serve tests: it runs commands read from stdin,
+// one per line, and answers each with one line on stdout ("ok ..." or
+// "error CODE message"), so that a test drives real processes step by step
+// through pipes.
+//
+//   connect PATH                 a serve::Client
+//   acquire MODEL [MS] [fail]    -> ok LEASE CHECKSUM BYTES
+//   checksum                     -> ok CHECKSUM of every copy held, in order
+//   release-all                  unmaps and releases every copy held
+//   close                        Client::Close(): the socket goes, the
+//                                mappings stay
+//   maps PREFIX                  -> ok N: memfd mappings named PREFIX...
+//   fork PREFIX MODEL            fork(); the child counts its PREFIX
+//                                mappings, acquires MODEL through the same
+//                                Client and reports; the parent checks its
+//                                own copies -> ok CHILD_MAPS CHILD_LEASE
+//                                CHILD_SUM PARENT_SUM
+//   storm PATH MODEL N MS        N raw connections, each hello + acquire ->
+//                                ok SERVED BUSY OTHER LEASES... (kept open)
+//   storm-close                  closes them
+//   flood PATH N                 a raw connection sending N pings and never
+//                                reading -> ok SENT, once the daemon hung up
+//   noread PATH MODEL N          the same with N acquires -> ok SENT
+//   pid                          -> ok PID
+//   exit
+#include <fcntl.h>
+#include <poll.h>
+#include <sys/socket.h>
+#include <sys/un.h>
+#include <sys/wait.h>
+#include <unistd.h>
+
+#include <cstdio>
+#include <cstring>
+#include <fstream>
+#include <iostream>
+#include <optional>
+#include <sstream>
+#include <string>
+#include <vector>
+
+#include "modelcache/serve/client.h"
+#include "protocol.h"
+#include "socket.h"
+
+namespace {
+
+using modelcache::serve::Client;
+using modelcache::serve::RemoteWeights;
+
+uint64_t Checksum(const RemoteWeights& w, uint64_t h = 1469598103934665603ull) {
+  for (const modelcache::weights::WeightSet& file : w.files()) {
+    for (const std::byte b : file.data()) {
+      h ^= static_cast<unsigned char>(b);
+      h *= 1099511628211ull;
+    }
+  }
+  return h;
+}
+
+int CountMaps(const std::string& prefix) {
+  std::ifstream maps("/proc/self/maps");
+  std::string line;
+  int n = 0;
+  while (std::getline(maps, line)) {
+    if (line.find("/memfd:" + prefix) != std::string::npos) ++n;
+  }
+  return n;
+}
+
+std::string ErrorLine(const std::exception& e) {
+  std::string code = "OTHER";
+  if (const auto* s = dynamic_cast<const modelcache::serve::ServeError*>(&e)) {
+    code = modelcache::serve::ServeCodeName(s->serve_code());
+  }
+  std::string message = e.what();
+  for (char& c : message) {
+    if (c == '\n') c = ' ';
+  }
+  return "error " + code + " " + message;
+}
+
+// A raw connection: hello, then acquire, replies read later.
+int RawConnect(const std::string& path) {
+  const int fd = ::socket(AF_UNIX, SOCK_SEQPACKET | SOCK_CLOEXEC, 0);
+  sockaddr_un address{};
+  address.sun_family = AF_UNIX;
+  std::strncpy(address.sun_path, path.c_str(), sizeof(address.sun_path) - 1);
+  if (::connect(fd, reinterpret_cast<sockaddr*>(&address), sizeof(address)) !=
+      0) {
+    ::close(fd);
+    return -1;
+  }
+  return fd;
+}
+
+}  // namespace
+
+int main() {
+  std::optional<Client> client;
+  std::vector<RemoteWeights> held;
+  std::vector<int> storm;
+  std::string line;
+  while (std::getline(std::cin, line)) {
+    std::istringstream in(line);
+    std::string command;
+    in >> command;
+    std::string reply;
+    try {
+      if (command == "connect") {
+        std::string path;
+        in >> path;
+        modelcache::serve::ClientOptions options;
+        options.connect_timeout = std::chrono::seconds(30);
+        client.emplace(Client::Connect(path, options));
+        reply = "ok";
+      } else if (command == "acquire") {
+        std::string model;
+        int64_t ms = 60000;
+        std::string mode;
+        in >> model >> ms >> mode;
+        modelcache::serve::RemoteAcquireOptions options;
+        options.timeout = std::chrono::milliseconds(ms);
+        if (mode == "fail") options.when_full = modelcache::WhenFull::kFail;
+        RemoteWeights w = client->Acquire(model, options);
+        reply = "ok " + std::to_string(w.lease()) + " " +
+                std::to_string(Checksum(w)) + " " +
+                std::to_string(w.data_bytes());
+        held.push_back(std::move(w));
+      } else if (command == "checksum") {
+        reply = "ok";
+        for (const RemoteWeights& w : held) {
+          reply += " " + std::to_string(Checksum(w));
+        }
+      } else if (command == "release-all") {
+        held.clear();
+        reply = "ok";
+      } else if (command == "close") {
+        client->Close();
+        reply = "ok";
+      } else if (command == "maps") {
+        std::string prefix;
+        in >> prefix;
+        reply = "ok " + std::to_string(CountMaps(prefix));
+      } else if (command == "fork") {
+        std::string prefix;
+        std::string model;
+        in >> prefix >> model;
+        int pipe_fds[2];
+        if (::pipe(pipe_fds) != 0) throw std::runtime_error("pipe");
+        std::cout << std::flush;
+        const pid_t child = ::fork();
+        if (child == 0) {
+          ::close(pipe_fds[0]);
+          std::string report = std::to_string(CountMaps(prefix));
+          try {
+            RemoteWeights w = client->Acquire(model, std::chrono::seconds(60));
+            report += " " + std::to_string(w.lease()) + " " +
+                      std::to_string(Checksum(w));
+          } catch (const std::exception& e) {
+            report += " " + ErrorLine(e);
+          }
+          [[maybe_unused]] ssize_t n =
+              ::write(pipe_fds[1], report.data(), report.size());
+          ::_exit(0);
+        }
+        ::close(pipe_fds[1]);
+        std::string report;
+        char buffer[512];
+        ssize_t n;
+        while ((n = ::read(pipe_fds[0], buffer, sizeof(buffer))) > 0) {
+          report.append(buffer, static_cast<size_t>(n));
+        }
+        ::close(pipe_fds[0]);
+        int status = 0;
+        ::waitpid(child, &status, 0);
+        std::string parent;
+        for (const RemoteWeights& w : held) {
+          parent += " " + std::to_string(Checksum(w));
+        }
+        reply = "ok " + report + " |" + parent;
+      } else if (command == "storm") {
+        std::string path;
+        std::string model;
+        int n = 0;
+        uint64_t ms = 60000;
+        in >> path >> model >> n >> ms;
+        namespace p = modelcache::serve::protocol;
+        for (int i = 0; i < n; ++i) {
+          const int fd = RawConnect(path);
+          if (fd < 0) throw std::runtime_error("connect failed");
+          storm.push_back(fd);
+          modelcache::serve::detail::SendDatagram(fd, p::EncodeHello(1), {}, 0);
+          modelcache::serve::detail::SendDatagram(
+              fd, p::EncodeAcquire(2, model, ms, false), {}, 0);
+        }
+        int served = 0;
+        int busy = 0;
+        int other = 0;
+        std::string leases;
+        for (const int fd : storm) {
+          for (;;) {
+            modelcache::serve::detail::Datagram d;
+            if (modelcache::serve::detail::ReceiveDatagram(
+                    fd, p::kMaxMessageBytes, 8, 0, &d) <= 0) {
+              ++other;
+              break;
+            }
+            const p::ParsedReply r = p::ParseReply(d.bytes);
+            if (!r.reply) {
+              ++other;
+              break;
+            }
+            if (r.reply->id == 1 && r.reply->ok) continue;  // hello
+            if (r.reply->ok && r.reply->lease != 0) {
+              ++served;
+              leases += " " + std::to_string(r.reply->lease);
+            } else if (!r.reply->ok &&
+                       r.reply->code == modelcache::serve::ServeCode::kBusy) {
+              ++busy;
+            } else {
+              ++other;
+            }
+            break;
+          }
+        }
+        reply = "ok " + std::to_string(served) + " " + std::to_string(busy) +
+                " " + std::to_string(other) + leases;
+      } else if (command == "flood" || command == "noread") {
+        std::string path;
+        std::string model;
+        int n = 0;
+        in >> path;
+        if (command == "noread") in >> model;
+        in >> n;
+        namespace p = modelcache::serve::protocol;
+        const int fd = RawConnect(path);
+        if (fd < 0) throw std::runtime_error("connect failed");
+        int sent = 0;
+        for (int i = 0; i < n; ++i) {
+          const std::string message =
+              command == "flood"
+                  ? p::EncodePing(static_cast<uint64_t>(i) + 1)
+                  : p::EncodeAcquire(static_cast<uint64_t>(i) + 1, model, 1000,
+                                     false);
+          if (modelcache::serve::detail::SendDatagram(fd, message, {}, 0) !=
+              0) {
+            break;  // the daemon hung up
+          }
+          ++sent;
+        }
+        // Never read: wait for the hang-up itself.
+        for (;;) {
+          pollfd p{fd, POLLRDHUP, 0};
+          p.events = POLLRDHUP;
+          if (::poll(&p, 1, -1) > 0 && (p.revents & (POLLHUP | POLLRDHUP))) {
+            break;
+          }
+        }
+        ::close(fd);
+        reply = "ok " + std::to_string(sent);
+      } else if (command == "storm-close") {
+        for (const int fd : storm) ::close(fd);
+        storm.clear();
+        reply = "ok";
+      } else if (command == "pid") {
+        reply = "ok " + std::to_string(::getpid());
+      } else if (command == "exit") {
+        std::cout << "ok" << std::endl;
+        return 0;
+      } else {
+        reply = "error OTHER unknown command '" + command + "'";
+      }
+    } catch (const std::exception& e) {
+      reply = ErrorLine(e);
+    }
+    std::cout << reply << std::endl;
+  }
+  return 0;
+}

@@ -15,6 +15,9 @@ packages=(
   # (Debian's own configuration defines no frontend, so its service listens
   # on nothing).
   haproxy
+  # cpp-httplib serves `modelcache serve`'s HTTP API; promtool (from
+  # prometheus) checks its metrics in a test.
+  libcpp-httplib-dev prometheus
 )
 
 missing=()

@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # Builds the fuzzers (clang) and runs each for a bounded time: the
-# safetensors reader, the trace readers of `modelcache replay`, then what
-# `modelcache ring` parses.
+# safetensors reader, the trace readers of `modelcache replay`, what
+# `modelcache ring` parses, then the parsers of `modelcache serve` (requests,
+# replies, catalogs, maps lines).
 #
 #   fuzz/run.sh [SECONDS] [BUILD_DIR]      (defaults: 20 each, build/fuzz)
 #
@@ -11,7 +12,8 @@
 # reproducers to BUILD_DIR/artifacts/. Exits non-zero when a fuzzer finds a
 # crash. Reproduce one with
 #   BUILD_DIR/safetensors_fuzzer BUILD_DIR/artifacts/crash-...
-# (or trace_fuzzer or ring_fuzzer, whichever reported it).
+# (or trace_fuzzer, ring_fuzzer or serve_protocol_fuzzer, whichever
+# reported it).
 set -euo pipefail
 
 seconds="${1:-20}"
@@ -19,7 +21,8 @@ build_dir="${2:-build/fuzz}"
 data="${MODELCACHE_SHARED_DATA:-../shared/data}"
 
 cmake -S fuzz -B "$build_dir" -G Ninja -DCMAKE_CXX_COMPILER=clang++ >/dev/null
-cmake --build "$build_dir" --target safetensors_fuzzer trace_fuzzer ring_fuzzer
+cmake --build "$build_dir" --target safetensors_fuzzer trace_fuzzer ring_fuzzer \
+  serve_protocol_fuzzer
 mkdir -p "$build_dir/artifacts"
 
 # run FUZZER DICT SEEDS [libFuzzer flags...]
@@ -49,3 +52,7 @@ run trace_fuzzer fuzz/trace.dict "$data/traces" -max_len=16384
 # Its inputs are a --nodes line, a --hash-type line, then a model list;
 # fuzz/ring_seeds holds a few.
 run ring_fuzzer fuzz/ring.dict fuzz/ring_seeds -max_len=4096
+# The first byte picks the parser; fuzz/serve_protocol_seeds holds one input
+# of each kind.
+run serve_protocol_fuzzer fuzz/serve_protocol.dict fuzz/serve_protocol_seeds \
+  -max_len=8192

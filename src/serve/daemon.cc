@@ -560,7 +560,12 @@ void Daemon::Impl::Run() {
     }
     const Clock::time_point after = Clock::now();
     ExpireWaiters(after);
-    if (after >= next_rescan_) RescanOrphans();
+    if (after >= next_rescan_) {
+      next_rescan_ = Clock::time_point::max();
+      RescanOrphans();
+      CheckOrphanGroups();
+      if (!orphan_groups_.empty()) ScheduleRescan();
+    }
     CloseDoomed();
   }
   // Every load is over: close what is left.
@@ -954,6 +959,45 @@ void Daemon::Impl::Close(uint64_t id, Disconnect reason) {
         std::to_string(orphan.size()) +
         " leases: orphaned until the process exits");
     orphan_groups_.emplace(group, std::move(g));
+    ScheduleRescan();
+  }
+}
+
+void Daemon::Impl::ScheduleRescan() {
+  next_rescan_ = std::min(next_rescan_, Clock::now() + options_.orphan_rescan);
+}
+
+void Daemon::Impl::CheckOrphanGroups() {
+  std::vector<uint64_t> emptied;
+  for (auto& [id, group] : orphan_groups_) {
+    std::vector<std::pair<uint64_t, uint64_t>> held;
+    if (!detail::ProcessMemfds(group.pid, memfd_prefix_, &held)) continue;
+    const std::set<std::pair<uint64_t, uint64_t>> set(held.begin(), held.end());
+    std::vector<uint64_t> keep;
+    std::vector<uint64_t> release;
+    {
+      base::MutexLock lock(&leases_mu_);
+      for (const uint64_t lease : group.leases) {
+        const auto it = leases_.find(lease);
+        if (it == leases_.end()) continue;
+        bool used = false;
+        for (const detail::MemfdId& m : it->second.memfds) {
+          used = used || set.count({m.dev, m.inode}) != 0;
+        }
+        (used ? keep : release).push_back(lease);
+      }
+    }
+    if (release.empty()) continue;
+    Log("pid " + std::to_string(group.pid) + " no longer maps " +
+        std::to_string(release.size()) + " orphaned leases: released");
+    orphaned_leases_ -= static_cast<int>(group.leases.size() - keep.size());
+    group.leases = std::move(keep);
+    for (const uint64_t lease : release) ReleaseLease(lease);
+    if (group.leases.empty()) emptied.push_back(id);
+  }
+  for (const uint64_t id : emptied) {
+    EpollDel(epoll_fd_.get(), orphan_groups_.at(id).pidfd.get());
+    orphan_groups_.erase(id);
   }
 }
 
@@ -980,6 +1024,10 @@ void Daemon::Impl::Grant(Connection& c, uint64_t request_id,
   entry.uid = c.uid;
   entry.bytes = lease.bytes();
   entry.lease = std::move(lease);
+  for (const detail::FileCopy& f : keep->files()) {
+    entry.memfds.push_back(f.data_id);
+    entry.memfds.push_back(f.header_id);
+  }
   {
     base::MutexLock lock(&leases_mu_);
     leases_.emplace(id, std::move(entry));
@@ -1457,8 +1505,7 @@ void Daemon::Impl::RescanOrphans() {
     restart_orphans_ = std::move(found);
     unreadable_maps_ = unreadable;
   }
-  next_rescan_ = total == 0 ? Clock::time_point::max()
-                            : Clock::now() + options_.orphan_rescan;
+  if (total > 0) ScheduleRescan();
 }
 
 void Daemon::Impl::WatchPid(pid_t pid) {

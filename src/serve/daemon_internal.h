@@ -25,7 +25,9 @@
 // watching the process's pidfd), or at shutdown.
 //
 //   granted --release/close(dead peer, undelivered)--> released
-//   granted --close(live peer)--> orphaned --pidfd readable--> released
+//   granted --close(live peer)--> orphaned --pidfd readable, or the process
+//                                            maps and holds none of its
+//                                            memfds--> released
 //
 // Copies a predecessor handed out (restart orphans) are not in the store:
 // they are bytes taken off the store's capacity (capacity_ = configured_ -
@@ -121,6 +123,7 @@ struct LeaseEntry {
   bool delivered = false;  // its reply (with the descriptors) was sent
   bool orphaned = false;
   uint64_t bytes = 0;
+  std::vector<MemfdId> memfds;  // of its copy: data and header per file
 };
 
 struct Outgoing {
@@ -267,6 +270,10 @@ class Daemon::Impl {
   void DoReload();
 
   void RescanOrphans() MC_EXCLUDES(orphans_mu_, capacity_mu_, live_mu_);
+  // Releases the orphaned leases whose process maps none of their copy's
+  // memfds and holds no descriptor of them any more.
+  void CheckOrphanGroups() MC_EXCLUDES(leases_mu_);
+  void ScheduleRescan();
   void ApplyCapacity() MC_REQUIRES(capacity_mu_);
   void WatchPid(pid_t pid);
 

@@ -2,11 +2,14 @@
 
 #include <dirent.h>
 #include <fcntl.h>
+#include <sys/stat.h>
+#include <sys/sysmacros.h>
 #include <unistd.h>
 
 #include <cerrno>
 #include <charconv>
 #include <cstring>
+#include <fstream>
 
 namespace modelcache::serve::detail {
 namespace {
@@ -130,6 +133,44 @@ std::vector<MemfdMapping> ScanMemfdMappings(std::string_view prefix,
   }
   ::closedir(proc);
   return found;
+}
+
+bool ProcessMemfds(pid_t pid, std::string_view prefix,
+                   std::vector<std::pair<uint64_t, uint64_t>>* found) {
+  const std::string base = "/proc/" + std::to_string(pid);
+  std::ifstream maps(base + "/maps");
+  if (!maps) return false;
+  std::string line;
+  while (std::getline(maps, line)) {
+    if (line.find("/memfd:") == std::string::npos) continue;
+    if (auto m = ParseMapsLine(line, prefix, pid)) {
+      found->push_back(
+          {static_cast<uint64_t>(makedev(m->dev_major, m->dev_minor)),
+           m->inode});
+    }
+  }
+  if (maps.bad()) return false;
+  DIR* fds = ::opendir((base + "/fd").c_str());
+  if (fds == nullptr) return false;
+  const std::string wanted = "/memfd:" + std::string(prefix);
+  char target[512];
+  while (const dirent* entry = ::readdir(fds)) {
+    if (entry->d_name[0] == '.') continue;
+    const std::string link = base + "/fd/" + entry->d_name;
+    const ssize_t n = ::readlink(link.c_str(), target, sizeof(target) - 1);
+    if (n <= 0) continue;
+    if (std::string_view(target, static_cast<size_t>(n))
+            .substr(0, wanted.size()) != wanted) {
+      continue;
+    }
+    struct stat st;
+    if (::stat(link.c_str(), &st) == 0) {
+      found->push_back(
+          {static_cast<uint64_t>(st.st_dev), static_cast<uint64_t>(st.st_ino)});
+    }
+  }
+  ::closedir(fds);
+  return true;
 }
 
 }  // namespace modelcache::serve::detail

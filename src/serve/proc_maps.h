@@ -44,6 +44,12 @@ std::vector<MemfdMapping> ScanMemfdMappings(std::string_view prefix,
                                             pid_t exclude_pid,
                                             int* unreadable = nullptr);
 
+// The (device, inode) of every memfd named `prefix`... that process `pid`
+// maps or holds a descriptor of. False when its /proc entries cannot be
+// read (it is gone, or another user's): then nothing is known.
+bool ProcessMemfds(pid_t pid, std::string_view prefix,
+                   std::vector<std::pair<uint64_t, uint64_t>>* found);
+
 }  // namespace modelcache::serve::detail
 
 #endif  // MODELCACHE_SRC_SERVE_PROC_MAPS_H_

@@ -12,8 +12,10 @@
 #include <sys/mman.h>
 
 #include <algorithm>
+#include <atomic>
 #include <cstdlib>
 #include <memory>
+#include <mutex>
 #include <string>
 #include <thread>
 #include <vector>
@@ -209,6 +211,25 @@ TEST_F(ServeTest, AClosedSocketWithAMappingStaysOrphanedUntilTheProcessExits) {
   RemoteWeights other = client.Acquire("other", fail_at_once);
   leases_.Add(std::to_string(other.lease()));
   EXPECT_EQ(Checksum(other.files()[0].data()), checksums_["other"]);
+}
+
+TEST_F(ServeTest, AnOrphanedLeaseEndsOnceItsProcessMapsTheCopyNoMore) {
+  AddModel("kept", 1 * kMiB, 31);
+  Daemon& d = StartDaemon();
+  Worker worker(d.socket());
+  const auto got = worker.Ok("acquire kept");
+  leases_.Add(got[0]);
+  worker.Ok("close");
+  Eventually([&] { return d.Budget()["orphaned_leases"] == 1; },
+             "the lease becomes orphaned");
+  // Mapped: held, however many rescans pass meanwhile.
+  EXPECT_EQ(worker.Ok("checksum"), std::vector<std::string>{got[1]});
+  EXPECT_EQ(d.Metric("modelcache_orphaned_leases"), 1);
+  worker.Ok("release-all");  // unmaps; the release cannot reach the daemon
+  Eventually([&] { return d.Budget()["orphaned_leases"] == 0; },
+             "the lease ends once the live process maps the copy no more");
+  EXPECT_TRUE(d.Model("kept")["leases"].empty());
+  EXPECT_FALSE(worker.process().Exited());
 }
 
 TEST_F(ServeTest,
@@ -812,6 +833,82 @@ TEST_F(ServeTest, PeersOutsideTheAllowListAreRefused) {
             1);
   // This process's uid is the daemon's: always allowed.
   Client::Connect(d.socket()).Ping();
+}
+
+}  // namespace
+}  // namespace modelcache::serve::testing
+
+namespace modelcache::serve::testing {
+namespace {
+
+// Workers acquire, check and release copies of three models in a budget that
+// holds two, close their sockets while mapping, and die by SIGKILL, while a
+// sampler checks the books against every process's maps and the budget.
+TEST_F(ServeTest, StressWithASamplerKeepsEveryNever) {
+  for (int i = 0; i < 3; ++i) {
+    AddModel("s" + std::to_string(i), 512 * kKiB, 100 + i);
+  }
+  Daemon& d = StartDaemon("1300KiB");
+  std::atomic<bool> done{false};
+  std::atomic<int> samples{0};
+  std::thread sampler([&] {
+    while (!done.load()) {
+      ExpectBooksCoverMaps(d);
+      ExpectWithinBudget(d);
+      ++samples;
+    }
+  });
+  std::mutex mu;
+  const auto add_lease = [&](const std::string& lease) {
+    std::lock_guard<std::mutex> lock(mu);
+    leases_.Add(lease);
+  };
+  constexpr int kWorkers = 5;
+  constexpr int kRounds = 24;
+  std::vector<std::thread> drivers;
+  for (int w = 0; w < kWorkers; ++w) {
+    drivers.emplace_back([&, w] {
+      uint64_t state = 0x9e3779b97f4a7c15ull * (w + 1);
+      const auto next = [&] {
+        state ^= state << 13;
+        state ^= state >> 7;
+        state ^= state << 17;
+        return state;
+      };
+      auto worker = std::make_unique<Worker>(d.socket());
+      for (int round = 0; round < kRounds; ++round) {
+        const std::string id = "s" + std::to_string(next() % 3);
+        const auto got = worker->Ok("acquire " + id + " 120000");
+        if (got.size() != 3) return;
+        add_lease(got[0]);
+        EXPECT_EQ(got[1], std::to_string(checksums_[id]));
+        switch (next() % 6) {
+          case 0:  // dies holding the lease
+            worker->process().Signal(SIGKILL);
+            worker->process().Wait();
+            worker = std::make_unique<Worker>(d.socket());
+            break;
+          case 1:  // closes its socket, keeps the mapping a while
+            worker->Ok("close");
+            EXPECT_EQ(worker->Ok("checksum"), std::vector<std::string>{got[1]});
+            worker->Ok("release-all");
+            break;
+          default:
+            worker->Ok("release-all");
+            break;
+        }
+      }
+    });
+  }
+  for (std::thread& t : drivers) t.join();
+  done = true;
+  sampler.join();
+  std::cout << samples.load() << " samples of the books while "
+            << kWorkers * kRounds << " acquires ran\n";
+  EXPECT_GT(samples.load(), 0);
+  EXPECT_EQ(d.Metric("modelcache_acquires_total{result=\"hit\"}") +
+                d.Metric("modelcache_acquires_total{result=\"loaded\"}"),
+            kWorkers * kRounds);
 }
 
 }  // namespace

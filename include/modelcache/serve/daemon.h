@@ -13,9 +13,11 @@
 // process can close its socket and keep mapping a copy, so if the process
 // still lives its leases become *orphaned*: still counted and never evicted,
 // they end when the process's pidfd (opened from the peer's credentials at
-// accept) says it exited. A connection also ends when its process exits
-// while the socket stays open (inherited by a child, say). So no copy a live
-// process was given is freed under it, and no dead process holds memory.
+// accept) says it exited, or once the process neither maps their copy nor
+// holds a descriptor of it (looked up in /proc every orphan_rescan). A
+// connection also ends when its process exits while the socket stays open
+// (inherited by a child, say). So no copy a live process was given is freed
+// under it, and no dead process holds memory.
 //
 // Mappings outlive the daemon. At start it looks in /proc/*/maps for memfds
 // of its own instance name that processes still map (copies its predecessor
@@ -81,8 +83,9 @@ struct DaemonOptions {
   // /readyz stays 503 this long after start, so that clients reconnecting
   // after a restart settle before a balancer sends traffic.
   std::chrono::milliseconds ready_grace{2000};
-  // How often orphaned copies of a predecessor are looked for again while
-  // any remain (also whenever a process that maps one exits).
+  // How often orphaned copies of a predecessor, and the processes holding
+  // orphaned leases, are looked at again while any remain (also whenever a
+  // process that maps a predecessor's copy exits).
   std::chrono::milliseconds orphan_rescan{1000};
   // Per-model series in /metrics (a label per model: the operator's choice
   // of cardinality).

@@ -47,6 +47,7 @@
 #include <atomic>
 #include <cerrno>
 #include <cstring>
+#include <map>
 #include <mutex>
 #include <unordered_map>
 
@@ -162,7 +163,7 @@ struct Grant {
   std::vector<Mapping> mappings;
   std::vector<weights::WeightSet> files;
   std::vector<RemoteTensor> tensors;
-  std::unordered_map<std::string, size_t> index;
+  std::vector<size_t> first_tensor;  // of each file, in `tensors`
   uint64_t data_bytes = 0;
 
   ~Grant();
@@ -231,6 +232,35 @@ class ClientCore : public std::enable_shared_from_this<ClientCore> {
   uint64_t next_serial_ MC_GUARDED_BY(mu_) = 1;
   std::unordered_map<uint64_t, Slot> pending_ MC_GUARDED_BY(mu_);
   std::string last_break_ MC_GUARDED_BY(mu_);
+
+  // Headers already parsed, so that a copy acquired again is not parsed
+  // again. Keyed by what fstat says of the header memfd: a memfd's inode
+  // number comes round again only after 2^32 others, and never with the
+  // same change time to the nanosecond.
+  struct HeaderKey {
+    uint64_t dev;
+    uint64_t inode;
+    uint64_t size;
+    int64_t ctime_ns;
+    auto operator<=>(const HeaderKey&) const = default;
+  };
+  static constexpr size_t kMaxHeaders = 1024;
+  std::map<HeaderKey, std::shared_ptr<const weights::SafetensorsHeader>>
+      headers_ MC_GUARDED_BY(mu_);
+
+  std::shared_ptr<const weights::SafetensorsHeader> CachedHeader(
+      const HeaderKey& key) MC_EXCLUDES(mu_) {
+    base::MutexLock lock(&mu_);
+    const auto it = headers_.find(key);
+    return it == headers_.end() ? nullptr : it->second;
+  }
+  void CacheHeader(const HeaderKey& key,
+                   std::shared_ptr<const weights::SafetensorsHeader> header)
+      MC_EXCLUDES(mu_) {
+    base::MutexLock lock(&mu_);
+    if (headers_.size() >= kMaxHeaders) headers_.clear();
+    headers_.emplace(key, std::move(header));
+  }
 };
 
 Grant::~Grant() {
@@ -614,20 +644,37 @@ RemoteWeights ClientCore::Acquire(std::string_view model,
         f.header_bytes > weights::kMaxHeaderBytes) {
       throw bad("the memfds of " + f.name + " do not have the sizes announced");
     }
-    std::string json(f.header_bytes, '\0');
-    size_t done = 0;
-    while (done < json.size()) {
-      const ssize_t n = ::pread(header_fd, json.data() + done,
-                                json.size() - done, static_cast<off_t>(done));
-      if (n < 0 && errno == EINTR) continue;
-      if (n <= 0) throw bad("cannot read the header of " + f.name);
-      done += static_cast<size_t>(n);
+    const HeaderKey key{
+        static_cast<uint64_t>(header_st.st_dev),
+        static_cast<uint64_t>(header_st.st_ino),
+        static_cast<uint64_t>(header_st.st_size),
+        static_cast<int64_t>(header_st.st_ctim.tv_sec) * 1000000000 +
+            header_st.st_ctim.tv_nsec};
+    std::shared_ptr<const weights::SafetensorsHeader> header =
+        CachedHeader(key);
+    if (!header) {
+      std::string json(f.header_bytes, '\0');
+      size_t done = 0;
+      while (done < json.size()) {
+        const ssize_t n = ::pread(header_fd, json.data() + done,
+                                  json.size() - done, static_cast<off_t>(done));
+        if (n < 0 && errno == EINTR) continue;
+        if (n <= 0) throw bad("cannot read the header of " + f.name);
+        done += static_cast<size_t>(n);
+      }
+      if (f.data_bytes >
+          UINT64_MAX - weights::kLengthPrefixBytes - json.size()) {
+        throw bad("sizes overflow");
+      }
+      header = std::make_shared<const weights::SafetensorsHeader>(
+          weights::ParseSafetensorsHeader(
+              json, weights::kLengthPrefixBytes + json.size() + f.data_bytes,
+              source));
+      CacheHeader(key, header);
     }
-    if (f.data_bytes > UINT64_MAX - weights::kLengthPrefixBytes - json.size()) {
-      throw bad("sizes overflow");
+    if (header->data_bytes() != f.data_bytes) {
+      throw bad("the header of " + f.name + " does not match its data");
     }
-    weights::SafetensorsHeader header = weights::ParseSafetensorsHeader(
-        json, weights::kLengthPrefixBytes + json.size() + f.data_bytes, source);
     std::span<const std::byte> data;
     if (f.data_bytes > 0) {
       const size_t bytes = static_cast<size_t>(data_st.st_size);
@@ -653,9 +700,14 @@ RemoteWeights ClientCore::Acquire(std::string_view model,
     grant->data_bytes += f.data_bytes;
   }
   ex.fds.clear();  // mapped: the descriptors are not needed
+  size_t count = 0;
+  for (const weights::WeightSet& file : grant->files) {
+    count += file.tensors().size();
+  }
+  grant->tensors.reserve(count);
   for (size_t i = 0; i < grant->files.size(); ++i) {
+    grant->first_tensor.push_back(grant->tensors.size());
     for (const weights::TensorInfo& t : grant->files[i].tensors()) {
-      grant->index.emplace(t.name, grant->tensors.size());
       grant->tensors.push_back({&t, grant->files[i].data(t), i});
     }
   }
@@ -723,8 +775,15 @@ const std::vector<RemoteTensor>& RemoteWeights::tensors() const {
 uint64_t RemoteWeights::data_bytes() const { return grant_->data_bytes; }
 
 const RemoteTensor* RemoteWeights::Find(std::string_view name) const {
-  const auto it = grant_->index.find(std::string(name));
-  return it == grant_->index.end() ? nullptr : &grant_->tensors[it->second];
+  // Each file's header has an index of its own.
+  for (size_t i = 0; i < grant_->files.size(); ++i) {
+    const weights::WeightSet& file = grant_->files[i];
+    if (const weights::TensorInfo* t = file.header().Find(name)) {
+      return &grant_->tensors[grant_->first_tensor[i] +
+                              static_cast<size_t>(t - file.tensors().data())];
+    }
+  }
+  return nullptr;
 }
 
 std::span<const std::byte> RemoteWeights::data(std::string_view name) const {

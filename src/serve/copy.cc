@@ -128,9 +128,11 @@ std::string CheckCatalog(const std::string& catalog_path,
   size_t files = 0;
   uint64_t bytes = 0;
   for (const CatalogModel& m : catalog.models()) files += m.files.size();
-  std::string summary = catalog_path + ": " +
-                        std::to_string(catalog.models().size()) + " models, " +
-                        std::to_string(files) + " files";
+  const size_t models = catalog.models().size();
+  std::string summary = catalog_path + ": " + std::to_string(models) +
+                        (models == 1 ? " model, " : " models, ") +
+                        std::to_string(files) +
+                        (files == 1 ? " file" : " files");
   if (model_root.empty()) return summary + " (files not checked)";
   const base::UniqueFd root = detail::OpenRoot(model_root);
   for (const CatalogModel& m : catalog.models()) {

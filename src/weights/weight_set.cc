@@ -229,15 +229,19 @@ WeightSet WeightSet::OpenFd(int fd, const std::string& path,
 }
 
 WeightSet WeightSet::FromMemory(std::string path, FileIdentity identity,
-                                SafetensorsHeader header,
+                                std::shared_ptr<const SafetensorsHeader> header,
                                 std::span<const std::byte> data,
                                 std::shared_ptr<const void> owner) {
-  if (data.size() != header.data_bytes()) {
+  if (!header) {
+    throw Error(ErrorCode::kInvalidArgument,
+                "WeightSet::FromMemory needs a header");
+  }
+  if (data.size() != header->data_bytes()) {
     throw Error(ErrorCode::kInvalidArgument,
                 detail::Printable(path, 4096) + ": " +
                     std::to_string(data.size()) +
                     " bytes of data for a header that describes " +
-                    std::to_string(header.data_bytes()));
+                    std::to_string(header->data_bytes()));
   }
   WeightSet set;
   set.path_ = std::move(path);
@@ -257,9 +261,10 @@ WeightSet WeightSet::Load(int fd, const FileIdentity& identity,
   set.path_ = path;
   set.mode_ = options.mode;
   set.identity_ = identity;
-  set.header_ = detail::ReadHeaderFromFd(fd, file_bytes, path);
-  const uint64_t data_offset = set.header_.data_offset();
-  const uint64_t data_bytes = set.header_.data_bytes();
+  set.header_ = std::make_shared<const SafetensorsHeader>(
+      detail::ReadHeaderFromFd(fd, file_bytes, path));
+  const uint64_t data_offset = set.header_->data_offset();
+  const uint64_t data_bytes = set.header_->data_bytes();
 
   if (options.mode == LoadMode::kMmap) {
     // A valid file is never empty (it holds at least the 8-byte length).
@@ -338,7 +343,7 @@ WeightSet& WeightSet::operator=(WeightSet&& other) noexcept {
 WeightSet::~WeightSet() = default;
 
 std::span<const std::byte> WeightSet::data(std::string_view name) const {
-  const TensorInfo* tensor = header_.Find(name);
+  const TensorInfo* tensor = header_->Find(name);
   if (tensor == nullptr) {
     throw Error(ErrorCode::kNotFound, detail::Printable(path_, 4096) +
                                           ": no tensor named " +

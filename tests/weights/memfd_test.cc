@@ -258,9 +258,10 @@ TEST(WeightSetFromMemory, ViewsTheGivenBytesAndKeepsTheirOwner) {
       image.begin() + static_cast<long>(header.data_offset()), image.end());
   std::weak_ptr<std::vector<std::byte>> watch = owner;
   {
-    WeightSet set = WeightSet::FromMemory(
-        "remote:x", FileIdentity{1, 2, image.size(), 3}, header,
-        std::span<const std::byte>(*owner), owner);
+    WeightSet set =
+        WeightSet::FromMemory("remote:x", FileIdentity{1, 2, image.size(), 3},
+                              std::make_shared<const SafetensorsHeader>(header),
+                              std::span<const std::byte>(*owner), owner);
     owner.reset();
     EXPECT_FALSE(watch.expired());
     EXPECT_EQ(set.mode(), LoadMode::kPread);
@@ -275,8 +276,12 @@ TEST(WeightSetFromMemory, ViewsTheGivenBytesAndKeepsTheirOwner) {
 
   std::vector<std::byte> short_data(3);
   EXPECT_THROW(
-      WeightSet::FromMemory("remote:x", {}, header, short_data, nullptr),
+      WeightSet::FromMemory("remote:x", {},
+                            std::make_shared<const SafetensorsHeader>(header),
+                            short_data, nullptr),
       Error);
+  EXPECT_THROW(WeightSet::FromMemory("remote:x", {}, nullptr, {}, nullptr),
+               Error);
 }
 
 }  // namespace

@@ -103,10 +103,11 @@ class WeightSet {
   // itself, such as a read-only mapping of a host copy another process holds
   // (serve::RemoteWeights). `data` is header.data_bytes() bytes and stays
   // valid while `owner` lives; the set keeps `owner` until it is destroyed.
-  // mode() is kPread: a host copy, not a mapping of the file. Throws
-  // Error kInvalidArgument when data.size() != header.data_bytes().
+  // `header` (not null) may be shared with other sets. mode() is kPread: a
+  // host copy, not a mapping of the file. Throws Error kInvalidArgument when
+  // data.size() != header->data_bytes().
   static WeightSet FromMemory(std::string path, FileIdentity identity,
-                              SafetensorsHeader header,
+                              std::shared_ptr<const SafetensorsHeader> header,
                               std::span<const std::byte> data,
                               std::shared_ptr<const void> owner);
 
@@ -119,14 +120,14 @@ class WeightSet {
   const std::string& path() const { return path_; }
   LoadMode mode() const { return mode_; }
   const FileIdentity& identity() const { return identity_; }
-  const SafetensorsHeader& header() const { return header_; }
+  const SafetensorsHeader& header() const { return *header_; }
 
-  const std::vector<TensorInfo>& tensors() const { return header_.tensors(); }
+  const std::vector<TensorInfo>& tensors() const { return header_->tensors(); }
   const std::map<std::string, std::string>& metadata() const {
-    return header_.metadata();
+    return header_->metadata();
   }
   // The data buffer's size: the bytes of every tensor together.
-  uint64_t data_bytes() const { return header_.data_bytes(); }
+  uint64_t data_bytes() const { return header_->data_bytes(); }
 
   // The whole data buffer.
   std::span<const std::byte> data() const { return data_; }
@@ -150,7 +151,9 @@ class WeightSet {
   std::string path_;
   LoadMode mode_ = LoadMode::kMmap;
   FileIdentity identity_;
-  SafetensorsHeader header_;
+  // Shared: sets over copies of one file (serve::RemoteWeights, one per
+  // lease) parse its header once.
+  std::shared_ptr<const SafetensorsHeader> header_;
   std::unique_ptr<Storage> storage_;
   std::span<const std::byte> data_;
 };

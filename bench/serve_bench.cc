@@ -230,10 +230,16 @@ int Acquire(uint64_t bytes, int iterations, const std::string& out) {
 
   std::vector<double> remote;
   std::vector<double> local;
+  std::vector<double> ping;
+  ping.reserve(static_cast<size_t>(iterations));
   remote.reserve(static_cast<size_t>(iterations));
   local.reserve(static_cast<size_t>(iterations));
-  // Interleaved, so that both sides see the same phases of the machine.
+  // Interleaved, so that all three see the same phases of the machine.
   for (int i = 0; i < iterations; ++i) {
+    const auto tp = Clock::now();
+    client.Ping();
+    ping.push_back(
+        std::chrono::duration<double, std::micro>(Clock::now() - tp).count());
     auto t0 = Clock::now();
     {
       auto copy = client.Acquire("model", std::chrono::seconds(60));
@@ -257,7 +263,9 @@ int Acquire(uint64_t bytes, int iterations, const std::string& out) {
       {"remote_acquire_map_release_us",
        {{"p50", Percentile(remote, 0.5)}, {"p99", Percentile(remote, 0.99)}}},
       {"in_process_host_store_hit_us",
-       {{"p50", Percentile(local, 0.5)}, {"p99", Percentile(local, 0.99)}}}};
+       {{"p50", Percentile(local, 0.5)}, {"p99", Percentile(local, 0.99)}}},
+      {"ping_round_trip_us",
+       {{"p50", Percentile(ping, 0.5)}, {"p99", Percentile(ping, 0.99)}}}};
   std::printf(
       "acquire + map + release from a second process: p50 %.1f us, "
       "p99 %.1f us\n",
@@ -266,6 +274,10 @@ int Acquire(uint64_t bytes, int iterations, const std::string& out) {
       "in-process HostWeightStore hit + release:      p50 %.2f us, "
       "p99 %.2f us\n",
       Percentile(local, 0.5), Percentile(local, 0.99));
+  std::printf(
+      "one ping round trip to the daemon:             p50 %.1f us, "
+      "p99 %.1f us\n",
+      Percentile(ping, 0.5), Percentile(ping, 0.99));
   Write(out, result);
   return 0;
 }

@@ -10,14 +10,20 @@ namespace modelcache::serve::detail {
 int ReceiveDatagram(int fd, size_t max_bytes, size_t max_fds, int flags,
                     Datagram* out) {
   out->fds.clear();
-  out->bytes.resize(max_bytes);
-  std::vector<char> control(CMSG_SPACE(sizeof(int) * (max_fds ? max_fds : 1)));
-  iovec iov{out->bytes.data(), out->bytes.size()};
+  // Per thread and reused: a fresh 64 KiB buffer (zeroed) per datagram
+  // would cost more than the rest of a hit.
+  thread_local std::vector<char> buffer;
+  thread_local std::vector<char> control;
+  if (buffer.size() < max_bytes + 1) buffer.resize(max_bytes + 1);
+  const size_t control_bytes =
+      CMSG_SPACE(sizeof(int) * (max_fds ? max_fds : 1));
+  if (control.size() < control_bytes) control.resize(control_bytes);
+  iovec iov{buffer.data(), max_bytes};
   msghdr msg{};
   msg.msg_iov = &iov;
   msg.msg_iovlen = 1;
   msg.msg_control = control.data();
-  msg.msg_controllen = control.size();
+  msg.msg_controllen = control_bytes;
   ssize_t n;
   do {
     n = ::recvmsg(fd, &msg, flags | MSG_TRUNC | MSG_CMSG_CLOEXEC);
@@ -38,12 +44,13 @@ int ReceiveDatagram(int fd, size_t max_bytes, size_t max_fds, int flags,
       }
     }
   }
+  const size_t kept =
+      static_cast<size_t>(n) < max_bytes ? static_cast<size_t>(n) : max_bytes;
   out->real_bytes = static_cast<size_t>(n);
   out->truncated =
       (msg.msg_flags & MSG_TRUNC) != 0 || static_cast<size_t>(n) > max_bytes;
   out->fds_truncated = (msg.msg_flags & MSG_CTRUNC) != 0;
-  out->bytes.resize(static_cast<size_t>(n) < max_bytes ? static_cast<size_t>(n)
-                                                       : max_bytes);
+  out->bytes.assign(buffer.data(), kept);
   return n == 0 ? 0 : 1;
 }
 

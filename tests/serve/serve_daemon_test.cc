@@ -419,8 +419,8 @@ TEST_F(ServeTest, BadMessagesGetClearErrorsAndNothingBreaks) {
                  "is not valid");
   expect_invalid("{\"op\": \"hello\", \"id\": 11, \"version\": 99}",
                  "version 99 is not supported");
-  expect_invalid(std::string("{\"op\": \"ping\", \"id\": 12}\0junk", 31),
-                 "NUL");
+  static constexpr char kNul[] = "{\"op\": \"ping\", \"id\": 12}\0junk";
+  expect_invalid(std::string(kNul, sizeof(kNul) - 1), "NUL");
   expect_invalid("{\"op\": \"ping\", \"id\": 13", "not valid JSON");
   // Oversized: truncated on receipt, refused by size.
   expect_invalid(std::string(200 * 1024, ' '), "exceeds the limit");

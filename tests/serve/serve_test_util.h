@@ -16,7 +16,7 @@
 #include <httplib.h>
 #include <poll.h>
 #include <signal.h>
-#include <spawn.h>
+#include <sys/prctl.h>
 #include <sys/socket.h>
 #include <sys/stat.h>
 #include <sys/syscall.h>
@@ -160,36 +160,43 @@ class Process {
   explicit Process(const Spec& spec) {
     int in[2] = {-1, -1};
     int out[2] = {-1, -1};
-    posix_spawn_file_actions_t actions;
-    posix_spawn_file_actions_init(&actions);
     if (spec.pipes) {
       if (::pipe2(in, O_CLOEXEC) != 0 || ::pipe2(out, O_CLOEXEC) != 0) {
         throw std::runtime_error("pipe");
       }
-      posix_spawn_file_actions_adddup2(&actions, in[0], 0);
-      posix_spawn_file_actions_adddup2(&actions, out[1], 1);
-    }
-    for (const auto& [here, there] : spec.fds) {
-      posix_spawn_file_actions_adddup2(&actions, here, there);
     }
     std::vector<char*> argv;
     for (const std::string& a : spec.argv) {
       argv.push_back(const_cast<char*>(a.c_str()));
     }
     argv.push_back(nullptr);
-    const int r =
-        ::posix_spawn(&pid_, argv[0], &actions, nullptr, argv.data(), environ);
-    posix_spawn_file_actions_destroy(&actions);
+    // fork and exec rather than posix_spawn, for PR_SET_PDEATHSIG: a test
+    // killed by its timeout takes its children with it. (The signal follows
+    // the thread that forks: tests keep a thread alive as long as the
+    // processes it started.) Only async-signal-safe calls in the child.
+    const pid_t parent = ::getpid();
+    pid_ = ::fork();
+    if (pid_ == 0) {
+      ::prctl(PR_SET_PDEATHSIG, SIGKILL);
+      if (::getppid() != parent) ::_exit(127);
+      if (spec.pipes) {
+        ::dup2(in[0], 0);
+        ::dup2(out[1], 1);
+      }
+      for (const auto& [here, there] : spec.fds) ::dup2(here, there);
+      ::execve(argv[0], argv.data(), environ);
+      ::_exit(127);
+    }
     if (spec.pipes) {
       ::close(in[0]);
       ::close(out[1]);
       to_child_ = in[1];
       from_child_ = out[0];
     }
-    if (r != 0) {
+    if (pid_ < 0) {
       pid_ = -1;
-      throw std::runtime_error("posix_spawn " + spec.argv[0] + ": " +
-                               std::strerror(r));
+      throw std::runtime_error("fork for " + spec.argv[0] + ": " +
+                               std::strerror(errno));
     }
     pidfd_ = PidfdOpen(pid_);
   }

@@ -49,10 +49,11 @@ test-tsan: deps
 test-tsa: deps
 	$(call run_suite,clang-tsa,build/clang-tsa,)
 
-# The safetensors reader, the trace readers and `modelcache ring`'s inputs
-# under libFuzzer (clang, ASan+UBSan), seeded with the real files in
-# ../shared/data/weights and ../shared/data/traces (and fuzz/ring_seeds):
-# 20 s each in `make test`, longer on demand with
+# The safetensors reader, the trace readers, `modelcache ring`'s inputs and
+# the serve protocol's parsers under libFuzzer (clang, ASan+UBSan), seeded
+# with the real files in ../shared/data/weights and ../shared/data/traces
+# (and fuzz/ring_seeds, fuzz/serve_protocol_seeds): 20 s each in `make
+# test`, longer on demand with
 # `make fuzz FUZZ_SECONDS=3600`.
 test-fuzz: deps
 	bash fuzz/run.sh 20 build/fuzz
@@ -94,6 +95,12 @@ bench: build
 	./build/bin/modelcache_policy_bound 42 1 2 3 4 5 6 \
 	  --azure ../shared/data/traces/azure-functions-2019-100fn.csv \
 	  --memory ../shared/data/traces/azure-functions-2019-100fn-memory.csv
+	./build/bin/modelcache_serve_bench acquire \
+	  --out build/bench-results/serve_acquire.json
+	./build/bin/modelcache_serve_bench memory \
+	  --out build/bench-results/serve_memory.json
+	./build/bin/modelcache_serve_bench first-tensor \
+	  --out build/bench-results/serve_first_tensor.json
 	PYTHONPATH=build/python /usr/bin/python3 bench/python/hit_path.py
 	PYTHONPATH=build/python /usr/bin/python3 bench/python/miss_storm.py
 

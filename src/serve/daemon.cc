@@ -184,11 +184,6 @@ int PidfdOpen(pid_t pid) {
   return static_cast<int>(::syscall(SYS_pidfd_open, pid, 0));
 }
 
-// The policies a daemon may run: PolicyByName's online ones.
-constexpr const char* kPolicyNames =
-    "lru, gdsf, gdsf-classic, gdsf-time, gdsf-uniform, faascache, next-use, "
-    "next-use-uniform";
-
 }  // namespace
 
 // ---------------------------------------------------------------- setup ----
@@ -319,15 +314,17 @@ Daemon::Impl::Impl(DaemonOptions options)
 }
 
 void Daemon::Impl::CreateStore() {
-  if (options_.policy == "belady") {
-    Invalid(
-        "policy 'belady' needs the future: it is for replays only (known: " +
-        std::string(kPolicyNames) + ")");
-  }
-  auto policy = PolicyByName(options_.policy);
-  if (!policy) {
-    Invalid("unknown policy '" + options_.policy + "' (known: " + kPolicyNames +
-            ")");
+  // The registry's names (PolicyByName throws listing them for an unknown
+  // one); an offline policy needs the future and cannot serve.
+  const NamedPolicy named = PolicyByName(options_.policy);
+  if (named.offline) {
+    std::string known;
+    for (const std::string& name : PolicyNames()) {
+      known += (known.empty() ? "" : ", ") + name;
+    }
+    Invalid("policy '" + options_.policy +
+            "' needs the future: it is for replays only (online policies: " +
+            known + ")");
   }
   {
     base::MutexLock lock(&capacity_mu_);
@@ -336,9 +333,26 @@ void Daemon::Impl::CreateStore() {
   CacheOptions cache;
   cache.name = "serve";
   cache.capacity_bytes = options_.host_capacity_bytes;
-  cache.policy = std::move(policy);
+  cache.WithPolicy(named);
   cache.shard_bits = 2;
   cache.on_event = [this](const CacheEvent& event) { OnEvent(event); };
+  // A keep-alive policy's prewarms load like any load of the daemon.
+  cache.prewarm_source =
+      [this](std::string_view key) -> std::optional<PrewarmSource> {
+    const std::shared_ptr<const Catalog> cat = catalog();
+    const CatalogModel* model = cat->Find(key);
+    if (model == nullptr || model->id != key) return std::nullopt;
+    CatalogModel spec = *model;
+    PrewarmSource source;
+    source.expected_bytes = detail::ExpectedCopyBytes(copy_options_, spec);
+    source.loader = [this, spec] {
+      std::shared_ptr<detail::ModelCopy> copy =
+          detail::LoadCopy(copy_options_, spec);
+      const uint64_t bytes = copy->bytes();
+      return Loaded{std::move(copy), bytes, {}};
+    };
+    return source;
+  };
   store_ = std::make_unique<ModelCache>(std::move(cache));
 }
 

@@ -21,6 +21,7 @@
 #include "CLI/CLI.hpp"
 #include "modelcache/base/bytes.h"
 #include "modelcache/base/errors.h"
+#include "modelcache/core/policy.h"
 #include "modelcache/replay/replay.h"
 #include "modelcache/serve/catalog.h"
 #include "modelcache/serve/daemon.h"
@@ -181,10 +182,12 @@ void AddServeOptions(CLI::App& c, ServeFlags& f) {
                "Also allow changes on this loopback ADDRESS:PORT");
   c.add_option("--host-capacity", f.host_capacity,
                "The host budget, e.g. 24GiB (default: half of the RAM)");
+  std::string names;
+  for (const std::string& name : PolicyNames()) {
+    names += (names.empty() ? "" : ", ") + name;
+  }
   c.add_option("--policy", f.policy,
-               "Eviction policy: lru, gdsf, gdsf-classic, gdsf-time, "
-               "gdsf-uniform, faascache, next-use, next-use-uniform "
-               "(default next-use)");
+               "Policy: " + names + " (default next-use)");
   c.add_option("--max-clients", f.max_clients, "Connections at once (1024)")
       ->check(CLI::PositiveNumber);
   c.add_option("--max-requests-per-client", f.max_requests_per_client,

@@ -68,7 +68,9 @@ struct DaemonOptions {
   // sockets.
   std::string socket_path;
   uint64_t host_capacity_bytes = 0;
-  // A name PolicyByName knows (Belady's, which needs the future, aside).
+  // A name of the policy registry (PolicyByName, PolicyNames): an eviction
+  // order, with an idle TTL or a keep-alive plan for some; an offline one
+  // (Belady's) is refused.
   std::string policy = "next-use";
   Limits limits;
   int load_threads = 4;  // pread threads per file

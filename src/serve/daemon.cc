@@ -301,6 +301,9 @@ Daemon::Impl::Impl(DaemonOptions options)
   for (int i = 0; i < options_.limits.load_slots; ++i) {
     pool_.emplace_back([this] { PoolThread(); });
   }
+  if (expiry_period_.count() > 0) {
+    expiry_ = std::thread([this] { ExpiryThread(); });
+  }
   // Pinned models load first, by priority.
   std::vector<CatalogModel> pinned;
   for (const CatalogModel& m : catalog()->models()) {
@@ -334,6 +337,13 @@ void Daemon::Impl::CreateStore() {
   cache.name = "serve";
   cache.capacity_bytes = options_.host_capacity_bytes;
   cache.WithPolicy(named);
+  if (named.idle_ttl.count() > 0) {
+    // A model idle past the TTL goes within a quarter of it more (at most a
+    // second more).
+    expiry_period_ = std::clamp<std::chrono::nanoseconds>(
+        named.idle_ttl / 4, std::chrono::milliseconds(1),
+        std::chrono::seconds(1));
+  }
   cache.shard_bits = 2;
   cache.on_event = [this](const CacheEvent& event) { OnEvent(event); };
   // A keep-alive policy's prewarms load like any load of the daemon.
@@ -433,6 +443,12 @@ Daemon::Impl::~Impl() {
     throttle_cv_.NotifyAll();
   }
   for (std::thread& t : pool_) t.join();
+  {
+    base::MutexLock lock(&expiry_mu_);
+    expiry_stop_ = true;
+    expiry_cv_.NotifyAll();
+  }
+  if (expiry_.joinable()) expiry_.join();
   conns_.clear();
   orphan_groups_.clear();
   // Completed tasks never collected hold leases.
@@ -1601,6 +1617,20 @@ void Daemon::Impl::RunTask(Task& task) {
   } catch (...) {
     task.lease.Release();
     task.error = std::current_exception();
+  }
+}
+
+void Daemon::Impl::ExpiryThread() {
+  for (;;) {
+    {
+      base::MutexLock lock(&expiry_mu_);
+      const Clock::time_point next = Clock::now() + expiry_period_;
+      while (!expiry_stop_ && Clock::now() < next) {
+        expiry_cv_.WaitUntil(&expiry_mu_, next);
+      }
+      if (expiry_stop_) return;
+    }
+    store_->EvictExpired();
   }
 }
 

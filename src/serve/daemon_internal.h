@@ -402,6 +402,16 @@ class Daemon::Impl {
   bool pool_stop_ MC_GUARDED_BY(pool_mu_) = false;
   std::vector<std::thread> pool_;
 
+  // An idle TTL (a ttl-<N> policy) unloads a model idle for N: the store
+  // expires records only when asked (ModelCache::EvictExpired), so a thread
+  // asks every expiry_period_, off the loop (an unload frees a copy's pages).
+  void ExpiryThread() MC_EXCLUDES(expiry_mu_);
+  std::chrono::nanoseconds expiry_period_{0};  // 0: no TTL, no thread
+  base::Mutex expiry_mu_;
+  base::CondVar expiry_cv_;
+  bool expiry_stop_ MC_GUARDED_BY(expiry_mu_) = false;
+  std::thread expiry_;
+
   // Test throttle: sleeps end early at shutdown.
   base::Mutex throttle_mu_;
   base::CondVar throttle_cv_;

@@ -596,6 +596,97 @@ TEST_F(ServeTest, ThePolicyIsTheRegistrysAndAnUnknownOneIsRefusedNamingThem) {
   EXPECT_EQ(Checksum(m.files()[0].data()), checksums_["m"]);
 }
 
+TEST_F(ServeTest, AModelIdlePastATtlPolicysTtlIsUnloaded) {
+  AddModel("m", 64 * kKiB, 32);
+  Daemon& d = StartDaemon("1GiB", {"--policy", "ttl-200ms"});
+  Client client = Client::Connect(d.socket());
+  {
+    RemoteWeights m = client.Acquire("m", std::chrono::seconds(60));
+    leases_.Add(std::to_string(m.lease()));
+    EXPECT_EQ(Checksum(m.files()[0].data()), checksums_["m"]);
+    EXPECT_EQ(d.Model("m")["state"], "READY");
+  }
+  // No other request comes: the daemon itself notices the idle time.
+  Eventually([&] { return d.Model("m")["state"] == "UNAVAILABLE"; },
+             "the idle model is unloaded");
+  EXPECT_EQ(d.Budget()["used_bytes"], 0);
+  // And it loads again on demand.
+  RemoteWeights again = client.Acquire("m", std::chrono::seconds(60));
+  leases_.Add(std::to_string(again.lease()));
+  EXPECT_EQ(d.Model("m")["loads"], 2);
+}
+
+TEST_F(ServeTest, EveryLimitAnswersBusyNamingItAndLoadsWaitForASlot) {
+  AddModel("a", 64 * kKiB, 33);
+  AddModel("b", 64 * kKiB, 34);
+  AddModel("c", 64 * kKiB, 35);
+  Daemon& d =
+      StartDaemon("1GiB",
+                  {"--max-requests-per-client", "1", "--max-leases-per-client",
+                   "2", "--max-waiters", "2", "--load-slots", "1"},
+                  /*gate=*/true);
+  const auto expect_reply = [](Raw& raw, uint64_t id) {
+    const auto reply = raw.Reply();
+    EXPECT_TRUE(reply) << "no reply to " << id;
+    if (!reply) return protocol::Reply{};
+    EXPECT_EQ(reply->id, id);
+    return *reply;
+  };
+  const auto expect_busy = [&](Raw& raw, uint64_t id, const std::string& says) {
+    const protocol::Reply reply = expect_reply(raw, id);
+    EXPECT_FALSE(reply.ok);
+    EXPECT_EQ(reply.code, ServeCode::kBusy);
+    EXPECT_THAT(reply.message, HasSubstr(says));
+  };
+  const auto expect_lease = [&](Raw& raw, uint64_t id) {
+    const protocol::Reply reply = expect_reply(raw, id);
+    EXPECT_TRUE(reply.ok) << reply.message;
+    leases_.Add(std::to_string(reply.lease));
+    return reply.lease;
+  };
+  Raw first(d.socket());
+  ASSERT_TRUE(first.Send(protocol::EncodeAcquire(1, "a", 600000, false)));
+  // One acquire waiting is this connection's limit (--max-requests-...).
+  ASSERT_TRUE(first.Send(protocol::EncodeAcquire(2, "b", 600000, false)));
+  expect_busy(first, 2, "1 acquires waiting (the limit is 1)");
+  Raw second(d.socket());
+  ASSERT_TRUE(second.Send(protocol::EncodeAcquire(1, "b", 600000, false)));
+  Eventually([&] { return d.Metric("modelcache_waiting_acquires") == 2; },
+             "two acquires waiting");
+  // One load slot: 'a' loads (held at the gate) and 'b' waits for the slot.
+  Eventually([&] { return d.Model("a")["state"] == "LOADING"; }, "'a' loading");
+  EXPECT_EQ(d.Model("b")["state"], "UNAVAILABLE");
+  // Two acquires waiting is the daemon's limit (--max-waiters).
+  Raw third(d.socket());
+  ASSERT_TRUE(third.Send(protocol::EncodeAcquire(1, "c", 600000, false)));
+  expect_busy(third, 1, "2 acquires are waiting (the limit is 2)");
+
+  d.OpenGate();  // 'a' loads; its slot goes to 'b'
+  const uint64_t a = expect_lease(first, 1);
+  Eventually([&] { return d.Model("b")["state"] == "LOADING"; },
+             "'b' loading once 'a' left the slot");
+  d.CloseGate();
+  const uint64_t b = expect_lease(second, 1);
+  // Two leases is a connection's limit (--max-leases-per-client), hit or
+  // not.
+  ASSERT_TRUE(first.Send(protocol::EncodeAcquire(3, "b", 600000, false)));
+  const uint64_t b_too = expect_lease(first, 3);
+  ASSERT_TRUE(first.Send(protocol::EncodeAcquire(4, "b", 600000, false)));
+  expect_busy(first, 4, "holds 2 leases and waits for 0 (the limit is 2)");
+  EXPECT_EQ(d.Metric("modelcache_acquires_total{result=\"busy\"}"), 3);
+  EXPECT_EQ(d.Metric("modelcache_loads_total"), 2);
+  // Once a lease ends there is room again.
+  ASSERT_TRUE(first.Send(protocol::EncodeRelease(5, a)));
+  EXPECT_TRUE(expect_reply(first, 5).ok);
+  ASSERT_TRUE(first.Send(protocol::EncodeAcquire(6, "c", 600000, false)));
+  const uint64_t c = expect_lease(first, 6);
+  for (const auto& [raw, lease] :
+       {std::pair<Raw*, uint64_t>{&first, b_too}, {&first, c}, {&second, b}}) {
+    ASSERT_TRUE(raw->Send(protocol::EncodeRelease(7, lease)));
+    EXPECT_TRUE(expect_reply(*raw, 7).ok);
+  }
+}
+
 TEST_F(ServeTest, ErrorsNameTheirCause) {
   AddModel("small", 64 * kKiB, 16);
   AddModel("huge", 4 * kMiB, 17);

@@ -156,6 +156,7 @@ struct Grant {
   uint64_t lease = 0;
   uint64_t generation = 0;
   std::string model;
+  std::string load;  // the reply's "load"
   struct Mapping {
     void* base = nullptr;
     size_t bytes = 0;
@@ -612,6 +613,7 @@ RemoteWeights ClientCore::Acquire(std::string_view model,
   grant->serial = ex.connection->serial;
   grant->lease = ex.reply.lease;
   grant->generation = generation_;
+  grant->load = ex.reply.load;
   grant->model = ex.reply.model;
   // From here on a failure releases the lease (through ~Grant).
   const auto bad = [&](const std::string& why) {
@@ -766,6 +768,7 @@ RemoteWeights& RemoteWeights::operator=(RemoteWeights&& other) noexcept {
 
 const std::string& RemoteWeights::model() const { return grant_->model; }
 uint64_t RemoteWeights::lease() const { return grant_->lease; }
+const std::string& RemoteWeights::load() const { return grant_->load; }
 const std::vector<weights::WeightSet>& RemoteWeights::files() const {
   return grant_->files;
 }

@@ -847,7 +847,7 @@ void Daemon::Impl::HandleAcquire(Connection& c, const protocol::Request& r) {
   }
   const Clock::time_point start = Clock::now();
   if (std::optional<Lease> hit = store_->TryAcquire(model->id)) {
-    Grant(c, r.id, model->id, std::move(*hit), Result::kHit, start);
+    Grant(c, r.id, model->id, std::move(*hit), Result::kHit, "hit", start);
     return;
   }
   if (c.waiters.size() >= static_cast<size_t>(limits.max_requests_per_client)) {
@@ -1043,7 +1043,7 @@ void Daemon::Impl::ReleaseOrphanGroup(uint64_t group) {
 
 void Daemon::Impl::Grant(Connection& c, uint64_t request_id,
                          const std::string& model, Lease lease, Result result,
-                         Clock::time_point start) {
+                         const char* load, Clock::time_point start) {
   auto* copy = lease.get<detail::ModelCopy>();
   std::shared_ptr<const detail::ModelCopy> keep = copy->shared_from_this();
   const uint64_t id = ++next_lease_;
@@ -1074,7 +1074,7 @@ void Daemon::Impl::Grant(Connection& c, uint64_t request_id,
   ++acquires_[static_cast<size_t>(result)];
   acquire_wait_seconds_.Observe(
       std::chrono::duration<double>(Clock::now() - start).count());
-  Send(c, {protocol::EncodeAcquireReply(request_id, id, model, files),
+  Send(c, {protocol::EncodeAcquireReply(request_id, id, model, load, files),
            std::move(fds), std::move(keep), id});
 }
 
@@ -1105,6 +1105,7 @@ void Daemon::Impl::AddWaiter(Connection& c, const protocol::Request& r,
   deadlines_.emplace(w.deadline, w.seq);
   c.waiters.insert(w.seq);
   detail::ModelQueue& q = queues_[model.id];
+  w.joined = q.task != nullptr || q.queued;
   q.waiters.push_back(w.seq);
   waiters_.emplace(w.seq, std::move(w));
   ++waiting_;
@@ -1307,7 +1308,7 @@ void Daemon::Impl::Complete(std::shared_ptr<Task> task) {
       const detail::Waiter waiter = w->second;
       RemoveWaiter(seq);
       Grant(*c->second, waiter.request_id, model, std::move(lease),
-            Result::kLoaded, waiter.start);
+            Result::kLoaded, waiter.joined ? "joined" : "miss", waiter.start);
     }
   } else if (task->error) {
     ServeCode code = ServeCode::kLoadFailed;

@@ -156,6 +156,9 @@ struct Waiter {
   Clock::time_point start;
   Clock::time_point deadline;
   bool fail_when_full = false;
+  // A load of its model was running or queued when it came: it joined that
+  // load rather than starting one.
+  bool joined = false;
 };
 
 // Thrown by a task's interrupt check.
@@ -246,9 +249,11 @@ class Daemon::Impl {
   void Doom(detail::Connection& c, detail::Disconnect reason);
   void CloseDoomed();
   void Close(uint64_t id, detail::Disconnect reason);
+  // `load`: how the copy was found, for the reply ("hit", "miss",
+  // "joined").
   void Grant(detail::Connection& c, uint64_t request_id,
              const std::string& model, Lease lease, detail::Result result,
-             Clock::time_point start);
+             const char* load, Clock::time_point start);
   void ReleaseLease(uint64_t lease) MC_EXCLUDES(leases_mu_);
   void ReleaseOrphanGroup(uint64_t group);
 

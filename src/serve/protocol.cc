@@ -399,8 +399,14 @@ ParsedReply ParseReply(std::string_view message) {
   if (!unsigned_field(doc, "version", &reply.version, false) ||
       !string_field(doc, "server", &reply.server, false) ||
       !unsigned_field(doc, "lease", &reply.lease, false) ||
-      !string_field(doc, "model", &reply.model, false)) {
+      !string_field(doc, "model", &reply.model, false) ||
+      !string_field(doc, "load", &reply.load, false)) {
     return fail("reply has a field of the wrong type");
+  }
+  if (!reply.load.empty() && reply.load != "hit" && reply.load != "miss" &&
+      reply.load != "joined") {
+    return fail("'load' is " + Shown(reply.load) +
+                ", not \"hit\", \"miss\" or \"joined\"");
   }
   if (const auto limits = doc.find("limits"); limits != doc.end()) {
     if (!limits->is_object()) return fail("'limits' is not an object");
@@ -470,12 +476,13 @@ std::string EncodeHelloReply(uint64_t id, std::string_view server,
 }
 
 std::string EncodeAcquireReply(uint64_t id, uint64_t lease,
-                               std::string_view model,
+                               std::string_view model, std::string_view load,
                                const std::vector<FileReply>& files) {
   // By hand: this is on every acquire's path. Names are escaped.
   std::string out = "{\"id\":" + std::to_string(id) +
                     ",\"ok\":true,\"lease\":" + std::to_string(lease) +
                     ",\"model\":" + Dump(json(std::string(model))) +
+                    ",\"load\":" + Dump(json(std::string(load))) +
                     ",\"files\":[";
   for (size_t i = 0; i < files.size(); ++i) {
     if (i > 0) out += ',';

@@ -22,7 +22,7 @@
 //
 //   {"id":1,"ok":true,"version":1,"server":"modelcache 0.1.0",
 //    "limits":{"max_requests_in_flight":64,...}}
-//   {"id":2,"ok":true,"lease":17,"model":"sdxl",
+//   {"id":2,"ok":true,"lease":17,"model":"sdxl","load":"miss",
 //    "files":[{"name":"unet.safetensors","data_bytes":N,"header_bytes":H}]}
 //     with 2 descriptors per file, in file order: the header memfd (the
 //     validated header as JSON text, H bytes) and the data memfd (the data
@@ -30,6 +30,11 @@
 //   {"id":3,"ok":true}
 //   {"id":4,"ok":true}
 //   {"id":5,"ok":false,"error":{"code":"NOT_FOUND","message":"..."}}
+//
+// An acquire reply's "load" says how the copy was found: "hit" (resident),
+// "miss" (this acquire started its load) or "joined" (it waited for a load
+// already under way or queued). Optional: a client takes a reply without
+// it (an older daemon) as an unknown kind.
 //
 // An error may carry "cause", the core's code name (weights errors: "io",
 // "invalid_data"). A message with id 0 is the daemon's own: an error that
@@ -112,6 +117,7 @@ struct Reply {
   // acquire:
   uint64_t lease = 0;
   std::string model;
+  std::string load;  // "hit", "miss", "joined"; empty when not given
   std::vector<FileReply> files;
 };
 
@@ -134,8 +140,9 @@ std::string EncodePing(uint64_t id);
 std::string EncodeOk(uint64_t id);
 std::string EncodeHelloReply(uint64_t id, std::string_view server,
                              const std::map<std::string, uint64_t>& limits);
+// `load`: "hit", "miss" or "joined".
 std::string EncodeAcquireReply(uint64_t id, uint64_t lease,
-                               std::string_view model,
+                               std::string_view model, std::string_view load,
                                const std::vector<FileReply>& files);
 // `message` may hold any bytes: what is not UTF-8 is replaced.
 std::string EncodeError(uint64_t id, ServeCode code, std::string_view message,

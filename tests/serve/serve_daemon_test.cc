@@ -382,6 +382,32 @@ TEST_F(ServeTest, AThousandClientsOnOneColdModelLoadItOnceAndTheNextIsBusy) {
   for (auto& w : workers) w->Ok("storm-close");
 }
 
+TEST_F(ServeTest, AcquiresSayWhetherTheyHitStartedTheLoadOrJoinedIt) {
+  AddModel("m", 64 * kKiB, 12);
+  Daemon& d = StartDaemon("1GiB", {}, /*gate=*/true);
+  Client client = Client::Connect(d.socket());
+  RemoteWeights first;
+  std::thread starter([&] {
+    first = client.Acquire("m", std::chrono::seconds(60));
+  });
+  Eventually([&] { return d.Metric("modelcache_waiting_acquires") == 1; },
+             "the first acquire waits for its load");
+  RemoteWeights second;
+  std::thread joiner([&] {
+    second = client.Acquire("m", std::chrono::seconds(60));
+  });
+  Eventually([&] { return d.Metric("modelcache_waiting_acquires") == 2; },
+             "the second acquire waits for the same load");
+  d.CloseGate();
+  starter.join();
+  joiner.join();
+  EXPECT_EQ(first.load(), "miss");
+  EXPECT_EQ(second.load(), "joined");
+  RemoteWeights third = client.Acquire("m", std::chrono::seconds(60));
+  EXPECT_EQ(third.load(), "hit");
+  EXPECT_EQ(d.Metric("modelcache_loads_total"), 1);
+}
+
 TEST_F(ServeTest, BadMessagesGetClearErrorsAndNothingBreaks) {
   AddModel("m", 64 * kKiB, 11);
   Daemon& d = StartDaemon();

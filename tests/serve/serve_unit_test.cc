@@ -126,11 +126,12 @@ TEST(Protocol, ModelIdsAreNeverPaths) {
 
 TEST(Protocol, RepliesRoundTrip) {
   auto r = protocol::ParseReply(protocol::EncodeAcquireReply(
-      3, 99, "m", {{"a/x.safetensors", 10, 20}, {"b", 0, 2}}));
+      3, 99, "m", "joined", {{"a/x.safetensors", 10, 20}, {"b", 0, 2}}));
   ASSERT_TRUE(r.reply) << r.error;
   EXPECT_TRUE(r.reply->ok);
   EXPECT_EQ(r.reply->id, 3u);
   EXPECT_EQ(r.reply->lease, 99u);
+  EXPECT_EQ(r.reply->load, "joined");
   ASSERT_EQ(r.reply->files.size(), 2u);
   EXPECT_EQ(r.reply->files[0].name, "a/x.safetensors");
   EXPECT_EQ(r.reply->files[1].header_bytes, 2u);
@@ -153,7 +154,9 @@ TEST(Protocol, RepliesRoundTrip) {
        {"", "[]", R"({"ok":true})", R"({"id":1})", R"({"id":1,"ok":false})",
         R"({"id":1,"ok":false,"error":{"code":"WHAT","message":""}})",
         R"({"id":1,"ok":true,"files":[1]})", R"({"id":1,"ok":true,"lease":-1})",
-        R"({"id":1,"ok":true,"files":[[[[[[[]]]]]]]})"}) {
+        R"({"id":1,"ok":true,"files":[[[[[[[]]]]]]]})",
+        R"({"id":1,"ok":true,"lease":2,"load":"maybe"})",
+        R"({"id":1,"ok":true,"lease":2,"load":1})"}) {
     EXPECT_FALSE(protocol::ParseReply(bad).reply) << bad;
   }
   // Unknown fields of a reply are a newer daemon's: ignored.

@@ -111,6 +111,10 @@ class RemoteWeights {
   const std::string& model() const;
   // The daemon's lease id: never reused by the daemon or a successor.
   uint64_t lease() const;
+  // How the daemon found the copy: "hit" (it was resident), "miss" (this
+  // acquire started its load) or "joined" (it waited for a load already
+  // under way); empty from a daemon that does not say.
+  const std::string& load() const;
   // One set per file of the catalog's model, in the catalog's order; each
   // views the shared mapping (path(): "<model>/<file>").
   const std::vector<weights::WeightSet>& files() const;

@@ -26,11 +26,12 @@ from __future__ import annotations
 
 from typing import Any, List, Optional
 
-from . import _core, runtime, weights
+from . import _core, runtime, serve, weights
 from ._core import Budget, Lease, Loaded, policy_names
 from ._types import CacheStats, Entry, Event
 from .errors import (
     CapacityError,
+    DaemonUnavailableError,
     Error,
     FailedPreconditionError,
     InvalidArgumentError,
@@ -48,6 +49,7 @@ __all__ = [
     "Cache",
     "CacheStats",
     "CapacityError",
+    "DaemonUnavailableError",
     "Entry",
     "Error",
     "Event",
@@ -64,6 +66,7 @@ __all__ = [
     "UnavailableError",
     "policy_names",
     "runtime",
+    "serve",
     "torch_bytes",
     "weights",
 ]

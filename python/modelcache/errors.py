@@ -25,6 +25,7 @@ __all__ = [
     "InvalidDataError",
     "IoError",
     "UnavailableError",
+    "DaemonUnavailableError",
     "LoadError",
 ]
 
@@ -34,6 +35,11 @@ class Error(Exception):
 
     #: The core's name for the kind of failure ("capacity", "timeout", ...).
     code: str = "error"
+
+    #: For errors of :mod:`modelcache.serve`: the daemon's protocol code
+    #: ("NOT_FOUND", "TOO_LARGE", "CAPACITY", "TIMEOUT", "LOAD_FAILED",
+    #: "BUSY", "INVALID", "UNAVAILABLE"); None for every other error.
+    serve_code: "str | None" = None
 
 
 class TooLargeError(Error):
@@ -96,11 +102,24 @@ class UnavailableError(Error):
     code = "unavailable"
 
 
+class DaemonUnavailableError(UnavailableError, ConnectionError):
+    """:mod:`modelcache.serve`: the daemon cannot be reached (no socket at
+    the path, nobody listening, the connection was lost and could not be
+    made again before the deadline) or it is shutting down. Leases already
+    held stay mapped and valid; the next call connects again."""
+
+    code = "unavailable"
+
+
 class LoadError(Error):
     """Another thread's loader for the key this call waited on raised.
 
     ``__cause__`` is the loader's exception object. The failure is not
     cached: the next acquire of the key loads again.
+
+    From :mod:`modelcache.serve`: the daemon could not load the model's
+    files; ``cause`` says why ("io": they could not be read,
+    "invalid_data": they are not valid safetensors files).
     """
 
     code = "load_failed"

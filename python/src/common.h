@@ -203,6 +203,7 @@ void RegisterExceptionTranslators();
 void BindCache(py::module_& m);
 void BindWeights(py::module_& m);
 void BindRuntime(py::module_& m);
+void BindServe(py::module_& m);
 
 }  // namespace modelcache::python
 

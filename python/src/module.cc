@@ -11,4 +11,5 @@ PYBIND11_MODULE(_core, m) {
   mp::BindCache(m);
   mp::BindWeights(m);
   mp::BindRuntime(m);
+  mp::BindServe(m);
 }

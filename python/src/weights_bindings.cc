@@ -184,13 +184,18 @@ class HostCopy {
 
 using HostCopyPtr = std::shared_ptr<const HostCopy>;
 
-// The base object of every numpy view: its share keeps the copy leased.
+// The base object of every numpy view: its share keeps the copy leased
+// (a host store's copy, or a daemon's mapped copy: `keep` owns either).
 // Supports weak references (every pybind11 instance does), which is how
 // tests watch a view's lifetime.
 struct HostCopyRef {
-  HostCopyRef(HostCopyPtr copy, std::string tensor)
-      : copy(std::move(copy)), tensor(std::move(tensor)) {}
-  HostCopyPtr copy;
+  HostCopyRef(std::shared_ptr<const void> keep, std::string owner,
+              std::string tensor)
+      : keep(std::move(keep)),
+        owner(std::move(owner)),
+        tensor(std::move(tensor)) {}
+  std::shared_ptr<const void> keep;
+  std::string owner;  // the file or model, for repr
   std::string tensor;
 };
 
@@ -205,10 +210,17 @@ const TensorInfo& FindTensor(const weights::WeightSet& set,
   return *info;
 }
 
-const void* AddressOf(const weights::WeightSet& set, const TensorInfo& info) {
-  std::span<const std::byte> bytes = set.data(info);
+}  // namespace
+
+const void* ViewAddress(std::span<const std::byte> bytes) {
   return bytes.empty() ? static_cast<const void*>(kEmptyTensor)
                        : static_cast<const void*>(bytes.data());
+}
+
+namespace {
+
+const void* AddressOf(const weights::WeightSet& set, const TensorInfo& info) {
+  return ViewAddress(set.data(info));
 }
 
 // The shape as signed sizes, row-major strides in elements, for numpy and
@@ -254,8 +266,10 @@ Layout LayoutOf(const TensorInfo& info) {
   return layout;
 }
 
-// A read-only numpy array viewing `info`'s bytes, whose base holds `copy`.
-py::array NumpyView(const HostCopyPtr& copy, const TensorInfo& info,
+}  // namespace
+
+py::array NumpyView(std::shared_ptr<const void> keep, const std::string& owner,
+                    const TensorInfo& info, const void* address,
                     const py::dtype& dtype, bool flat_bytes) {
   std::vector<py::ssize_t> shape, strides;
   if (flat_bytes) {
@@ -270,9 +284,8 @@ py::array NumpyView(const HostCopyPtr& copy, const TensorInfo& info,
           info.elements() == 0 ? itemsize : layout.strides[i] * itemsize));
     }
   }
-  py::object base = py::cast(HostCopyRef(copy, info.name));
-  py::array array(dtype, std::move(shape), std::move(strides),
-                  AddressOf(copy->set(), info), base);
+  py::object base = py::cast(HostCopyRef(std::move(keep), owner, info.name));
+  py::array array(dtype, std::move(shape), std::move(strides), address, base);
   // The bytes are shared by every user of the copy (and in mmap mode are a
   // read-only mapping, where a write would be SIGSEGV), so no view may write.
   array.attr("setflags")(py::arg("write") = false);
@@ -281,9 +294,11 @@ py::array NumpyView(const HostCopyPtr& copy, const TensorInfo& info,
 
 // ---- DLPack export ----
 
+namespace {
+
 struct DlpackContext {
   DLManagedTensor managed{};
-  HostCopyPtr copy;
+  std::shared_ptr<const void> keep;
   Layout layout;
 };
 
@@ -341,15 +356,18 @@ DLDataType DlpackType(Dtype dtype, const std::string& tensor) {
                  "raw(name)");
 }
 
-py::capsule DlpackCapsule(const HostCopyPtr& copy, const TensorInfo& info) {
+}  // namespace
+
+py::capsule DlpackCapsule(std::shared_ptr<const void> keep,
+                          const TensorInfo& info, const void* address) {
   const DLDataType type = DlpackType(info.dtype, info.name);
   auto context = std::make_unique<DlpackContext>();
-  context->copy = copy;
+  context->keep = std::move(keep);
   context->layout = LayoutOf(info);
   DLTensor& t = context->managed.dl_tensor;
   // DLPack has no read-only flag: the data pointer is const_cast, and the
   // Python side documents that the tensor must not be written.
-  t.data = const_cast<void*>(AddressOf(copy->set(), info));
+  t.data = const_cast<void*>(address);
   t.device = {kDLCPU, 0};
   t.ndim = static_cast<int32_t>(context->layout.shape.size());
   t.dtype = type;
@@ -364,6 +382,8 @@ py::capsule DlpackCapsule(const HostCopyPtr& copy, const TensorInfo& info) {
   (void)context.release();  // the capsule (then its consumer) owns it now
   return py::reinterpret_steal<py::capsule>(capsule);
 }
+
+namespace {
 
 // ---- headers ----
 
@@ -430,20 +450,24 @@ class PyWeightsLease {
   py::array Numpy(const std::string& name) const {
     const HostCopyPtr copy = Held();
     const TensorInfo& info = FindTensor(copy->set(), name);
-    return NumpyView(copy, info, NumpyDtype(info.dtype, name), false);
+    return NumpyView(copy, copy->set().path(), info,
+                     AddressOf(copy->set(), info), NumpyDtype(info.dtype, name),
+                     false);
   }
   py::array Raw(const std::string& name) const {
     const HostCopyPtr copy = Held();
     const TensorInfo& info = FindTensor(copy->set(), name);
-    return NumpyView(copy, info, py::dtype("u1"), true);
+    return NumpyView(copy, copy->set().path(), info,
+                     AddressOf(copy->set(), info), py::dtype("u1"), true);
   }
   // The capsule and the safetensors dtype name, which tells the caller to
   // reinterpret BOOL (exported as U8).
   py::tuple Dlpack(const std::string& name) const {
     const HostCopyPtr copy = Held();
     const TensorInfo& info = FindTensor(copy->set(), name);
-    return py::make_tuple(DlpackCapsule(copy, info),
-                          weights::DtypeName(info.dtype));
+    return py::make_tuple(
+        DlpackCapsule(copy, info, AddressOf(copy->set(), info)),
+        weights::DtypeName(info.dtype));
   }
 
  private:
@@ -541,7 +565,7 @@ void BindWeights(py::module_& m) {
       .def_readonly("tensor", &HostCopyRef::tensor)
       .def("__repr__", [](const HostCopyRef& r) {
         return "<modelcache._core._HostCopyRef '" +
-               weights::Printable(r.copy->set().path()) + "' tensor='" +
+               weights::Printable(r.owner) + "' tensor='" +
                weights::Printable(r.tensor) + "'>";
       });
 

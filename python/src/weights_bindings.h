@@ -6,6 +6,9 @@
 #include <pybind11/numpy.h>
 #include <pybind11/pybind11.h>
 
+#include <cstddef>
+#include <memory>
+#include <span>
 #include <string>
 
 #include "common.h"
@@ -29,6 +32,25 @@ weights::LoadOptions LoadOptionsFrom(const std::string& mode,
 // Raises InvalidArgumentError for dtypes numpy has no type for (BF16, the
 // F8 kinds), naming `tensor`. REQUIRES: the GIL is held.
 py::dtype NumpyDtype(weights::Dtype dtype, const std::string& tensor);
+
+// The address a view of `bytes` points at: a static non-null one for an
+// empty tensor (a null address would make numpy allocate instead of view).
+const void* ViewAddress(std::span<const std::byte> bytes);
+
+// A read-only, zero-copy numpy array of tensor `info` at `address`, whose
+// base object (modelcache._core._HostCopyRef, named after `owner`) holds
+// `keep`, so the bytes outlive the array. `flat_bytes`: a 1-D uint8 array
+// of its bytes instead of its shape and `dtype`. REQUIRES: the GIL is held.
+py::array NumpyView(std::shared_ptr<const void> keep, const std::string& owner,
+                    const weights::TensorInfo& info, const void* address,
+                    const py::dtype& dtype, bool flat_bytes);
+
+// A DLPack capsule ("dltensor") of tensor `info` at `address` on the CPU,
+// whose deleter drops `keep` (on any thread, without the GIL). Raises
+// InvalidArgumentError for dtypes torch 1.13 has no type for; BOOL travels
+// as U8. REQUIRES: the GIL is held.
+py::capsule DlpackCapsule(std::shared_ptr<const void> keep,
+                          const weights::TensorInfo& info, const void* address);
 
 }  // namespace modelcache::python
 

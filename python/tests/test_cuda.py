@@ -244,3 +244,35 @@ def test_interpreter_exit_with_a_daemon_thread_mid_copy_is_clean(tmp_path, np,
                             env=os.environ.copy())
     assert result.returncode == 0, result.stdout + result.stderr
     assert result.stdout.strip().splitlines()[-1] == "done", result.stdout
+
+
+def test_serve_lease_register_cuda_pins_the_shared_mapping(tmp_path, np, torch):
+    """modelcache.serve: register_cuda page-locks a daemon's read-only copy;
+    copies from it reach the GPU exactly; the pages are unregistered before
+    the unmap (a second registration of the same range after the lease is
+    gone would otherwise fail with cudaErrorHostMemoryAlreadyRegistered)."""
+    import modelcache.serve
+    from serve_util import Daemon, write_catalog, write_safetensors
+
+    root = tmp_path / "models"
+    root.mkdir()
+    weight = np.arange(1 << 20, dtype=np.float32)
+    write_safetensors(root / "w.safetensors", {"w": weight})
+    write_catalog(tmp_path / "catalog.json", [{"id": "w", "files": ["w.safetensors"]}])
+    daemon = Daemon(tmp_path, tmp_path / "catalog.json", root).start()
+    try:
+        client = modelcache.serve.connect(daemon.socket)
+        lease = client.acquire("w")
+        reason = lease.register_cuda()
+        assert reason is None, reason
+        assert lease.cuda_registered
+        host = lease.torch("w")
+        device = host.to("cuda", non_blocking=True)
+        torch.cuda.synchronize()
+        assert torch.equal(device.cpu(), torch.from_numpy(weight))
+        del host
+        lease.release()
+        with client.acquire("w") as again:  # a fresh mapping of the same copy
+            assert again.register_cuda() is None
+    finally:
+        daemon.stop()

@@ -1,0 +1,353 @@
+"""modelcache.serve against a real `modelcache serve` daemon.
+
+Each test starts its own daemon on a UNIX socket in its tmp folder and stops
+it by pid. What the daemon holds is read from its HTTP API (over the admin
+UNIX socket) and from /proc/<pid>/maps, never inferred from timing.
+"""
+
+from __future__ import annotations
+
+import gc
+import os
+import signal
+import subprocess
+import sys
+import textwrap
+import threading
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+import modelcache
+import modelcache.serve
+from modelcache import errors
+
+from serve_util import (
+    Daemon,
+    die_with_parent,
+    memfd_maps,
+    random_model,
+    wait_until,
+    write_catalog,
+    write_safetensors,
+)
+
+torch = pytest.importorskip("torch")
+
+
+@pytest.fixture
+def node(tmp_path):
+    """Two models (one of two files), a catalog, and a started daemon."""
+    root = tmp_path / "models"
+    root.mkdir()
+    models = {"a": random_model(1), "b0": random_model(2, 16, 8),
+              "b1": {"extra": np.arange(10, dtype=np.float32)}}
+    write_safetensors(root / "a.safetensors", models["a"])
+    write_safetensors(root / "b0.safetensors", models["b0"])
+    write_safetensors(root / "b1.safetensors", models["b1"])
+    write_catalog(tmp_path / "catalog.json", [
+        {"id": "a", "files": ["a.safetensors"], "aliases": ["alpha"]},
+        {"id": "b", "files": ["b0.safetensors", "b1.safetensors"]},
+    ])
+    daemons = []
+
+    def start(**kwargs) -> Daemon:
+        d = Daemon(tmp_path, tmp_path / "catalog.json", root, **kwargs).start()
+        daemons.append(d)
+        return d
+
+    start.models = models
+    start.root = root
+    start.tmp = tmp_path
+    yield start
+    for d in daemons:
+        d.stop()
+
+
+def test_acquire_views_equal_the_files_and_are_read_only(node):
+    daemon = node()
+    client = modelcache.serve.connect(daemon.socket)
+    with client.acquire("alpha", timeout=30) as lease:
+        assert lease.model == "a"
+        assert lease.names() == ["weight", "bias", "steps"]
+        assert lease.tensors()["weight"] == {"dtype": "F32", "shape": [64, 32],
+                                             "file": "a/a.safetensors"}
+        arrays = lease.numpy()
+        for name, expected in node.models["a"].items():
+            np.testing.assert_array_equal(arrays[name], expected)
+            assert not arrays[name].flags.writeable
+        with pytest.raises(ValueError):
+            arrays["weight"][0, 0] = 1.0
+        assert lease.bytes == sum(t.nbytes for t in node.models["a"].values())
+    with client.acquire("b", timeout=30) as lease:
+        assert [p for p, _ in lease.files()] == ["b/b0.safetensors",
+                                                 "b/b1.safetensors"]
+        np.testing.assert_array_equal(lease.numpy("extra"),
+                                      node.models["b1"]["extra"])
+        np.testing.assert_array_equal(lease.numpy("weight"),
+                                      node.models["b0"]["weight"])
+
+
+def test_torch_is_zero_copy_and_copy_true_owns_its_memory(node):
+    daemon = node()
+    client = modelcache.serve.connect(daemon.socket)
+    with client.acquire("a") as lease:
+        shared = lease.torch()
+        owned = lease.torch(copy=True)
+        array = lease.numpy("weight")
+        assert shared["weight"].data_ptr() == array.ctypes.data
+        assert owned["weight"].data_ptr() != array.ctypes.data
+        for name, expected in node.models["a"].items():
+            assert torch.equal(shared[name], torch.from_numpy(expected))
+            assert torch.equal(owned[name], shared[name])
+        owned["weight"].add_(1.0)  # the caller's own memory
+        np.testing.assert_array_equal(array, node.models["a"]["weight"])
+
+
+def test_a_view_keeps_the_mapping_and_the_lease_until_it_is_gone(node):
+    daemon = node()
+    client = modelcache.serve.connect(daemon.socket)
+    lease = client.acquire("a")
+    array = lease.numpy("weight")
+    tensor = lease.torch("bias")
+    lease.release()
+    assert lease.released
+    with pytest.raises(errors.FailedPreconditionError):
+        lease.numpy("weight")
+    # Released, but views remain: still mapped here, still leased there.
+    assert [l["pid"] for l in daemon.leases("a")] == [os.getpid()]
+    assert memfd_maps(os.getpid(), "a#0")
+    np.testing.assert_array_equal(array, node.models["a"]["weight"])
+    del array
+    gc.collect()
+    assert [l["pid"] for l in daemon.leases("a")] == [os.getpid()]  # the tensor
+    assert torch.equal(tensor, torch.from_numpy(node.models["a"]["bias"]))
+    del tensor
+    gc.collect()
+    # The last view is gone: unmapped here, then released there.
+    assert not memfd_maps(os.getpid(), "a#0")
+    wait_until(lambda: daemon.leases("a") == [], "the daemon ends the lease")
+
+
+def test_errors_are_the_package_classes_with_the_daemon_code(node):
+    root = node.root
+    write_safetensors(root / "big.safetensors",
+                      {"w": np.zeros(3 << 20, dtype=np.float32)})  # 12 MiB
+    (root / "bad.safetensors").write_bytes(b"\x08" + b"\x00" * 7 + b'{"w": 1}')
+    write_catalog(node.tmp / "catalog.json", [
+        {"id": "a", "files": ["a.safetensors"]},
+        {"id": "big", "files": ["big.safetensors"]},
+        {"id": "bad", "files": ["bad.safetensors"]},
+    ])
+    daemon = node(capacity="8MiB")
+    client = modelcache.serve.connect(daemon.socket)
+    with pytest.raises(errors.NotFoundError) as e:
+        client.acquire("nope")
+    assert e.value.serve_code == "NOT_FOUND" and isinstance(e.value, KeyError)
+    with pytest.raises(errors.TooLargeError) as e:
+        client.acquire("big")
+    assert e.value.serve_code == "TOO_LARGE"
+    with pytest.raises(errors.LoadError) as e:
+        client.acquire("bad")
+    assert e.value.serve_code == "LOAD_FAILED"
+    assert e.value.cause in ("invalid_data", "io")
+    with pytest.raises(errors.InvalidArgumentError):
+        client.acquire("a", when_full="sometimes")
+    with pytest.raises(errors.DaemonUnavailableError) as e:
+        modelcache.serve.connect(node.tmp / "nobody.sock")
+    assert e.value.serve_code == "UNAVAILABLE"
+    assert isinstance(e.value, ConnectionError)
+    assert isinstance(e.value, errors.UnavailableError)
+
+
+def test_capacity_and_timeout(node):
+    root = node.root
+    for name in ("x", "y"):
+        write_safetensors(root / f"{name}.safetensors",
+                          {"w": np.ones(1 << 20, dtype=np.float32)})  # 4 MiB
+    write_catalog(node.tmp / "catalog.json", [
+        {"id": "x", "files": ["x.safetensors"]},
+        {"id": "y", "files": ["y.safetensors"]},
+    ])
+    daemon = node(capacity="6MiB")
+    client = modelcache.serve.connect(daemon.socket)
+    held = client.acquire("x")
+    with pytest.raises(errors.CapacityError) as e:
+        client.acquire("y", when_full="fail")
+    assert e.value.serve_code == "CAPACITY"
+    assert "x" in str(e.value)  # names what holds the memory
+    with pytest.raises(errors.TimeoutError) as e:
+        client.acquire("y", timeout=0.2, when_full="wait")
+    assert e.value.serve_code == "TIMEOUT"
+    held.release()
+    with client.acquire("y", when_full="fail") as y:
+        assert y.numpy("w")[0] == 1.0
+
+
+def test_the_gil_is_released_while_an_acquire_waits(node):
+    daemon = node(gate=True)
+    client = modelcache.serve.connect(daemon.socket)
+    got = []
+    waiter = threading.Thread(target=lambda: got.append(client.acquire("a")))
+    waiter.start()
+    # The load is held at the gate; this thread runs Python meanwhile (it
+    # could not if the waiting thread held the GIL) and sees the wait.
+    wait_until(lambda: daemon.get("/v1/budget")["waiting_acquires"] == 1,
+               "the acquire starts a load")
+    assert not got
+    client.ping()  # the client serves another call while one waits
+    daemon.open_gate()
+    waiter.join(timeout=60)
+    assert not waiter.is_alive() and got[0].model == "a"
+    got[0].release()
+
+
+def test_load_says_hit_miss_or_joined(node):
+    daemon = node(gate=True)
+    client = modelcache.serve.connect(daemon.socket)
+    first = []
+    starter = threading.Thread(target=lambda: first.append(client.acquire("a")))
+    starter.start()
+    wait_until(lambda: daemon.get("/v1/budget")["waiting_acquires"] == 1,
+               "the first acquire starts the load")
+    second = []
+    joiner = threading.Thread(target=lambda: second.append(client.acquire("alpha")))
+    joiner.start()
+    wait_until(lambda: daemon.get("/v1/budget")["waiting_acquires"] == 2,
+               "the second acquire waits too")
+    daemon.open_gate()
+    starter.join(timeout=60)
+    joiner.join(timeout=60)
+    assert first[0].load == "miss" and second[0].load == "joined"
+    with client.acquire("a") as third:
+        assert third.load == "hit"
+    assert daemon.model("a")["loads"] == 1
+    first[0].release()
+    second[0].release()
+
+
+CHILD_PRELUDE = """
+import os, signal, sys
+import modelcache.serve
+from modelcache import errors
+client = modelcache.serve.connect(sys.argv[1])
+"""
+
+
+def _run_child(code: str, *args: str, **kw) -> subprocess.Popen:
+    return subprocess.Popen(
+        [sys.executable, "-c", CHILD_PRELUDE + textwrap.dedent(code), *args],
+        stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+        preexec_fn=die_with_parent, **kw)
+
+
+def test_ctrl_c_ends_a_wait(node):
+    daemon = node(gate=True)
+    child = _run_child("""
+        try:
+            client.acquire("a", timeout=None)
+            print("acquired")
+        except KeyboardInterrupt:
+            print("interrupted")
+        client.ping()   # the connection still works
+        print("ok")
+    """, daemon.socket)
+    try:
+        wait_until(lambda: daemon.get("/v1/budget")["waiting_acquires"] == 1,
+                   "the child's acquire waits for the load")
+        child.send_signal(signal.SIGINT)
+        out, _ = child.communicate(timeout=60)
+    finally:
+        child.kill()
+        child.wait()
+    assert out.split() == ["interrupted", "ok"], out
+    wait_until(lambda: daemon.get("/v1/budget")["waiting_acquires"] == 0,
+               "the interrupted acquire no longer waits")
+    assert daemon.leases("a") == []
+
+
+def test_a_forked_child_has_no_lease_and_connects_again(node):
+    daemon = node()
+    child = _run_child("""
+        import gc, numpy as np
+        lease = client.acquire("a")
+        array = lease.numpy("weight")
+        parent_lease = lease.lease_id
+        r, w = os.pipe()
+        pid = os.fork()
+        if pid == 0:
+            os.close(r)
+            try:
+                assert lease.released
+                try:
+                    lease.numpy("weight")
+                    raise SystemExit("a view in the child")
+                except errors.FailedPreconditionError:
+                    pass
+                mine = client.acquire("a")   # a fresh connection
+                assert mine.lease_id != parent_lease
+                np.testing.assert_array_equal(mine.numpy("weight"), array)
+                os.write(w, str(mine.lease_id).encode())
+                os.close(w)
+                sys.stdin.read()             # hold it until told
+                os._exit(0)
+            except BaseException as e:
+                os.write(w, repr(e).encode()); os._exit(1)
+        os.close(w)
+        child_lease = os.read(r, 100).decode()
+        print(pid, parent_lease, child_lease, flush=True)
+        sys.stdin.read()
+        np.testing.assert_array_equal(array, lease.numpy("weight"))
+        os.kill(pid, signal.SIGKILL); os.waitpid(pid, 0)
+        print("parent ok", flush=True)
+    """, daemon.socket, stdin=subprocess.PIPE)
+    try:
+        line = child.stdout.readline().split()
+        assert len(line) == 3 and line[2].isdigit(), line
+        grandchild, parent_lease, child_lease = map(int, line)
+        holders = {(l["pid"], l["lease"]) for l in daemon.leases("a")}
+        assert holders == {(child.pid, parent_lease),
+                           (grandchild, child_lease)}
+        out, _ = child.communicate("go\n", timeout=60)
+    finally:
+        child.kill()
+        child.wait()
+    assert "parent ok" in out, out
+    wait_until(lambda: daemon.leases("a") == [], "both leases end")
+
+
+def test_daemon_killed_and_restarted(node):
+    daemon = node()
+    client = modelcache.serve.connect(daemon.socket)
+    lease = client.acquire("a")
+    arrays = lease.numpy()
+    daemon.kill()
+    # Mapped copies stay valid without the daemon.
+    np.testing.assert_array_equal(arrays["weight"], node.models["a"]["weight"])
+    with pytest.raises(errors.DaemonUnavailableError):
+        client.acquire("b", timeout=0.5)
+    lease.release()
+    restarted = node()
+    # The new daemon books the copy this process still maps as orphaned.
+    wait_until(lambda: restarted.get("/v1/budget")["orphaned_bytes"] > 0,
+               "the restarted daemon finds the mapped copy")
+    with client.acquire("b", timeout=30) as b:  # reconnects
+        np.testing.assert_array_equal(b.numpy("extra"),
+                                      node.models["b1"]["extra"])
+    del arrays
+    gc.collect()
+    assert not memfd_maps(os.getpid(), "a#0")
+    wait_until(lambda: restarted.get("/v1/budget")["orphaned_bytes"] == 0,
+               "the orphaned copy is freed once unmapped")
+
+
+def test_register_cuda_says_why_it_is_skipped_without_a_gpu(node):
+    daemon = node()
+    client = modelcache.serve.connect(daemon.socket)
+    with client.acquire("a") as lease:
+        reason = lease.register_cuda()
+        if torch.cuda.is_available():
+            assert reason is None and lease.cuda_registered
+        else:
+            assert "CUDA" in reason and not lease.cuda_registered

@@ -18,6 +18,10 @@ packages=(
   # cpp-httplib serves `modelcache serve`'s HTTP API; promtool (from
   # prometheus) checks its metrics in a test.
   libcpp-httplib-dev prometheus
+  # The multi-worker example server (examples/python/node_server/) and its
+  # tests: FastAPI on uvicorn, run with --workers N under gunicorn, whose
+  # arbiter restarts a worker that dies.
+  python3-fastapi python3-uvicorn gunicorn
 )
 
 missing=()

@@ -33,7 +33,7 @@ def die_with_parent() -> None:
 
 def build_dir() -> Path:
     env = os.environ.get("MODELCACHE_BUILD_DIR")
-    return Path(env) if env else Path(__file__).resolve().parents[2] / "build"
+    return Path(env).resolve() if env else Path(__file__).resolve().parents[2] / "build"
 
 
 def modelcache_binary() -> Path:

@@ -1,0 +1,240 @@
+"""A multi-worker inference server whose workers share one copy of each model.
+
+FastAPI on uvicorn (or gunicorn with uvicorn workers), any number of worker
+processes, all leasing their weights from the node's `modelcache serve`
+daemon: four workers hold one copy of a model, not four, and the daemon keeps
+the node within its memory budget.
+
+    export MODELCACHE_SOCKET=/tmp/mc-node/run/serve.sock NODE_NAME=node-1
+    PYTHONPATH=build/python:examples/python/node_server \\
+        /usr/bin/python3 -m uvicorn app:app --workers 4 --uds /tmp/mc-node/http.sock
+
+Endpoints:
+
+  POST /v1/models/{id}/infer   {"inputs": [[...], ...]} -> {"outputs": ...}
+      Headers for a router: X-Node (this node); X-Load: hit (the model was
+      resident: held by this worker or by the daemon), miss (this request's
+      acquire loaded it) or joined (it waited for a load already in
+      flight); X-Wait-Ms (how long getting the weights took). X-Worker-Pid
+      says which worker answered.
+      503 at once, with Retry-After, when the daemon cannot take the model
+      now (CAPACITY, TOO_LARGE, BUSY) or cannot be reached: a router sends
+      the request to another node instead of queueing it for minutes.
+      404 for a model the catalog does not have.
+  GET /readyz                  the daemon's readiness, passed through.
+  GET /healthz                 200 while this worker answers.
+
+How a worker runs a model on the shared tensors: `lease.torch()` gives
+zero-copy tensors over the daemon's read-only mapping, and `models.bind`
+makes them the parameters of a module built on the meta device (so the
+module has no memory of its own); `models.run` runs it in inference mode,
+which never writes a parameter. torch cannot mark a tensor read-only: a write
+to one (an optimizer step, load_state_dict, an in-place op) would kill the
+worker with SIGSEGV (the daemon's copy is sealed, so no other process could
+be affected). A model that must own writable parameters takes
+`lease.torch(copy=True)` instead, at the cost of its own copy.
+
+A worker keeps a lease while requests use it and KEEP_LEASE_SECONDS after
+(then the daemon may evict the model again): a model it holds answers
+without a round trip, and keeps answering while the daemon restarts.
+"""
+
+from __future__ import annotations
+
+import os
+import socket
+import threading
+import time
+from typing import Any, Dict, List
+
+from fastapi import FastAPI, HTTPException
+from fastapi.responses import JSONResponse
+from pydantic import BaseModel
+
+import modelcache.serve
+from modelcache import errors
+
+import models
+
+SOCKET = os.environ.get("MODELCACHE_SOCKET", "/run/modelcache/serve.sock")
+NODE = os.environ.get("NODE_NAME", socket.gethostname())
+# How long a request may wait for its model's load (its own, or one already
+# running). Not for room: a full node answers 503 at once.
+ACQUIRE_TIMEOUT = float(os.environ.get("ACQUIRE_TIMEOUT", "30"))
+# How long a worker keeps a lease it no longer uses; 0 releases it after
+# each request. A held lease answers without a round trip to the daemon and
+# keeps answering while the daemon restarts, but the daemon cannot evict the
+# model meanwhile.
+KEEP_LEASE_SECONDS = float(os.environ.get("KEEP_LEASE_SECONDS", "10"))
+# How long a miss waits for an unreachable daemon before answering 503.
+CONNECT_TIMEOUT = float(os.environ.get("CONNECT_TIMEOUT", "0.5"))
+RETRY_AFTER = os.environ.get("RETRY_AFTER", "1")
+# The baseline the benchmark compares with: WEIGHTS=inprocess gives each
+# worker its own cache (modelcache.weights.HostWeightStore, pread: private
+# memory) of the files under MODEL_ROOT, as servers do without the daemon.
+WEIGHTS = os.environ.get("WEIGHTS", "daemon")
+MODEL_ROOT = os.environ.get("MODEL_ROOT", "")
+
+app = FastAPI(title="modelcache node server")
+
+
+class _Held:
+    """A lease this worker keeps, its tensors, and who uses it now."""
+
+    __slots__ = ("lease", "net", "users", "last_used")
+
+    def __init__(self, model_id: str, lease: Any) -> None:
+        self.lease = lease
+        if isinstance(lease, modelcache.serve.RemoteLease):
+            tensors = lease.torch()  # zero-copy views over the mapping
+        else:  # the in-process baseline's WeightsLease
+            tensors = {n: lease.torch(n) for n in lease.names()}
+        # The module's parameters are these tensors: it runs on the mapping.
+        self.net = models.bind(model_id, tensors)
+        self.users = 0
+        self.last_used = time.monotonic()
+
+
+_lock = threading.Lock()
+_client: "modelcache.serve.Client | None" = None
+_held: Dict[str, _Held] = {}
+_sweeper: "threading.Thread | None" = None
+_store: Any = None  # WEIGHTS=inprocess
+
+
+def client() -> modelcache.serve.Client:
+    """One connection per worker process, made on first use: in the worker,
+    after the server forked it."""
+    global _client, _sweeper
+    with _lock:
+        if _client is None and WEIGHTS != "inprocess":
+            _client = modelcache.serve.connect(SOCKET, connect_timeout=5)
+        if _sweeper is None and KEEP_LEASE_SECONDS > 0:
+            _sweeper = threading.Thread(target=_sweep, daemon=True,
+                                        name="lease-sweeper")
+            _sweeper.start()
+        return _client
+
+
+def _sweep() -> None:
+    """Releases the leases nobody used for KEEP_LEASE_SECONDS."""
+    while True:
+        time.sleep(KEEP_LEASE_SECONDS / 4)
+        now = time.monotonic()
+        with _lock:
+            idle = [m for m, h in _held.items()
+                    if h.users == 0 and now - h.last_used > KEEP_LEASE_SECONDS]
+            gone = [_held.pop(m) for m in idle]
+        for h in gone:
+            h.net = None
+            h.lease.release()  # unmapped once the last view is gone
+
+
+def _take(model_id: str) -> "tuple[_Held, float, str]":
+    """The model's held lease (acquiring it if this worker holds none), how
+    long that took in milliseconds, and how the copy was found: "hit" (held
+    here, or resident in the daemon), "miss" (this request's acquire loaded
+    it) or "joined" (it waited for a load already in flight)."""
+    start = time.perf_counter()
+    c = client()
+    with _lock:
+        h = _held.get(model_id)
+        if h is not None:
+            h.users += 1
+            return h, (time.perf_counter() - start) * 1000, "hit"
+    if WEIGHTS == "inprocess":
+        lease = _store_lease(model_id)
+        load = "miss"
+    else:
+        c.ping(timeout=CONNECT_TIMEOUT)  # an unreachable daemon: 503 now
+        lease = c.acquire(model_id, timeout=ACQUIRE_TIMEOUT, when_full="fail")
+        load = lease.load
+    fresh = _Held(model_id, lease)
+    with _lock:
+        h = _held.setdefault(model_id, fresh)
+        h.users += 1
+    if h is not fresh:  # another request of this worker got there first
+        fresh.net = None
+        lease.release()
+    return h, (time.perf_counter() - start) * 1000, load
+
+
+def _store_lease(model_id: str) -> Any:
+    global _store
+    import modelcache.weights
+
+    with _lock:
+        if _store is None:
+            _store = modelcache.weights.HostWeightStore(16 << 30, mode="pread")
+    return _store.acquire(os.path.join(MODEL_ROOT, model_id + ".safetensors"))
+
+
+def _give_back(h: _Held) -> None:
+    release = False
+    with _lock:
+        h.users -= 1
+        h.last_used = time.monotonic()
+        if KEEP_LEASE_SECONDS <= 0 and h.users == 0:
+            release = _held.get(h.lease.model) is h
+            if release:
+                del _held[h.lease.model]
+    if release:
+        h.net = None
+        h.lease.release()
+
+
+class InferRequest(BaseModel):
+    inputs: List[List[float]]
+
+
+def _unavailable(e: errors.Error, wait_ms: float) -> JSONResponse:
+    return JSONResponse(
+        status_code=503,
+        content={"error": e.serve_code or type(e).__name__, "message": str(e)},
+        headers={"Retry-After": RETRY_AFTER, "X-Node": NODE,
+                 "X-Wait-Ms": f"{wait_ms:.3f}"})
+
+
+@app.post("/v1/models/{model_id}/infer")
+def infer(model_id: str, request: InferRequest) -> Any:
+    # A plain def: FastAPI runs it on its thread pool, and every wait for
+    # the daemon releases the GIL, so one worker serves many at once.
+    if model_id not in models.SHAPES:
+        raise HTTPException(status_code=404, detail=f"no model {model_id!r}")
+    start = time.perf_counter()
+    try:
+        held, wait_ms, load = _take(model_id)
+    except errors.NotFoundError as e:
+        raise HTTPException(status_code=404, detail=str(e))
+    except (errors.CapacityError, errors.TooLargeError,
+            errors.UnavailableError, errors.TimeoutError) as e:
+        # CAPACITY, TOO_LARGE, BUSY, and an unreachable daemon
+        # (DaemonUnavailableError is an UnavailableError).
+        return _unavailable(e, (time.perf_counter() - start) * 1000)
+    try:
+        outputs = models.run(held.net, request.inputs)
+    finally:
+        _give_back(held)
+    return JSONResponse(
+        content={"model": model_id, "outputs": outputs},
+        headers={"X-Node": NODE, "X-Load": load,
+                 "X-Wait-Ms": f"{wait_ms:.3f}",
+                 "X-Worker-Pid": str(os.getpid())})
+
+
+@app.get("/readyz")
+def readyz() -> Any:
+    """The daemon's readiness: 200 when it answers, 503 (with Retry-After)
+    when it cannot be reached."""
+    if WEIGHTS == "inprocess":
+        return {"ready": True, "node": NODE}
+    try:
+        client().ping(timeout=2)
+    except errors.Error as e:
+        return _unavailable(e, 0.0)
+    return {"ready": True, "node": NODE}
+
+
+@app.get("/healthz")
+def healthz() -> Any:
+    return {"ok": True, "pid": os.getpid()}

@@ -1,0 +1,404 @@
+"""The multi-worker example (examples/python/node_server/) as a user runs it:
+`modelcache serve`, and the FastAPI app under uvicorn --workers 4 (or
+gunicorn with uvicorn workers, whose arbiter restarts a killed worker).
+
+Every process is started here and stopped by pid (the server's workers too),
+even when a test fails; HTTP runs over UNIX sockets only. Request counts are
+fixed. Answers are compared with the model run directly on weights the test
+computes itself (models.weights, not the daemon's copy).
+"""
+
+from __future__ import annotations
+
+import concurrent.futures
+import gc
+import http.client
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Any, Dict, List, Optional, Tuple
+
+import pytest
+
+torch = pytest.importorskip("torch")
+pytest.importorskip("fastapi")
+pytest.importorskip("uvicorn")
+
+from serve_util import Daemon, build_dir, die_with_parent, memfd_maps, wait_until  # noqa: E402
+
+EXAMPLE = Path(__file__).resolve().parents[2] / "examples/python/node_server"
+sys.path.insert(0, str(EXAMPLE))
+import models  # noqa: E402
+
+WORKERS = 4
+CLIENTS = 8
+REQUESTS_PER_CLIENT = 20
+BATCH = 3
+
+
+class _UnixHTTP(http.client.HTTPConnection):
+    def __init__(self, path: str, timeout: float = 60) -> None:
+        super().__init__("localhost", timeout=timeout)
+        self._path = path
+
+    def connect(self) -> None:
+        self.sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        self.sock.settimeout(self.timeout)
+        self.sock.connect(self._path)
+
+
+def request(path: str, method: str, url: str, body: Any = None
+            ) -> Tuple[int, Any, Any]:
+    """(status, headers (case-insensitive), body)."""
+    conn = _UnixHTTP(path)
+    try:
+        data = None if body is None else json.dumps(body).encode()
+        conn.request(method, url, body=data,
+                     headers={"Content-Type": "application/json"})
+        r = conn.getresponse()
+        payload = r.read()
+        return r.status, r.msg, json.loads(payload)
+    finally:
+        conn.close()
+
+
+def inputs_for(model_id: str, seed: int) -> List[List[float]]:
+    g = torch.Generator().manual_seed(seed)
+    d_in = models.SHAPES[model_id][0]
+    return torch.randn(BATCH, d_in, generator=g).tolist()
+
+
+def expected(model_id: str, inputs: List[List[float]]) -> torch.Tensor:
+    """The model run directly, on weights made here (not read back)."""
+    tensors = {k: torch.from_numpy(v) for k, v in models.weights(model_id).items()}
+    return torch.tensor(models.run(models.bind(model_id, tensors), inputs))
+
+
+def shmem_bytes() -> int:
+    for line in Path("/proc/meminfo").read_text().splitlines():
+        if line.startswith("Shmem:"):
+            return int(line.split()[1]) * 1024
+    raise AssertionError("no Shmem in /proc/meminfo")
+
+
+def children(pid: int) -> List[int]:
+    out: List[int] = []
+    try:
+        for task in os.listdir(f"/proc/{pid}/task"):
+            text = Path(f"/proc/{pid}/task/{task}/children").read_text()
+            out += [int(p) for p in text.split()]
+    except FileNotFoundError:
+        pass
+    return out
+
+
+class Server:
+    """The example under uvicorn (or gunicorn); stop() ends the server and
+    every worker it started, by pid."""
+
+    def __init__(self, tmp: Path, daemon: Daemon, runner: str = "uvicorn",
+                 env: Optional[Dict[str, str]] = None,
+                 workers: Optional[int] = None) -> None:
+        self.count = workers or WORKERS
+        self.runner = runner
+        self.uds = str(tmp / "http.sock")
+        self.log = tmp / f"{runner}.log"
+        environment = dict(os.environ)
+        environment.update({
+            "PYTHONPATH": os.pathsep.join([str(build_dir() / "python"), str(EXAMPLE)]),
+            "MODELCACHE_SOCKET": daemon.socket,
+            "NODE_NAME": "test-node",
+        })
+        environment.update(env or {})
+        if runner == "uvicorn":
+            args = [sys.executable, "-m", "uvicorn", "app:app", "--workers",
+                    str(self.count), "--uds", self.uds, "--log-level", "warning"]
+        else:
+            args = [sys.executable, "-m", "gunicorn", "app:app", "-k",
+                    "uvicorn.workers.UvicornWorker", "-w", str(self.count),
+                    "--bind", "unix:" + self.uds, "--log-level", "warning",
+                    "--graceful-timeout", "5"]
+        with open(self.log, "ab") as log:
+            self.proc = subprocess.Popen(args, env=environment, cwd=str(EXAMPLE),
+                                         stdout=log, stderr=log,
+                                         preexec_fn=die_with_parent)
+        self.seen: set = set()
+        try:
+            wait_until(self._answers, "the server answers /healthz", bound=120,
+                       step=0.05)
+            wait_until(lambda: len(self.workers()) == self.count,
+                       f"{self.count} workers run", bound=120, step=0.05)
+        except BaseException:
+            self.stop()
+            raise
+
+    def _answers(self) -> bool:
+        if self.proc.poll() is not None:
+            raise AssertionError("the server exited: " + self.log.read_text())
+        try:
+            return request(self.uds, "GET", "/healthz")[0] == 200
+        except OSError:
+            return False
+
+    def workers(self) -> List[int]:
+        """The server's worker processes (not multiprocessing's resource
+        tracker, which uvicorn's spawned workers bring along)."""
+        if self.count == 1 and self.runner == "uvicorn":
+            return [self.proc.pid]  # it runs the app itself
+        pids = children(self.proc.pid)
+        self.seen.update(pids)
+        workers = []
+        for pid in pids:
+            try:
+                cmdline = Path(f"/proc/{pid}/cmdline").read_bytes()
+            except FileNotFoundError:
+                continue
+            if b"resource_tracker" not in cmdline:
+                workers.append(pid)
+        return workers
+
+    def stop(self) -> None:
+        self.workers()
+        if self.proc.poll() is None:
+            self.proc.terminate()
+            try:
+                self.proc.wait(timeout=30)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait(timeout=30)
+        for pid in self.seen:  # any worker its server left behind
+            try:
+                os.kill(pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+
+
+@pytest.fixture
+def node(tmp_path):
+    total = models.write_node(tmp_path)
+    started: List[Any] = []
+
+    def daemon(capacity: str = "512MiB", **kw) -> Daemon:
+        d = Daemon(tmp_path, tmp_path / "catalog.json", tmp_path / "models",
+                   capacity=capacity, **kw).start()
+        started.append(d)
+        return d
+
+    def server(d: Daemon, **kw) -> Server:
+        s = Server(tmp_path, d, **kw)
+        started.insert(0, s)  # stopped before the daemon
+        return s
+
+    daemon.total = total
+    daemon.server = server
+    yield daemon
+    for p in started:
+        p.stop()
+
+
+def drive(uds: str, clients: int, per_client: int, seed: int = 0
+          ) -> List[Tuple[str, int, Dict[str, str], Any, List[List[float]]]]:
+    """`clients` threads each send `per_client` requests over the models;
+    returns (model, status, headers, body, inputs), or (model, -1, {}, error,
+    inputs) for a request that got no answer."""
+    ids = list(models.SHAPES)
+
+    def one_client(c: int):
+        out = []
+        for i in range(per_client):
+            model_id = ids[(c + i) % len(ids)]
+            inputs = inputs_for(model_id, seed * 100000 + c * 1000 + i)
+            try:
+                status, headers, body = request(
+                    uds, "POST", f"/v1/models/{model_id}/infer", {"inputs": inputs})
+                out.append((model_id, status, headers, body, inputs))
+            except OSError as e:
+                out.append((model_id, -1, {}, repr(e), inputs))
+        return out
+
+    with concurrent.futures.ThreadPoolExecutor(clients) as pool:
+        results = list(pool.map(one_client, range(clients)))
+    return [r for rs in results for r in rs]
+
+
+def check_answer(model_id, status, headers, body, inputs) -> None:
+    assert status == 200, (model_id, status, body)
+    assert headers["X-Node"] == "test-node"
+    assert headers["X-Load"] in ("hit", "miss", "joined")
+    assert float(headers["X-Wait-Ms"]) >= 0
+    torch.testing.assert_close(torch.tensor(body["outputs"]),
+                               expected(model_id, inputs), rtol=1e-5, atol=1e-5)
+
+
+def books_match_maps(daemon: Daemon, pids: List[int]) -> None:
+    """The daemon's books equal what the processes map: every modelcache
+    memfd a process maps is a copy the daemon holds, or a previous daemon's
+    copy it books as orphaned by that pid; every orphan's pid maps it; every
+    lease's pid maps its model."""
+    copies = daemon.get("/v1/copies")
+    live = {c["inode"] for c in copies["memfds"]}
+    orphans = {o["inode"]: set(o["pids"]) for o in copies["orphans"]}
+    for pid in pids:
+        for line in memfd_maps(pid):
+            inode = int(line.split()[4])
+            assert inode in live or pid in orphans.get(inode, ()), (pid, line, copies)
+    for inode, holders in orphans.items():
+        for pid in holders:
+            assert any(int(l.split()[4]) == inode for l in memfd_maps(pid)), (pid, inode)
+    for m in models.SHAPES:
+        for lease in daemon.leases(m):
+            assert memfd_maps(lease["pid"], f":{m}#"), (m, lease)
+
+
+def test_four_workers_hold_one_copy(node):
+    shmem_before = shmem_bytes()
+    daemon = node()
+    server = node.server(daemon, env={"KEEP_LEASE_SECONDS": "600"})
+    results = drive(server.uds, CLIENTS, REQUESTS_PER_CLIENT)
+    assert len(results) == CLIENTS * REQUESTS_PER_CLIENT
+    for r in results:
+        check_answer(*r)
+    pids = {r[2]["X-Worker-Pid"] for r in results}
+    assert len(pids) > 1, "the requests reached one worker only"
+    # Each model loaded once, held once, whoever asked.
+    loads = {m: daemon.model(m)["loads"] for m in models.SHAPES}
+    assert loads == {m: 1 for m in models.SHAPES}
+    # One request per model loaded it; the others found it or joined it.
+    misses = [r[0] for r in results if r[2]["X-Load"] == "miss"]
+    assert sorted(misses) == sorted(models.SHAPES), misses
+    grew = shmem_bytes() - shmem_before
+    # The machine is shared: another process may move Shmem a little, but
+    # four copies would be 4x.
+    assert 0.8 * node.total < grew < 2 * node.total, (grew, node.total)
+    # Workers that hold a model map the daemon's one memfd of it.
+    inodes = {}
+    for pid in server.workers():
+        for line in memfd_maps(pid):
+            name = line.split("/memfd:")[1].split()[0]
+            inodes.setdefault(name, set()).add(line.split()[4])
+    assert inodes and all(len(v) == 1 for v in inodes.values()), inodes
+    books_match_maps(daemon, server.workers())
+
+
+def test_a_killed_worker_frees_its_leases_and_the_others_answer(node):
+    daemon = node()
+    server = node.server(daemon, runner="gunicorn",
+                         env={"KEEP_LEASE_SECONDS": "60"})
+    for r in drive(server.uds, CLIENTS, 5):
+        check_answer(*r)
+    victim = next(l["pid"] for m in models.SHAPES for l in daemon.leases(m))
+    assert victim in server.workers()
+    with concurrent.futures.ThreadPoolExecutor(1) as pool:
+        load = pool.submit(drive, server.uds, CLIENTS, REQUESTS_PER_CLIENT, 1)
+        os.kill(victim, signal.SIGKILL)
+        results = load.result(timeout=300)
+    # Its leases end with it; the arbiter starts a replacement.
+    wait_until(lambda: all(l["pid"] != victim for m in models.SHAPES
+                           for l in daemon.leases(m)),
+               "the daemon frees the killed worker's leases")
+    wait_until(lambda: len(server.workers()) == WORKERS and victim not in server.workers(),
+               "a replacement worker runs", bound=120)
+    # Only requests the killed worker had accepted may go unanswered (a
+    # connection reset); every answer is right and no answer is an error.
+    lost = [r for r in results if r[1] == -1]
+    assert len(lost) <= CLIENTS, lost
+    for r in results:
+        if r[1] != -1:
+            check_answer(*r)
+    for r in drive(server.uds, CLIENTS, 5, seed=2):
+        check_answer(*r)
+    books_match_maps(daemon, server.workers())
+
+
+def test_daemon_killed_and_restarted(node):
+    daemon = node()
+    server = node.server(daemon, env={"KEEP_LEASE_SECONDS": "600"})
+    served = ["m0", "m1", "m2", "m3"]  # m4: asked for only after the kill
+    for c in range(CLIENTS):
+        for i, model_id in enumerate(served):
+            inputs = inputs_for(model_id, c * 10 + i)
+            check_answer(model_id, *request(server.uds, "POST",
+                                            f"/v1/models/{model_id}/infer",
+                                            {"inputs": inputs}), inputs)
+    daemon.kill()
+    holders = {m: {pid for pid in server.workers() if memfd_maps(pid, f":{m}#")}
+               for m in models.SHAPES}
+    assert not holders["m4"] and any(holders[m] for m in served), holders
+    # Held models keep answering from the workers that map them; a model a
+    # worker does not hold is refused at once with 503 + Retry-After.
+    answered = 0
+    for i in range(40):
+        model_id = list(models.SHAPES)[i % 5]
+        inputs = inputs_for(model_id, 7000 + i)
+        start = time.monotonic()
+        status, headers, body = request(server.uds, "POST",
+                                        f"/v1/models/{model_id}/infer",
+                                        {"inputs": inputs})
+        if status == 200:
+            answered += 1
+            assert int(headers["X-Worker-Pid"]) in holders[model_id]
+            check_answer(model_id, status, headers, body, inputs)
+        else:
+            assert status == 503 and headers["Retry-After"] == "1", (status, body)
+            assert body["error"] == "UNAVAILABLE", body
+            assert time.monotonic() - start < 10  # not a queue of minutes
+        if model_id == "m4":
+            assert status == 503
+    assert answered > 0
+    restarted = node()
+    # Every request is answered again once the daemon is back.
+    for r in drive(server.uds, CLIENTS, 10, seed=3):
+        check_answer(*r)
+    # Nothing leaks: the new daemon's books (its own copies, and the old
+    # copies the workers still map, as orphans) equal what processes map.
+    books_match_maps(restarted, server.workers())
+
+
+def test_the_module_runs_on_the_shared_mapping(node):
+    """models.bind makes the daemon's zero-copy tensors the module's own
+    parameters: same addresses, the mapping's, and the model's answers."""
+    import modelcache.serve
+
+    daemon = node()
+    client = modelcache.serve.connect(daemon.socket)
+    with client.acquire("m2") as lease:
+        net = models.bind("m2", lease.torch())
+        for name, param in net.named_parameters():
+            assert param.data_ptr() == lease.numpy(name).ctypes.data, name
+            assert not param.requires_grad
+        inputs = inputs_for("m2", 5)
+        assert torch.equal(torch.tensor(models.run(net, inputs)),
+                           expected("m2", inputs))
+    del net, param
+    gc.collect()
+    wait_until(lambda: daemon.leases("m2") == [], "the lease ends with the module")
+
+
+def test_a_full_node_answers_503_at_once(node):
+    """TOO_LARGE and CAPACITY (nothing evictable: a worker holds the other
+    model) are refused at once with 503 and Retry-After, not queued."""
+    daemon = node(capacity="30MiB")  # m3 (21 MB) fits, m3 + m2 do not
+    server = node.server(daemon, workers=1, env={"KEEP_LEASE_SECONDS": "600"})
+
+    def infer(model_id):
+        inputs = inputs_for(model_id, 1)
+        return request(server.uds, "POST", f"/v1/models/{model_id}/infer",
+                       {"inputs": inputs}), inputs
+
+    (status, headers, body), inputs = infer("m4")  # 42 MB
+    assert (status, body["error"], headers["Retry-After"]) == (503, "TOO_LARGE", "1"), body
+    (status, headers, body), inputs = infer("m3")
+    check_answer("m3", status, headers, body, inputs)
+    assert headers["X-Load"] == "miss"
+    (status, headers, body), _ = infer("m2")  # m3 is leased: no room
+    assert (status, body["error"], headers["Retry-After"]) == (503, "CAPACITY", "1"), body
+    assert "m3" in body["message"]  # it names what holds the memory
+    assert daemon.model("m2")["loads"] == 0
+    (status, headers, body), inputs = infer("m3")
+    check_answer("m3", status, headers, body, inputs)
+    assert headers["X-Load"] == "hit"

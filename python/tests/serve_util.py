@@ -107,7 +107,8 @@ class Daemon:
 
     def __init__(self, tmp: Path, catalog: Path, root: Path, *,
                  capacity: str = "64MiB", socket_path: Optional[Path] = None,
-                 extra: Sequence[str] = (), gate: bool = False) -> None:
+                 extra: Sequence[str] = (), gate: bool = False,
+                 http: str = "off") -> None:
         self.tmp = tmp
         self.catalog = catalog
         self.root = root
@@ -118,14 +119,17 @@ class Daemon:
         self.gate_w: Optional[int] = None
         self.proc: Optional[subprocess.Popen] = None
         self._gate = gate
+        self._http = http
+        self.ready: Dict[str, Any] = {}
         self.log = tmp / "daemon.log"
 
     def start(self) -> "Daemon":
         ready_r, ready_w = os.pipe()
         fds = [ready_w]
+        http = self._http
         args = [str(modelcache_binary()), "serve", "--catalog", str(self.catalog),
                 "--model-root", str(self.root), "--socket", self.socket,
-                "--host-capacity", self.capacity, "--http", "off",
+                "--host-capacity", self.capacity, "--http", http,
                 "--ready-grace", "0s", "--orphan-rescan", "100ms",
                 "--ready-fd", str(ready_w)] + self.extra
         gate_r = None
@@ -145,6 +149,7 @@ class Daemon:
             self.stop()
             raise AssertionError("the daemon did not start: " +
                                  self.log.read_text(errors="replace"))
+        self.ready = json.loads(line)  # "http": the bound address, if any
         return self
 
     @property

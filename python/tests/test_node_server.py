@@ -382,8 +382,11 @@ def test_the_module_runs_on_the_shared_mapping(node):
 def test_a_full_node_answers_503_at_once(node):
     """TOO_LARGE and CAPACITY (nothing evictable: a worker holds the other
     model) are refused at once with 503 and Retry-After, not queued."""
-    daemon = node(capacity="30MiB")  # m3 (21 MB) fits, m3 + m2 do not
-    server = node.server(daemon, workers=1, env={"KEEP_LEASE_SECONDS": "600"})
+    daemon = node(capacity="30MiB", http="127.0.0.1:0")  # m3 (21 MB) fits, m3 + m2 do not
+    server = node.server(daemon, workers=1, env={"KEEP_LEASE_SECONDS": "600",
+                                                 "DAEMON_HTTP": daemon.ready["http"]})
+    status, _, body = request(server.uds, "GET", "/readyz")
+    assert (status, body["ready"], body["node"]) == (200, True, "test-node"), body
 
     def infer(model_id):
         inputs = inputs_for(model_id, 1)
@@ -402,3 +405,6 @@ def test_a_full_node_answers_503_at_once(node):
     (status, headers, body), inputs = infer("m3")
     check_answer("m3", status, headers, body, inputs)
     assert headers["X-Load"] == "hit"
+    daemon.kill()
+    status, headers, body = request(server.uds, "GET", "/readyz")
+    assert (status, body["ready"], headers["Retry-After"]) == (503, False, "1"), body

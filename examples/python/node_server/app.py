@@ -21,7 +21,8 @@ Endpoints:
       now (CAPACITY, TOO_LARGE, BUSY) or cannot be reached: a router sends
       the request to another node instead of queueing it for minutes.
       404 for a model the catalog does not have.
-  GET /readyz                  the daemon's readiness, passed through.
+  GET /readyz                  the daemon's readiness, passed through
+                               (DAEMON_HTTP: its /readyz; else a ping).
   GET /healthz                 200 while this worker answers.
 
 How a worker runs a model on the shared tensors: `lease.torch()` gives
@@ -41,6 +42,8 @@ without a round trip, and keeps answering while the daemon restarts.
 
 from __future__ import annotations
 
+import http.client
+import json
 import os
 import socket
 import threading
@@ -69,6 +72,8 @@ KEEP_LEASE_SECONDS = float(os.environ.get("KEEP_LEASE_SECONDS", "10"))
 # How long a miss waits for an unreachable daemon before answering 503.
 CONNECT_TIMEOUT = float(os.environ.get("CONNECT_TIMEOUT", "0.5"))
 RETRY_AFTER = os.environ.get("RETRY_AFTER", "1")
+# The daemon's HTTP address (its --http), for /readyz; unset: a ping.
+DAEMON_HTTP = os.environ.get("DAEMON_HTTP", "")
 # The baseline the benchmark compares with: WEIGHTS=inprocess gives each
 # worker its own cache (modelcache.weights.HostWeightStore, pread: private
 # memory) of the files under MODEL_ROOT, as servers do without the daemon.
@@ -224,10 +229,27 @@ def infer(model_id: str, request: InferRequest) -> Any:
 
 @app.get("/readyz")
 def readyz() -> Any:
-    """The daemon's readiness: 200 when it answers, 503 (with Retry-After)
-    when it cannot be reached."""
+    """The daemon's readiness passed through: with DAEMON_HTTP set (its
+    --http address, e.g. 127.0.0.1:9464), its own /readyz status and body
+    (503 during its grace period or while a pinned model is not resident);
+    without, whether it answers on its socket. 503 carries Retry-After."""
     if WEIGHTS == "inprocess":
         return {"ready": True, "node": NODE}
+    if DAEMON_HTTP:
+        host, _, port = DAEMON_HTTP.rpartition(":")
+        try:
+            conn = http.client.HTTPConnection(host, int(port), timeout=2)
+            conn.request("GET", "/readyz")
+            r = conn.getresponse()
+            body = json.loads(r.read() or b"{}")
+            conn.close()
+        except (OSError, ValueError) as e:
+            body, status = {"ready": False, "reasons": [f"daemon: {e}"]}, 503
+        else:
+            status = r.status
+        body["node"] = NODE
+        headers = {"Retry-After": RETRY_AFTER} if status != 200 else {}
+        return JSONResponse(status_code=status, content=body, headers=headers)
     try:
         client().ping(timeout=2)
     except errors.Error as e:

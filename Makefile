@@ -103,6 +103,7 @@ bench: build
 	  --out build/bench-results/serve_first_tensor.json
 	PYTHONPATH=build/python /usr/bin/python3 bench/python/hit_path.py
 	PYTHONPATH=build/python /usr/bin/python3 bench/python/miss_storm.py
+	PYTHONPATH=build/python /usr/bin/python3 bench/python/node_server.py
 
 clean:
 	rm -rf build

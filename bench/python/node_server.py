@@ -1,0 +1,206 @@
+#!/usr/bin/python3
+"""The multi-worker example server (examples/python/node_server/) with its
+weights from `modelcache serve`, against the same server with per-worker
+in-process caches (WEIGHTS=inprocess: each worker reads the files into its
+own memory), at 1, 2 and 4 uvicorn workers.
+
+For each configuration and run: the server is started (and, for the daemon,
+`modelcache serve`), warmed until every worker has answered for every model,
+then CLIENTS threads send REQUESTS requests over the five models (a warm
+set), over the server's UNIX socket, each thread on its own keep-alive
+connection. Reported: requests per second, p50 and p99 latency, and host RAM
+after the run: the anonymous PSS of every server process (the workers and
+uvicorn; private model copies are anonymous memory) plus, for the daemon,
+its shared copies (the budget's used bytes; memfd pages counted once).
+
+Then a fresh worker's time to its first answer on a resident model: a
+one-worker server started against a daemon that already holds the model
+(or, in-process, a page cache that holds the file): the first request's
+X-Wait-Ms (getting the weights) and its whole latency.
+
+Each figure is the median of --reps runs. Every process is stopped by pid.
+
+    PYTHONPATH=build/python /usr/bin/python3 bench/python/node_server.py
+"""
+
+from __future__ import annotations
+
+import argparse
+import concurrent.futures
+import json
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Dict, List, Tuple
+
+ROOT = Path(__file__).resolve().parents[2]
+sys.path.insert(0, str(ROOT / "python/tests"))
+sys.path.insert(0, str(ROOT / "examples/python/node_server"))
+
+import models  # noqa: E402
+import torch  # noqa: E402
+from serve_util import Daemon, build_dir, wait_until  # noqa: E402
+from test_node_server import Server, _UnixHTTP, children  # noqa: E402
+
+import test_node_server  # noqa: E402
+
+
+def pss_anon(pid: int) -> int:
+    try:
+        for line in Path(f"/proc/{pid}/smaps_rollup").read_text().splitlines():
+            if line.startswith("Pss_Anon:"):
+                return int(line.split()[1]) * 1024
+    except FileNotFoundError:
+        pass
+    return 0
+
+
+def load(uds: str, clients: int, requests: int) -> Tuple[float, List[float], int]:
+    """(seconds, per-request latencies in ms, errors)."""
+    ids = list(models.SHAPES)
+    bodies = {m: json.dumps({"inputs": torch.randn(2, models.SHAPES[m][0]).tolist()}).encode()
+              for m in ids}
+    per_client = requests // clients
+
+    def one(c: int):
+        conn = _UnixHTTP(uds)
+        lat, errors = [], 0
+        for i in range(per_client):
+            m = ids[(c + i) % len(ids)]
+            t = time.perf_counter()
+            conn.request("POST", f"/v1/models/{m}/infer", body=bodies[m],
+                         headers={"Content-Type": "application/json"})
+            r = conn.getresponse()
+            r.read()
+            lat.append((time.perf_counter() - t) * 1000)
+            errors += r.status != 200
+        conn.close()
+        return lat, errors
+
+    start = time.perf_counter()
+    with concurrent.futures.ThreadPoolExecutor(clients) as pool:
+        out = list(pool.map(one, range(clients)))
+    seconds = time.perf_counter() - start
+    return seconds, [x for l, _ in out for x in l], sum(e for _, e in out)
+
+
+def warm(server: Server, workers: int) -> None:
+    """Until every worker answered for every model."""
+    seen = {}
+    body = {m: json.dumps({"inputs": [[0.0] * models.SHAPES[m][0]]}).encode()
+            for m in models.SHAPES}
+    give_up = time.monotonic() + 300
+    while len(seen) < workers * len(models.SHAPES):
+        assert time.monotonic() < give_up, "warming never reached every worker"
+        for m in models.SHAPES:
+            conn = _UnixHTTP(server.uds)
+            conn.request("POST", f"/v1/models/{m}/infer", body=body[m],
+                         headers={"Content-Type": "application/json"})
+            r = conn.getresponse()
+            r.read()
+            conn.close()
+            seen[(r.getheader("X-Worker-Pid"), m)] = True
+
+
+def run_one(tmp: Path, mode: str, workers: int, clients: int, requests: int) -> Dict:
+    test_node_server.WORKERS = workers
+    daemon = Daemon(tmp, tmp / "catalog.json", tmp / "models",
+                    capacity="1GiB").start() if mode == "daemon" else None
+    env = {"KEEP_LEASE_SECONDS": "600", "WEIGHTS": mode,
+           "MODEL_ROOT": str(tmp / "models")}
+    fake = daemon or type("D", (), {"socket": str(tmp / "none.sock")})()
+    server = Server(tmp, fake, env=env)
+    try:
+        warm(server, workers)
+        seconds, lat, errors = load(server.uds, clients, requests)
+        ram = sum(pss_anon(p) for p in [server.proc.pid] + server.workers())
+        if daemon is not None:
+            ram += daemon.get("/v1/budget")["used_bytes"]
+            ram += pss_anon(daemon.pid)
+        lat.sort()
+        return {"rps": len(lat) / seconds, "p50_ms": lat[len(lat) // 2],
+                "p99_ms": lat[int(len(lat) * 0.99)], "ram_mib": ram / 2**20,
+                "errors": errors}
+    finally:
+        server.stop()
+        if daemon is not None:
+            daemon.stop()
+
+
+def first_answer(tmp: Path, mode: str) -> Dict:
+    test_node_server.WORKERS = 1
+    daemon = None
+    if mode == "daemon":
+        daemon = Daemon(tmp, tmp / "catalog.json", tmp / "models", capacity="1GiB").start()
+        status, _ = daemon.http("POST", "/v1/models/m4/load")
+        assert status == 200
+    else:
+        (tmp / "models" / "m4.safetensors").read_bytes()  # in the page cache
+    env = {"WEIGHTS": mode, "MODEL_ROOT": str(tmp / "models")}
+    fake = daemon or type("D", (), {"socket": str(tmp / "none.sock")})()
+    server = Server(tmp, fake, env=env)
+    try:
+        conn = _UnixHTTP(server.uds)
+        t = time.perf_counter()
+        conn.request("POST", "/v1/models/m4/infer",
+                     body=json.dumps({"inputs": [[0.0] * 2048]}).encode(),
+                     headers={"Content-Type": "application/json"})
+        r = conn.getresponse()
+        r.read()
+        total = (time.perf_counter() - t) * 1000
+        assert r.status == 200
+        return {"wait_ms": float(r.getheader("X-Wait-Ms")), "first_ms": total}
+    finally:
+        server.stop()
+        if daemon is not None:
+            daemon.stop()
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--workers", default="1,2,4")
+    p.add_argument("--clients", type=int, default=8)
+    p.add_argument("--requests", type=int, default=800)
+    p.add_argument("--reps", type=int, default=3)
+    p.add_argument("--out", default="build/bench-results/node_server.json")
+    a = p.parse_args()
+    results = []
+    with tempfile.TemporaryDirectory(prefix="mc-node-bench-") as d:
+        tmp = Path(d)
+        total = models.write_node(tmp)
+        print(f"models: {len(models.SHAPES)}, {total / 2**20:.1f} MiB; "
+              f"{a.clients} clients, {a.requests} requests per run, median of {a.reps}")
+        print(f"{'weights':>10} {'workers':>7} {'req/s':>8} {'p50 ms':>8} "
+              f"{'p99 ms':>8} {'RAM MiB':>8}")
+        for workers in [int(w) for w in a.workers.split(",")]:
+            for mode in ("daemon", "inprocess"):
+                runs = [run_one(tmp, mode, workers, a.clients, a.requests)
+                        for _ in range(a.reps)]
+                row = {k: statistics.median(r[k] for r in runs)
+                       for k in ("rps", "p50_ms", "p99_ms", "ram_mib")}
+                row.update(mode=mode, workers=workers,
+                           errors=sum(r["errors"] for r in runs))
+                results.append(row)
+                print(f"{mode:>10} {workers:>7} {row['rps']:>8.0f} "
+                      f"{row['p50_ms']:>8.2f} {row['p99_ms']:>8.2f} "
+                      f"{row['ram_mib']:>8.1f}" +
+                      (f"  ({row['errors']} errors)" if row["errors"] else ""))
+        print("a fresh worker's first answer on a resident model (m4, 42 MB):")
+        for mode in ("daemon", "inprocess"):
+            runs = [first_answer(tmp, mode) for _ in range(a.reps)]
+            row = {k: statistics.median(r[k] for r in runs) for k in ("wait_ms", "first_ms")}
+            row.update(mode=mode, first_answer=True)
+            results.append(row)
+            print(f"{mode:>10}: weights {row['wait_ms']:.2f} ms, "
+                  f"first answer {row['first_ms']:.1f} ms")
+    Path(a.out).parent.mkdir(parents=True, exist_ok=True)
+    Path(a.out).write_text(json.dumps(results, indent=1))
+    print("results:", a.out)
+
+
+if __name__ == "__main__":
+    main()

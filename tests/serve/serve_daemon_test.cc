@@ -387,15 +387,13 @@ TEST_F(ServeTest, AcquiresSayWhetherTheyHitStartedTheLoadOrJoinedIt) {
   Daemon& d = StartDaemon("1GiB", {}, /*gate=*/true);
   Client client = Client::Connect(d.socket());
   RemoteWeights first;
-  std::thread starter([&] {
-    first = client.Acquire("m", std::chrono::seconds(60));
-  });
+  std::thread starter(
+      [&] { first = client.Acquire("m", std::chrono::seconds(60)); });
   Eventually([&] { return d.Metric("modelcache_waiting_acquires") == 1; },
              "the first acquire waits for its load");
   RemoteWeights second;
-  std::thread joiner([&] {
-    second = client.Acquire("m", std::chrono::seconds(60));
-  });
+  std::thread joiner(
+      [&] { second = client.Acquire("m", std::chrono::seconds(60)); });
   Eventually([&] { return d.Metric("modelcache_waiting_acquires") == 2; },
              "the second acquire waits for the same load");
   d.CloseGate();

@@ -28,8 +28,12 @@
 #include <map>
 #include <mutex>
 #include <numeric>
+#include <optional>
 #include <set>
+#include <string>
 #include <thread>
+#include <utility>
+#include <vector>
 
 #include "modelcache/base/errors.h"
 #include "modelcache/replay/replay.h"
@@ -227,17 +231,38 @@ std::vector<SloAnswer> FindSloCapacities(
     }
   }
 
-  // Round 0: the coarse sweep.
-  std::vector<std::pair<size_t, uint64_t>> plan;
-  for (size_t p = 0; p < policies.size(); ++p) {
-    std::set<uint64_t> have{top};
-    for (const auto& [capacity, probe] : probes[p]) have.insert(capacity);
-    if (!probes[p].count(top)) plan.emplace_back(p, top);
-    for (uint64_t c : SweepPoints(have, floor)) plan.emplace_back(p, c);
-  }
-
+  // The sweep's capacities not yet probed (round 0).
+  auto sweep = [&] {
+    std::vector<std::pair<size_t, uint64_t>> plan;
+    for (size_t p = 0; p < policies.size(); ++p) {
+      std::set<uint64_t> have{top};
+      for (const auto& [capacity, probe] : probes[p]) have.insert(capacity);
+      if (!probes[p].count(top)) plan.emplace_back(p, top);
+      for (uint64_t c : SweepPoints(have, floor)) plan.emplace_back(p, c);
+    }
+    return plan;
+  };
+  // The midpoint of every bracket some SLO still needs narrower (later
+  // rounds); empty when the search is done.
+  auto bisection = [&] {
+    std::vector<std::pair<size_t, uint64_t>> plan;
+    for (size_t p = 0; p < policies.size(); ++p) {
+      std::set<uint64_t> mids;
+      for (const Target& t : targets) {
+        const Bracket b = BracketOf(probes[p], floor, t.slo_ms);
+        if (Open(b, floor, t)) {
+          mids.insert(b.failing + (*b.answer - b.failing) / 2);
+        }
+      }
+      for (uint64_t c : mids) {
+        if (!probes[p].count(c)) plan.emplace_back(p, c);
+      }
+    }
+    return plan;
+  };
+  // Runs a round's probes on the pool.
   size_t done = 0, planned = 0;
-  while (!plan.empty()) {
+  auto run = [&](const std::vector<std::pair<size_t, uint64_t>>& plan) {
     planned += plan.size();
     std::vector<SloProbe> found(plan.size());
     std::atomic<size_t> next{0};
@@ -268,21 +293,9 @@ std::vector<SloAnswer> FindSloCapacities(
     for (size_t i = 0; i < plan.size(); ++i) {
       probes[plan[i].first].emplace(plan[i].second, found[i]);
     }
-
-    // The next round: bisect every bracket some SLO still needs narrower.
-    plan.clear();
-    for (size_t p = 0; p < policies.size(); ++p) {
-      std::set<uint64_t> mids;
-      for (const Target& t : targets) {
-        const Bracket b = BracketOf(probes[p], floor, t.slo_ms);
-        if (Open(b, floor, t))
-          mids.insert(b.failing + (*b.answer - b.failing) / 2);
-      }
-      for (uint64_t c : mids) {
-        if (!probes[p].count(c)) plan.emplace_back(p, c);
-      }
-    }
-  }
+  };
+  run(sweep());  // may be empty: the runs given can cover the sweep
+  for (auto plan = bisection(); !plan.empty(); plan = bisection()) run(plan);
 
   std::vector<SloAnswer> answers;
   for (size_t p = 0; p < policies.size(); ++p) {

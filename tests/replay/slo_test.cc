@@ -193,6 +193,65 @@ TEST(SloSearch, RunsItIsGivenAreProbes) {
   }
 }
 
+// Four models (a 1 B, b 2 B, c 3 B, d 1 B) requested c c c b a b d d d a,
+// 10 s apart. At 4 B every model misses once: after c's requests, b evicts
+// c, and then a, b and d (4 B) fit together. At 5 and 6 B c and b fit
+// together, and gdsf's choices among them cost a fifth miss (replayed
+// below). With one-second loads, p60 (the 6th shortest of 10
+// waits) is 0 with at most 4 misses and 1 s with 5: so the SLO is met at 4
+// B, missed at 5 and 6 B, and met again at 7 B, the sum of all models.
+Trace NotMonotone() {
+  Trace trace;
+  trace.models = {"a", "b", "c", "d"};
+  trace.sizes = {1, 2, 3, 1};
+  const std::string order = "cccbabddda";
+  for (size_t i = 0; i < order.size(); ++i) {
+    trace.requests.push_back({static_cast<int64_t>(i) * 10000,
+                              static_cast<uint32_t>(order[i] - 'a')});
+  }
+  return trace;
+}
+
+TEST(SloSearch, AMetCapacityBelowAFailedOneIsNotTheAnswer) {
+  const Trace trace = NotMonotone();
+  const ReplayOptions options = OneSecondLoads();
+  const SloSearchOptions slo = Exact(500, /*percentile=*/60);
+  // The premise, replayed: 4 misses at 4 B and 7 B, 5 at 5 and 6 B.
+  const auto runs = ReplayAll(trace, {"gdsf"}, {4, 5, 6, 7}, options, 1);
+  ASSERT_EQ(runs.size(), 4u);
+  for (const RunResult& r : runs) {
+    const bool met = r.capacity_bytes == 4 || r.capacity_bytes == 7;
+    ASSERT_EQ(r.misses, met ? 4u : 5u) << r.capacity_bytes;
+    ASSERT_EQ(WaitAtPercentile(r, 60), met ? 0 : 1000) << r.capacity_bytes;
+  }
+
+  // Given the runs at 4 and 5 B, the search answers 7 B: 5 B failed above
+  // 4 B, so 4 B is not an answer, and a smaller capacity that met the SLO
+  // anyway is reported.
+  const auto given =
+      FindSloCapacities(trace, {"gdsf"}, options, slo, 2, {runs[0], runs[1]});
+  ASSERT_TRUE(given[0].capacity_bytes);
+  EXPECT_EQ(*given[0].capacity_bytes, 7u);
+  EXPECT_EQ(given[0].failing_bytes, 6u);
+  EXPECT_FALSE(given[0].monotone);
+  std::vector<uint64_t> probed;
+  for (const SloProbe& p : given[0].probes) probed.push_back(p.capacity_bytes);
+  EXPECT_THAT(probed, ::testing::IsSupersetOf({4u, 5u, 6u, 7u}));
+
+  // On its own, the sweep replays 7 B (the sum of all models) and 5 B (so
+  // that probes from the largest model, 3 B, up are at most twice apart),
+  // and bisection then 6 B. It never replays 4 B: the same answer, with
+  // nothing below it to report.
+  const auto alone = FindSloCapacities(trace, {"gdsf"}, options, slo, 2);
+  ASSERT_TRUE(alone[0].capacity_bytes);
+  EXPECT_EQ(*alone[0].capacity_bytes, 7u);
+  EXPECT_EQ(alone[0].failing_bytes, 6u);
+  EXPECT_TRUE(alone[0].monotone);
+  probed.clear();
+  for (const SloProbe& p : alone[0].probes) probed.push_back(p.capacity_bytes);
+  EXPECT_THAT(probed, ::testing::ElementsAre(5u, 6u, 7u));
+}
+
 // A trace with loads that overlap and queue: Zipf-like popularity over 24
 // models of assorted sizes, requests 0-400 ms apart, loads at 1 GB/s over 2
 // slots.

@@ -423,6 +423,38 @@ std::string HotPairCsv() {
 const char kOneSecondLoads[] =
     " --load-bandwidth inf --load-latency 1s --load-slots 0";
 
+// slo_test's NotMonotone trace: gdsf's p60 wait meets 500 ms at 4 B, misses
+// it at 5 and 6 B, and meets it at 7 B (the sum of all models).
+std::string NotMonotoneCsv() {
+  const std::map<char, int> size = {{'a', 1}, {'b', 2}, {'c', 3}, {'d', 1}};
+  std::string csv = "t_ms,model,size_bytes\n";
+  int64_t t = 0;
+  for (char m : std::string("cccbabddda")) {
+    csv +=
+        std::to_string(t) + "," + m + "," + std::to_string(size.at(m)) + "\n";
+    t += 10000;
+  }
+  return csv;
+}
+
+TEST(ReplayCliSlo, NamesACapacityThatMetItBelowOneThatFailed) {
+  TempFile trace(NotMonotoneCsv());
+  const std::string args = "replay " + trace.path() + kOneSecondLoads +
+                           " --policy gdsf --capacity 4B,5B --slo-ms 500"
+                           " --slo-percentile p60 --slo-resolution 1B";
+  Command c = RunCli(args);
+  ASSERT_EQ(c.status, 0) << c.err;
+  EXPECT_THAT(c.out, HasSubstr("gdsf: 7 B for p60 wait \u2264 500ms "
+                               "(not monotone: 4 B met it, 6 B did not)\n"));
+  Command j = RunCli(args + " --json");
+  ASSERT_EQ(j.status, 0) << j.err;
+  const auto doc = nlohmann::json::parse(j.out);
+  const auto& gdsf = doc["slo"]["answers"][0];
+  EXPECT_EQ(gdsf["capacity_bytes"], 7);
+  EXPECT_EQ(gdsf["failing_bytes"], 6);
+  EXPECT_EQ(gdsf["monotone"], false);
+}
+
 TEST(ReplayCliSlo, PrintsTheCapacityComputedByHand) {
   TempFile trace(HotPairCsv());
   Command c = RunCli("replay " + trace.path() + kOneSecondLoads +

@@ -92,11 +92,22 @@ int main(int argc, char** argv) {
   replay_cmd->add_option("--durations", replay_flags.durations,
                          "azure-functions: draw each request's service time "
                          "from this durations file");
+  CLI::Option* slo_ms = replay_cmd->add_option(
+      "--slo-ms", replay_flags.slo_ms,
+      "Find, per policy, the smallest capacity whose wait at "
+      "--slo-percentile is within this (default 1000 ms)");
+  replay_cmd->add_option("--slo-percentile", replay_flags.slo_percentile,
+                         "The SLO's percentile of the waits: p50, p99, "
+                         "p99.9, max, ... (default p99)");
+  replay_cmd->add_option("--slo-resolution", replay_flags.slo_resolution,
+                         "How close the SLO's answer is: a share of it (1%) "
+                         "or a size (256MiB) (default: the larger of 1% and "
+                         "256MiB)");
   replay_cmd
-      ->add_option("--slo-ms", replay_flags.slo_ms,
-                   "Print the smallest capacity whose p99 wait is within "
-                   "this, per policy (default 1000)")
-      ->check(CLI::NonNegativeNumber);
+      ->add_option("--report-policies", replay_flags.report_policies,
+                   "The policies whose time series the report draws "
+                   "(default: all)")
+      ->delimiter(',');
   replay_cmd->add_flag("--json", replay_flags.json,
                        "Print JSON instead of a table");
   replay_cmd->add_option("--report", replay_flags.report,
@@ -152,7 +163,10 @@ int main(int argc, char** argv) {
   }
 
   try {
-    if (*replay_cmd) return modelcache::tools::RunReplay(replay_flags);
+    if (*replay_cmd) {
+      replay_flags.slo_given = slo_ms->count() > 0;
+      return modelcache::tools::RunReplay(replay_flags);
+    }
     if (*ring_cmd) {
       return modelcache::tools::RunRing(ring_flags, std::cout, std::cerr);
     }

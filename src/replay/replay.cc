@@ -23,24 +23,6 @@
 
 namespace modelcache::replay {
 
-std::vector<std::pair<std::string, uint64_t>> SloAnswers(
-    const std::vector<RunResult>& results, double slo_ms) {
-  std::vector<std::pair<std::string, uint64_t>> answers;
-  for (const RunResult& r : results) {
-    auto it = std::find_if(answers.begin(), answers.end(),
-                           [&](const auto& a) { return a.first == r.policy; });
-    if (it == answers.end()) {
-      answers.emplace_back(r.policy, 0);
-      it = answers.end() - 1;
-    }
-    if (r.timed && r.wait_ms.p99 <= slo_ms && r.rejected == 0 &&
-        (it->second == 0 || r.capacity_bytes < it->second)) {
-      it->second = r.capacity_bytes;
-    }
-  }
-  return answers;
-}
-
 RunResult ReplayUntimedWith(const Trace& trace,
                             std::shared_ptr<const EvictionPolicy> policy,
                             uint64_t capacity_bytes, double hold_ms) {

@@ -3,7 +3,9 @@
 #include <unistd.h>
 
 #include <algorithm>
+#include <charconv>
 #include <chrono>
+#include <cmath>
 #include <cstdio>
 #include <filesystem>
 #include <fstream>
@@ -24,7 +26,8 @@ namespace {
 // has taken more than a second.
 class Progress {
  public:
-  Progress() : tty_(isatty(STDERR_FILENO) == 1), start_(Clock::now()) {}
+  explicit Progress(const char* what)
+      : what_(what), tty_(isatty(STDERR_FILENO) == 1), start_(Clock::now()) {}
   void Update(size_t done, size_t total) {
     if (!tty_ || Clock::now() - start_ < std::chrono::seconds(1)) return;
     if (shown_ && done == last_done_) return;
@@ -32,7 +35,7 @@ class Progress {
     constexpr int kWidth = 30;
     const int filled =
         static_cast<int>(kWidth * done / std::max<size_t>(total, 1));
-    std::fprintf(stderr, "\rreplaying [%s%s] %zu/%zu runs",
+    std::fprintf(stderr, "\r%s [%s%s] %zu/%zu runs", what_,
                  std::string(filled, '#').c_str(),
                  std::string(kWidth - filled, ' ').c_str(), done, total);
     shown_ = true;
@@ -43,6 +46,7 @@ class Progress {
 
  private:
   using Clock = std::chrono::steady_clock;
+  const char* const what_;
   const bool tty_;
   const Clock::time_point start_;
   bool shown_ = false;
@@ -74,6 +78,75 @@ double ParseDurationFlag(const std::string& flag, const std::string& text) {
   }
 }
 
+// --slo-ms: a positive, finite duration.
+double ParseSloMs(const std::string& text) {
+  try {
+    const double ms = replay::ParseDurationMs(text);
+    if (ms > 0) return ms;
+  } catch (const Error&) {
+    // Reported below, with what is expected.
+  }
+  throw Error(ErrorCode::kInvalidArgument,
+              "--slo-ms: not a positive, finite duration: '" + text +
+                  "' (use milliseconds, as in 1000, or a unit, as in 1s)");
+}
+
+// --slo-percentile: "p99", "99.9", "max"; in (0, 100] in steps of 0.1.
+double ParsePercentile(const std::string& text) {
+  if (text == "max") return 100;
+  std::string_view number = text;
+  if (!number.empty() && (number[0] == 'p' || number[0] == 'P'))
+    number.remove_prefix(1);
+  double value = 0;
+  const auto [end, ec] =
+      std::from_chars(number.data(), number.data() + number.size(), value);
+  const double tenths = value * 10;
+  if (ec == std::errc() && end == number.data() + number.size() &&
+      !number.empty() && value > 0 && value <= 100 &&
+      std::abs(tenths - std::round(tenths)) < 1e-9) {
+    return value;
+  }
+  throw Error(ErrorCode::kInvalidArgument,
+              "--slo-percentile: not a percentile: '" + text +
+                  "' (use p50, p99, p99.9, max, or any of 0.1 to 100 in "
+                  "steps of 0.1)");
+}
+
+// --slo-resolution: "2%" of the answer, or a byte size ("512MiB").
+void ParseResolution(const std::string& text, replay::SloSearchOptions* slo) {
+  const std::string bad =
+      "--slo-resolution: not a positive, finite "
+      "resolution: '" +
+      text +
+      "' (use a share of the answer, as in 1%, or a "
+      "size, as in 256MiB)";
+  if (!text.empty() && text.back() == '%') {
+    double percent = 0;
+    const auto [end, ec] =
+        std::from_chars(text.data(), text.data() + text.size() - 1, percent);
+    if (ec != std::errc() || end != text.data() + text.size() - 1 ||
+        !(percent > 0) || !std::isfinite(percent)) {
+      throw Error(ErrorCode::kInvalidArgument, bad);
+    }
+    slo->resolution_fraction = percent / 100;
+    slo->resolution_bytes = 0;
+    return;
+  }
+  uint64_t bytes = 0;
+  try {
+    bytes = replay::ParseBytes(text);
+  } catch (const Error&) {
+    throw Error(ErrorCode::kInvalidArgument, bad);
+  }
+  if (bytes == 0) throw Error(ErrorCode::kInvalidArgument, bad);
+  slo->resolution_fraction = 0;
+  slo->resolution_bytes = bytes;
+}
+
+// The SLOs the report's chart of capacity against SLO draws.
+const std::vector<double> kCurveSloMs = {100,  200,   500,   1000, 2000,
+                                         5000, 10000, 20000, 60000};
+
 }  // namespace
 
 int RunReplay(ReplayFlags flags) {
@@ -92,7 +165,17 @@ int RunReplay(ReplayFlags flags) {
   replay::RunInfo info;
   info.timed = options.timed;
   info.time = options.time;
-  info.slo_ms = flags.slo_ms;
+  // The SLO's flags are checked before any replay runs.
+  info.slo.slo_ms = ParseSloMs(flags.slo_ms);
+  info.slo.percentile = ParsePercentile(flags.slo_percentile);
+  if (!flags.slo_resolution.empty())
+    ParseResolution(flags.slo_resolution, &info.slo);
+  if (!options.timed && (flags.slo_given || !flags.slo_resolution.empty() ||
+                         flags.slo_percentile != "p99")) {
+    throw Error(ErrorCode::kInvalidArgument,
+                "--slo-ms, --slo-percentile and --slo-resolution need the time "
+                "model (without --no-time): the untimed replay never waits");
+  }
   replay::Trace trace;
   std::vector<uint64_t> capacities;
   for (const std::string& c : flags.capacities) {
@@ -158,14 +241,35 @@ int RunReplay(ReplayFlags flags) {
     }
   }
 
+  for (const std::string& p : flags.report_policies) {
+    if (std::find(flags.policies.begin(), flags.policies.end(), p) ==
+        flags.policies.end()) {
+      std::string replayed;
+      for (const std::string& q : flags.policies)
+        replayed += (replayed.empty() ? "" : ", ") + q;
+      throw Error(ErrorCode::kInvalidArgument,
+                  "--report-policies: '" + p + "' is not a replayed policy (" +
+                      replayed + ")");
+    }
+  }
+  info.report_policies = flags.report_policies;
+  if (!flags.report.empty()) info.slo.curve_slo_ms = kCurveSloMs;
+
   const unsigned threads =
       flags.threads ? flags.threads
                     : std::max(1u, std::thread::hardware_concurrency());
   std::vector<replay::RunResult> results;
   {
-    Progress progress;
+    Progress progress("replaying");
     results = replay::ReplayAll(
         trace, flags.policies, capacities, options, threads,
+        [&](size_t done, size_t total) { progress.Update(done, total); });
+  }
+  if (options.timed) {
+    // The table's runs are the search's first probes.
+    Progress progress("searching for the SLO's capacity");
+    info.slo_answers = replay::FindSloCapacities(
+        trace, flags.policies, options, info.slo, threads, results,
         [&](size_t done, size_t total) { progress.Update(done, total); });
   }
 

@@ -29,7 +29,16 @@ struct ReplayFlags {
   std::string memory;
   double memory_scale = 1;
   std::string durations;
-  double slo_ms = 1000;
+  // The SLO whose capacity is searched, per policy: a duration ("1000",
+  // "1s"), the percentile of the waits ("p99", "99.9", "max"), and the
+  // resolution ("1%", "512MiB"; empty: 1% of the answer or 256 MiB,
+  // whichever is larger). slo_given: --slo-ms was on the command line.
+  std::string slo_ms = "1000";
+  bool slo_given = false;
+  std::string slo_percentile = "p99";
+  std::string slo_resolution;
+  // The policies whose time series the report draws (empty: all).
+  std::vector<std::string> report_policies;
   bool json = false;
   std::string report;
   uint64_t seed = 42;

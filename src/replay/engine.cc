@@ -32,7 +32,7 @@ Engine::Engine(const Trace& trace, const NamedPolicy& spec, uint64_t capacity,
       t_last_(trace.requests.empty()
                   ? 0
                   : static_cast<double>(trace.requests.back().t_ms)),
-      books_(trace, t_first_, t_last_) {
+      books_(trace, t_first_, t_last_, options.max_exact_waits) {
   for (uint32_t m = 0; m < trace.models.size(); ++m)
     index_.emplace(trace.models[m], m);
   CacheOptions cache_options;

@@ -474,5 +474,44 @@ void ExpectSameResult(const RunResult& a, const RunResult& b,
   }
 }
 
+// Never below the exact value, at most 0.1% (2^-10) above it.
+void ExpectWithinTheBound(double summary, double exact) {
+  EXPECT_GE(summary, exact);
+  EXPECT_LE(summary, exact * (1 + 1.0 / 1024));
+}
+
+TEST(WaitPercentiles, BeyondTheExactLimitWithinATenthOfAPercentAbove) {
+  const Trace trace = GenerateDefaultTrace(42);
+  for (const char* policy : {"lru", "next-use"}) {
+    SCOPED_TRACE(policy);
+    SimulateOptions exact_options;
+    const RunResult exact =
+        Simulate(trace, policy, uint64_t{32} << 30, exact_options);
+    ASSERT_GT(exact.cold_starts, 10000u);  // enough waits to summarise
+    SimulateOptions summary_options;
+    summary_options.max_exact_waits = 1000;
+    const RunResult summary =
+        Simulate(trace, policy, uint64_t{32} << 30, summary_options);
+    ExpectSameResult(summary, exact, /*same_waits=*/false);
+    ExpectWithinTheBound(summary.wait_ms.p50, exact.wait_ms.p50);
+    ExpectWithinTheBound(summary.wait_ms.p95, exact.wait_ms.p95);
+    ExpectWithinTheBound(summary.wait_ms.p99, exact.wait_ms.p99);
+    ExpectWithinTheBound(summary.wait_ms.p999, exact.wait_ms.p999);
+    ASSERT_EQ(summary.wait_quantiles.size(), exact.wait_quantiles.size());
+    size_t differ = 0;
+    for (size_t q = 0; q < exact.wait_quantiles.size(); ++q) {
+      ExpectWithinTheBound(summary.wait_quantiles[q], exact.wait_quantiles[q]);
+      differ += summary.wait_quantiles[q] != exact.wait_quantiles[q];
+    }
+    // The summary was used: most quantiles that are not 0 moved up a little.
+    EXPECT_GT(differ, 100u);
+    // At the limit, still exact.
+    SimulateOptions at_limit;
+    at_limit.max_exact_waits = exact.cold_starts;
+    ExpectSameResult(Simulate(trace, policy, uint64_t{32} << 30, at_limit),
+                     exact);
+  }
+}
+
 }  // namespace
 }  // namespace modelcache::replay

@@ -232,6 +232,11 @@ struct SimulateOptions {
   std::vector<Request> prewarms;
   // Told every cache event with the trace time it happened at (tests).
   std::function<void(double t_ms, const CacheEvent& event)> on_event;
+  // The waits' percentiles are exact while at most this many requests wait
+  // more than 0 (each such wait is kept, 8 bytes). Beyond, they are counted
+  // in buckets 1/1024 of a power of two wide (512 KB), and each percentile
+  // is at most 0.1% above the exact one, never below it.
+  uint64_t max_exact_waits = uint64_t{1} << 20;
 };
 
 struct ReplayOptions : SimulateOptions {

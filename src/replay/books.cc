@@ -33,9 +33,8 @@ void WaitDistribution::Add(double ms) {
       return;
     }
     // Too many to keep: into the buckets, these and the rest.
-    buckets_.assign(static_cast<size_t>(kMaxExponent - kMinExponent)
-                        << kSubBits,
-                    0);
+    buckets_.assign(
+        static_cast<size_t>(kMaxExponent - kMinExponent) << kSubBits, 0);
     for (double w : exact_) ++buckets_[Bucket(w)];
     std::vector<double>().swap(exact_);
   }
@@ -45,7 +44,7 @@ void WaitDistribution::Add(double ms) {
 size_t WaitDistribution::Bucket(double ms) {
   int exponent;
   const double fraction = std::frexp(ms, &exponent);  // in [0.5, 1)
-  --exponent;                                        // ms = 2^exponent * [1, 2)
+  --exponent;  // ms = 2^exponent * [1, 2)
   if (exponent < kMinExponent) return 0;
   if (exponent >= kMaxExponent) {
     return (static_cast<size_t>(kMaxExponent - kMinExponent) << kSubBits) - 1;
@@ -86,9 +85,9 @@ std::vector<double> WaitDistribution::Percentiles(
     } else {
       // The bucket holding the (index - zeros_)-th wait that is not 0.
       const size_t bucket =
-          static_cast<size_t>(std::upper_bound(below.begin() + 1, below.end(),
-                                               index - zeros_) -
-                              below.begin()) -
+          static_cast<size_t>(
+              std::upper_bound(below.begin() + 1, below.end(), index - zeros_) -
+              below.begin()) -
           1;
       // The last bucket also holds every wait beyond its range.
       out.push_back(bucket + 1 == buckets_.size()
@@ -99,7 +98,7 @@ std::vector<double> WaitDistribution::Percentiles(
   return out;
 }
 
-Books::Books(const Trace& trace, double t_first, double t_last,
+Books::Books(const TraceHeader& trace, double t_first, double t_last,
              uint64_t max_exact_waits)
     : trace_(trace),
       t_first_(t_first),

@@ -46,7 +46,7 @@ class WaitDistribution {
   const uint64_t max_exact_;
   uint64_t zeros_ = 0, nonzero_ = 0;
   double max_ = 0;
-  std::vector<double> exact_;     // the waits that are not 0, while exact
+  std::vector<double> exact_;      // the waits that are not 0, while exact
   std::vector<uint64_t> buckets_;  // counts, once not exact
 };
 
@@ -63,7 +63,7 @@ class Books {
   // The books of a replay of `trace`'s models (its names and sizes; its
   // requests are not read) over [t_first, t_last], of which 240 bins are
   // kept; the waits exact as WaitDistribution says.
-  Books(const Trace& trace, double t_first, double t_last,
+  Books(const TraceHeader& trace, double t_first, double t_last,
         uint64_t max_exact_waits);
 
   // The state held over [from, to); only the part within the span counts.
@@ -91,7 +91,7 @@ class Books {
                    bool timed) &&;
 
  private:
-  const Trace& trace_;
+  const TraceHeader& trace_;
   const double t_first_, t_last_;
   RunResult result_;
   // A request for `m` arrived (each of Hit, TooLarge and ColdStart).

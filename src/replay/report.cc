@@ -13,7 +13,7 @@
 namespace modelcache::replay {
 namespace {
 
-uint64_t TotalModelBytes(const Trace& trace) {
+uint64_t TotalModelBytes(const TraceHeader& trace) {
   return std::accumulate(trace.sizes.begin(), trace.sizes.end(), uint64_t{0});
 }
 
@@ -280,13 +280,13 @@ std::string TimeCharts(const std::vector<RunResult>& results,
 
 }  // namespace
 
-std::string ResultsTable(const Trace& trace,
+std::string ResultsTable(const TraceHeader& trace,
                          const std::vector<RunResult>& results,
                          const RunInfo& info) {
   std::ostringstream out;
-  out << "trace: " << trace.requests.size() << " requests, "
-      << trace.models.size() << " models, "
-      << FormatBytes(TotalModelBytes(trace)) << " of models in all\n";
+  out << "trace: " << trace.requests << " requests, " << trace.models.size()
+      << " models, " << FormatBytes(TotalModelBytes(trace))
+      << " of models in all\n";
   if (info.timed) {
     out << "load path: " << Fixed(info.time.bandwidth_bytes_per_second / 1e9, 2)
         << " GB/s shared by at most "
@@ -353,11 +353,11 @@ std::string ResultsTable(const Trace& trace,
   return out.str();
 }
 
-std::string ResultsJson(const Trace& trace,
+std::string ResultsJson(const TraceHeader& trace,
                         const std::vector<RunResult>& results,
                         const RunInfo& info) {
   nlohmann::json doc;
-  doc["requests"] = trace.requests.size();
+  doc["requests"] = trace.requests;
   doc["models"] = trace.models.size();
   doc["model_bytes"] = TotalModelBytes(trace);
   if (info.timed) {
@@ -412,7 +412,7 @@ std::string ResultsJson(const Trace& trace,
   return doc.dump(2) + "\n";
 }
 
-std::string HtmlReport(const Trace& trace, const std::string& title,
+std::string HtmlReport(const TraceHeader& trace, const std::string& title,
                        const std::vector<RunResult>& results,
                        const RunInfo& info) {
   const std::vector<std::string> policies = Policies(results);
@@ -531,9 +531,8 @@ std::string HtmlReport(const Trace& trace, const std::string& title,
     html << "</ul>\n";
   }
   html
-      << "<p>" << trace.requests.size() << " requests for "
-      << trace.models.size() << " models ("
-      << Escape(FormatBytes(TotalModelBytes(trace)))
+      << "<p>" << trace.requests << " requests for " << trace.models.size()
+      << " models (" << Escape(FormatBytes(TotalModelBytes(trace)))
       << " in all), replayed through modelcache's core cache. Offline policies "
          "know the future and bound what any online policy can do.</p>\n";
   html << "<table>\n<tr><th>policy</th><th>capacity</th><th>hit ratio</th>"
@@ -603,6 +602,24 @@ std::string HtmlReport(const Trace& trace, const std::string& title,
   }
   html << "</body>\n</html>\n";
   return html.str();
+}
+
+std::string ResultsTable(const Trace& trace,
+                         const std::vector<RunResult>& results,
+                         const RunInfo& info) {
+  return ResultsTable(HeaderOf(trace), results, info);
+}
+
+std::string ResultsJson(const Trace& trace,
+                        const std::vector<RunResult>& results,
+                        const RunInfo& info) {
+  return ResultsJson(HeaderOf(trace), results, info);
+}
+
+std::string HtmlReport(const Trace& trace, const std::string& title,
+                       const std::vector<RunResult>& results,
+                       const RunInfo& info) {
+  return HtmlReport(HeaderOf(trace), title, results, info);
 }
 
 }  // namespace modelcache::replay

@@ -7,6 +7,7 @@
 #include <zstd.h>
 
 #include <algorithm>
+#include <atomic>
 #include <cstdio>
 #include <filesystem>
 #include <fstream>
@@ -28,7 +29,8 @@ using ::testing::StartsWith;
 
 const std::string kData = std::string(MODELCACHE_SHARED_DATA) + "/traces/";
 const std::string kAzureTrace = kData + "azure-functions-2019-100fn.csv";
-const std::string kAzureMemory = kData + "azure-functions-2019-100fn-memory.csv";
+const std::string kAzureMemory =
+    kData + "azure-functions-2019-100fn-memory.csv";
 const std::string kAzureDurations =
     kData + "azure-functions-2019-100fn-durations.csv";
 
@@ -191,8 +193,7 @@ std::string CsvText(int lines) {
   for (int i = 0; i < lines; ++i) {
     const uint64_t m = rng() % 50;
     text += std::to_string(i * 10) + ",model-" + std::to_string(m) + "," +
-            std::to_string(1000 + m) + "," + std::to_string(rng() % 100) +
-            "\n";
+            std::to_string(1000 + m) + "," + std::to_string(rng() % 100) + "\n";
   }
   return text;
 }
@@ -238,15 +239,16 @@ TEST(CompressedInput, TruncatedOrCorruptDataIsAnErrorWithTheFileAndLine) {
       EXPECT_THAT(message, StartsWith(prefix));
       EXPECT_THAT(message, HasSubstr(c.expected));
       // The line being read when the data broke.
-      const size_t line =
-          std::stoul(message.substr(prefix.size(), message.find(':', prefix.size())));
+      const size_t line = std::stoul(
+          message.substr(prefix.size(), message.find(':', prefix.size())));
       EXPECT_GE(line, 1u);
       EXPECT_LE(line, 20002u);
     }
   }
   // Cut late, most lines were read before the error: its line says where.
   TempFile late(zst.substr(0, zst.size() - 20));
-  const std::string message = ErrorOf([&] { ReadCsvTrace(late.path(), nullptr); });
+  const std::string message =
+      ErrorOf([&] { ReadCsvTrace(late.path(), nullptr); });
   EXPECT_THAT(message, MatchesRegex(".*:[0-9]{5}: truncated zstd data.*"));
 }
 
@@ -271,7 +273,8 @@ TEST(CsvSource, GivesTheInMemoryTraceAndHeader) {
     const Trace want = ReadCsvTrace(file.path(), &sizes);
     const auto source = OpenCsvTrace(file.path(), &sizes);
     ExpectHeaderOf(*source, want);
-    for (size_t chunk : {1, 7, 4096}) ExpectSameTrace(Collect(*source, chunk), want);
+    for (size_t chunk : {1, 7, 4096})
+      ExpectSameTrace(Collect(*source, chunk), want);
     // Passes are independent, and may overlap.
     auto first = source->Read(), second = source->Read();
     Request r1, r2;
@@ -423,7 +426,6 @@ TEST(SourceOf, GivesTheTraceItWraps) {
   ExpectSameTrace(Collect(*source, 999), trace);
 }
 
-
 // ---- the waits' percentiles beyond the exact limit ----
 
 // Every field of two runs but the time they took.
@@ -511,6 +513,113 @@ TEST(WaitPercentiles, BeyondTheExactLimitWithinATenthOfAPercentAbove) {
     ExpectSameResult(Simulate(trace, policy, uint64_t{32} << 30, at_limit),
                      exact);
   }
+}
+
+// ---- replays of a stream ----
+
+// The JSON of a replay without the time each run took.
+std::string JsonWithoutTimes(const TraceHeader& header,
+                             std::vector<RunResult> results,
+                             const RunInfo& info) {
+  for (RunResult& r : results) {
+    r.seconds = 0;
+    r.requests_per_second = 0;
+  }
+  return ResultsJson(header, results, info);
+}
+
+TEST(StreamReplay, SameJsonAsInMemoryOnTheSharedTraceAndCompressedCopies) {
+  AzureOptions azure;
+  azure.memory_path = kAzureMemory;
+  azure.durations_path = kAzureDurations;
+  azure.poisson = true;
+  const Trace trace = ReadAzureFunctionsTrace(kAzureTrace, azure);
+  // An online and an offline policy (the CSV test below has the rest).
+  const std::vector<std::string> policies = {"lru", "belady"};
+  uint64_t total = 0;
+  for (uint64_t size : trace.sizes) total += size;
+  const std::vector<uint64_t> capacities = {total / 4};
+  const std::string plain = Slurp(kAzureTrace);
+  TempFile gz(Gzip(plain), ".csv.gz"), zst(Zstd(plain), ".csv.zst");
+  for (bool timed : {true, false}) {
+    SCOPED_TRACE(timed ? "timed" : "untimed");
+    ReplayOptions options;
+    options.timed = timed;
+    RunInfo info;
+    info.timed = timed;
+    info.time = options.time;
+    const std::string want = JsonWithoutTimes(
+        HeaderOf(trace), ReplayAll(trace, policies, capacities, options, 2),
+        info);
+    for (const std::string& path : {kAzureTrace, gz.path(), zst.path()}) {
+      SCOPED_TRACE(path);
+      const auto source = OpenAzureFunctionsTrace(path, azure);
+      EXPECT_EQ(JsonWithoutTimes(
+                    source->header(),
+                    ReplayAll(*source, policies, capacities, options, 2), info),
+                want);
+    }
+  }
+}
+
+// The embedded default trace as a CSV file (t_ms,model,size_bytes).
+std::string CsvOf(const Trace& trace) {
+  std::string text = "t_ms,model,size_bytes\n";
+  for (const Request& r : trace.requests) {
+    text += std::to_string(r.t_ms) + "," + trace.models[r.model] + "," +
+            std::to_string(trace.sizes[r.model]) + "\n";
+  }
+  return text;
+}
+
+TEST(StreamReplay, CsvStreamGivesTheInMemoryResultsForEveryPolicyKind) {
+  const Trace generated = GenerateDefaultTrace(5);
+  const std::string text = CsvOf(generated);
+  TempFile plain(text), zst(Zstd(text), ".csv.zst");
+  const Trace trace = ReadCsvTrace(plain.path(), nullptr);
+  SimulateOptions options;
+  options.hold_ms = 50;
+  std::atomic<uint64_t> done{0};
+  options.requests_done = &done;
+  const auto source = OpenCsvTrace(zst.path(), nullptr);
+  for (const char* policy : {"lru", "ttl-10m", "next-use-prewarm", "belady"}) {
+    SCOPED_TRACE(policy);
+    done = 0;
+    ExpectSameResult(Simulate(*source, policy, uint64_t{24} << 30, options),
+                     Simulate(trace, policy, uint64_t{24} << 30, options));
+    // Both runs counted every request they replayed.
+    EXPECT_EQ(done.load(), 2 * trace.requests.size());
+    ExpectSameResult(
+        ReplayUntimed(*source, policy, uint64_t{24} << 30, options),
+        ReplayUntimed(trace, policy, uint64_t{24} << 30, options));
+  }
+}
+
+TEST(StreamReplay, AnOfflinePolicyOverItsIndexBudgetNamesTheMemoryItNeeds) {
+  const Trace trace = GenerateDefaultTrace(5);
+  const auto source = SourceOf(trace);
+  SimulateOptions options;
+  options.max_next_use_index_bytes = 4 * trace.requests.size() - 1;
+  for (bool timed : {true, false}) {
+    const std::string message = ErrorOf([&] {
+      if (timed) {
+        Simulate(*source, "belady", uint64_t{24} << 30, options);
+      } else {
+        ReplayUntimed(*source, "belady", uint64_t{24} << 30, options);
+      }
+    });
+    EXPECT_THAT(message, HasSubstr("policy 'belady' needs the future"));
+    EXPECT_THAT(message, HasSubstr(FormatBytes(4 * trace.requests.size())));
+    EXPECT_THAT(message,
+                HasSubstr(std::to_string(trace.requests.size()) + " requests"));
+  }
+  // At the limit it runs; online policies need no index at all.
+  options.max_next_use_index_bytes = 4 * trace.requests.size();
+  EXPECT_EQ(Simulate(*source, "belady", uint64_t{24} << 30, options).requests,
+            trace.requests.size());
+  options.max_next_use_index_bytes = 0;
+  EXPECT_EQ(Simulate(*source, "lru", uint64_t{24} << 30, options).requests,
+            trace.requests.size());
 }
 
 }  // namespace

@@ -17,6 +17,7 @@
 #ifndef MODELCACHE_REPLAY_REPLAY_H_
 #define MODELCACHE_REPLAY_REPLAY_H_
 
+#include <atomic>
 #include <cstdint>
 #include <functional>
 #include <limits>
@@ -237,6 +238,14 @@ struct SimulateOptions {
   // in buckets 1/1024 of a power of two wide (512 KB), and each percentile
   // is at most 0.1% above the exact one, never below it.
   uint64_t max_exact_waits = uint64_t{1} << 20;
+  // An offline policy (belady) needs the future: before its replay it reads
+  // the trace once more for an index of each request's next use, 4 bytes a
+  // request. A trace whose index would take more than this is an error that
+  // names the memory it needs.
+  uint64_t max_next_use_index_bytes = uint64_t{4} << 30;
+  // When set, the replay adds the requests it has replayed, now and then
+  // (progress for a long replay; ReplayAll's runs add to one counter).
+  std::atomic<uint64_t>* requests_done = nullptr;
 };
 
 struct ReplayOptions : SimulateOptions {
@@ -311,12 +320,21 @@ struct RunResult {
 RunResult Simulate(const Trace& trace, const std::string& policy,
                    uint64_t capacity_bytes,
                    const SimulateOptions& options = {});
+// The same, on one pass of `source` (two for an offline policy): memory in
+// proportion to the models and the requests in flight, not to the trace.
+// The result is the one of Simulate on the trace the source gives.
+RunResult Simulate(const TraceSource& source, const std::string& policy,
+                   uint64_t capacity_bytes,
+                   const SimulateOptions& options = {});
 
 // The untimed replay: every load instantaneous, no queue, nothing waits
 // (options.time is not used but to price faascache). Gives the counts of
 // Simulate with an infinitely fast load path. Throws Error kInvalidArgument
 // for an unknown policy.
 RunResult ReplayUntimed(const Trace& trace, const std::string& policy,
+                        uint64_t capacity_bytes,
+                        const SimulateOptions& options = {});
+RunResult ReplayUntimed(const TraceSource& source, const std::string& policy,
                         uint64_t capacity_bytes,
                         const SimulateOptions& options = {});
 
@@ -327,6 +345,12 @@ RunResult ReplayUntimed(const Trace& trace, const std::string& policy,
 // anything.
 std::vector<RunResult> ReplayAll(
     const Trace& trace, const std::vector<std::string>& policies,
+    const std::vector<uint64_t>& capacities, const ReplayOptions& options,
+    unsigned threads,
+    const std::function<void(size_t done, size_t total)>& progress = {});
+// The same on a source: each run reads its own passes.
+std::vector<RunResult> ReplayAll(
+    const TraceSource& source, const std::vector<std::string>& policies,
     const std::vector<uint64_t>& capacities, const ReplayOptions& options,
     unsigned threads,
     const std::function<void(size_t done, size_t total)>& progress = {});
@@ -343,13 +367,24 @@ struct RunInfo {
   double slo_ms = 1000;
 };
 
+// Each reads only the trace's models, sizes and request count: a
+// TraceHeader (a streamed trace's) or a Trace.
+std::string ResultsTable(const TraceHeader& trace,
+                         const std::vector<RunResult>& results,
+                         const RunInfo& info = {});
+std::string ResultsJson(const TraceHeader& trace,
+                        const std::vector<RunResult>& results,
+                        const RunInfo& info = {});
+// One self-contained HTML page (inline SVG, no scripts, no network).
+std::string HtmlReport(const TraceHeader& trace, const std::string& title,
+                       const std::vector<RunResult>& results,
+                       const RunInfo& info = {});
 std::string ResultsTable(const Trace& trace,
                          const std::vector<RunResult>& results,
                          const RunInfo& info = {});
 std::string ResultsJson(const Trace& trace,
                         const std::vector<RunResult>& results,
                         const RunInfo& info = {});
-// One self-contained HTML page (inline SVG, no scripts, no network).
 std::string HtmlReport(const Trace& trace, const std::string& title,
                        const std::vector<RunResult>& results,
                        const RunInfo& info = {});

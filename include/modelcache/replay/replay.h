@@ -234,10 +234,11 @@ struct SimulateOptions {
   // Told every cache event with the trace time it happened at (tests).
   std::function<void(double t_ms, const CacheEvent& event)> on_event;
   // The waits' percentiles are exact while at most this many requests wait
-  // more than 0 (each such wait is kept, 8 bytes). Beyond, they are counted
-  // in buckets 1/1024 of a power of two wide (512 KB), and each percentile
-  // is at most 0.1% above the exact one, never below it.
-  uint64_t max_exact_waits = uint64_t{1} << 20;
+  // more than 0 (each such wait is kept, 8 bytes: 128 MiB at the default,
+  // about 16.8 M waits, so a 10-million-request trace is exact). Beyond,
+  // they are counted in buckets 1/1024 of a power of two wide (512 KB), and
+  // each percentile is at most 0.1% above the exact one, never below it.
+  uint64_t max_exact_waits = uint64_t{1} << 24;
   // An offline policy (belady) needs the future: before its replay it reads
   // the trace once more for an index of each request's next use, 4 bytes a
   // request. A trace whose index would take more than this is an error that

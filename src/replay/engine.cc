@@ -14,9 +14,10 @@ constexpr double kNanosecondMs = 1e-6;
 
 }  // namespace
 
-Engine::Engine(const Trace& trace, const NamedPolicy& spec, uint64_t capacity,
-               const SimulateOptions& options, bool timed)
-    : trace_(trace),
+Engine::Engine(const TraceSource& source, const NamedPolicy& spec,
+               uint64_t capacity, const SimulateOptions& options, bool timed)
+    : source_(source),
+      trace_(source.header()),
       spec_(spec),
       ttl_ms_(static_cast<double>(spec.idle_ttl.count()) / 1e6),
       prewarm_evicts_lower_ranked_(
@@ -25,16 +26,12 @@ Engine::Engine(const Trace& trace, const NamedPolicy& spec, uint64_t capacity,
       timed_(timed),
       time_(timed ? options.time : TimeModel{kInf, 0, /*slots=*/0}),
       capacity_(capacity),
-      models_(trace.models.size()),
-      t_first_(trace.requests.empty()
-                   ? 0
-                   : static_cast<double>(trace.requests.front().t_ms)),
-      t_last_(trace.requests.empty()
-                  ? 0
-                  : static_cast<double>(trace.requests.back().t_ms)),
-      books_(trace, t_first_, t_last_) {
-  for (uint32_t m = 0; m < trace.models.size(); ++m)
-    index_.emplace(trace.models[m], m);
+      models_(trace_.models.size()),
+      t_first_(static_cast<double>(trace_.t_first_ms)),
+      t_last_(static_cast<double>(trace_.t_last_ms)),
+      books_(trace_, t_first_, t_last_, options.max_exact_waits) {
+  for (uint32_t m = 0; m < trace_.models.size(); ++m)
+    index_.emplace(trace_.models[m], m);
   CacheOptions cache_options;
   cache_options.name = "replay";
   cache_options.capacity_bytes = capacity;
@@ -44,15 +41,9 @@ Engine::Engine(const Trace& trace, const NamedPolicy& spec, uint64_t capacity,
   cache_options.idle_ttl = spec.idle_ttl;
   cache_options.on_event = [this](const CacheEvent& e) { OnEvent(e); };
   cache_.emplace(std::move(cache_options));
-  belady_ = !spec.eviction->monotone();
-  if (belady_) {
-    const size_t n = trace.requests.size();
-    next_use_.assign(n, kInf);
-    std::vector<double> seen(trace.models.size(), kInf);
-    for (size_t i = n; i-- > 0;) {
-      next_use_[i] = seen[trace.requests[i].model];
-      seen[trace.requests[i].model] = static_cast<double>(i);
-    }
+  if (!spec.eviction->monotone()) {
+    next_use_.emplace(source, spec.eviction->name(),
+                      options.max_next_use_index_bytes);
   }
 }
 
@@ -250,7 +241,8 @@ void Engine::OnEvent(const CacheEvent& e) {
 // is the cache's miss: it makes the record resident (into the room the
 // load's reservation kept) and stamps it, so a load is stamped once, at its
 // end, whoever joined it. Each request is noted at its arrival.
-void Engine::TakeLease(uint32_t m, size_t request, double arrival) {
+void Engine::TakeLease(uint32_t m, uint64_t request, float hold_ms,
+                       double arrival) {
   const Loader loader = [&]() -> Loaded {
     return Loaded{nullptr, Size(m), {}};
   };
@@ -258,7 +250,7 @@ void Engine::TakeLease(uint32_t m, size_t request, double arrival) {
   acquire.policy_hint = Hint(request);
   acquire.arrival = ClockAt(arrival);
   Lease lease = cache_->Acquire(trace_.models[m], Size(m), loader, acquire);
-  const double hold = HoldMs(request);
+  const double hold = HoldMs(hold_ms);
   AddLease(m);
   if (hold <= 0) {  // taken and given back at once
     lease.Release();
@@ -268,8 +260,7 @@ void Engine::TakeLease(uint32_t m, size_t request, double arrival) {
   Schedule(now_ + hold, EventKind::kHoldEnd, m, holds_.Hold(std::move(lease)));
 }
 
-void Engine::Arrive(size_t i) {
-  const Request& r = trace_.requests[i];
+void Engine::Arrive(uint64_t i, const Request& r, float hold_ms) {
   const uint32_t m = r.model;
   ModelState& s = models_[m];
   s.last_request = i;
@@ -286,12 +277,12 @@ void Engine::Arrive(size_t i) {
   if (s.state == State::kResident) {
     books_.Hit(m);
     books_.Waited(0);
-    TakeLease(m, i, now_);
+    TakeLease(m, i, hold_ms, now_);
     return;
   }
   books_.ColdStart(m);
   const uint64_t id = next_waiter_id_++;
-  s.waiters.push_back(Waiter{i, now_, id});
+  s.waiters.push_back(Waiter{i, hold_ms, now_, id});
   ++s.generation;  // no planned prewarm applies now
   if (std::isfinite(options_.max_wait_ms)) {
     Schedule(now_ + options_.max_wait_ms, EventKind::kDeadline, m, id);
@@ -444,7 +435,7 @@ void Engine::CompleteLoad(uint32_t m) {
   }
   for (const Waiter& w : waiters) {
     books_.Waited(now_ - w.arrival);
-    TakeLease(m, w.request, w.arrival);
+    TakeLease(m, w.request, w.hold_ms, w.arrival);
   }
   load_lease.Release();
   DropLease(m, /*request_ended=*/!waiters.empty());
@@ -514,18 +505,27 @@ void Engine::PlanKeepAlive(uint32_t m) {
 }
 
 RunResult Engine::Run() && {
-  const auto& requests = trace_.requests;
-  const size_t n = requests.size();
+  const uint64_t n = trace_.requests;
   now_ = t_first_;
   for (const Request& p : options_.prewarms) {
     Schedule(static_cast<double>(p.t_ms), EventKind::kPrewarm, p.model,
              ~uint64_t{0});
   }
-  for (size_t i = 0; i < n; ++i) {
-    RunUntil(static_cast<double>(requests[i].t_ms));
-    Arrive(i);
-    StartLoads();
-    NoteQueue();
+  std::unique_ptr<RequestReader> reader = source_.Read();
+  std::vector<Request> chunk(kReadChunk);
+  std::vector<float> hold(kReadChunk, 0.0f);
+  uint64_t i = 0;
+  for (size_t got;
+       (got = reader->Read(chunk.data(), hold.data(), kReadChunk)) > 0;) {
+    for (size_t k = 0; k < got; ++k, ++i) {
+      RunUntil(static_cast<double>(chunk[k].t_ms));
+      Arrive(i, chunk[k], hold[k]);
+      StartLoads();
+      NoteQueue();
+    }
+    if (options_.requests_done) {
+      options_.requests_done->fetch_add(got, std::memory_order_relaxed);
+    }
   }
   if (n > 0) RunUntil(kInf);
   return std::move(books_).Finish(cache_->Stats(), options_.time, timed_);

@@ -87,11 +87,13 @@ namespace modelcache::replay {
 
 class Engine {
  public:
-  // One node: a cache of `capacity` bytes run by `policy` over `trace`.
-  // REQUIRES: every argument outlives the engine.
-  // `timed`: false runs an infinitely fast load path (loads take no time).
-  Engine(const Trace& trace, const NamedPolicy& policy, uint64_t capacity,
-         const SimulateOptions& options, bool timed);
+  // One node: a cache of `capacity` bytes run by `policy` over the trace
+  // `source` gives, read a chunk at a time (an offline policy's next-use
+  // index reads it once before). REQUIRES: every argument outlives the
+  // engine. `timed`: false runs an infinitely fast load path (loads take no
+  // time).
+  Engine(const TraceSource& source, const NamedPolicy& policy,
+         uint64_t capacity, const SimulateOptions& options, bool timed);
   ~Engine();
   Engine(const Engine&) = delete;
   Engine& operator=(const Engine&) = delete;
@@ -130,7 +132,8 @@ class Engine {
   };
 
   struct Waiter {
-    size_t request;
+    uint64_t request;  // its position in the trace
+    float hold_ms;     // its service time, when the trace gives them
     double arrival;
     uint64_t id;  // for deadlines
   };
@@ -148,7 +151,7 @@ class Engine {
     bool ttl_check_pending = false;
     double idle_since = -kInf;  // when its last lease ended
     double last_end = -kInf;    // ditto, kept across unloads
-    size_t last_request = 0;
+    uint64_t last_request = 0;
     IdleHistory idle;  // for a keep-alive policy
     // One live keep-alive event, at keep_alive_event: when it fires before
     // keep_until (a later request moved it on), it files itself again; a plan
@@ -162,13 +165,12 @@ class Engine {
         static_cast<int64_t>(std::llround(t_ms * 1e6))));
   }
 
-  double Hint(size_t request) const {
-    return belady_ ? next_use_[request] : 0.0;
+  double Hint(uint64_t request) const {
+    return next_use_ ? next_use_->At(request) : 0.0;
   }
-  double HoldMs(size_t request) const {
-    return trace_.hold_ms.empty()
-               ? options_.hold_ms
-               : static_cast<double>(trace_.hold_ms[request]);
+  double HoldMs(float trace_hold_ms) const {
+    return trace_.service_times ? static_cast<double>(trace_hold_ms)
+                                : options_.hold_ms;
   }
   uint64_t Size(uint32_t m) const { return trace_.sizes[m]; }
 
@@ -184,9 +186,11 @@ class Engine {
   void HandleEvent(const Event& e);
 
   // ---- requests and leases ----
-  void Arrive(size_t i);
+  // Request `i` of the trace, `r`, with its service time (when the trace
+  // gives them).
+  void Arrive(uint64_t i, const Request& r, float hold_ms);
   // A hit, or a waiter whose load ended: its lease for its service time.
-  void TakeLease(uint32_t m, size_t request, double arrival);
+  void TakeLease(uint32_t m, uint64_t request, float hold_ms, double arrival);
   void AddLease(uint32_t m);
   void DropLease(uint32_t m, bool request_ended);
   void BecameIdle(uint32_t m, bool request_ended);
@@ -209,7 +213,8 @@ class Engine {
   void PlanKeepAlive(uint32_t m);
   double ExpectedLoadMs(uint32_t m) const;
 
-  const Trace& trace_;
+  const TraceSource& source_;
+  const TraceHeader& trace_;
   const NamedPolicy& spec_;
   // The idle TTL in ms (0: none), and whether prewarms may evict idle models
   // ranked below them.
@@ -222,8 +227,7 @@ class Engine {
   std::vector<ModelState> models_;
   std::unordered_map<std::string, uint32_t> index_;
   std::optional<ModelCache> cache_;
-  bool belady_ = false;
-  std::vector<double> next_use_;
+  std::optional<NextUseIndex> next_use_;  // an offline policy's
 
   double now_ = 0;
   // The trace's span; the books integrate over it.

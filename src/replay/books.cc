@@ -26,7 +26,6 @@ Books::Books(const Trace& trace, double t_first, double t_last)
       t_last_(t_last),
       requests_(trace.models.size(), 0),
       cold_starts_(trace.models.size(), 0) {
-  result_.requests = trace.requests.size();
   result_.loads_per_model.assign(trace.models.size(), 0);
   if (t_last > t_first) {
     result_.bins.resize(kBins);
@@ -72,20 +71,26 @@ void Books::NoteQueue(uint32_t queued) {
   result_.load_queue_peak = std::max<uint64_t>(result_.load_queue_peak, queued);
 }
 
-void Books::Hit(uint32_t m) {
+void Books::Requested(uint32_t m) {
   ++requests_[m];
+  ++result_.requests;
+  requested_bytes_ += trace_.sizes[m];
+}
+
+void Books::Hit(uint32_t m) {
+  Requested(m);
   ++result_.hits;
 }
 
 void Books::TooLarge(uint32_t m) {
-  ++requests_[m];
+  Requested(m);
   ++result_.misses;
   ++result_.too_large;
   missed_bytes_ += trace_.sizes[m];
 }
 
 void Books::ColdStart(uint32_t m) {
-  ++requests_[m];
+  Requested(m);
   ++result_.misses;
   missed_bytes_ += trace_.sizes[m];
   ++result_.cold_starts;
@@ -125,10 +130,6 @@ RunResult Books::Finish(const CacheStats& cache, const TimeModel& time,
     result.resident_over_time.emplace_back(b.t_ms,
                                            static_cast<uint64_t>(b.mean_bytes));
   }
-  uint64_t requested_bytes = 0;
-  for (const Request& r : trace_.requests) {
-    requested_bytes += trace_.sizes[r.model];
-  }
   std::vector<double> waits = std::move(waits_);
   std::sort(waits.begin(), waits.end());
   result.wait_ms = WaitSummary{
@@ -145,9 +146,9 @@ RunResult Books::Finish(const CacheStats& cache, const TimeModel& time,
   result.hit_ratio = n > 0 ? static_cast<double>(result.hits) / n : 0;
   result.cold_start_ratio =
       n > 0 ? static_cast<double>(result.cold_starts) / n : 0;
-  result.byte_miss_ratio = requested_bytes
+  result.byte_miss_ratio = requested_bytes_
                                ? static_cast<double>(missed_bytes_) /
-                                     static_cast<double>(requested_bytes)
+                                     static_cast<double>(requested_bytes_)
                                : 0;
   return result;
 }

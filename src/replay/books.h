@@ -35,7 +35,9 @@ class Books {
   void NoteQueue(uint32_t queued);
 
   // A request for model `m` arrived: a hit, a model too large for the
-  // capacity, or a cold start (it waits for a load started or joined).
+  // capacity, or a cold start (it waits for a load started or joined). The
+  // books count the requests they are told of (a node of several sees only
+  // its own).
   void Hit(uint32_t m);
   void TooLarge(uint32_t m);
   void ColdStart(uint32_t m);
@@ -55,7 +57,10 @@ class Books {
   const Trace& trace_;
   const double t_first_, t_last_;
   RunResult result_;
-  uint64_t missed_bytes_ = 0;
+  // A request for `m` arrived (each of Hit, TooLarge and ColdStart).
+  void Requested(uint32_t m);
+
+  uint64_t requested_bytes_ = 0, missed_bytes_ = 0;
   std::vector<uint64_t> requests_, cold_starts_;  // per model
   std::vector<double> waits_;
   // Integrals over [t_first_, t_last_].

@@ -14,8 +14,37 @@ constexpr double kNanosecondMs = 1e-6;
 
 }  // namespace
 
-Engine::Engine(const Trace& trace, const NamedPolicy& spec, uint64_t capacity,
-               const SimulateOptions& options, bool timed)
+double TraceStart(const Trace& trace) {
+  return trace.requests.empty()
+             ? 0
+             : static_cast<double>(trace.requests.front().t_ms);
+}
+
+double TraceEnd(const Trace& trace) {
+  return trace.requests.empty()
+             ? 0
+             : static_cast<double>(trace.requests.back().t_ms);
+}
+
+std::vector<double> NextUses(const Trace& trace) {
+  const size_t n = trace.requests.size();
+  std::vector<double> next_use(n, Node::kInf);
+  std::vector<double> seen(trace.models.size(), Node::kInf);
+  for (size_t i = n; i-- > 0;) {
+    next_use[i] = seen[trace.requests[i].model];
+    seen[trace.requests[i].model] = static_cast<double>(i);
+  }
+  return next_use;
+}
+
+double HoldMsOf(const Trace& trace, const SimulateOptions& options, size_t i) {
+  return trace.hold_ms.empty() ? options.hold_ms
+                               : static_cast<double>(trace.hold_ms[i]);
+}
+
+Node::Node(const Trace& trace, const NamedPolicy& spec, uint64_t capacity,
+           const SimulateOptions& options, bool timed, double t_first,
+           double t_last, NodeListener* listener)
     : trace_(trace),
       spec_(spec),
       ttl_ms_(static_cast<double>(spec.idle_ttl.count()) / 1e6),
@@ -25,38 +54,29 @@ Engine::Engine(const Trace& trace, const NamedPolicy& spec, uint64_t capacity,
       timed_(timed),
       time_(timed ? options.time : TimeModel{kInf, 0, /*slots=*/0}),
       capacity_(capacity),
+      listener_(listener),
       models_(trace.models.size()),
-      t_first_(trace.requests.empty()
-                   ? 0
-                   : static_cast<double>(trace.requests.front().t_ms)),
-      t_last_(trace.requests.empty()
-                  ? 0
-                  : static_cast<double>(trace.requests.back().t_ms)),
+      t_first_(t_first),
+      t_last_(t_last),
       books_(trace, t_first_, t_last_) {
   for (uint32_t m = 0; m < trace.models.size(); ++m)
     index_.emplace(trace.models[m], m);
-  CacheOptions cache_options;
-  cache_options.name = "replay";
-  cache_options.capacity_bytes = capacity;
-  cache_options.policy = spec.eviction;
-  cache_options.shard_bits = 0;
-  cache_options.now = [this] { return ClockAt(now_); };
-  cache_options.idle_ttl = spec.idle_ttl;
-  cache_options.on_event = [this](const CacheEvent& e) { OnEvent(e); };
-  cache_.emplace(std::move(cache_options));
-  belady_ = !spec.eviction->monotone();
-  if (belady_) {
-    const size_t n = trace.requests.size();
-    next_use_.assign(n, kInf);
-    std::vector<double> seen(trace.models.size(), kInf);
-    for (size_t i = n; i-- > 0;) {
-      next_use_[i] = seen[trace.requests[i].model];
-      seen[trace.requests[i].model] = static_cast<double>(i);
-    }
-  }
+  NewCache();
 }
 
-Engine::~Engine() {
+void Node::NewCache() {
+  CacheOptions cache_options;
+  cache_options.name = "replay";
+  cache_options.capacity_bytes = capacity_;
+  cache_options.policy = spec_.eviction;
+  cache_options.shard_bits = 0;
+  cache_options.now = [this] { return ClockAt(now_); };
+  cache_options.idle_ttl = spec_.idle_ttl;
+  cache_options.on_event = [this](const CacheEvent& e) { OnEvent(e); };
+  cache_.emplace(std::move(cache_options));
+}
+
+Node::~Node() {
   // Leases before the cache.
   holds_.Clear();
   for (auto& m : models_) m.load_lease.Release();
@@ -64,13 +84,13 @@ Engine::~Engine() {
 
 // ---- time ----
 
-void Engine::AdvanceTo(double t) {
+void Node::AdvanceTo(double t) {
   if (t <= now_) return;
   books_.Advance(
       now_, t,
       Books::State{idle_bytes_, demand_in_flight_ + prewarm_in_flight_ > 0,
                    static_cast<uint32_t>(demand_queue_.size()),
-                   cache_->budget().used()});
+                   cache_ ? cache_->budget().used() : 0});
   // Transfers progress at their share of the bandwidth.
   const auto& served =
       demand_transfers_.empty() ? prewarm_transfers_ : demand_transfers_;
@@ -82,7 +102,7 @@ void Engine::AdvanceTo(double t) {
   now_ = t;
 }
 
-double Engine::NextTransferEnd() const {
+double Node::NextTransferEnd() const {
   const auto& served =
       demand_transfers_.empty() ? prewarm_transfers_ : demand_transfers_;
   if (served.empty()) return kInf;
@@ -93,7 +113,7 @@ double Engine::NextTransferEnd() const {
                     time_.bandwidth_bytes_per_second;
 }
 
-void Engine::FinishTransfers() {
+void Node::FinishTransfers() {
   auto& served =
       demand_transfers_.empty() ? prewarm_transfers_ : demand_transfers_;
   // Less than half a byte left is rounding: done.
@@ -111,29 +131,28 @@ void Engine::FinishTransfers() {
   for (uint32_t m : done) CompleteLoad(m);
 }
 
-void Engine::RunUntil(double t) {
-  for (;;) {
-    const double next_event = events_.empty() ? kInf : events_.top().t;
-    const double next_transfer = NextTransferEnd();
-    const double next = std::min(next_event, next_transfer);
-    if (next > t || next == kInf) {
-      if (std::isfinite(t)) AdvanceTo(t);
-      return;
-    }
-    AdvanceTo(next);
-    if (next_transfer <= next_event) {
-      FinishTransfers();
-    } else {
-      const Event e = events_.top();
-      events_.pop();
-      HandleEvent(e);
-    }
-    StartLoads();
-    NoteQueue();
-  }
+double Node::NextTime() const {
+  const double next_event = events_.empty() ? kInf : events_.top().t;
+  return std::min(next_event, NextTransferEnd());
 }
 
-void Engine::HandleEvent(const Event& e) {
+void Node::Step() {
+  const double next_event = events_.empty() ? kInf : events_.top().t;
+  const double next_transfer = NextTransferEnd();
+  const double next = std::min(next_event, next_transfer);
+  assert(next != kInf);
+  AdvanceTo(next);
+  if (next_transfer <= next_event) {
+    FinishTransfers();
+  } else {
+    const Event e = events_.top();
+    events_.pop();
+    HandleEvent(e);
+  }
+  StartLoads();
+}
+
+void Node::HandleEvent(const Event& e) {
   ModelState& s = models_[e.model];
   // After the trace, only what finishes its requests matters.
   const bool after_trace = now_ > t_last_;
@@ -141,6 +160,10 @@ void Engine::HandleEvent(const Event& e) {
     case EventKind::kHoldEnd:
       holds_.Release(e.arg);
       DropLease(e.model, /*request_ended=*/true);
+      if (listener_) {
+        listener_->Ended(hold_request_[e.arg], NodeListener::Outcome::kServed,
+                         now_);
+      }
       break;
     case EventKind::kLatencyEnd:
       if (e.arg == s.load_id) EnterTransfer(e.model);
@@ -176,8 +199,12 @@ void Engine::HandleEvent(const Event& e) {
       auto it = std::find_if(s.waiters.begin(), s.waiters.end(),
                              [&](const Waiter& w) { return w.id == e.arg; });
       if (it == s.waiters.end()) break;
+      const size_t request = it->request.id;
       s.waiters.erase(it);
       books_.Rejected();
+      if (listener_) {
+        listener_->Ended(request, NodeListener::Outcome::kRejected, now_);
+      }
       if (s.state == State::kQueued && s.waiters.empty()) {
         // Nobody wants it any more: it never loads.
         demand_queue_.erase(
@@ -192,13 +219,13 @@ void Engine::HandleEvent(const Event& e) {
 
 // ---- requests and leases ----
 
-void Engine::AddLease(uint32_t m) {
+void Node::AddLease(uint32_t m) {
   ModelState& s = models_[m];
   if (s.leases++ == 0 && s.state == State::kResident) idle_bytes_ -= Size(m);
   ++s.generation;  // cancels a planned prewarm
 }
 
-void Engine::DropLease(uint32_t m, bool request_ended) {
+void Node::DropLease(uint32_t m, bool request_ended) {
   ModelState& s = models_[m];
   assert(s.leases > 0);
   if (--s.leases == 0 && s.state == State::kResident) {
@@ -206,7 +233,7 @@ void Engine::DropLease(uint32_t m, bool request_ended) {
   }
 }
 
-void Engine::BecameIdle(uint32_t m, bool request_ended) {
+void Node::BecameIdle(uint32_t m, bool request_ended) {
   ModelState& s = models_[m];
   idle_bytes_ += Size(m);
   s.idle_since = now_;
@@ -223,7 +250,7 @@ void Engine::BecameIdle(uint32_t m, bool request_ended) {
 }
 
 // The model left the cache (evicted, expired or removed).
-void Engine::Gone(uint32_t m) {
+void Node::Gone(uint32_t m) {
   ModelState& s = models_[m];
   if (s.state != State::kResident) return;
   assert(s.leases == 0);
@@ -232,7 +259,8 @@ void Engine::Gone(uint32_t m) {
   room_changed_ = true;
 }
 
-void Engine::OnEvent(const CacheEvent& e) {
+void Node::OnEvent(const CacheEvent& e) {
+  if (killing_) return;
   if (options_.on_event) options_.on_event(now_, e);
   switch (e.type) {
     case modelcache::EventType::kEvicted:
@@ -250,32 +278,64 @@ void Engine::OnEvent(const CacheEvent& e) {
 // is the cache's miss: it makes the record resident (into the room the
 // load's reservation kept) and stamps it, so a load is stamped once, at its
 // end, whoever joined it. Each request is noted at its arrival.
-void Engine::TakeLease(uint32_t m, size_t request, double arrival) {
+void Node::TakeLease(uint32_t m, const NodeRequest& request, double arrival) {
   const Loader loader = [&]() -> Loaded {
     return Loaded{nullptr, Size(m), {}};
   };
   AcquireOptions acquire;
-  acquire.policy_hint = Hint(request);
+  acquire.policy_hint = request.hint;
   acquire.arrival = ClockAt(arrival);
   Lease lease = cache_->Acquire(trace_.models[m], Size(m), loader, acquire);
-  const double hold = HoldMs(request);
+  const double hold = request.hold_ms;
   AddLease(m);
+  if (listener_) listener_->Started(request.id, now_);
   if (hold <= 0) {  // taken and given back at once
     lease.Release();
     DropLease(m, /*request_ended=*/true);
+    if (listener_) {
+      listener_->Ended(request.id, NodeListener::Outcome::kServed, now_);
+    }
     return;
   }
-  Schedule(now_ + hold, EventKind::kHoldEnd, m, holds_.Hold(std::move(lease)));
+  const size_t slot = holds_.Hold(std::move(lease));
+  if (slot >= hold_request_.size()) hold_request_.resize(slot + 1);
+  hold_request_[slot] = request.id;
+  Schedule(now_ + hold, EventKind::kHoldEnd, m, slot);
 }
 
-void Engine::Arrive(size_t i) {
-  const Request& r = trace_.requests[i];
+bool Node::CouldAdmit(uint32_t m) const {
+  // What a reservation could get now: the free bytes and the idle models'
+  // (evictable), and the prewarms' in flight (a demand load cancels them);
+  // the demand loads queued ahead come first.
+  const uint64_t used = cache_->budget().used();
+  uint64_t obtainable = (capacity_ > used ? capacity_ - used : 0) + idle_bytes_;
+  uint64_t needed = Size(m);
+  for (uint32_t q = 0; q < models_.size(); ++q) {
+    const ModelState& s = models_[q];
+    if (s.prewarm_class &&
+        (s.state == State::kLatency || s.state == State::kTransfer)) {
+      obtainable += Size(q);
+    }
+  }
+  for (uint32_t q : demand_queue_) needed += Size(q);
+  return obtainable >= needed;
+}
+
+Node::Admission Node::Arrive(const NodeRequest& r, bool refuse_if_full) {
+  const size_t i = r.id;
   const uint32_t m = r.model;
   ModelState& s = models_[m];
-  s.last_request = i;
+  if (refuse_if_full && s.state == State::kAbsent && Size(m) <= capacity_ &&
+      !CouldAdmit(m)) {
+    return Admission::kRefused;
+  }
+  s.last_hint = r.hint;
   if (Size(m) > capacity_) {
     books_.TooLarge(m);
-    return;
+    if (listener_) {
+      listener_->Ended(i, NodeListener::Outcome::kTooLarge, now_);
+    }
+    return Admission::kTooLarge;
   }
   const bool loading =
       s.state == State::kLatency || s.state == State::kTransfer;
@@ -286,12 +346,12 @@ void Engine::Arrive(size_t i) {
   if (s.state == State::kResident) {
     books_.Hit(m);
     books_.Waited(0);
-    TakeLease(m, i, now_);
-    return;
+    TakeLease(m, r, now_);
+    return Admission::kHit;
   }
   books_.ColdStart(m);
   const uint64_t id = next_waiter_id_++;
-  s.waiters.push_back(Waiter{i, now_, id});
+  s.waiters.push_back(Waiter{r, now_, id});
   ++s.generation;  // no planned prewarm applies now
   if (std::isfinite(options_.max_wait_ms)) {
     Schedule(now_ + options_.max_wait_ms, EventKind::kDeadline, m, id);
@@ -319,21 +379,27 @@ void Engine::Arrive(size_t i) {
     case State::kResident:
       break;
   }
+  return Admission::kCold;
 }
 
 // ---- loads ----
 
-void Engine::Enqueue(uint32_t m) {
+void Node::Enqueue(uint32_t m) {
   models_[m].state = State::kQueued;
   demand_queue_.push_back(m);
 }
 
-void Engine::NoteQueue() {
+void Node::StartLoads() {
+  StartQueuedLoads();
+  NoteQueue();
+}
+
+void Node::NoteQueue() {
   const uint32_t queued = static_cast<uint32_t>(demand_queue_.size());
   books_.NoteQueue(queued);
 }
 
-bool Engine::CancelOnePrewarm() {
+bool Node::CancelOnePrewarm() {
   for (uint32_t m = 0; m < models_.size(); ++m) {
     ModelState& s = models_[m];
     if (!s.prewarm_class ||
@@ -357,7 +423,7 @@ bool Engine::CancelOnePrewarm() {
   return false;
 }
 
-bool Engine::StartLoad(uint32_t m, bool prewarm) {
+bool Node::StartLoad(uint32_t m, bool prewarm) {
   ModelState& s = models_[m];
   for (;;) {
     try {
@@ -368,7 +434,7 @@ bool Engine::StartLoad(uint32_t m, bool prewarm) {
           return Loaded{nullptr, Size(m), {}};
         };
         AcquireOptions acquire;
-        acquire.policy_hint = Hint(s.last_request);
+        acquire.policy_hint = s.last_hint;
         acquire.request = false;
         acquire.evict_only_lower_ranked = prewarm_evicts_lower_ranked_;
         s.load_lease =
@@ -395,6 +461,7 @@ bool Engine::StartLoad(uint32_t m, bool prewarm) {
   s.remaining = static_cast<double>(Size(m));
   (prewarm ? prewarm_in_flight_ : demand_in_flight_)++;
   books_.LoadStarted(m);
+  if (listener_) listener_->LoadStarted(m, now_);
   if (time_.latency_ms > 0) {
     Schedule(now_ + time_.latency_ms, EventKind::kLatencyEnd, m, s.load_id);
   } else {
@@ -403,7 +470,7 @@ bool Engine::StartLoad(uint32_t m, bool prewarm) {
   return true;
 }
 
-void Engine::EnterTransfer(uint32_t m) {
+void Node::EnterTransfer(uint32_t m) {
   ModelState& s = models_[m];
   if (s.state != State::kLatency) return;  // cancelled meanwhile
   s.state = State::kTransfer;
@@ -414,7 +481,7 @@ void Engine::EnterTransfer(uint32_t m) {
   (s.prewarm_class ? prewarm_transfers_ : demand_transfers_).push_back(m);
 }
 
-void Engine::CompleteLoad(uint32_t m) {
+void Node::CompleteLoad(uint32_t m) {
   ModelState& s = models_[m];
   (s.prewarm_class ? prewarm_in_flight_ : demand_in_flight_)--;
   books_.LoadEnded(now_ - s.load_start, s.prewarm_class);
@@ -450,7 +517,7 @@ void Engine::CompleteLoad(uint32_t m) {
   DropLease(m, /*request_ended=*/!waiters.empty());
 }
 
-void Engine::StartLoads() {
+void Node::StartQueuedLoads() {
   const uint32_t slots =
       time_.slots == 0 ? std::numeric_limits<uint32_t>::max() : time_.slots;
   while (!demand_queue_.empty() && demand_in_flight_ < slots) {
@@ -478,14 +545,14 @@ void Engine::StartLoads() {
   }
 }
 
-void Engine::Prewarm(uint32_t m) {
+void Node::Prewarm(uint32_t m) {
   if (models_[m].state != State::kAbsent || Size(m) > capacity_) return;
   prewarm_queue_.push_back(m);
 }
 
 // ---- histogram policies ----
 
-double Engine::ExpectedLoadMs(uint32_t m) const {
+double Node::ExpectedLoadMs(uint32_t m) const {
   if (!std::isfinite(time_.bandwidth_bytes_per_second)) return time_.latency_ms;
   // Its own transfer at the share it would get now, behind the queue.
   double queued = 0;
@@ -497,7 +564,7 @@ double Engine::ExpectedLoadMs(uint32_t m) const {
 
 // The policy plans when a request ends (keep_alive.h, the same code a
 // ModelCache runs); the simulation carries the plan out in trace time.
-void Engine::PlanKeepAlive(uint32_t m) {
+void Node::PlanKeepAlive(uint32_t m) {
   ModelState& s = models_[m];
   const KeepAlivePlan plan =
       spec_.keep_alive->Plan(s.idle, now_, ExpectedLoadMs(m));
@@ -513,22 +580,105 @@ void Engine::PlanKeepAlive(uint32_t m) {
   }
 }
 
+void Node::SchedulePrewarm(double t, uint32_t model) {
+  Schedule(t, EventKind::kPrewarm, model, ~uint64_t{0});
+}
+
+std::vector<size_t> Node::Kill() {
+  assert(alive_);
+  std::vector<size_t> requests;
+  for (uint32_t m = 0; m < models_.size(); ++m) {
+    ModelState& s = models_[m];
+    for (const Waiter& w : s.waiters) requests.push_back(w.request.id);
+    // A demand load's bytes are a bare reservation: back to the budget.
+    if (!s.prewarm_class &&
+        (s.state == State::kLatency || s.state == State::kTransfer)) {
+      cache_->budget().Release(Size(m));
+    }
+  }
+  // Every live hold has a pending hold-end event.
+  while (!events_.empty()) {
+    const Event& e = events_.top();
+    if (e.type == EventKind::kHoldEnd) {
+      requests.push_back(hold_request_[e.arg]);
+    }
+    events_.pop();
+  }
+  std::sort(requests.begin(), requests.end());
+  killing_ = true;
+  holds_.Clear();
+  for (auto& m : models_) m.load_lease.Release();
+  const CacheStats stats = cache_->Stats();
+  past_lives_.bytes_loaded += stats.bytes_loaded;
+  past_lives_.evictions += stats.evictions;
+  past_lives_.high_water_bytes =
+      std::max(past_lives_.high_water_bytes, stats.high_water_bytes);
+  cache_.reset();
+  killing_ = false;
+  const size_t models = models_.size();
+  models_.clear();
+  models_.resize(models);
+  demand_queue_.clear();
+  prewarm_queue_.clear();
+  demand_in_flight_ = prewarm_in_flight_ = 0;
+  demand_transfers_.clear();
+  prewarm_transfers_.clear();
+  room_changed_ = true;
+  idle_bytes_ = 0;
+  alive_ = false;
+  return requests;
+}
+
+void Node::Restart() {
+  assert(!alive_);
+  NewCache();
+  alive_ = true;
+}
+
+RunResult Node::Finish() && {
+  CacheStats stats = cache_ ? cache_->Stats() : CacheStats{};
+  stats.bytes_loaded += past_lives_.bytes_loaded;
+  stats.evictions += past_lives_.evictions;
+  stats.high_water_bytes =
+      std::max(stats.high_water_bytes, past_lives_.high_water_bytes);
+  return std::move(books_).Finish(stats, options_.time, timed_);
+}
+
+// ---- Engine: one node, fed the trace ----
+
+Engine::Engine(const Trace& trace, const NamedPolicy& policy, uint64_t capacity,
+               const SimulateOptions& options, bool timed)
+    : trace_(trace),
+      options_(options),
+      next_use_(policy.eviction->monotone() ? std::vector<double>{}
+                                            : NextUses(trace)),
+      node_(trace, policy, capacity, options, timed, TraceStart(trace),
+            TraceEnd(trace)) {}
+
 RunResult Engine::Run() && {
   const auto& requests = trace_.requests;
   const size_t n = requests.size();
-  now_ = t_first_;
+  node_.AdvanceTo(TraceStart(trace_));
   for (const Request& p : options_.prewarms) {
-    Schedule(static_cast<double>(p.t_ms), EventKind::kPrewarm, p.model,
-             ~uint64_t{0});
+    node_.SchedulePrewarm(static_cast<double>(p.t_ms), p.model);
   }
   for (size_t i = 0; i < n; ++i) {
-    RunUntil(static_cast<double>(requests[i].t_ms));
-    Arrive(i);
-    StartLoads();
-    NoteQueue();
+    const double t = static_cast<double>(requests[i].t_ms);
+    while (node_.NextTime() <= t) node_.Step();
+    node_.AdvanceTo(t);
+    NodeRequest request;
+    request.id = i;
+    request.model = requests[i].model;
+    request.hold_ms = HoldMsOf(trace_, options_, i);
+    request.hint = next_use_.empty() ? 0.0 : next_use_[i];
+    request.wait_from = t;
+    node_.Arrive(request);
+    node_.StartLoads();
   }
-  if (n > 0) RunUntil(kInf);
-  return std::move(books_).Finish(cache_->Stats(), options_.time, timed_);
+  if (n > 0) {
+    while (node_.NextTime() != Node::kInf) node_.Step();
+  }
+  return std::move(node_).Finish();
 }
 
 }  // namespace modelcache::replay

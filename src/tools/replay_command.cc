@@ -151,6 +151,22 @@ const std::vector<double> kCurveSloMs = {100,  200,   500,   1000, 2000,
 
 int RunReplay(ReplayFlags flags) {
   const bool embedded = flags.trace.empty();
+  const bool nodes = !flags.cluster.nodes.empty();
+  const bool policies_given = !flags.policies.empty();
+  if (!nodes && AnyClusterFlag(flags.cluster)) {
+    throw Error(ErrorCode::kInvalidArgument,
+                "--route, --concurrency, --event, --detect-after, "
+                "--retry-delay, --retries and --spill-on-full need --nodes");
+  }
+  if (nodes && flags.no_time) {
+    throw Error(ErrorCode::kInvalidArgument,
+                "--nodes: the replay of several nodes runs in trace time "
+                "(without --no-time)");
+  }
+  if (nodes) {
+    std::vector<replay::Route> routes;
+    ParseClusterFlags(flags.cluster, &routes);  // bad flags before the trace
+  }
   replay::ReplayOptions options;
   options.timed = !flags.no_time;
   options.hold_ms = flags.hold_ms;
@@ -258,6 +274,15 @@ int RunReplay(ReplayFlags flags) {
   const unsigned threads =
       flags.threads ? flags.threads
                     : std::max(1u, std::thread::hardware_concurrency());
+  if (nodes) {
+    // Every node runs what a `modelcache serve` runs by default.
+    if (!policies_given) flags.policies = {"next-use"};
+    return RunClusterReplay(
+        flags.cluster, trace, flags.policies, capacities, options, threads,
+        {flags.json, flags.report,
+         embedded ? "modelcache replay --nodes: embedded default trace"
+                  : "modelcache replay --nodes: " + flags.trace});
+  }
   std::vector<replay::RunResult> results;
   {
     Progress progress("replaying");

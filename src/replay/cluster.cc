@@ -358,7 +358,11 @@ void ClusterRun::Try(size_t id) {
     return;
   }
   Node& node = *nodes_[k];
-  if (!node.alive()) {  // the connection is refused
+  if (!node.alive()) {
+    // The connection is refused: HAProxy had counted the request on the
+    // server (leastconn reorders on each change) and takes it back.
+    router_.Took(k);
+    router_.Released(k);
     Retry(id, k, ConnectRetryDelay());
     return;
   }

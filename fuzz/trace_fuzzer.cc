@@ -6,7 +6,13 @@
 // Functions invocations file (even arrivals and Poisson arrivals), and as the
 // memory file and the durations file of a small, valid invocations file
 // whose functions are those of the shared Azure trace (so that the real
-// memory and durations files, given as seeds, match its rows).
+// memory and durations files, given as seeds, match its rows). The CSV and
+// Azure Functions files are read both in memory and as a stream
+// (OpenCsvTrace, OpenAzureFunctionsTrace), which must agree: the same
+// error, or the same header and requests. Input that starts with gzip's or
+// zstd's magic bytes is decompressed first, so the decoders are fuzzed too.
+// Then the input is compressed with each, and the copy must read as the
+// input did; cut short, the copy must be an error.
 //
 // Each reader must either throw modelcache::Error (TraceError) with a
 // message naming the file, or return a trace that holds together: one size
@@ -17,6 +23,8 @@
 // Azure reader is capped at kMaxRequests so that a large invocation count is
 // an error here, not an allocation past the fuzzer's memory limit.
 #include <unistd.h>
+#include <zlib.h>
+#include <zstd.h>
 
 #include <cmath>
 #include <cstddef>
@@ -24,7 +32,9 @@
 #include <cstdio>
 #include <cstdlib>
 #include <fstream>
+#include <functional>
 #include <string>
+#include <vector>
 
 #include "modelcache/base/errors.h"
 #include "modelcache/replay/replay.h"
@@ -32,6 +42,10 @@
 namespace {
 
 using modelcache::replay::AzureOptions;
+using modelcache::replay::OpenAzureFunctionsTrace;
+using modelcache::replay::OpenCsvTrace;
+using modelcache::replay::Request;
+using modelcache::replay::TraceSource;
 using modelcache::replay::ReadAzureFunctionsTrace;
 using modelcache::replay::ReadCsvTrace;
 using modelcache::replay::ReadSizes;
@@ -61,6 +75,94 @@ void Expect(Read read) {
     read();
   } catch (const modelcache::Error&) {
   }
+}
+
+// A reader's trace, or its error's message.
+struct Outcome {
+  std::string error;
+  Trace trace;
+};
+
+Outcome Run(const std::function<Trace()>& read) {
+  Outcome outcome;
+  try {
+    outcome.trace = read();
+    CheckTrace(outcome.trace);
+  } catch (const modelcache::Error& e) {
+    outcome.error = e.what();
+    Check(!outcome.error.empty());
+  }
+  return outcome;
+}
+
+// Everything a source gives, read a few requests at a time, as a Trace.
+Trace Collect(const TraceSource& source) {
+  Trace trace;
+  trace.models = source.header().models;
+  trace.sizes = source.header().sizes;
+  auto reader = source.Read();
+  Request requests[7];
+  float hold[7];
+  for (size_t n; (n = reader->Read(requests, hold, 7)) > 0;) {
+    trace.requests.insert(trace.requests.end(), requests, requests + n);
+    if (source.header().service_times)
+      trace.hold_ms.insert(trace.hold_ms.end(), hold, hold + n);
+  }
+  const auto& header = source.header();
+  Check(header.requests == trace.requests.size());
+  Check(header.service_times == !trace.hold_ms.empty());
+  if (!trace.requests.empty()) {
+    Check(header.t_first_ms == trace.requests.front().t_ms);
+    Check(header.t_last_ms == trace.requests.back().t_ms);
+  }
+  return trace;
+}
+
+bool Same(const Outcome& a, const Outcome& b) {
+  if (a.error != b.error) return false;
+  const Trace &x = a.trace, &y = b.trace;
+  if (x.models != y.models || x.sizes != y.sizes || x.hold_ms != y.hold_ms ||
+      x.requests.size() != y.requests.size()) {
+    return false;
+  }
+  for (size_t i = 0; i < x.requests.size(); ++i) {
+    if (x.requests[i].t_ms != y.requests[i].t_ms ||
+        x.requests[i].model != y.requests[i].model) {
+      return false;
+    }
+  }
+  return true;
+}
+
+// Both compressors keep their state across inputs (allocating it is most of
+// their cost on small inputs).
+std::string Gzip(const uint8_t* data, size_t size) {
+  static z_stream* const z = [] {
+    auto* stream = new z_stream{};
+    if (deflateInit2(stream, 1, Z_DEFLATED, 16 + 15, 8, Z_DEFAULT_STRATEGY) !=
+        Z_OK) {
+      __builtin_trap();
+    }
+    return stream;
+  }();
+  Check(deflateReset(z) == Z_OK);
+  std::string out(deflateBound(z, size) + 64, '\0');
+  z->next_in = const_cast<Bytef*>(data);
+  z->avail_in = static_cast<uInt>(size);
+  z->next_out = reinterpret_cast<Bytef*>(out.data());
+  z->avail_out = static_cast<uInt>(out.size());
+  Check(deflate(z, Z_FINISH) == Z_STREAM_END);
+  out.resize(z->total_out);
+  return out;
+}
+
+std::string Zstd(const uint8_t* data, size_t size) {
+  static ZSTD_CCtx* const cctx = ZSTD_createCCtx();
+  std::string out(ZSTD_compressBound(size), '\0');
+  const size_t n = ZSTD_compressCCtx(cctx, out.data(), out.size(), data, size, 1);
+  Check(!ZSTD_isError(n));
+  out.resize(n);
+  return out;
 }
 
 std::string TempPath(const char* what) {
@@ -127,13 +229,19 @@ extern "C" int LLVMFuzzerTestOneInput(const uint8_t* data, size_t size) {
   Write(input, data, size);
 
   static const SizeTable kSizes = {{"a", 1}, {"b", 1 << 20}};
-  Expect([&] { CheckTrace(ReadCsvTrace(input, &kSizes)); });
+  // The CSV reader, in memory and as a stream.
+  const Outcome csv = Run([&] { return ReadCsvTrace(input, &kSizes); });
+  Check(Same(csv, Run([&] { return Collect(*OpenCsvTrace(input, &kSizes)); })));
   Expect([&] { ReadSizes(input); });
   for (bool poisson : {false, true}) {
     AzureOptions options;
     options.poisson = poisson;
     options.max_requests = kMaxRequests;
-    Expect([&] { CheckTrace(ReadAzureFunctionsTrace(input, options)); });
+    const Outcome azure =
+        Run([&] { return ReadAzureFunctionsTrace(input, options); });
+    Check(Same(azure, Run([&] {
+      return Collect(*OpenAzureFunctionsTrace(input, options));
+    })));
   }
   AzureOptions memory;
   memory.memory_path = input;
@@ -141,6 +249,30 @@ extern "C" int LLVMFuzzerTestOneInput(const uint8_t* data, size_t size) {
   Expect([&] { CheckTrace(ReadAzureFunctionsTrace(invocations, memory)); });
   AzureOptions durations;
   durations.durations_path = input;
-  Expect([&] { CheckTrace(ReadAzureFunctionsTrace(invocations, durations)); });
+  const Outcome with_durations =
+      Run([&] { return ReadAzureFunctionsTrace(invocations, durations); });
+  Check(Same(with_durations, Run([&] {
+    return Collect(*OpenAzureFunctionsTrace(invocations, durations));
+  })));
+
+  // Compressed, the input reads as it did (the same path, so the same
+  // messages); cut short, it is an error. (Unless the input is compressed
+  // data itself: the readers undo one layer.)
+  const bool packed_input =
+      size >= 2 && ((data[0] == 0x1f && data[1] == 0x8b) ||
+                    (size >= 4 && data[0] == 0x28 && data[1] == 0xb5 &&
+                     data[2] == 0x2f && data[3] == 0xfd));
+  if (packed_input) return 0;
+  for (const std::string& packed : {Gzip(data, size), Zstd(data, size)}) {
+    Write(input, reinterpret_cast<const uint8_t*>(packed.data()),
+          packed.size());
+    Check(Same(csv, Run([&] { return ReadCsvTrace(input, &kSizes); })));
+    // Past the magic bytes, before the end.
+    const size_t cut = 4 + (size > 0 ? data[0] : 0) % (packed.size() - 4);
+    Write(input, reinterpret_cast<const uint8_t*>(packed.data()), cut);
+    Check(!Run([&] { return ReadCsvTrace(input, &kSizes); }).error.empty());
+    Check(!Run([&] { return Collect(*OpenCsvTrace(input, &kSizes)); })
+               .error.empty());
+  }
   return 0;
 }

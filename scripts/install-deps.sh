@@ -9,6 +9,8 @@ packages=(
   libgtest-dev libgmock-dev libbenchmark-dev librapidcheck-dev
   nlohmann-json3-dev libcli11-dev
   libabsl-dev
+  # Compressed traces: gzip (zlib) and zstd.
+  zlib1g-dev libzstd-dev
   librocksdb-dev libleveldb-dev
   python3-dev pybind11-dev python3-pytest python3-numpy python3-torch
   # HAProxy 2.6, whose hash ring tests/replay/haproxy_ring_test.cc runs

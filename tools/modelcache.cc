@@ -144,6 +144,16 @@ int main(int argc, char** argv) {
   replay_cmd->add_flag("--spill-on-full", cluster.spill_on_full,
                        "With --nodes: a node without room answers 503 and "
                        "the request moves on (retry-on 503)");
+  replay_cmd->add_flag("--stream", replay_flags.stream,
+                       "Read the trace as a stream, once per run (always for "
+                       "a file of 256 MiB or more): memory for the models, "
+                       "not the requests");
+  replay_cmd->add_flag("--progress", replay_flags.progress,
+                       "Show progress on stderr even when it is not a "
+                       "terminal");
+  replay_cmd->add_option("--max-index-memory", replay_flags.max_index_memory,
+                         "Memory an offline policy's next-use index may take, "
+                         "4 bytes a request (default 4GiB)");
 
   std::string inspect_file;
   bool inspect_json = false;

@@ -20,18 +20,97 @@ double Percentile(const std::vector<double>& sorted, double p) {
   return sorted[index];
 }
 
-Books::Books(const Trace& trace, double t_first, double t_last)
+void WaitDistribution::Add(double ms) {
+  if (ms == 0) {
+    ++zeros_;
+    return;
+  }
+  ++nonzero_;
+  max_ = std::max(max_, ms);
+  if (buckets_.empty()) {
+    if (exact_.size() < max_exact_) {
+      exact_.push_back(ms);
+      return;
+    }
+    // Too many to keep: into the buckets, these and the rest.
+    buckets_.assign(
+        static_cast<size_t>(kMaxExponent - kMinExponent) << kSubBits, 0);
+    for (double w : exact_) ++buckets_[Bucket(w)];
+    std::vector<double>().swap(exact_);
+  }
+  ++buckets_[Bucket(ms)];
+}
+
+size_t WaitDistribution::Bucket(double ms) {
+  int exponent;
+  const double fraction = std::frexp(ms, &exponent);  // in [0.5, 1)
+  --exponent;  // ms = 2^exponent * [1, 2)
+  if (exponent < kMinExponent) return 0;
+  if (exponent >= kMaxExponent) {
+    return (static_cast<size_t>(kMaxExponent - kMinExponent) << kSubBits) - 1;
+  }
+  const size_t sub = static_cast<size_t>((fraction * 2 - 1) * (1 << kSubBits));
+  return (static_cast<size_t>(exponent - kMinExponent) << kSubBits) +
+         std::min<size_t>(sub, (1 << kSubBits) - 1);
+}
+
+double WaitDistribution::UpperEdge(size_t bucket) {
+  const int exponent = static_cast<int>(bucket >> kSubBits) + kMinExponent;
+  const double sub = static_cast<double>(bucket & ((1 << kSubBits) - 1));
+  return std::ldexp(1 + (sub + 1) / (1 << kSubBits), exponent);
+}
+
+std::vector<double> WaitDistribution::Percentiles(
+    const std::vector<double>& p) && {
+  std::vector<double> out;
+  const uint64_t n = count();
+  if (n == 0) return std::vector<double>(p.size(), 0.0);
+  std::sort(exact_.begin(), exact_.end());
+  std::vector<uint64_t> below;  // per bucket, the waits in those before it
+  if (!buckets_.empty()) {
+    below.resize(buckets_.size() + 1);
+    for (size_t b = 0; b < buckets_.size(); ++b)
+      below[b + 1] = below[b] + buckets_[b];
+  }
+  for (double q : p) {
+    // Percentile's nearest rank.
+    const double rank = std::ceil(q * static_cast<double>(n));
+    const uint64_t index =
+        static_cast<uint64_t>(std::clamp(rank, 1.0, static_cast<double>(n))) -
+        1;
+    if (index < zeros_) {
+      out.push_back(0);
+    } else if (buckets_.empty()) {
+      out.push_back(exact_[index - zeros_]);
+    } else {
+      // The bucket holding the (index - zeros_)-th wait that is not 0.
+      const size_t bucket =
+          static_cast<size_t>(
+              std::upper_bound(below.begin() + 1, below.end(), index - zeros_) -
+              below.begin()) -
+          1;
+      // The last bucket also holds every wait beyond its range.
+      out.push_back(bucket + 1 == buckets_.size()
+                        ? max_
+                        : std::min(UpperEdge(bucket), max_));
+    }
+  }
+  return out;
+}
+
+Books::Books(const TraceHeader& trace, double t_first, double t_last,
+             uint64_t max_exact_waits)
     : trace_(trace),
       t_first_(t_first),
       t_last_(t_last),
       requests_(trace.models.size(), 0),
-      cold_starts_(trace.models.size(), 0) {
+      cold_starts_(trace.models.size(), 0),
+      waits_(max_exact_waits) {
   result_.loads_per_model.assign(trace.models.size(), 0);
   if (t_last > t_first) {
     result_.bins.resize(kBins);
     bin_width_ = (t_last - t_first) / kBins;
   }
-  waits_.reserve(trace.requests.size());
 }
 
 void Books::Advance(double from_t, double to_t, const State& state) {
@@ -130,16 +209,14 @@ RunResult Books::Finish(const CacheStats& cache, const TimeModel& time,
     result.resident_over_time.emplace_back(b.t_ms,
                                            static_cast<uint64_t>(b.mean_bytes));
   }
-  std::vector<double> waits = std::move(waits_);
-  std::sort(waits.begin(), waits.end());
-  result.wait_ms = WaitSummary{
-      Percentile(waits, 0.5), Percentile(waits, 0.95), Percentile(waits, 0.99),
-      Percentile(waits, 0.999), waits.empty() ? 0 : waits.back()};
-  if (!waits.empty()) {
-    for (int q = 1; q <= 1000; ++q) {
-      result.wait_quantiles.push_back(Percentile(waits, q / 1000.0));
-    }
-  }
+  // p50, p95, p99, p99.9, then the 1000 quantiles.
+  std::vector<double> p = {0.5, 0.95, 0.99, 0.999};
+  for (int q = 1; q <= 1000; ++q) p.push_back(q / 1000.0);
+  const bool any_wait = waits_.count() > 0;
+  const double longest = waits_.max();
+  std::vector<double> at = std::move(waits_).Percentiles(p);
+  result.wait_ms = WaitSummary{at[0], at[1], at[2], at[3], longest};
+  if (any_wait) result.wait_quantiles.assign(at.begin() + 4, at.end());
   std::sort(model_ratios.begin(), model_ratios.end());
   result.p75_model_cold_start_ratio = Percentile(model_ratios, 0.75);
   const double n = static_cast<double>(result.requests);

@@ -149,6 +149,7 @@ class ClusterRun {
   ClusterResult Finish();
 
   const Trace& trace_;
+  const TraceHeader header_;  // the nodes' view of the trace
   const std::string& policy_name_;
   const uint64_t capacity_;
   const ClusterOptions& options_;
@@ -197,6 +198,7 @@ ClusterRun::ClusterRun(const Trace& trace, const std::string& policy_name,
                        const ClusterOptions& options,
                        const SimulateOptions& simulate)
     : trace_(trace),
+      header_(HeaderOf(trace)),
       policy_name_(policy_name),
       capacity_(capacity),
       options_(options),
@@ -211,7 +213,7 @@ ClusterRun::ClusterRun(const Trace& trace, const std::string& policy_name,
   }
   for (size_t k = 0; k < n; ++k) {
     ears_.push_back(std::make_unique<NodeEars>(this, k));
-    nodes_.push_back(std::make_unique<Node>(trace, policy, capacity, simulate,
+    nodes_.push_back(std::make_unique<Node>(header_, policy, capacity, simulate,
                                             /*timed=*/true, t_first_, t_last_,
                                             ears_.back().get()));
   }

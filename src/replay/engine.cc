@@ -1,8 +1,10 @@
 #include "engine.h"
 
 #include <algorithm>
+#include <atomic>
 #include <cassert>
 #include <cmath>
+#include <memory>
 #include <utility>
 
 namespace modelcache::replay {
@@ -26,23 +28,12 @@ double TraceEnd(const Trace& trace) {
              : static_cast<double>(trace.requests.back().t_ms);
 }
 
-std::vector<double> NextUses(const Trace& trace) {
-  const size_t n = trace.requests.size();
-  std::vector<double> next_use(n, Node::kInf);
-  std::vector<double> seen(trace.models.size(), Node::kInf);
-  for (size_t i = n; i-- > 0;) {
-    next_use[i] = seen[trace.requests[i].model];
-    seen[trace.requests[i].model] = static_cast<double>(i);
-  }
-  return next_use;
-}
-
 double HoldMsOf(const Trace& trace, const SimulateOptions& options, size_t i) {
   return trace.hold_ms.empty() ? options.hold_ms
                                : static_cast<double>(trace.hold_ms[i]);
 }
 
-Node::Node(const Trace& trace, const NamedPolicy& spec, uint64_t capacity,
+Node::Node(const TraceHeader& trace, const NamedPolicy& spec, uint64_t capacity,
            const SimulateOptions& options, bool timed, double t_first,
            double t_last, NodeListener* listener)
     : trace_(trace),
@@ -58,7 +49,7 @@ Node::Node(const Trace& trace, const NamedPolicy& spec, uint64_t capacity,
       models_(trace.models.size()),
       t_first_(t_first),
       t_last_(t_last),
-      books_(trace, t_first_, t_last_) {
+      books_(trace, t_first_, t_last_, options.max_exact_waits) {
   for (uint32_t m = 0; m < trace.models.size(); ++m)
     index_.emplace(trace.models[m], m);
   NewCache();
@@ -646,36 +637,50 @@ RunResult Node::Finish() && {
 
 // ---- Engine: one node, fed the trace ----
 
-Engine::Engine(const Trace& trace, const NamedPolicy& policy, uint64_t capacity,
-               const SimulateOptions& options, bool timed)
-    : trace_(trace),
+Engine::Engine(const TraceSource& source, const NamedPolicy& policy,
+               uint64_t capacity, const SimulateOptions& options, bool timed)
+    : source_(source),
+      trace_(source.header()),
       options_(options),
-      next_use_(policy.eviction->monotone() ? std::vector<double>{}
-                                            : NextUses(trace)),
-      node_(trace, policy, capacity, options, timed, TraceStart(trace),
-            TraceEnd(trace)) {}
+      node_(trace_, policy, capacity, options, timed,
+            static_cast<double>(trace_.t_first_ms),
+            static_cast<double>(trace_.t_last_ms)) {
+  if (!policy.eviction->monotone()) {
+    next_use_.emplace(source, policy.eviction->name(),
+                      options.max_next_use_index_bytes);
+  }
+}
 
 RunResult Engine::Run() && {
-  const auto& requests = trace_.requests;
-  const size_t n = requests.size();
-  node_.AdvanceTo(TraceStart(trace_));
+  node_.AdvanceTo(static_cast<double>(trace_.t_first_ms));
   for (const Request& p : options_.prewarms) {
     node_.SchedulePrewarm(static_cast<double>(p.t_ms), p.model);
   }
-  for (size_t i = 0; i < n; ++i) {
-    const double t = static_cast<double>(requests[i].t_ms);
-    while (node_.NextTime() <= t) node_.Step();
-    node_.AdvanceTo(t);
-    NodeRequest request;
-    request.id = i;
-    request.model = requests[i].model;
-    request.hold_ms = HoldMsOf(trace_, options_, i);
-    request.hint = next_use_.empty() ? 0.0 : next_use_[i];
-    request.wait_from = t;
-    node_.Arrive(request);
-    node_.StartLoads();
+  std::unique_ptr<RequestReader> reader = source_.Read();
+  std::vector<Request> chunk(kReadChunk);
+  std::vector<float> hold(kReadChunk, 0.0f);
+  uint64_t i = 0;
+  for (size_t got;
+       (got = reader->Read(chunk.data(), hold.data(), kReadChunk)) > 0;) {
+    for (size_t k = 0; k < got; ++k, ++i) {
+      const double t = static_cast<double>(chunk[k].t_ms);
+      while (node_.NextTime() <= t) node_.Step();
+      node_.AdvanceTo(t);
+      NodeRequest request;
+      request.id = i;
+      request.model = chunk[k].model;
+      request.hold_ms = trace_.service_times ? static_cast<double>(hold[k])
+                                             : options_.hold_ms;
+      request.hint = next_use_ ? next_use_->At(i) : 0.0;
+      request.wait_from = t;
+      node_.Arrive(request);
+      node_.StartLoads();
+    }
+    if (options_.requests_done) {
+      options_.requests_done->fetch_add(got, std::memory_order_relaxed);
+    }
   }
-  if (n > 0) {
+  if (i > 0) {
     while (node_.NextTime() != Node::kInf) node_.Step();
   }
   return std::move(node_).Finish();

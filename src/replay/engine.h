@@ -102,7 +102,7 @@ namespace modelcache::replay {
 // One request as a node sees it; where it comes from is the feed's business.
 struct NodeRequest {
   size_t id = 0;         // the feed's number for it (its index in the trace)
-  uint32_t model = 0;    // index into Trace::models
+  uint32_t model = 0;    // index into TraceHeader::models
   double hold_ms = 0;    // its service time
   double hint = 0;       // AcquireOptions::policy_hint (Belady's next use)
   double wait_from = 0;  // when its wait began, for the listener (NodeWaits)
@@ -131,12 +131,13 @@ class Node {
   static constexpr double kInf = std::numeric_limits<double>::infinity();
 
   // A cache of `capacity` bytes run by `policy`, for the models of `trace`
-  // (its names and sizes; its requests are not read). The books integrate
-  // over [t_first, t_last]; after t_last the node only finishes its
-  // requests (no expiry, keep-alive or prewarm). `timed`: false runs an
-  // infinitely fast load path (loads take no time).
+  // (only their names and sizes are read). The books integrate over
+  // [t_first, t_last] (their waits exact as SimulateOptions::max_exact_waits
+  // says); after t_last the node only finishes its requests (no expiry,
+  // keep-alive or prewarm). `timed`: false runs an infinitely fast load path
+  // (loads take no time).
   // REQUIRES: every argument outlives the node.
-  Node(const Trace& trace, const NamedPolicy& policy, uint64_t capacity,
+  Node(const TraceHeader& trace, const NamedPolicy& policy, uint64_t capacity,
        const SimulateOptions& options, bool timed, double t_first,
        double t_last, NodeListener* listener = nullptr);
   ~Node();
@@ -284,7 +285,7 @@ class Node {
   void PlanKeepAlive(uint32_t m);
   double ExpectedLoadMs(uint32_t m) const;
 
-  const Trace& trace_;
+  const TraceHeader& trace_;
   const NamedPolicy& spec_;
   // The idle TTL in ms (0: none), and whether prewarms may evict idle models
   // ranked below them.
@@ -321,33 +322,32 @@ class Node {
   uint64_t idle_bytes_ = 0;  // resident, no lease, not loading
 };
 
-// The replay in trace time of one node: the trace's requests, in order, fed
-// to one Node. (Where requests come from lives here; what a node does with
-// them lives in Node.)
+// The replay in trace time of one node: the trace's requests, in order,
+// read from its source a chunk at a time, fed to one Node. (Where requests
+// come from lives here; what a node does with them lives in Node.) An
+// offline policy's hints come from a NextUseIndex, built in a pass over the
+// source before the replay's pass.
 class Engine {
  public:
-  // REQUIRES: every argument outlives the engine.
-  Engine(const Trace& trace, const NamedPolicy& policy, uint64_t capacity,
-         const SimulateOptions& options, bool timed);
+  // REQUIRES: every argument outlives the engine. `timed`: false runs an
+  // infinitely fast load path (loads take no time).
+  Engine(const TraceSource& source, const NamedPolicy& policy,
+         uint64_t capacity, const SimulateOptions& options, bool timed);
 
   // Runs the whole trace, once; then its books with the cache's counters.
   RunResult Run() &&;
 
  private:
-  const Trace& trace_;
+  const TraceSource& source_;
+  const TraceHeader& trace_;
   const SimulateOptions& options_;
-  // Belady's hint for each request: the index of the next request for the
-  // same model (infinity: none); empty for an online policy.
-  std::vector<double> next_use_;
+  std::optional<NextUseIndex> next_use_;  // an offline policy's
   Node node_;
 };
 
 // The span of a trace, [first request, last request] (0 and 0 when empty).
 double TraceStart(const Trace& trace);
 double TraceEnd(const Trace& trace);
-// Belady's hints (Engine::next_use_): per request, the index of the next
-// request for the same model, or infinity.
-std::vector<double> NextUses(const Trace& trace);
 // The service time of request `i`: its own, else options.hold_ms.
 double HoldMsOf(const Trace& trace, const SimulateOptions& options, size_t i);
 

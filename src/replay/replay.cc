@@ -14,6 +14,7 @@
 #include <condition_variable>
 #include <limits>
 #include <mutex>
+#include <optional>
 #include <queue>
 #include <thread>
 
@@ -23,28 +24,62 @@
 
 namespace modelcache::replay {
 
-RunResult ReplayUntimedWith(const Trace& trace,
+NextUseIndex::NextUseIndex(const TraceSource& source, const std::string& policy,
+                           uint64_t max_bytes) {
+  const TraceHeader& header = source.header();
+  const uint64_t needed = BytesFor(header.requests);
+  if (needed > max_bytes) {
+    throw Error(ErrorCode::kInvalidArgument,
+                "policy '" + policy + "' needs the future: an index of " +
+                    FormatBytes(needed) + " (4 bytes for each of the " +
+                    std::to_string(header.requests) +
+                    " requests), more than the " + FormatBytes(max_bytes) +
+                    " allowed (SimulateOptions::max_next_use_index_bytes, "
+                    "--max-index-memory); allow more, or replay an online "
+                    "policy");
+  }
+  gaps_.assign(header.requests, 0);
+  constexpr uint64_t kNone = ~uint64_t{0};
+  std::vector<uint64_t> last(header.models.size(), kNone);
+  std::unique_ptr<RequestReader> reader = source.Read();
+  std::vector<Request> chunk(kReadChunk);
+  std::vector<float> hold(header.service_times ? kReadChunk : 0);
+  uint64_t i = 0;
+  for (size_t n;
+       (n = reader->Read(chunk.data(), hold.data(), kReadChunk)) > 0;) {
+    for (size_t k = 0; k < n; ++k, ++i) {
+      uint64_t& previous = last[chunk[k].model];
+      if (previous != kNone) {
+        const uint64_t gap = i - previous;
+        if (gap < kFar) {
+          gaps_[previous] = static_cast<uint32_t>(gap);
+        } else {
+          gaps_[previous] = kFar;
+          far_.emplace(previous, i);
+        }
+      }
+      previous = i;
+    }
+  }
+}
+
+RunResult ReplayUntimedWith(const TraceSource& source,
                             std::shared_ptr<const EvictionPolicy> policy,
-                            uint64_t capacity_bytes, double hold_ms) {
+                            uint64_t capacity_bytes, double hold_ms,
+                            const SimulateOptions& simulate) {
+  const TraceHeader& header = source.header();
   const bool belady = !policy->monotone();
-  const size_t n = trace.requests.size();
+  const uint64_t n = header.requests;
   RunResult result;
   result.policy = policy->name();
   result.offline = belady;
   result.capacity_bytes = capacity_bytes;
   result.requests = n;
-  result.loads_per_model.assign(trace.models.size(), 0);
+  result.loads_per_model.assign(header.models.size(), 0);
 
-  // Belady's needs each request's next use of the same model.
-  std::vector<double> next_use;
+  std::optional<NextUseIndex> next_use;
   if (belady) {
-    next_use.assign(n, std::numeric_limits<double>::infinity());
-    std::vector<double> seen(trace.models.size(),
-                             std::numeric_limits<double>::infinity());
-    for (size_t i = n; i-- > 0;) {
-      next_use[i] = seen[trace.requests[i].model];
-      seen[trace.requests[i].model] = static_cast<double>(i);
-    }
+    next_use.emplace(source, policy->name(), simulate.max_next_use_index_bytes);
   }
 
   CacheOptions options;
@@ -52,8 +87,6 @@ RunResult ReplayUntimedWith(const Trace& trace,
   options.capacity_bytes = capacity_bytes;
   options.policy = policy;
   options.shard_bits = 0;
-  // The cache's clock is trace time: policies that learn from when
-  // requests come (next-use) see the trace's gaps, not the replay's speed.
   double now_ms = 0;
   options.now = [&now_ms] {
     return Clock::time_point(
@@ -61,76 +94,82 @@ RunResult ReplayUntimedWith(const Trace& trace,
   };
   ModelCache cache(std::move(options));
 
-  // One loader for all models: the value is a shared token, the size the
-  // model's; `loaded` tells the loop that this request missed.
   const auto token = std::make_shared<char>(0);
   bool loaded = false;
   uint32_t current = 0;
   const Loader loader = [&] {
     loaded = true;
     ++result.loads_per_model[current];
-    return Loaded{token, trace.sizes[current], {}};
+    return Loaded{token, header.sizes[current], {}};
   };
 
-  // Held leases, released in end-time order (declared after the cache, so
-  // destroyed before it).
   using Held = std::pair<double, size_t>;
   std::priority_queue<Held, std::vector<Held>, std::greater<>> ends;
   LeasePool held;
 
   constexpr size_t kSamples = 240;
-  const int64_t t0 = n ? trace.requests.front().t_ms : 0;
-  const int64_t t1 = n ? trace.requests.back().t_ms : 0;
+  const int64_t t0 = header.t_first_ms;
+  const int64_t t1 = header.t_last_ms;
   size_t next_sample = 0;
   uint64_t requested_bytes = 0, missed_bytes = 0;
 
   const auto start = std::chrono::steady_clock::now();
-  for (size_t i = 0; i < n; ++i) {
-    const Request& request = trace.requests[i];
-    while (!ends.empty() &&
-           ends.top().first <= static_cast<double>(request.t_ms)) {
-      now_ms = ends.top().first;
-      held.Release(ends.top().second);
-      ends.pop();
-    }
-    now_ms = static_cast<double>(request.t_ms);
-    const uint64_t size = trace.sizes[request.model];
-    requested_bytes += size;
-    AcquireOptions acquire;
-    if (belady) acquire.policy_hint = next_use[i];
-    loaded = false;
-    current = request.model;
-    try {
-      Lease lease =
-          cache.Acquire(trace.models[request.model], size, loader, acquire);
-      if (loaded) {
+  std::unique_ptr<RequestReader> reader = source.Read();
+  std::vector<Request> chunk(kReadChunk);
+  std::vector<float> hold(header.service_times ? kReadChunk : 0);
+  uint64_t i = 0;
+  for (size_t got;
+       (got = reader->Read(chunk.data(), hold.data(), kReadChunk)) > 0;) {
+    for (size_t k = 0; k < got; ++k, ++i) {
+      const Request& request = chunk[k];
+      while (!ends.empty() &&
+             ends.top().first <= static_cast<double>(request.t_ms)) {
+        now_ms = ends.top().first;
+        held.Release(ends.top().second);
+        ends.pop();
+      }
+      now_ms = static_cast<double>(request.t_ms);
+      const uint64_t size = header.sizes[request.model];
+      requested_bytes += size;
+      AcquireOptions acquire;
+      if (belady) acquire.policy_hint = next_use->At(i);
+      loaded = false;
+      current = request.model;
+      try {
+        Lease lease =
+            cache.Acquire(header.models[request.model], size, loader, acquire);
+        if (loaded) {
+          ++result.misses;
+          missed_bytes += size;
+        } else {
+          ++result.hits;
+        }
+        if (hold_ms > 0) {
+          ends.emplace(static_cast<double>(request.t_ms) + hold_ms,
+                       held.Hold(std::move(lease)));
+        }
+      } catch (const Error& e) {
         ++result.misses;
         missed_bytes += size;
-      } else {
-        ++result.hits;
+        if (e.code() == ErrorCode::kTooLarge) {
+          ++result.too_large;
+        } else {
+          ++result.blocked;
+        }
       }
-      if (hold_ms > 0) {
-        ends.emplace(static_cast<double>(request.t_ms) + hold_ms,
-                     held.Hold(std::move(lease)));
-      }
-    } catch (const Error& e) {
-      ++result.misses;
-      missed_bytes += size;
-      if (e.code() == ErrorCode::kTooLarge) {
-        ++result.too_large;
-      } else {
-        ++result.blocked;
+      while (
+          next_sample < kSamples &&
+          (t1 == t0 ||
+           request.t_ms >= t0 + (t1 - t0) * static_cast<int64_t>(next_sample) /
+                                    static_cast<int64_t>(kSamples - 1))) {
+        result.resident_over_time.emplace_back(request.t_ms,
+                                               cache.budget().used());
+        ++next_sample;
+        if (t1 == t0) break;
       }
     }
-    // Resident bytes at evenly spaced points of trace time.
-    while (next_sample < kSamples &&
-           (t1 == t0 ||
-            request.t_ms >= t0 + (t1 - t0) * static_cast<int64_t>(next_sample) /
-                                     static_cast<int64_t>(kSamples - 1))) {
-      result.resident_over_time.emplace_back(request.t_ms,
-                                             cache.budget().used());
-      ++next_sample;
-      if (t1 == t0) break;
+    if (simulate.requests_done) {
+      simulate.requests_done->fetch_add(got, std::memory_order_relaxed);
     }
   }
   result.seconds =
@@ -155,6 +194,14 @@ RunResult ReplayUntimedWith(const Trace& trace,
 
 std::vector<RunResult> ReplayAll(
     const Trace& trace, const std::vector<std::string>& policies,
+    const std::vector<uint64_t>& capacities, const ReplayOptions& options,
+    unsigned threads, const std::function<void(size_t, size_t)>& progress) {
+  return ReplayAll(*SourceOf(trace), policies, capacities, options, threads,
+                   progress);
+}
+
+std::vector<RunResult> ReplayAll(
+    const TraceSource& trace, const std::vector<std::string>& policies,
     const std::vector<uint64_t>& capacities, const ReplayOptions& options,
     unsigned threads, const std::function<void(size_t, size_t)>& progress) {
   for (const std::string& p : policies) {

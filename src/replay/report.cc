@@ -17,7 +17,7 @@
 namespace modelcache::replay {
 namespace {
 
-uint64_t TotalModelBytes(const Trace& trace) {
+uint64_t TotalModelBytes(const TraceHeader& trace) {
   return std::accumulate(trace.sizes.begin(), trace.sizes.end(), uint64_t{0});
 }
 
@@ -452,7 +452,8 @@ std::string SloText(const SloSearchOptions& slo, double ms) {
 // One line per policy: "next-use: 52.3 GiB for p99 wait ≤ 1.00s (lru
 // 61.0 GiB, +17%)", compared with lru's answer (or the first policy's when
 // lru was not searched).
-std::vector<std::string> SloLines(const Trace& trace, const RunInfo& info) {
+std::vector<std::string> SloLines(const TraceHeader& trace,
+                                  const RunInfo& info) {
   const std::vector<SloAnswer>& answers = info.slo_answers;
   const SloAnswer* base = answers.empty() ? nullptr : &answers.front();
   for (const SloAnswer& a : answers) {
@@ -502,13 +503,13 @@ std::vector<std::string> SloLines(const Trace& trace, const RunInfo& info) {
 
 }  // namespace
 
-std::string ResultsTable(const Trace& trace,
+std::string ResultsTable(const TraceHeader& trace,
                          const std::vector<RunResult>& results,
                          const RunInfo& info) {
   std::ostringstream out;
-  out << "trace: " << trace.requests.size() << " requests, "
-      << trace.models.size() << " models, "
-      << FormatBytes(TotalModelBytes(trace)) << " of models in all\n";
+  out << "trace: " << trace.requests << " requests, " << trace.models.size()
+      << " models, " << FormatBytes(TotalModelBytes(trace))
+      << " of models in all\n";
   if (info.timed) {
     out << "load path: " << Fixed(info.time.bandwidth_bytes_per_second / 1e9, 2)
         << " GB/s shared by at most "
@@ -572,11 +573,11 @@ std::string ResultsTable(const Trace& trace,
   return out.str();
 }
 
-std::string ResultsJson(const Trace& trace,
+std::string ResultsJson(const TraceHeader& trace,
                         const std::vector<RunResult>& results,
                         const RunInfo& info) {
   nlohmann::json doc;
-  doc["requests"] = trace.requests.size();
+  doc["requests"] = trace.requests;
   doc["models"] = trace.models.size();
   doc["model_bytes"] = TotalModelBytes(trace);
   if (info.timed) {
@@ -663,7 +664,7 @@ namespace {
 // The charts of a timed replay: the SLO's curve, the waits' tail, p99
 // against capacity and against idle memory.
 struct ReportContext {
-  const Trace& trace;
+  const TraceHeader& trace;
   const std::vector<RunResult>& results;
   const RunInfo& info;
   std::vector<std::string> policies;  // labels, in the table's order
@@ -962,7 +963,7 @@ std::string TimeSeries(const ReportContext& c) {
 
 }  // namespace
 
-std::string HtmlReport(const Trace& trace, const std::string& title,
+std::string HtmlReport(const TraceHeader& trace, const std::string& title,
                        const std::vector<RunResult>& results,
                        const RunInfo& info) {
   ReportContext c{trace, results, info, Policies(results), Capacities(results)};
@@ -997,9 +998,8 @@ std::string HtmlReport(const Trace& trace, const std::string& title,
           ".paneltitle{font-size:13px;font-weight:600}\n"
        << "</style>\n</head>\n<body>\n";
   html << "<h1>" << Escape(title) << "</h1>\n";
-  html << "<p>" << trace.requests.size() << " requests for "
-       << trace.models.size() << " models ("
-       << Escape(FormatBytes(TotalModelBytes(trace)))
+  html << "<p>" << trace.requests << " requests for " << trace.models.size()
+       << " models (" << Escape(FormatBytes(TotalModelBytes(trace)))
        << " in all), replayed through modelcache's core cache.";
   if (info.timed) {
     html << " Load path: "
@@ -1170,6 +1170,24 @@ std::string HtmlReport(const Trace& trace, const std::string& title,
   }
   html << "</body>\n</html>\n";
   return html.str();
+}
+
+std::string ResultsTable(const Trace& trace,
+                         const std::vector<RunResult>& results,
+                         const RunInfo& info) {
+  return ResultsTable(HeaderOf(trace), results, info);
+}
+
+std::string ResultsJson(const Trace& trace,
+                        const std::vector<RunResult>& results,
+                        const RunInfo& info) {
+  return ResultsJson(HeaderOf(trace), results, info);
+}
+
+std::string HtmlReport(const Trace& trace, const std::string& title,
+                       const std::vector<RunResult>& results,
+                       const RunInfo& info) {
+  return HtmlReport(HeaderOf(trace), title, results, info);
 }
 
 }  // namespace modelcache::replay

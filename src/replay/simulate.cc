@@ -19,7 +19,7 @@ NamedPolicy ParsePolicy(const std::string& name, const TimeModel& time) {
                                           time.bandwidth_bytes_per_second});
 }
 
-RunResult RunEngine(const Trace& trace, const std::string& policy_name,
+RunResult RunEngine(const TraceSource& trace, const std::string& policy_name,
                     const NamedPolicy& policy, uint64_t capacity_bytes,
                     const SimulateOptions& options, bool timed) {
   const auto start = std::chrono::steady_clock::now();
@@ -41,11 +41,22 @@ RunResult RunEngine(const Trace& trace, const std::string& policy_name,
 RunResult ReplayUntimed(const Trace& trace, const std::string& policy_name,
                         uint64_t capacity_bytes,
                         const SimulateOptions& options) {
+  return ReplayUntimed(*SourceOf(trace), policy_name, capacity_bytes, options);
+}
+
+RunResult Simulate(const Trace& trace, const std::string& policy_name,
+                   uint64_t capacity_bytes, const SimulateOptions& options) {
+  return Simulate(*SourceOf(trace), policy_name, capacity_bytes, options);
+}
+
+RunResult ReplayUntimed(const TraceSource& trace,
+                        const std::string& policy_name, uint64_t capacity_bytes,
+                        const SimulateOptions& options) {
   const NamedPolicy policy = ParsePolicy(policy_name, options.time);
   const bool plain = policy.idle_ttl.count() == 0 && !policy.keep_alive;
-  if (plain && options.prewarms.empty() && trace.hold_ms.empty()) {
+  if (plain && options.prewarms.empty() && !trace.header().service_times) {
     return ReplayUntimedWith(trace, policy.eviction, capacity_bytes,
-                             options.hold_ms);
+                             options.hold_ms, options);
   }
   // Time matters to its keep-alive, or to its service times: the engine,
   // with loads that take no time (which gives the untimed counts for every
@@ -54,7 +65,7 @@ RunResult ReplayUntimed(const Trace& trace, const std::string& policy_name,
                    /*timed=*/false);
 }
 
-RunResult Simulate(const Trace& trace, const std::string& policy_name,
+RunResult Simulate(const TraceSource& trace, const std::string& policy_name,
                    uint64_t capacity_bytes, const SimulateOptions& options) {
   const NamedPolicy policy = ParsePolicy(policy_name, options.time);
   return RunEngine(trace, policy_name, policy, capacity_bytes, options,

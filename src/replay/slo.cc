@@ -26,6 +26,7 @@
 #include <cstdio>
 #include <exception>
 #include <map>
+#include <memory>
 #include <mutex>
 #include <numeric>
 #include <optional>
@@ -193,7 +194,7 @@ void ValidateSloOptions(const SloSearchOptions& o) {
 }
 
 std::vector<SloAnswer> FindSloCapacities(
-    const Trace& trace, const std::vector<std::string>& policies,
+    const TraceSource& source, const std::vector<std::string>& policies,
     const SimulateOptions& options, const SloSearchOptions& slo,
     unsigned threads, const std::vector<RunResult>& known,
     const std::function<void(size_t, size_t)>& progress) {
@@ -203,10 +204,18 @@ std::vector<SloAnswer> FindSloCapacities(
   }
 
   // The domain: from the largest requested model to the sum of all models.
+  // One pass over the requests finds the models requested.
+  const TraceHeader& trace = source.header();
   uint64_t floor = 0;
   {
     std::vector<bool> requested(trace.models.size());
-    for (const Request& r : trace.requests) requested[r.model] = true;
+    std::unique_ptr<RequestReader> reader = source.Read();
+    constexpr size_t kChunk = 4096;
+    std::vector<Request> chunk(kChunk);
+    std::vector<float> hold(trace.service_times ? kChunk : 0);
+    for (size_t n; (n = reader->Read(chunk.data(), hold.data(), kChunk)) > 0;) {
+      for (size_t i = 0; i < n; ++i) requested[chunk[i].model] = true;
+    }
     for (size_t m = 0; m < trace.sizes.size(); ++m) {
       if (requested[m]) floor = std::max(floor, trace.sizes[m]);
     }
@@ -271,8 +280,8 @@ std::vector<SloAnswer> FindSloCapacities(
     auto work = [&] {
       for (size_t i; (i = next.fetch_add(1)) < plan.size();) {
         try {
-          const RunResult r =
-              Simulate(trace, policies[plan[i].first], plan[i].second, options);
+          const RunResult r = Simulate(source, policies[plan[i].first],
+                                       plan[i].second, options);
           found[i] = ProbeOf(r, slo.percentile);
         } catch (...) {
           std::lock_guard<std::mutex> lock(mu);
@@ -312,6 +321,15 @@ std::vector<SloAnswer> FindSloCapacities(
     answers.push_back(std::move(a));
   }
   return answers;
+}
+
+std::vector<SloAnswer> FindSloCapacities(
+    const Trace& trace, const std::vector<std::string>& policies,
+    const SimulateOptions& options, const SloSearchOptions& slo,
+    unsigned threads, const std::vector<RunResult>& known,
+    const std::function<void(size_t, size_t)>& progress) {
+  return FindSloCapacities(*SourceOf(trace), policies, options, slo, threads,
+                           known, progress);
 }
 
 }  // namespace modelcache::replay

@@ -3,114 +3,28 @@
 #include <algorithm>
 #include <charconv>
 #include <cmath>
-#include <filesystem>
-#include <fstream>
 #include <limits>
 #include <random>
 #include <unordered_map>
 
+#include "csv.h"
+#include "input.h"
 #include "modelcache/replay/replay.h"
+#include "trace_internal.h"
 
 namespace modelcache::replay {
 
 namespace {
 
-// Splits one CSV line into `fields` (reused across lines); double-quoted
-// fields may contain commas and doubled quotes.
-void SplitCsv(std::string_view line, std::vector<std::string>* fields) {
-  fields->clear();
-  std::string field;
-  bool quoted = false;
-  for (size_t i = 0; i < line.size(); ++i) {
-    const char c = line[i];
-    if (quoted) {
-      if (c == '"' && i + 1 < line.size() && line[i + 1] == '"') {
-        field += '"';
-        ++i;
-      } else if (c == '"') {
-        quoted = false;
-      } else {
-        field += c;
-      }
-    } else if (c == '"' && field.empty()) {
-      quoted = true;
-    } else if (c == ',') {
-      fields->push_back(std::move(field));
-      field.clear();
-    } else {
-      field += c;
-    }
-  }
-  fields->push_back(std::move(field));
-}
-
-std::string_view Trim(std::string_view s) {
-  while (!s.empty() && (s.front() == ' ' || s.front() == '\t'))
-    s.remove_prefix(1);
-  while (!s.empty() &&
-         (s.back() == ' ' || s.back() == '\t' || s.back() == '\r')) {
-    s.remove_suffix(1);
-  }
-  return s;
-}
-
-[[noreturn]] void Fail(const std::string& path, size_t line,
-                       const std::string& problem) {
-  throw TraceError(path + ":" + std::to_string(line) + ": " + problem);
-}
-
-std::ifstream Open(const std::string& path) {
-  std::error_code ec;
-  if (std::filesystem::is_directory(path, ec)) {
-    throw TraceError(path + ":1: is a directory, not a file");
-  }
-  std::ifstream in(path);
-  if (!in) throw TraceError(path + ":1: cannot open file");
-  return in;
-}
-
-// A whole-field integer, or false.
-template <typename T>
-bool ParseInteger(std::string_view text, T* out) {
-  text = Trim(text);
-  auto [end, ec] =
-      std::from_chars(text.data(), text.data() + text.size(), *out);
-  return ec == std::errc() && end == text.data() + text.size() && !text.empty();
-}
-
-bool ParseNumber(std::string_view text, double* out) {
-  text = Trim(text);
-  auto [end, ec] =
-      std::from_chars(text.data(), text.data() + text.size(), *out);
-  return ec == std::errc() && end == text.data() + text.size() &&
-         !text.empty() && std::isfinite(*out);
-}
-
-uint64_t ParseSize(const std::string& path, size_t line,
-                   std::string_view text) {
-  text = Trim(text);
-  if (!text.empty() && text.front() == '-') {
-    Fail(path, line, "negative size_bytes '" + std::string(text) + "'");
-  }
-  uint64_t size = 0;
-  if (!ParseInteger(text, &size)) {
-    Fail(path, line,
-         "size_bytes '" + std::string(text) +
-             "' is not a whole number of bytes");
-  }
-  return size;
-}
-
-// The largest time or service time, in ms, a trace may give: 2^53, about
-// 285,000 years, which doubles hold exactly and which fits the int64 and
-// float the replay keeps them in. A larger number is a malformed file.
-constexpr int64_t kMaxWholeMs = int64_t{1} << 53;
-constexpr double kMaxMs = static_cast<double>(kMaxWholeMs);
-
-std::string TooLarge(std::string_view what, std::string_view text) {
-  return std::string(what) + " " + std::string(text) +
-         " is too large (at most " + std::to_string(kMaxWholeMs) + ")";
-}
+using csv::Fail;
+using csv::kMaxMs;
+using csv::kMaxWholeMs;
+using csv::ParseInteger;
+using csv::ParseNumber;
+using csv::ParseSize;
+using csv::SplitCsv;
+using csv::TooLarge;
+using csv::Trim;
 
 struct TraceBuilder {
   Trace trace;
@@ -160,13 +74,13 @@ double ParseDurationMs(std::string_view text) {
 }
 
 SizeTable ReadSizes(const std::string& path) {
-  std::ifstream in = Open(path);
+  LineReader in(path);
   SizeTable sizes;
-  std::string line;
+  std::string_view line;
   std::vector<std::string> fields;
   size_t line_no = 0;
   int model_col = -1, size_col = -1;
-  while (std::getline(in, line)) {
+  while (in.Next(&line)) {
     ++line_no;
     if (Trim(line).empty()) continue;
     SplitCsv(line, &fields);
@@ -202,16 +116,16 @@ SizeTable ReadSizes(const std::string& path) {
 }
 
 Trace ReadCsvTrace(const std::string& path, const SizeTable* sizes) {
-  std::ifstream in = Open(path);
+  LineReader in(path);
   TraceBuilder builder;
   std::vector<size_t> first_line;  // per model, for errors
-  std::string line;
+  std::string_view line;
   std::vector<std::string> fields;
   size_t line_no = 0;
   int t_col = -1, model_col = -1, size_col = -1, duration_col = -1;
   size_t needed = 0;
   double previous_t = -std::numeric_limits<double>::infinity();
-  while (std::getline(in, line)) {
+  while (in.Next(&line)) {
     ++line_no;
     if (Trim(line).empty()) continue;
     SplitCsv(line, &fields);
@@ -315,15 +229,15 @@ namespace {
 std::unordered_map<std::string, std::vector<double>> ReadPerFunction(
     const std::string& path, const std::string& key,
     const std::vector<std::string>& columns) {
-  std::ifstream in = Open(path);
+  LineReader in(path);
   std::unordered_map<std::string, std::vector<double>> out;
-  std::string line;
+  std::string_view line;
   std::vector<std::string> fields;
   size_t line_no = 0;
   int key_col = -1;
   std::vector<int> cols;
   size_t needed = 0;
-  while (std::getline(in, line)) {
+  while (in.Next(&line)) {
     ++line_no;
     if (Trim(line).empty()) continue;
     SplitCsv(line, &fields);
@@ -396,12 +310,10 @@ Trace ReadAzureFunctionsTrace(const std::string& path,
                 "the memory scale must be a positive number, not " +
                     std::to_string(options.memory_scale));
   }
-  const uint32_t num_models = options.num_models;
-  const SizeTable* sizes = options.sizes;
   const uint64_t seed = options.seed;
   std::mt19937_64 arrivals_rng(seed ^ 0x5DEECE66DULL);
-  std::ifstream in = Open(path);
-  std::string line;
+  LineReader in(path);
+  std::string_view line;
   std::vector<std::string> fields;
   size_t line_no = 0;
   std::vector<int64_t> minutes;
@@ -415,7 +327,7 @@ Trace ReadAzureFunctionsTrace(const std::string& path,
   uint32_t function = 0;
   uint64_t total = 0;  // requests so far, at most options.max_requests
   std::vector<int64_t> offsets;
-  while (std::getline(in, line)) {
+  while (in.Next(&line)) {
     ++line_no;
     if (Trim(line).empty()) continue;
     SplitCsv(line, &fields);
@@ -505,24 +417,45 @@ Trace ReadAzureFunctionsTrace(const std::string& path,
     if (a.function != b.function) return a.function < b.function;
     return a.j < b.j;
   });
-  const uint32_t models =
-      num_models == 0 ? std::max<uint32_t>(function, 1) : num_models;
+  Trace trace;
+  AzureModels(path, options, hashes, &trace.models, &trace.sizes);
+  const uint32_t models = static_cast<uint32_t>(trace.models.size());
+  trace.requests.reserve(bursts.size());
+  for (const Burst& b : bursts)
+    trace.requests.push_back(Request{b.t_ms, b.function % models});
+  if (!options.durations_path.empty()) {
+    AzureDurations durations(options, hashes);
+    trace.hold_ms.reserve(bursts.size());
+    for (const Burst& b : bursts) {
+      trace.hold_ms.push_back(durations.Draw(b.function));
+    }
+  }
+  return trace;
+}
+
+void AzureModels(const std::string& path, const AzureOptions& options,
+                 const std::vector<std::string>& hashes,
+                 std::vector<std::string>* names,
+                 std::vector<uint64_t>* sizes) {
+  const uint32_t function = static_cast<uint32_t>(hashes.size());
+  const uint32_t models = options.num_models == 0
+                              ? std::max<uint32_t>(function, 1)
+                              : options.num_models;
   std::unordered_map<std::string, std::vector<double>> memory;
   if (!options.memory_path.empty()) {
     memory = ReadPerFunction(options.memory_path, "HashFunction",
                              {"AverageAllocatedMb_pct50"});
   }
-  Trace trace;
   for (uint32_t m = 0; m < models; ++m) {
-    trace.models.push_back("model-" + std::to_string(m));
-    uint64_t size = DefaultModelSize(m, seed);
-    if (sizes) {
-      auto it = sizes->find(trace.models.back());
-      if (it != sizes->end()) {
+    names->push_back("model-" + std::to_string(m));
+    uint64_t size = DefaultModelSize(m, options.seed);
+    if (options.sizes) {
+      auto it = options.sizes->find(names->back());
+      if (it != options.sizes->end()) {
         size = it->second;
       } else {
         throw TraceError(path + ": --sizes has no size for '" +
-                         trace.models.back() + "'");
+                         names->back() + "'");
       }
     } else if (!options.memory_path.empty() && m < function) {
       auto it = memory.find(hashes[m]);
@@ -538,44 +471,46 @@ Trace ReadAzureFunctionsTrace(const std::string& path,
       }
       size = static_cast<uint64_t>(std::llround(bytes));
     }
-    trace.sizes.push_back(size);
+    sizes->push_back(size);
   }
-  trace.requests.reserve(bursts.size());
-  for (const Burst& b : bursts)
-    trace.requests.push_back(Request{b.t_ms, b.function % models});
-  if (!options.durations_path.empty()) {
-    static const double kAt[] = {0, 0.01, 0.25, 0.5, 0.75, 0.99, 1};
-    const std::vector<std::string> columns = {
-        "percentile_Average_0",  "percentile_Average_1",
-        "percentile_Average_25", "percentile_Average_50",
-        "percentile_Average_75", "percentile_Average_99",
-        "percentile_Average_100"};
-    auto durations =
-        ReadPerFunction(options.durations_path, "HashFunction", columns);
-    std::vector<const std::vector<double>*> per_function(function);
-    for (uint32_t f = 0; f < function; ++f) {
-      auto it = durations.find(hashes[f]);
-      if (it == durations.end()) {
-        throw TraceError(options.durations_path + ":1: no row for function " +
-                         hashes[f]);
-      }
-      per_function[f] = &it->second;
+}
+
+namespace {
+
+constexpr double kDurationAt[] = {0, 0.01, 0.25, 0.5, 0.75, 0.99, 1};
+
+}  // namespace
+
+AzureDurations::AzureDurations(const AzureOptions& options,
+                               const std::vector<std::string>& hashes)
+    : rng_(options.seed ^ 0xD0A710ULL) {
+  const std::vector<std::string> columns = {
+      "percentile_Average_0",  "percentile_Average_1",
+      "percentile_Average_25", "percentile_Average_50",
+      "percentile_Average_75", "percentile_Average_99",
+      "percentile_Average_100"};
+  auto durations =
+      ReadPerFunction(options.durations_path, "HashFunction", columns);
+  per_function_.reserve(hashes.size());
+  for (const std::string& hash : hashes) {
+    auto it = durations.find(hash);
+    if (it == durations.end()) {
+      throw TraceError(options.durations_path + ":1: no row for function " +
+                       hash);
     }
-    std::mt19937_64 rng(seed ^ 0xD0A710ULL);
-    std::uniform_real_distribution<double> uniform(0, 1);
-    trace.hold_ms.reserve(bursts.size());
-    for (const Burst& b : bursts) {
-      // The inverse of the CDF the percentiles sketch, linear between them.
-      const std::vector<double>& p = *per_function[b.function];
-      const double u = uniform(rng);
-      size_t k = 1;
-      while (k + 1 < std::size(kAt) && u > kAt[k]) ++k;
-      const double f = (u - kAt[k - 1]) / (kAt[k] - kAt[k - 1]);
-      trace.hold_ms.push_back(
-          static_cast<float>(p[k - 1] + f * (p[k] - p[k - 1])));
-    }
+    per_function_.push_back(it->second);
   }
-  return trace;
+}
+
+float AzureDurations::Draw(uint32_t function) {
+  // The inverse of the CDF the percentiles sketch, linear between them.
+  const std::vector<double>& p = per_function_[function];
+  const double u = uniform_(rng_);
+  size_t k = 1;
+  while (k + 1 < std::size(kDurationAt) && u > kDurationAt[k]) ++k;
+  const double f =
+      (u - kDurationAt[k - 1]) / (kDurationAt[k] - kDurationAt[k - 1]);
+  return static_cast<float>(p[k - 1] + f * (p[k] - p[k - 1]));
 }
 
 uint64_t DefaultModelSize(uint32_t model, uint64_t seed) {

@@ -3,6 +3,7 @@
 #include <unistd.h>
 
 #include <algorithm>
+#include <atomic>
 #include <charconv>
 #include <chrono>
 #include <cmath>
@@ -11,6 +12,7 @@
 #include <fstream>
 #include <iostream>
 #include <limits>
+#include <memory>
 #include <numeric>
 #include <string>
 #include <thread>
@@ -22,35 +24,114 @@
 namespace modelcache::tools {
 namespace {
 
-// A progress bar on stderr, shown only on a terminal and only once the run
-// has taken more than a second.
+// Progress on stderr, on a terminal (or when asked): the trace's first
+// read, then the requests replayed over all runs, their rate and the time
+// left. On a terminal one line is rewritten, once the run has taken a
+// second; otherwise (--progress) a line is written every five seconds.
 class Progress {
  public:
-  explicit Progress(const char* what)
-      : what_(what), tty_(isatty(STDERR_FILENO) == 1), start_(Clock::now()) {}
-  void Update(size_t done, size_t total) {
-    if (!tty_ || Clock::now() - start_ < std::chrono::seconds(1)) return;
-    if (shown_ && done == last_done_) return;
-    last_done_ = done;
-    constexpr int kWidth = 30;
-    const int filled =
-        static_cast<int>(kWidth * done / std::max<size_t>(total, 1));
-    std::fprintf(stderr, "\r%s [%s%s] %zu/%zu runs", what_,
-                 std::string(filled, '#').c_str(),
-                 std::string(kWidth - filled, ' ').c_str(), done, total);
-    shown_ = true;
+  explicit Progress(bool forced)
+      : tty_(isatty(STDERR_FILENO) == 1),
+        shown_at_all_(tty_ || forced),
+        start_(Clock::now()) {}
+
+  void Reading(const std::string& path, uint64_t done, uint64_t total) {
+    if (!Due()) return;
+    if (total > 0) {
+      Show("reading " + path + ": " +
+           std::to_string(std::min<uint64_t>(100, done * 100 / total)) +
+           "% of " + FormatBytes(total));
+    } else {
+      Show("reading " + path + ": " + FormatBytes(done));
+    }
   }
-  ~Progress() {
-    if (shown_) std::fprintf(stderr, "\r%*s\r", 60, "");
+
+  void Replaying(size_t runs_done, size_t runs, uint64_t done, uint64_t total) {
+    if (!Due(/*new_phase=*/!replay_started_)) return;
+    if (!replay_started_) {
+      replay_started_ = true;
+      replay_start_ = Clock::now();
+      replay_start_done_ = done;
+    }
+    const double seconds =
+        std::chrono::duration<double>(Clock::now() - replay_start_).count();
+    const double rate =
+        seconds > 0 ? static_cast<double>(done - replay_start_done_) / seconds
+                    : 0;
+    char line[160];
+    std::snprintf(
+        line, sizeof line,
+        "replaying: %.1fM/%.1fM requests (%d%%), %.2fM requests/s",
+        static_cast<double>(done) / 1e6, static_cast<double>(total) / 1e6,
+        static_cast<int>(total ? done * 100 / total : 100), rate / 1e6);
+    std::string text = line;
+    if (rate > 0 && total > done) {
+      const auto left =
+          static_cast<uint64_t>(static_cast<double>(total - done) / rate);
+      std::snprintf(line, sizeof line, ", ETA %llu:%02llu:%02llu",
+                    static_cast<unsigned long long>(left / 3600),
+                    static_cast<unsigned long long>(left / 60 % 60),
+                    static_cast<unsigned long long>(left % 60));
+      text += line;
+    }
+    text +=
+        ", " + std::to_string(runs_done) + "/" + std::to_string(runs) + " runs";
+    Show(text);
   }
+
+  // The SLO search's probes (replays beyond the table's) done and planned.
+  void Searching(size_t done, size_t planned) {
+    if (!Due(/*new_phase=*/!search_started_)) return;
+    search_started_ = true;
+    Show("searching for the SLO's capacity: " + std::to_string(done) + "/" +
+         std::to_string(planned) + " replays");
+  }
+
+  // Takes the line off a terminal, before the results are printed.
+  void Clear() {
+    if (shown_ && tty_) std::fprintf(stderr, "\r%*s\r", width_, "");
+    shown_ = false;
+  }
+  ~Progress() { Clear(); }
 
  private:
   using Clock = std::chrono::steady_clock;
-  const char* const what_;
+
+  // Whether to show a line now; the first of a phase (reading, then
+  // replaying) is never held back by the last one.
+  bool Due(bool new_phase = false) {
+    if (!shown_at_all_) return false;
+    const auto now = Clock::now();
+    // On a terminal, nothing for a run that ends within a second.
+    if (tty_ && now - start_ < std::chrono::seconds(1)) return false;
+    if (!tty_ && !new_phase && shown_ &&
+        now - last_ < std::chrono::seconds(5)) {
+      return false;
+    }
+    last_ = now;
+    return true;
+  }
+
+  void Show(const std::string& text) {
+    if (tty_) {
+      const int pad = std::max(0, width_ - static_cast<int>(text.size()));
+      std::fprintf(stderr, "\r%s%*s", text.c_str(), pad, "");
+      width_ = std::max(width_, static_cast<int>(text.size()));
+    } else {
+      std::fprintf(stderr, "%s\n", text.c_str());
+    }
+    shown_ = true;
+  }
+
   const bool tty_;
+  const bool shown_at_all_;
   const Clock::time_point start_;
+  Clock::time_point last_;
   bool shown_ = false;
-  size_t last_done_ = 0;
+  int width_ = 0;
+  bool replay_started_ = false, search_started_ = false;
+  Clock::time_point replay_start_;
+  uint64_t replay_start_done_ = 0;
 };
 
 // "2GB/s", "500MiB/s", or "inf".
@@ -163,6 +244,11 @@ int RunReplay(ReplayFlags flags) {
                 "--nodes: the replay of several nodes runs in trace time "
                 "(without --no-time)");
   }
+  if (nodes && flags.stream) {
+    throw Error(ErrorCode::kInvalidArgument,
+                "--stream: the replay of several nodes reads the trace into "
+                "memory (without --stream)");
+  }
   if (nodes) {
     std::vector<replay::Route> routes;
     ParseClusterFlags(flags.cluster, &routes);  // bad flags before the trace
@@ -192,7 +278,18 @@ int RunReplay(ReplayFlags flags) {
                 "--slo-ms, --slo-percentile and --slo-resolution need the time "
                 "model (without --no-time): the untimed replay never waits");
   }
-  replay::Trace trace;
+  if (!flags.max_index_memory.empty()) {
+    try {
+      options.max_next_use_index_bytes =
+          replay::ParseBytes(flags.max_index_memory);
+    } catch (const modelcache::Error& e) {
+      throw Error(ErrorCode::kInvalidArgument,
+                  std::string("--max-index-memory: ") + e.what());
+    }
+  }
+  Progress progress(flags.progress);
+  replay::Trace trace;  // when read into memory
+  std::unique_ptr<replay::TraceSource> source;
   std::vector<uint64_t> capacities;
   for (const std::string& c : flags.capacities) {
     try {
@@ -225,6 +322,15 @@ int RunReplay(ReplayFlags flags) {
                          .string();
     }
   } else {
+    std::error_code ec;
+    const auto file_bytes = std::filesystem::file_size(flags.trace, ec);
+    // The replay of several nodes reads the trace into memory.
+    const bool stream =
+        !nodes && (flags.stream || (!ec && file_bytes >= kStreamFromBytes));
+    replay::StreamOptions stream_options;
+    stream_options.progress = [&](uint64_t done, uint64_t total) {
+      progress.Reading(flags.trace, done, total);
+    };
     replay::SizeTable sizes;
     if (!flags.sizes.empty()) sizes = replay::ReadSizes(flags.sizes);
     const replay::SizeTable* size_table =
@@ -236,7 +342,11 @@ int RunReplay(ReplayFlags flags) {
                     "--memory, --durations and --arrivals apply to --format "
                     "azure-functions");
       }
-      trace = replay::ReadCsvTrace(flags.trace, size_table);
+      if (stream) {
+        source = replay::OpenCsvTrace(flags.trace, size_table, stream_options);
+      } else {
+        trace = replay::ReadCsvTrace(flags.trace, size_table);
+      }
     } else {
       replay::AzureOptions azure;
       azure.num_models = flags.models;
@@ -246,13 +356,20 @@ int RunReplay(ReplayFlags flags) {
       azure.memory_path = flags.memory;
       azure.memory_scale = flags.memory_scale;
       azure.durations_path = flags.durations;
-      trace = replay::ReadAzureFunctionsTrace(flags.trace, azure);
+      if (stream) {
+        source =
+            replay::OpenAzureFunctionsTrace(flags.trace, azure, stream_options);
+      } else {
+        trace = replay::ReadAzureFunctionsTrace(flags.trace, azure);
+      }
     }
     if (flags.policies.empty()) flags.policies = {"lru", "gdsf"};
     if (capacities.empty()) {
       // A tenth, a quarter and a half of all the models' bytes.
+      const std::vector<uint64_t>& model_sizes =
+          source ? source->header().sizes : trace.sizes;
       const uint64_t total =
-          std::accumulate(trace.sizes.begin(), trace.sizes.end(), uint64_t{0});
+          std::accumulate(model_sizes.begin(), model_sizes.end(), uint64_t{0});
       capacities = {total / 10, total / 4, total / 2};
     }
   }
@@ -277,34 +394,40 @@ int RunReplay(ReplayFlags flags) {
   if (nodes) {
     // Every node runs what a `modelcache serve` runs by default.
     if (!policies_given) flags.policies = {"next-use"};
+    progress.Clear();
     return RunClusterReplay(
         flags.cluster, trace, flags.policies, capacities, options, threads,
         {flags.json, flags.report,
          embedded ? "modelcache replay --nodes: embedded default trace"
                   : "modelcache replay --nodes: " + flags.trace});
   }
-  std::vector<replay::RunResult> results;
-  {
-    Progress progress("replaying");
-    results = replay::ReplayAll(
-        trace, flags.policies, capacities, options, threads,
-        [&](size_t done, size_t total) { progress.Update(done, total); });
-  }
+  if (!source) source = replay::SourceOf(trace);
+  const replay::TraceHeader& header = source->header();
+  std::atomic<uint64_t> requests_done{0};
+  options.requests_done = &requests_done;
+  const uint64_t requests_total =
+      header.requests * flags.policies.size() * capacities.size();
+  std::vector<replay::RunResult> results = replay::ReplayAll(
+      *source, flags.policies, capacities, options, threads,
+      [&](size_t done, size_t total) {
+        progress.Replaying(done, total, requests_done.load(), requests_total);
+      });
   if (options.timed) {
     // The table's runs are the search's first probes.
-    Progress progress("searching for the SLO's capacity");
+    options.requests_done = nullptr;
     info.slo_answers = replay::FindSloCapacities(
-        trace, flags.policies, options, info.slo, threads, results,
-        [&](size_t done, size_t total) { progress.Update(done, total); });
+        *source, flags.policies, options, info.slo, threads, results,
+        [&](size_t done, size_t total) { progress.Searching(done, total); });
   }
+  progress.Clear();
 
   if (flags.json) {
-    std::cout << replay::ResultsJson(trace, results, info);
+    std::cout << replay::ResultsJson(header, results, info);
   } else {
     if (embedded) {
       std::cout
           << "modelcache replay: the embedded default (seed " << flags.seed
-          << "): a zoo of " << trace.models.size()
+          << "): a zoo of " << header.models.size()
           << " models sized like a real serving mix, and an eight-hour trace "
              "whose\n"
              "popular models drift from morning to afternoon. Each row replays "
@@ -312,14 +435,14 @@ int RunReplay(ReplayFlags flags) {
              "memory budget. Try: modelcache replay TRACE.csv --capacity "
              "24GiB\n\n";
     }
-    std::cout << replay::ResultsTable(trace, results, info);
+    std::cout << replay::ResultsTable(header, results, info);
   }
   if (!flags.report.empty()) {
     const std::string title = embedded
                                   ? "modelcache replay: embedded default trace"
                                   : "modelcache replay: " + flags.trace;
     std::ofstream out(flags.report);
-    out << replay::HtmlReport(trace, title, results, info);
+    out << replay::HtmlReport(header, title, results, info);
     if (!out)
       throw Error(ErrorCode::kIo, "cannot write the report to " + flags.report);
     (flags.json ? std::cerr : std::cout)

@@ -47,7 +47,17 @@ struct ReplayFlags {
   unsigned threads = 0;
   // --nodes and the flags that go with it: the multi-node replay.
   ClusterFlags cluster;
+  // Read the trace as a stream (also when its file is kStreamFromBytes or
+  // larger): memory in proportion to the models, not to the requests.
+  bool stream = false;
+  // Progress on stderr also when it is not a terminal.
+  bool progress = false;
+  // An offline policy's next-use index may take at most this much ("4GiB").
+  std::string max_index_memory;
 };
+
+// A trace file this large or larger is read as a stream.
+inline constexpr uint64_t kStreamFromBytes = uint64_t{256} << 20;
 
 // Runs the subcommand; returns the exit status. Prints the table (or JSON)
 // on stdout. Throws modelcache::Error (kInvalidArgument for a bad flag,

@@ -616,6 +616,7 @@ TEST(ClusterCli, BadInputExitsOneWithOneErrorLine) {
            {"--nodes 2 --event kill:n2@2m", "outside the trace"},
            {"--nodes 2 --event crash:n2@1s", "unknown kind"},
            {"--nodes 2 --no-time", "trace time"},
+           {"--nodes 2 --stream", "reads the trace into memory"},
            {"--nodes 2 --policy belady", "'belady'"},
            {"--route chash", "need --nodes"}}) {
     const Command c = RunCli(run + flags);

@@ -14,6 +14,8 @@
 #include <map>
 #include <numeric>
 #include <random>
+#include <sstream>
+#include <string>
 #include <unordered_map>
 
 #include "gmock/gmock.h"
@@ -678,6 +680,54 @@ TEST(ReplayCli, JsonOnTheSharedTrace) {
   }
   std::ifstream html(report.path());
   EXPECT_TRUE(html.good());
+}
+
+TEST(ReplayCli,
+     StreamedAndCompressedTracesPrintTheSameAndProgressGoesToStderr) {
+  std::string text = "t_ms,model,size_bytes\n";
+  for (int i = 0; i < 3000; ++i) {
+    text += std::to_string(i * 10) + ",m" + std::to_string(i * 7 % 13) + "," +
+            std::to_string(1 + i * 7 % 13) + "000000\n";
+  }
+  TempFile trace(text);
+  const std::string flags = " --policy lru,belady --capacity 20MB,40MB --json";
+  // Piped and not asked: nothing on stderr but the report's line.
+  Command in_memory = RunCli("replay " + trace.path() + flags);
+  ASSERT_EQ(in_memory.status, 0) << in_memory.err;
+  EXPECT_EQ(in_memory.err, "");
+  // The time each run took is the only field that may differ.
+  auto without_times = [](const std::string& out) {
+    nlohmann::json doc = nlohmann::json::parse(out);
+    for (auto& r : doc["results"]) {
+      r.erase("seconds");
+      r.erase("requests_per_second");
+    }
+    return doc.dump();
+  };
+  Command streamed =
+      RunCli("replay " + trace.path() + flags + " --stream --progress");
+  ASSERT_EQ(streamed.status, 0) << streamed.err;
+  EXPECT_EQ(without_times(streamed.out), without_times(in_memory.out));
+  EXPECT_THAT(streamed.err, HasSubstr("replaying: "));
+  EXPECT_THAT(streamed.err, HasSubstr("requests/s"));
+  const std::string gz_path = trace.path() + ".gz";
+  ASSERT_EQ(std::system(("gzip -c " + trace.path() + " > " + gz_path).c_str()),
+            0);
+  Command gz = RunCli("replay " + gz_path + flags);
+  EXPECT_EQ(without_times(gz.out), without_times(in_memory.out));
+  // Cut short, the copy is an error naming the file and a line.
+  ASSERT_EQ(
+      std::system(("head -c 2000 " + trace.path() + ".gz > " + gz_path + ".cut")
+                      .c_str()),
+      0);
+  Command cut = RunCli("replay " + gz_path + ".cut" + flags);
+  EXPECT_EQ(cut.status, 1);
+  EXPECT_EQ(cut.out, "");
+  EXPECT_THAT(cut.err, StartsWith("error: " + gz_path + ".cut:"));
+  EXPECT_THAT(cut.err, HasSubstr(": truncated gzip data"));
+  EXPECT_EQ(std::count(cut.err.begin(), cut.err.end(), '\n'), 1);
+  std::remove(gz_path.c_str());
+  std::remove((gz_path + ".cut").c_str());
 }
 
 }  // namespace

@@ -17,10 +17,12 @@
 #ifndef MODELCACHE_REPLAY_REPLAY_H_
 #define MODELCACHE_REPLAY_REPLAY_H_
 
+#include <atomic>
 #include <cstdint>
 #include <functional>
 #include <limits>
 #include <map>
+#include <memory>
 #include <optional>
 #include <stdexcept>
 #include <string>
@@ -131,6 +133,85 @@ struct DefaultTracePopularity {
 };
 DefaultTracePopularity DefaultTracePopularityOf(uint64_t seed);
 
+// ---- Traces read as a stream (trace_stream.cc) ----
+//
+// Every file replay reads (traces, sizes, memory and durations files) may be
+// compressed: gzip and zstd are recognised by their first bytes, and data
+// that is truncated or corrupt is a TraceError naming the file and the line
+// being read.
+//
+// A trace too large to hold is read as a stream. A TraceSource knows the
+// trace's models and extent (its TraceHeader) before any request is read,
+// and gives its requests in order, once per pass, as many passes as asked:
+// a replay holds memory in proportion to the models and to the requests in
+// flight, never to the trace. OpenCsvTrace and OpenAzureFunctionsTrace read
+// their file once when opened (to learn the header, with every check and
+// message of ReadCsvTrace and ReadAzureFunctionsTrace), and again for each
+// pass; the requests of a pass are exactly those the in-memory reader gives.
+
+// A trace without its requests: what a replay needs to know before the
+// first request.
+struct TraceHeader {
+  std::vector<std::string> models;  // index -> name
+  std::vector<uint64_t> sizes;      // index -> bytes
+  uint64_t requests = 0;
+  // The first and the last request's time (0 when there are none).
+  int64_t t_first_ms = 0, t_last_ms = 0;
+  // Each request carries its service time (Trace::hold_ms).
+  bool service_times = false;
+};
+
+TraceHeader HeaderOf(const Trace& trace);
+
+// One pass over a trace's requests.
+class RequestReader {
+ public:
+  virtual ~RequestReader() = default;
+  // Copies up to `max` (> 0) next requests into `requests`, and their
+  // service times into `hold_ms` when the header says it has them (else
+  // `hold_ms` is not used and may be null); returns how many, 0 only at the
+  // end of the trace. Throws TraceError (a file that changed or broke since
+  // the source was opened).
+  virtual size_t Read(Request* requests, float* hold_ms, size_t max) = 0;
+};
+
+class TraceSource {
+ public:
+  virtual ~TraceSource() = default;
+  virtual const TraceHeader& header() const = 0;
+  // A new pass, from the first request. Passes are independent: several may
+  // be open at once, on different threads.
+  virtual std::unique_ptr<RequestReader> Read() const = 0;
+};
+
+struct StreamOptions {
+  // Called now and then while a file is first read, from the calling
+  // thread, with the bytes of the file read so far and its size (0 when it
+  // is not a regular file).
+  std::function<void(uint64_t done, uint64_t total)> progress;
+};
+
+// The CSV of ReadCsvTrace, as a stream. Opening reads the whole file once
+// (its models, sizes, requests and span); each pass reads it again.
+// Holds the models' names and sizes, and one buffer of the file.
+std::unique_ptr<TraceSource> OpenCsvTrace(const std::string& path,
+                                          const SizeTable* sizes,
+                                          const StreamOptions& stream = {});
+
+// The Azure Functions layout of ReadAzureFunctionsTrace, as a stream.
+// Opening reads the file: its non-zero counts are kept (memory in proportion
+// to the file, not to the requests they stand for). A pass expands them a
+// minute at a time, merging the functions' requests of each minute by time;
+// with Poisson arrivals it keeps a random number generator per function
+// (5 KB each) and the draws of the minute being read (at most 480 KB per
+// function). options.max_requests caps the requests as it does there.
+std::unique_ptr<TraceSource> OpenAzureFunctionsTrace(
+    const std::string& path, const AzureOptions& options,
+    const StreamOptions& stream = {});
+
+// An in-memory trace as a source (no copy). REQUIRES: `trace` outlives it.
+std::unique_ptr<TraceSource> SourceOf(const Trace& trace);
+
 // The load path in trace time: `latency_ms + bytes / bandwidth` per load,
 // loads in flight sharing the bandwidth equally, at most `slots` in flight.
 struct TimeModel {
@@ -153,6 +234,20 @@ struct SimulateOptions {
   std::vector<Request> prewarms;
   // Told every cache event with the trace time it happened at (tests).
   std::function<void(double t_ms, const CacheEvent& event)> on_event;
+  // The waits' percentiles are exact while at most this many requests wait
+  // more than 0 (each such wait is kept, 8 bytes: 128 MiB at the default,
+  // about 16.8 M waits, so a 10-million-request trace is exact). Beyond,
+  // they are counted in buckets 1/1024 of a power of two wide (512 KB), and
+  // each percentile is at most 0.1% above the exact one, never below it.
+  uint64_t max_exact_waits = uint64_t{1} << 24;
+  // An offline policy (belady) needs the future: before its replay it reads
+  // the trace once more for an index of each request's next use, 4 bytes a
+  // request. A trace whose index would take more than this is an error that
+  // names the memory it needs.
+  uint64_t max_next_use_index_bytes = uint64_t{4} << 30;
+  // When set, the replay adds the requests it has replayed, now and then
+  // (progress for a long replay; ReplayAll's runs add to one counter).
+  std::atomic<uint64_t>* requests_done = nullptr;
 };
 
 struct ReplayOptions : SimulateOptions {
@@ -227,12 +322,21 @@ struct RunResult {
 RunResult Simulate(const Trace& trace, const std::string& policy,
                    uint64_t capacity_bytes,
                    const SimulateOptions& options = {});
+// The same, on one pass of `source` (two for an offline policy): memory in
+// proportion to the models and the requests in flight, not to the trace.
+// The result is the one of Simulate on the trace the source gives.
+RunResult Simulate(const TraceSource& source, const std::string& policy,
+                   uint64_t capacity_bytes,
+                   const SimulateOptions& options = {});
 
 // The untimed replay: every load instantaneous, no queue, nothing waits
 // (options.time is not used but to price faascache). Gives the counts of
 // Simulate with an infinitely fast load path. Throws Error kInvalidArgument
 // for an unknown policy.
 RunResult ReplayUntimed(const Trace& trace, const std::string& policy,
+                        uint64_t capacity_bytes,
+                        const SimulateOptions& options = {});
+RunResult ReplayUntimed(const TraceSource& source, const std::string& policy,
                         uint64_t capacity_bytes,
                         const SimulateOptions& options = {});
 
@@ -243,6 +347,12 @@ RunResult ReplayUntimed(const Trace& trace, const std::string& policy,
 // anything.
 std::vector<RunResult> ReplayAll(
     const Trace& trace, const std::vector<std::string>& policies,
+    const std::vector<uint64_t>& capacities, const ReplayOptions& options,
+    unsigned threads,
+    const std::function<void(size_t done, size_t total)>& progress = {});
+// The same on a source: each run reads its own passes.
+std::vector<RunResult> ReplayAll(
+    const TraceSource& source, const std::vector<std::string>& policies,
     const std::vector<uint64_t>& capacities, const ReplayOptions& options,
     unsigned threads,
     const std::function<void(size_t done, size_t total)>& progress = {});
@@ -346,6 +456,13 @@ std::vector<SloAnswer> FindSloCapacities(
     const SimulateOptions& options, const SloSearchOptions& slo,
     unsigned threads, const std::vector<RunResult>& known = {},
     const std::function<void(size_t done, size_t total)>& progress = {});
+// The same on a source (a streamed trace): one pass finds the requested
+// models, and each probe reads its own passes.
+std::vector<SloAnswer> FindSloCapacities(
+    const TraceSource& source, const std::vector<std::string>& policies,
+    const SimulateOptions& options, const SloSearchOptions& slo,
+    unsigned threads, const std::vector<RunResult>& known = {},
+    const std::function<void(size_t done, size_t total)>& progress = {});
 
 // How the table, JSON and report describe the run.
 struct RunInfo {
@@ -358,13 +475,24 @@ struct RunInfo {
   std::vector<std::string> report_policies;
 };
 
+// Each reads only the trace's models, sizes and request count: a
+// TraceHeader (a streamed trace's) or a Trace.
+std::string ResultsTable(const TraceHeader& trace,
+                         const std::vector<RunResult>& results,
+                         const RunInfo& info = {});
+std::string ResultsJson(const TraceHeader& trace,
+                        const std::vector<RunResult>& results,
+                        const RunInfo& info = {});
+// One self-contained HTML page (inline SVG, no scripts, no network).
+std::string HtmlReport(const TraceHeader& trace, const std::string& title,
+                       const std::vector<RunResult>& results,
+                       const RunInfo& info = {});
 std::string ResultsTable(const Trace& trace,
                          const std::vector<RunResult>& results,
                          const RunInfo& info = {});
 std::string ResultsJson(const Trace& trace,
                         const std::vector<RunResult>& results,
                         const RunInfo& info = {});
-// One self-contained HTML page (inline SVG, no scripts, no network).
 std::string HtmlReport(const Trace& trace, const std::string& title,
                        const std::vector<RunResult>& results,
                        const RunInfo& info = {});

@@ -1,0 +1,73 @@
+// What the trace readers share: splitting and trimming CSV fields, the
+// numbers they hold, and the errors that name a file and a line.
+#ifndef MODELCACHE_SRC_REPLAY_CSV_H_
+#define MODELCACHE_SRC_REPLAY_CSV_H_
+
+#include <charconv>
+#include <cmath>
+#include <cstddef>
+#include <cstdint>
+#include <string>
+#include <string_view>
+#include <vector>
+
+namespace modelcache::replay::csv {
+
+// Splits one CSV line into `fields` (reused across lines); double-quoted
+// fields may contain commas and doubled quotes.
+void SplitCsv(std::string_view line, std::vector<std::string>* fields);
+
+// `line` split at its commas, as SplitCsv splits a line with no '"' (the
+// views point into `line`); false, and nothing split, if it has a '"'.
+bool SplitPlain(std::string_view line, std::vector<std::string_view>* fields);
+
+// Without leading blanks and tabs, nor trailing blanks, tabs and '\r'.
+inline std::string_view Trim(std::string_view s) {
+  while (!s.empty() && (s.front() == ' ' || s.front() == '\t'))
+    s.remove_prefix(1);
+  while (!s.empty() &&
+         (s.back() == ' ' || s.back() == '\t' || s.back() == '\r')) {
+    s.remove_suffix(1);
+  }
+  return s;
+}
+
+// Throws TraceError "PATH:LINE: PROBLEM".
+[[noreturn]] void Fail(const std::string& path, size_t line,
+                       const std::string& problem);
+
+// A whole-field integer, or false.
+template <typename T>
+bool ParseInteger(std::string_view text, T* out) {
+  text = Trim(text);
+  auto [end, ec] =
+      std::from_chars(text.data(), text.data() + text.size(), *out);
+  return ec == std::errc() && end == text.data() + text.size() && !text.empty();
+}
+
+// A whole-field finite number, or false.
+inline bool ParseNumber(std::string_view text, double* out) {
+  text = Trim(text);
+  auto [end, ec] =
+      std::from_chars(text.data(), text.data() + text.size(), *out);
+  return ec == std::errc() && end == text.data() + text.size() &&
+         !text.empty() && std::isfinite(*out);
+}
+
+// A size_bytes field; fails naming the line when it is not a whole number
+// of bytes.
+uint64_t ParseSize(const std::string& path, size_t line,
+                   std::string_view text);
+
+// The largest time or service time, in ms, a trace may give: 2^53, about
+// 285,000 years, which doubles hold exactly and which fits the int64 and
+// float the replay keeps them in. A larger number is a malformed file.
+constexpr int64_t kMaxWholeMs = int64_t{1} << 53;
+constexpr double kMaxMs = static_cast<double>(kMaxWholeMs);
+
+// "WHAT TEXT is too large (at most 2^53)".
+std::string TooLarge(std::string_view what, std::string_view text);
+
+}  // namespace modelcache::replay::csv
+
+#endif  // MODELCACHE_SRC_REPLAY_CSV_H_

@@ -1,5 +1,5 @@
 // libFuzzer target: what `modelcache ring` parses, and the ring built from
-// it.
+// it; and the routes of `modelcache replay --nodes` (ParseRoute, Router).
 //
 // The input's first line is a --nodes list, its second a --hash-type, and
 // the rest a --models file. Each parser must either throw modelcache::Error
@@ -9,7 +9,11 @@
 // fast), every lookup must name a server that is up, with and without load
 // and an avoided server; taking a server down must move only its models;
 // and RunRing must exit 0, or 1 with one "error: " line and nothing on
-// stdout. Any other exception, a failed check (a trap), a memory error
+// stdout. The second line is also a --route: it must parse to a route
+// whose name parses back to it, or throw; a Router of each route over the
+// servers must pick a server that is up (one other than the avoided one
+// where HAProxy's algorithm guarantees it), whatever the requests in flight
+// and servers going down and up. Any other exception, a failed check (a trap), a memory error
 // (ASan) or undefined behaviour (UBSan, no recovery) is a crash.
 #include <unistd.h>
 
@@ -25,6 +29,7 @@
 #include <vector>
 
 #include "modelcache/base/errors.h"
+#include "modelcache/replay/cluster.h"
 #include "modelcache/replay/ring.h"
 #include "ring_command.h"
 
@@ -102,6 +107,61 @@ void CheckRing(const std::vector<RingServer>& servers,
   }
 }
 
+// Every route over `servers`: picks, requests in flight taken and given
+// back, servers down and up, all driven by the input's bytes.
+void CheckRouters(const std::vector<RingServer>& servers,
+                  const std::vector<std::string>& models, std::string_view noise) {
+  using modelcache::replay::ParseRoute;
+  using modelcache::replay::Router;
+  const auto byte = [&](size_t i) -> uint32_t {
+    return noise.empty() ? 0
+                         : static_cast<unsigned char>(noise[i % noise.size()]);
+  };
+  for (const char* name : {"roundrobin", "random", "p2c", "leastconn", "chash",
+                           "chash-bl:125", "chash-map"}) {
+    Router router(servers, ParseRoute(name), byte(0));
+    std::vector<size_t> taken;
+    for (size_t step = 0; step < 64; ++step) {
+      const uint32_t b = byte(step + 1);
+      const size_t server = b % servers.size();
+      if (b % 7 == 0) {
+        router.SetDown(server);
+        continue;
+      }
+      if (b % 7 == 1) {
+        router.SetUp(server);
+        continue;
+      }
+      if (b % 7 == 2 && !taken.empty()) {
+        router.Released(taken.back());
+        taken.pop_back();
+        continue;
+      }
+      const std::string& model = models[step % models.size()];
+      const size_t avoid = b % 5 == 0 ? server : Router::kNone;
+      const size_t chosen = router.Pick(router.Key(model), avoid);
+      if (router.up_count() == 0) {
+        Check(chosen == Router::kNone);
+        continue;
+      }
+      Check(chosen < servers.size() && router.is_up(chosen));
+      const bool may_return_avoided =
+          router.route().kind == modelcache::replay::RouteKind::kChashMap ||
+          router.route().kind ==
+              modelcache::replay::RouteKind::kChashBoundedLoad;
+      if (avoid != Router::kNone && router.is_up(avoid) &&
+          router.up_count() > 1 && !may_return_avoided) {
+        Check(chosen != avoid);
+      }
+      router.Took(chosen);
+      taken.push_back(chosen);
+    }
+    uint64_t total = 0;
+    for (size_t i = 0; i < servers.size(); ++i) total += router.in_flight(i);
+    Check(total == taken.size() && total == router.total_in_flight());
+  }
+}
+
 }  // namespace
 
 extern "C" int LLVMFuzzerTestOneInput(const uint8_t* data, size_t size) {
@@ -127,6 +187,15 @@ extern "C" int LLVMFuzzerTestOneInput(const uint8_t* data, size_t size) {
     avalanche = modelcache::tools::ParseHashType(hash_type).avalanche;
   } catch (const modelcache::Error&) {
   }
+  try {
+    const modelcache::replay::Route route =
+        modelcache::replay::ParseRoute(hash_type);
+    const modelcache::replay::Route again =
+        modelcache::replay::ParseRoute(route.name());
+    Check(again.kind == route.kind &&
+          again.balance_factor == route.balance_factor);
+  } catch (const modelcache::Error&) {
+  }
   std::vector<std::string> models;
   try {
     models = modelcache::tools::ReadModelIds(models_file.path());
@@ -148,6 +217,7 @@ extern "C" int LLVMFuzzerTestOneInput(const uint8_t* data, size_t size) {
   for (const RingServer& s : servers) weight += s.weight;
   if (servers_ok && !models.empty() && weight <= 4096) {
     CheckRing(servers, models, avalanche, rest);
+    if (servers.size() <= 64) CheckRouters(servers, models, rest);
     std::ostringstream out, err;
     modelcache::tools::RingFlags flags;
     flags.nodes = nodes;

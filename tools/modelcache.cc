@@ -116,6 +116,34 @@ int main(int argc, char** argv) {
                          "Seed for generated sizes and the embedded trace");
   replay_cmd->add_option("--threads", replay_flags.threads,
                          "Runs in parallel (default: one per core)");
+  // Several nodes behind HAProxy (modelcache/replay/cluster.h).
+  modelcache::tools::ClusterFlags& cluster = replay_flags.cluster;
+  replay_cmd->add_option("--nodes", cluster.nodes,
+                         "Replay N nodes behind HAProxy: a count, or its "
+                         "servers as name:id:weight,...; --capacity is each "
+                         "node's");
+  replay_cmd
+      ->add_option("--route", cluster.routes,
+                   "With --nodes: roundrobin, random, p2c, leastconn, chash, "
+                   "chash-bl:F, chash-map (default: all, chash-bl:150)")
+      ->delimiter(',');
+  replay_cmd->add_option("--concurrency", cluster.concurrency,
+                         "With --nodes: requests out at once at most "
+                         "(closed-loop clients; default: none)");
+  replay_cmd->add_option("--event", cluster.events,
+                         "With --nodes: kill:NODE@TIME or join:NODE@TIME, "
+                         "after the trace's first request (repeatable)");
+  replay_cmd->add_option("--detect-after", cluster.detect_after,
+                         "With --nodes: from a node's death to HAProxy "
+                         "marking it down, inter x fall (default 6s)");
+  replay_cmd->add_option("--retry-delay", cluster.retry_delay,
+                         "With --nodes: before a refused connection is "
+                         "retried, min(timeout connect, 1s) (default 1s)");
+  replay_cmd->add_option("--retries", cluster.retries,
+                         "With --nodes: HAProxy's retries (default 3)");
+  replay_cmd->add_flag("--spill-on-full", cluster.spill_on_full,
+                       "With --nodes: a node without room answers 503 and "
+                       "the request moves on (retry-on 503)");
   replay_cmd->add_flag("--stream", replay_flags.stream,
                        "Read the trace as a stream, once per run (always for "
                        "a file of 256 MiB or more): memory for the models, "

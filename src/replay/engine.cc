@@ -1,8 +1,10 @@
 #include "engine.h"
 
 #include <algorithm>
+#include <atomic>
 #include <cassert>
 #include <cmath>
+#include <memory>
 #include <utility>
 
 namespace modelcache::replay {
@@ -14,10 +16,27 @@ constexpr double kNanosecondMs = 1e-6;
 
 }  // namespace
 
-Engine::Engine(const TraceSource& source, const NamedPolicy& spec,
-               uint64_t capacity, const SimulateOptions& options, bool timed)
-    : source_(source),
-      trace_(source.header()),
+double TraceStart(const Trace& trace) {
+  return trace.requests.empty()
+             ? 0
+             : static_cast<double>(trace.requests.front().t_ms);
+}
+
+double TraceEnd(const Trace& trace) {
+  return trace.requests.empty()
+             ? 0
+             : static_cast<double>(trace.requests.back().t_ms);
+}
+
+double HoldMsOf(const Trace& trace, const SimulateOptions& options, size_t i) {
+  return trace.hold_ms.empty() ? options.hold_ms
+                               : static_cast<double>(trace.hold_ms[i]);
+}
+
+Node::Node(const TraceHeader& trace, const NamedPolicy& spec, uint64_t capacity,
+           const SimulateOptions& options, bool timed, double t_first,
+           double t_last, NodeListener* listener)
+    : trace_(trace),
       spec_(spec),
       ttl_ms_(static_cast<double>(spec.idle_ttl.count()) / 1e6),
       prewarm_evicts_lower_ranked_(
@@ -26,28 +45,29 @@ Engine::Engine(const TraceSource& source, const NamedPolicy& spec,
       timed_(timed),
       time_(timed ? options.time : TimeModel{kInf, 0, /*slots=*/0}),
       capacity_(capacity),
-      models_(trace_.models.size()),
-      t_first_(static_cast<double>(trace_.t_first_ms)),
-      t_last_(static_cast<double>(trace_.t_last_ms)),
-      books_(trace_, t_first_, t_last_, options.max_exact_waits) {
-  for (uint32_t m = 0; m < trace_.models.size(); ++m)
-    index_.emplace(trace_.models[m], m);
-  CacheOptions cache_options;
-  cache_options.name = "replay";
-  cache_options.capacity_bytes = capacity;
-  cache_options.policy = spec.eviction;
-  cache_options.shard_bits = 0;
-  cache_options.now = [this] { return ClockAt(now_); };
-  cache_options.idle_ttl = spec.idle_ttl;
-  cache_options.on_event = [this](const CacheEvent& e) { OnEvent(e); };
-  cache_.emplace(std::move(cache_options));
-  if (!spec.eviction->monotone()) {
-    next_use_.emplace(source, spec.eviction->name(),
-                      options.max_next_use_index_bytes);
-  }
+      listener_(listener),
+      models_(trace.models.size()),
+      t_first_(t_first),
+      t_last_(t_last),
+      books_(trace, t_first_, t_last_, options.max_exact_waits) {
+  for (uint32_t m = 0; m < trace.models.size(); ++m)
+    index_.emplace(trace.models[m], m);
+  NewCache();
 }
 
-Engine::~Engine() {
+void Node::NewCache() {
+  CacheOptions cache_options;
+  cache_options.name = "replay";
+  cache_options.capacity_bytes = capacity_;
+  cache_options.policy = spec_.eviction;
+  cache_options.shard_bits = 0;
+  cache_options.now = [this] { return ClockAt(now_); };
+  cache_options.idle_ttl = spec_.idle_ttl;
+  cache_options.on_event = [this](const CacheEvent& e) { OnEvent(e); };
+  cache_.emplace(std::move(cache_options));
+}
+
+Node::~Node() {
   // Leases before the cache.
   holds_.Clear();
   for (auto& m : models_) m.load_lease.Release();
@@ -55,13 +75,13 @@ Engine::~Engine() {
 
 // ---- time ----
 
-void Engine::AdvanceTo(double t) {
+void Node::AdvanceTo(double t) {
   if (t <= now_) return;
   books_.Advance(
       now_, t,
       Books::State{idle_bytes_, demand_in_flight_ + prewarm_in_flight_ > 0,
                    static_cast<uint32_t>(demand_queue_.size()),
-                   cache_->budget().used()});
+                   cache_ ? cache_->budget().used() : 0});
   // Transfers progress at their share of the bandwidth.
   const auto& served =
       demand_transfers_.empty() ? prewarm_transfers_ : demand_transfers_;
@@ -73,7 +93,7 @@ void Engine::AdvanceTo(double t) {
   now_ = t;
 }
 
-double Engine::NextTransferEnd() const {
+double Node::NextTransferEnd() const {
   const auto& served =
       demand_transfers_.empty() ? prewarm_transfers_ : demand_transfers_;
   if (served.empty()) return kInf;
@@ -84,7 +104,7 @@ double Engine::NextTransferEnd() const {
                     time_.bandwidth_bytes_per_second;
 }
 
-void Engine::FinishTransfers() {
+void Node::FinishTransfers() {
   auto& served =
       demand_transfers_.empty() ? prewarm_transfers_ : demand_transfers_;
   // Less than half a byte left is rounding: done.
@@ -102,29 +122,28 @@ void Engine::FinishTransfers() {
   for (uint32_t m : done) CompleteLoad(m);
 }
 
-void Engine::RunUntil(double t) {
-  for (;;) {
-    const double next_event = events_.empty() ? kInf : events_.top().t;
-    const double next_transfer = NextTransferEnd();
-    const double next = std::min(next_event, next_transfer);
-    if (next > t || next == kInf) {
-      if (std::isfinite(t)) AdvanceTo(t);
-      return;
-    }
-    AdvanceTo(next);
-    if (next_transfer <= next_event) {
-      FinishTransfers();
-    } else {
-      const Event e = events_.top();
-      events_.pop();
-      HandleEvent(e);
-    }
-    StartLoads();
-    NoteQueue();
-  }
+double Node::NextTime() const {
+  const double next_event = events_.empty() ? kInf : events_.top().t;
+  return std::min(next_event, NextTransferEnd());
 }
 
-void Engine::HandleEvent(const Event& e) {
+void Node::Step() {
+  const double next_event = events_.empty() ? kInf : events_.top().t;
+  const double next_transfer = NextTransferEnd();
+  const double next = std::min(next_event, next_transfer);
+  assert(next != kInf);
+  AdvanceTo(next);
+  if (next_transfer <= next_event) {
+    FinishTransfers();
+  } else {
+    const Event e = events_.top();
+    events_.pop();
+    HandleEvent(e);
+  }
+  StartLoads();
+}
+
+void Node::HandleEvent(const Event& e) {
   ModelState& s = models_[e.model];
   // After the trace, only what finishes its requests matters.
   const bool after_trace = now_ > t_last_;
@@ -132,6 +151,10 @@ void Engine::HandleEvent(const Event& e) {
     case EventKind::kHoldEnd:
       holds_.Release(e.arg);
       DropLease(e.model, /*request_ended=*/true);
+      if (listener_) {
+        listener_->Ended(hold_request_[e.arg], NodeListener::Outcome::kServed,
+                         now_);
+      }
       break;
     case EventKind::kLatencyEnd:
       if (e.arg == s.load_id) EnterTransfer(e.model);
@@ -167,8 +190,12 @@ void Engine::HandleEvent(const Event& e) {
       auto it = std::find_if(s.waiters.begin(), s.waiters.end(),
                              [&](const Waiter& w) { return w.id == e.arg; });
       if (it == s.waiters.end()) break;
+      const size_t request = it->request.id;
       s.waiters.erase(it);
       books_.Rejected();
+      if (listener_) {
+        listener_->Ended(request, NodeListener::Outcome::kRejected, now_);
+      }
       if (s.state == State::kQueued && s.waiters.empty()) {
         // Nobody wants it any more: it never loads.
         demand_queue_.erase(
@@ -183,13 +210,13 @@ void Engine::HandleEvent(const Event& e) {
 
 // ---- requests and leases ----
 
-void Engine::AddLease(uint32_t m) {
+void Node::AddLease(uint32_t m) {
   ModelState& s = models_[m];
   if (s.leases++ == 0 && s.state == State::kResident) idle_bytes_ -= Size(m);
   ++s.generation;  // cancels a planned prewarm
 }
 
-void Engine::DropLease(uint32_t m, bool request_ended) {
+void Node::DropLease(uint32_t m, bool request_ended) {
   ModelState& s = models_[m];
   assert(s.leases > 0);
   if (--s.leases == 0 && s.state == State::kResident) {
@@ -197,7 +224,7 @@ void Engine::DropLease(uint32_t m, bool request_ended) {
   }
 }
 
-void Engine::BecameIdle(uint32_t m, bool request_ended) {
+void Node::BecameIdle(uint32_t m, bool request_ended) {
   ModelState& s = models_[m];
   idle_bytes_ += Size(m);
   s.idle_since = now_;
@@ -214,7 +241,7 @@ void Engine::BecameIdle(uint32_t m, bool request_ended) {
 }
 
 // The model left the cache (evicted, expired or removed).
-void Engine::Gone(uint32_t m) {
+void Node::Gone(uint32_t m) {
   ModelState& s = models_[m];
   if (s.state != State::kResident) return;
   assert(s.leases == 0);
@@ -223,7 +250,8 @@ void Engine::Gone(uint32_t m) {
   room_changed_ = true;
 }
 
-void Engine::OnEvent(const CacheEvent& e) {
+void Node::OnEvent(const CacheEvent& e) {
+  if (killing_) return;
   if (options_.on_event) options_.on_event(now_, e);
   switch (e.type) {
     case modelcache::EventType::kEvicted:
@@ -241,32 +269,64 @@ void Engine::OnEvent(const CacheEvent& e) {
 // is the cache's miss: it makes the record resident (into the room the
 // load's reservation kept) and stamps it, so a load is stamped once, at its
 // end, whoever joined it. Each request is noted at its arrival.
-void Engine::TakeLease(uint32_t m, uint64_t request, float hold_ms,
-                       double arrival) {
+void Node::TakeLease(uint32_t m, const NodeRequest& request, double arrival) {
   const Loader loader = [&]() -> Loaded {
     return Loaded{nullptr, Size(m), {}};
   };
   AcquireOptions acquire;
-  acquire.policy_hint = Hint(request);
+  acquire.policy_hint = request.hint;
   acquire.arrival = ClockAt(arrival);
   Lease lease = cache_->Acquire(trace_.models[m], Size(m), loader, acquire);
-  const double hold = HoldMs(hold_ms);
+  const double hold = request.hold_ms;
   AddLease(m);
+  if (listener_) listener_->Started(request.id, now_);
   if (hold <= 0) {  // taken and given back at once
     lease.Release();
     DropLease(m, /*request_ended=*/true);
+    if (listener_) {
+      listener_->Ended(request.id, NodeListener::Outcome::kServed, now_);
+    }
     return;
   }
-  Schedule(now_ + hold, EventKind::kHoldEnd, m, holds_.Hold(std::move(lease)));
+  const size_t slot = holds_.Hold(std::move(lease));
+  if (slot >= hold_request_.size()) hold_request_.resize(slot + 1);
+  hold_request_[slot] = request.id;
+  Schedule(now_ + hold, EventKind::kHoldEnd, m, slot);
 }
 
-void Engine::Arrive(uint64_t i, const Request& r, float hold_ms) {
+bool Node::CouldAdmit(uint32_t m) const {
+  // What a reservation could get now: the free bytes and the idle models'
+  // (evictable), and the prewarms' in flight (a demand load cancels them);
+  // the demand loads queued ahead come first.
+  const uint64_t used = cache_->budget().used();
+  uint64_t obtainable = (capacity_ > used ? capacity_ - used : 0) + idle_bytes_;
+  uint64_t needed = Size(m);
+  for (uint32_t q = 0; q < models_.size(); ++q) {
+    const ModelState& s = models_[q];
+    if (s.prewarm_class &&
+        (s.state == State::kLatency || s.state == State::kTransfer)) {
+      obtainable += Size(q);
+    }
+  }
+  for (uint32_t q : demand_queue_) needed += Size(q);
+  return obtainable >= needed;
+}
+
+Node::Admission Node::Arrive(const NodeRequest& r, bool refuse_if_full) {
+  const size_t i = r.id;
   const uint32_t m = r.model;
   ModelState& s = models_[m];
-  s.last_request = i;
+  if (refuse_if_full && s.state == State::kAbsent && Size(m) <= capacity_ &&
+      !CouldAdmit(m)) {
+    return Admission::kRefused;
+  }
+  s.last_hint = r.hint;
   if (Size(m) > capacity_) {
     books_.TooLarge(m);
-    return;
+    if (listener_) {
+      listener_->Ended(i, NodeListener::Outcome::kTooLarge, now_);
+    }
+    return Admission::kTooLarge;
   }
   const bool loading =
       s.state == State::kLatency || s.state == State::kTransfer;
@@ -277,12 +337,12 @@ void Engine::Arrive(uint64_t i, const Request& r, float hold_ms) {
   if (s.state == State::kResident) {
     books_.Hit(m);
     books_.Waited(0);
-    TakeLease(m, i, hold_ms, now_);
-    return;
+    TakeLease(m, r, now_);
+    return Admission::kHit;
   }
   books_.ColdStart(m);
   const uint64_t id = next_waiter_id_++;
-  s.waiters.push_back(Waiter{i, hold_ms, now_, id});
+  s.waiters.push_back(Waiter{r, now_, id});
   ++s.generation;  // no planned prewarm applies now
   if (std::isfinite(options_.max_wait_ms)) {
     Schedule(now_ + options_.max_wait_ms, EventKind::kDeadline, m, id);
@@ -310,21 +370,27 @@ void Engine::Arrive(uint64_t i, const Request& r, float hold_ms) {
     case State::kResident:
       break;
   }
+  return Admission::kCold;
 }
 
 // ---- loads ----
 
-void Engine::Enqueue(uint32_t m) {
+void Node::Enqueue(uint32_t m) {
   models_[m].state = State::kQueued;
   demand_queue_.push_back(m);
 }
 
-void Engine::NoteQueue() {
+void Node::StartLoads() {
+  StartQueuedLoads();
+  NoteQueue();
+}
+
+void Node::NoteQueue() {
   const uint32_t queued = static_cast<uint32_t>(demand_queue_.size());
   books_.NoteQueue(queued);
 }
 
-bool Engine::CancelOnePrewarm() {
+bool Node::CancelOnePrewarm() {
   for (uint32_t m = 0; m < models_.size(); ++m) {
     ModelState& s = models_[m];
     if (!s.prewarm_class ||
@@ -348,7 +414,7 @@ bool Engine::CancelOnePrewarm() {
   return false;
 }
 
-bool Engine::StartLoad(uint32_t m, bool prewarm) {
+bool Node::StartLoad(uint32_t m, bool prewarm) {
   ModelState& s = models_[m];
   for (;;) {
     try {
@@ -359,7 +425,7 @@ bool Engine::StartLoad(uint32_t m, bool prewarm) {
           return Loaded{nullptr, Size(m), {}};
         };
         AcquireOptions acquire;
-        acquire.policy_hint = Hint(s.last_request);
+        acquire.policy_hint = s.last_hint;
         acquire.request = false;
         acquire.evict_only_lower_ranked = prewarm_evicts_lower_ranked_;
         s.load_lease =
@@ -386,6 +452,7 @@ bool Engine::StartLoad(uint32_t m, bool prewarm) {
   s.remaining = static_cast<double>(Size(m));
   (prewarm ? prewarm_in_flight_ : demand_in_flight_)++;
   books_.LoadStarted(m);
+  if (listener_) listener_->LoadStarted(m, now_);
   if (time_.latency_ms > 0) {
     Schedule(now_ + time_.latency_ms, EventKind::kLatencyEnd, m, s.load_id);
   } else {
@@ -394,7 +461,7 @@ bool Engine::StartLoad(uint32_t m, bool prewarm) {
   return true;
 }
 
-void Engine::EnterTransfer(uint32_t m) {
+void Node::EnterTransfer(uint32_t m) {
   ModelState& s = models_[m];
   if (s.state != State::kLatency) return;  // cancelled meanwhile
   s.state = State::kTransfer;
@@ -405,7 +472,7 @@ void Engine::EnterTransfer(uint32_t m) {
   (s.prewarm_class ? prewarm_transfers_ : demand_transfers_).push_back(m);
 }
 
-void Engine::CompleteLoad(uint32_t m) {
+void Node::CompleteLoad(uint32_t m) {
   ModelState& s = models_[m];
   (s.prewarm_class ? prewarm_in_flight_ : demand_in_flight_)--;
   books_.LoadEnded(now_ - s.load_start, s.prewarm_class);
@@ -435,13 +502,13 @@ void Engine::CompleteLoad(uint32_t m) {
   }
   for (const Waiter& w : waiters) {
     books_.Waited(now_ - w.arrival);
-    TakeLease(m, w.request, w.hold_ms, w.arrival);
+    TakeLease(m, w.request, w.arrival);
   }
   load_lease.Release();
   DropLease(m, /*request_ended=*/!waiters.empty());
 }
 
-void Engine::StartLoads() {
+void Node::StartQueuedLoads() {
   const uint32_t slots =
       time_.slots == 0 ? std::numeric_limits<uint32_t>::max() : time_.slots;
   while (!demand_queue_.empty() && demand_in_flight_ < slots) {
@@ -469,14 +536,14 @@ void Engine::StartLoads() {
   }
 }
 
-void Engine::Prewarm(uint32_t m) {
+void Node::Prewarm(uint32_t m) {
   if (models_[m].state != State::kAbsent || Size(m) > capacity_) return;
   prewarm_queue_.push_back(m);
 }
 
 // ---- histogram policies ----
 
-double Engine::ExpectedLoadMs(uint32_t m) const {
+double Node::ExpectedLoadMs(uint32_t m) const {
   if (!std::isfinite(time_.bandwidth_bytes_per_second)) return time_.latency_ms;
   // Its own transfer at the share it would get now, behind the queue.
   double queued = 0;
@@ -488,7 +555,7 @@ double Engine::ExpectedLoadMs(uint32_t m) const {
 
 // The policy plans when a request ends (keep_alive.h, the same code a
 // ModelCache runs); the simulation carries the plan out in trace time.
-void Engine::PlanKeepAlive(uint32_t m) {
+void Node::PlanKeepAlive(uint32_t m) {
   ModelState& s = models_[m];
   const KeepAlivePlan plan =
       spec_.keep_alive->Plan(s.idle, now_, ExpectedLoadMs(m));
@@ -504,12 +571,90 @@ void Engine::PlanKeepAlive(uint32_t m) {
   }
 }
 
+void Node::SchedulePrewarm(double t, uint32_t model) {
+  Schedule(t, EventKind::kPrewarm, model, ~uint64_t{0});
+}
+
+std::vector<size_t> Node::Kill() {
+  assert(alive_);
+  std::vector<size_t> requests;
+  for (uint32_t m = 0; m < models_.size(); ++m) {
+    ModelState& s = models_[m];
+    for (const Waiter& w : s.waiters) requests.push_back(w.request.id);
+    // A demand load's bytes are a bare reservation: back to the budget.
+    if (!s.prewarm_class &&
+        (s.state == State::kLatency || s.state == State::kTransfer)) {
+      cache_->budget().Release(Size(m));
+    }
+  }
+  // Every live hold has a pending hold-end event.
+  while (!events_.empty()) {
+    const Event& e = events_.top();
+    if (e.type == EventKind::kHoldEnd) {
+      requests.push_back(hold_request_[e.arg]);
+    }
+    events_.pop();
+  }
+  std::sort(requests.begin(), requests.end());
+  killing_ = true;
+  holds_.Clear();
+  for (auto& m : models_) m.load_lease.Release();
+  const CacheStats stats = cache_->Stats();
+  past_lives_.bytes_loaded += stats.bytes_loaded;
+  past_lives_.evictions += stats.evictions;
+  past_lives_.high_water_bytes =
+      std::max(past_lives_.high_water_bytes, stats.high_water_bytes);
+  cache_.reset();
+  killing_ = false;
+  const size_t models = models_.size();
+  models_.clear();
+  models_.resize(models);
+  demand_queue_.clear();
+  prewarm_queue_.clear();
+  demand_in_flight_ = prewarm_in_flight_ = 0;
+  demand_transfers_.clear();
+  prewarm_transfers_.clear();
+  room_changed_ = true;
+  idle_bytes_ = 0;
+  alive_ = false;
+  return requests;
+}
+
+void Node::Restart() {
+  assert(!alive_);
+  NewCache();
+  alive_ = true;
+}
+
+RunResult Node::Finish() && {
+  CacheStats stats = cache_ ? cache_->Stats() : CacheStats{};
+  stats.bytes_loaded += past_lives_.bytes_loaded;
+  stats.evictions += past_lives_.evictions;
+  stats.high_water_bytes =
+      std::max(stats.high_water_bytes, past_lives_.high_water_bytes);
+  return std::move(books_).Finish(stats, options_.time, timed_);
+}
+
+// ---- Engine: one node, fed the trace ----
+
+Engine::Engine(const TraceSource& source, const NamedPolicy& policy,
+               uint64_t capacity, const SimulateOptions& options, bool timed)
+    : source_(source),
+      trace_(source.header()),
+      options_(options),
+      node_(trace_, policy, capacity, options, timed,
+            static_cast<double>(trace_.t_first_ms),
+            static_cast<double>(trace_.t_last_ms)) {
+  if (!policy.eviction->monotone()) {
+    next_use_.emplace(source, policy.eviction->name(),
+                      options.max_next_use_index_bytes);
+  }
+}
+
 RunResult Engine::Run() && {
-  const uint64_t n = trace_.requests;
-  now_ = t_first_;
+  node_.AdvanceTo(static_cast<double>(trace_.t_first_ms));
   for (const Request& p : options_.prewarms) {
-    Schedule(static_cast<double>(p.t_ms), EventKind::kPrewarm, p.model,
-             ~uint64_t{0});
+    node_.SchedulePrewarm(static_cast<double>(p.t_ms), p.model);
   }
   std::unique_ptr<RequestReader> reader = source_.Read();
   std::vector<Request> chunk(kReadChunk);
@@ -518,17 +663,27 @@ RunResult Engine::Run() && {
   for (size_t got;
        (got = reader->Read(chunk.data(), hold.data(), kReadChunk)) > 0;) {
     for (size_t k = 0; k < got; ++k, ++i) {
-      RunUntil(static_cast<double>(chunk[k].t_ms));
-      Arrive(i, chunk[k], hold[k]);
-      StartLoads();
-      NoteQueue();
+      const double t = static_cast<double>(chunk[k].t_ms);
+      while (node_.NextTime() <= t) node_.Step();
+      node_.AdvanceTo(t);
+      NodeRequest request;
+      request.id = i;
+      request.model = chunk[k].model;
+      request.hold_ms = trace_.service_times ? static_cast<double>(hold[k])
+                                             : options_.hold_ms;
+      request.hint = next_use_ ? next_use_->At(i) : 0.0;
+      request.wait_from = t;
+      node_.Arrive(request);
+      node_.StartLoads();
     }
     if (options_.requests_done) {
       options_.requests_done->fetch_add(got, std::memory_order_relaxed);
     }
   }
-  if (n > 0) RunUntil(kInf);
-  return std::move(books_).Finish(cache_->Stats(), options_.time, timed_);
+  if (i > 0) {
+    while (node_.NextTime() != Node::kInf) node_.Step();
+  }
+  return std::move(node_).Finish();
 }
 
 }  // namespace modelcache::replay

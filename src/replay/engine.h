@@ -1,11 +1,14 @@
 // The engine of the replay in trace time: a discrete-event simulation of the
-// load path around the real cache, for one node.
+// load path around the real cache. A Node is one node (its cache, its load
+// path, its queues, its events, its books); the Engine feeds one Node the
+// trace's requests. The multi-node replay (cluster.cc) drives several Nodes
+// from one event loop, with a router in front of them.
 //
 // Design note.
 //
-// One thread drives a ModelCache (one shard, so the eviction order is exact)
-// whose clock (CacheOptions::now) is the simulation's clock. The cache owns
-// residency, the budget and the eviction order; the simulation owns time:
+// One thread drives a node's ModelCache (one shard, so the eviction order is
+// exact) whose clock (CacheOptions::now) is the simulation's clock. The cache
+// owns residency, the budget and the eviction order; the simulation owns time:
 // when a load may start, how long it takes, how long each request waits.
 //
 // Model states (the simulation's view; the cache's in brackets):
@@ -64,6 +67,17 @@
 // Keep-alive (keep_alive.h): the policy plans, the engine carries the plan
 // out in trace time, with the events above. The same planner runs in a
 // ModelCache on a real clock.
+//
+// Many nodes (cluster.cc). A Node knows nothing of the trace's order: it is
+// given NodeRequests (a model, a service time, a policy hint), and tells a
+// NodeListener, when it has one, what became of each (served, left, too
+// large) and of each load it started, so that a router can count requests in
+// flight per node. Its step is the single-node loop's: advance to the next
+// event or transfer end, handle it, start what loads can start. Kill() is
+// the node's process dying: every request on it is handed back (to be
+// retried elsewhere), the cache and the load path start again empty, and the
+// books keep integrating (an empty node). The one-node replay is the special
+// case with one Node, no listener and no router.
 #ifndef MODELCACHE_SRC_REPLAY_ENGINE_H_
 #define MODELCACHE_SRC_REPLAY_ENGINE_H_
 
@@ -85,25 +99,91 @@
 
 namespace modelcache::replay {
 
-class Engine {
+// One request as a node sees it; where it comes from is the feed's business.
+struct NodeRequest {
+  size_t id = 0;         // the feed's number for it (its index in the trace)
+  uint32_t model = 0;    // index into TraceHeader::models
+  double hold_ms = 0;    // its service time
+  double hint = 0;       // AcquireOptions::policy_hint (Belady's next use)
+  double wait_from = 0;  // when its wait began, for the listener (NodeWaits)
+};
+
+// What a node tells the router in front of it (the multi-node replay). Calls
+// come from inside the node's own calls, at its current time; a listener
+// must not call back into that node.
+class NodeListener {
  public:
-  // One node: a cache of `capacity` bytes run by `policy` over the trace
-  // `source` gives, read a chunk at a time (an offline policy's next-use
-  // index reads it once before). REQUIRES: every argument outlives the
-  // engine. `timed`: false runs an infinitely fast load path (loads take no
-  // time).
-  Engine(const TraceSource& source, const NamedPolicy& policy,
-         uint64_t capacity, const SimulateOptions& options, bool timed);
-  ~Engine();
-  Engine(const Engine&) = delete;
-  Engine& operator=(const Engine&) = delete;
+  enum class Outcome : uint8_t { kServed, kRejected, kTooLarge };
+  virtual ~NodeListener() = default;
+  // The request took its lease: at its arrival (a hit) or when its load
+  // ended (a cold start).
+  virtual void Started(size_t id, double now) = 0;
+  // The request is over on this node: its lease ended (kServed), it left
+  // after SimulateOptions::max_wait_ms (kRejected), or it was too large for
+  // the capacity (kTooLarge, at its arrival).
+  virtual void Ended(size_t id, Outcome outcome, double now) = 0;
+  // A load of `model` started (a demand load or a prewarm).
+  virtual void LoadStarted(uint32_t model, double now) = 0;
+};
 
-  // Runs the whole trace, once; then its books with the cache's counters.
-  RunResult Run() &&;
-
- private:
+class Node {
+ public:
   static constexpr double kInf = std::numeric_limits<double>::infinity();
 
+  // A cache of `capacity` bytes run by `policy`, for the models of `trace`
+  // (only their names and sizes are read). The books integrate over
+  // [t_first, t_last] (their waits exact as SimulateOptions::max_exact_waits
+  // says); after t_last the node only finishes its requests (no expiry,
+  // keep-alive or prewarm). `timed`: false runs an infinitely fast load path
+  // (loads take no time).
+  // REQUIRES: every argument outlives the node.
+  Node(const TraceHeader& trace, const NamedPolicy& policy, uint64_t capacity,
+       const SimulateOptions& options, bool timed, double t_first,
+       double t_last, NodeListener* listener = nullptr);
+  ~Node();
+  Node(const Node&) = delete;
+  Node& operator=(const Node&) = delete;
+
+  // The time of its next event or transfer end; infinity when it has none.
+  double NextTime() const;
+  // Handles that next event, then starts the loads that can start.
+  // REQUIRES: NextTime() is finite.
+  void Step();
+  // Moves its clock to `t`, integrating the books. REQUIRES: NextTime() >= t.
+  void AdvanceTo(double t);
+
+  enum class Admission : uint8_t {
+    kHit,       // resident: served at once
+    kCold,      // waits for a load (started, joined or queued)
+    kTooLarge,  // larger than the capacity: refused, and over
+    kRefused,   // refuse_if_full: it would have to wait for room
+  };
+  // A request arrives now (call AdvanceTo first, then StartLoads once the
+  // arrivals of this instant are in). With `refuse_if_full`, a request for a
+  // model neither resident nor loading nor queued is refused, changing
+  // nothing, when the node cannot make room for it without waiting for a
+  // lease to end (a daemon answering 503 rather than waiting).
+  Admission Arrive(const NodeRequest& request, bool refuse_if_full = false);
+  // Starts the demand loads and prewarms that can start, and notes the
+  // queue's length.
+  void StartLoads();
+  // A prewarm of `model` at trace time `t` (SimulateOptions::prewarms).
+  void SchedulePrewarm(double t, uint32_t model);
+
+  // Its process dies now: returns the ids of the requests on it (waiting or
+  // served), in increasing order, without telling the listener; empties the
+  // cache, the load path and every plan. The node stays down until
+  // Restart(), which brings it back cold.
+  std::vector<size_t> Kill();
+  void Restart();
+  bool alive() const { return alive_; }
+
+  uint64_t capacity() const { return capacity_; }
+
+  // Its books, with the cache's counters (over every life of the node).
+  RunResult Finish() &&;
+
+ private:
   enum class State : uint8_t {
     kAbsent,
     kQueued,
@@ -132,8 +212,7 @@ class Engine {
   };
 
   struct Waiter {
-    uint64_t request;  // its position in the trace
-    float hold_ms;     // its service time, when the trace gives them
+    NodeRequest request;
     double arrival;
     uint64_t id;  // for deadlines
   };
@@ -151,8 +230,8 @@ class Engine {
     bool ttl_check_pending = false;
     double idle_since = -kInf;  // when its last lease ended
     double last_end = -kInf;    // ditto, kept across unloads
-    uint64_t last_request = 0;
-    IdleHistory idle;  // for a keep-alive policy
+    double last_hint = 0;       // its latest request's policy hint
+    IdleHistory idle;           // for a keep-alive policy
     // One live keep-alive event, at keep_alive_event: when it fires before
     // keep_until (a later request moved it on), it files itself again; a plan
     // with an earlier end files a new one and leaves the old one stale.
@@ -165,32 +244,25 @@ class Engine {
         static_cast<int64_t>(std::llround(t_ms * 1e6))));
   }
 
-  double Hint(uint64_t request) const {
-    return next_use_ ? next_use_->At(request) : 0.0;
-  }
-  double HoldMs(float trace_hold_ms) const {
-    return trace_.service_times ? static_cast<double>(trace_hold_ms)
-                                : options_.hold_ms;
-  }
   uint64_t Size(uint32_t m) const { return trace_.sizes[m]; }
 
   void Schedule(double t, EventKind type, uint32_t model, uint64_t arg) {
     events_.push(Event{t, seq_++, type, model, arg});
   }
 
+  void NewCache();
+
   // ---- time ----
-  void AdvanceTo(double t);
-  void RunUntil(double t);
   double NextTransferEnd() const;
   void FinishTransfers();
   void HandleEvent(const Event& e);
 
   // ---- requests and leases ----
-  // Request `i` of the trace, `r`, with its service time (when the trace
-  // gives them).
-  void Arrive(uint64_t i, const Request& r, float hold_ms);
+  // Whether a load of `m` could get its room now without waiting for a
+  // lease to end, behind the demand loads queued.
+  bool CouldAdmit(uint32_t m) const;
   // A hit, or a waiter whose load ended: its lease for its service time.
-  void TakeLease(uint32_t m, uint64_t request, float hold_ms, double arrival);
+  void TakeLease(uint32_t m, const NodeRequest& request, double arrival);
   void AddLease(uint32_t m);
   void DropLease(uint32_t m, bool request_ended);
   void BecameIdle(uint32_t m, bool request_ended);
@@ -199,7 +271,7 @@ class Engine {
 
   // ---- loads ----
   void Enqueue(uint32_t m);
-  void StartLoads();
+  void StartQueuedLoads();
   // Counts the queue's length once the loads that could start have started:
   // a load that starts at once never waited in the queue.
   void NoteQueue();
@@ -213,7 +285,6 @@ class Engine {
   void PlanKeepAlive(uint32_t m);
   double ExpectedLoadMs(uint32_t m) const;
 
-  const TraceSource& source_;
   const TraceHeader& trace_;
   const NamedPolicy& spec_;
   // The idle TTL in ms (0: none), and whether prewarms may evict idle models
@@ -224,10 +295,13 @@ class Engine {
   const bool timed_;
   const TimeModel time_;
   const uint64_t capacity_;
+  NodeListener* const listener_;
   std::vector<ModelState> models_;
   std::unordered_map<std::string, uint32_t> index_;
   std::optional<ModelCache> cache_;
-  std::optional<NextUseIndex> next_use_;  // an offline policy's
+  bool alive_ = true;
+  bool killing_ = false;   // the cache's events during Kill() are not news
+  CacheStats past_lives_;  // counters of the caches Kill() ended
 
   double now_ = 0;
   // The trace's span; the books integrate over it.
@@ -236,6 +310,8 @@ class Engine {
   uint64_t seq_ = 0;
   std::priority_queue<Event, std::vector<Event>, std::greater<>> events_;
   LeasePool holds_;
+  // Per hold slot, the request that holds it (for Kill()).
+  std::vector<size_t> hold_request_;
 
   std::deque<uint32_t> demand_queue_;
   std::deque<uint32_t> prewarm_queue_;
@@ -245,6 +321,35 @@ class Engine {
   uint64_t next_waiter_id_ = 0;
   uint64_t idle_bytes_ = 0;  // resident, no lease, not loading
 };
+
+// The replay in trace time of one node: the trace's requests, in order,
+// read from its source a chunk at a time, fed to one Node. (Where requests
+// come from lives here; what a node does with them lives in Node.) An
+// offline policy's hints come from a NextUseIndex, built in a pass over the
+// source before the replay's pass.
+class Engine {
+ public:
+  // REQUIRES: every argument outlives the engine. `timed`: false runs an
+  // infinitely fast load path (loads take no time).
+  Engine(const TraceSource& source, const NamedPolicy& policy,
+         uint64_t capacity, const SimulateOptions& options, bool timed);
+
+  // Runs the whole trace, once; then its books with the cache's counters.
+  RunResult Run() &&;
+
+ private:
+  const TraceSource& source_;
+  const TraceHeader& trace_;
+  const SimulateOptions& options_;
+  std::optional<NextUseIndex> next_use_;  // an offline policy's
+  Node node_;
+};
+
+// The span of a trace, [first request, last request] (0 and 0 when empty).
+double TraceStart(const Trace& trace);
+double TraceEnd(const Trace& trace);
+// The service time of request `i`: its own, else options.hold_ms.
+double HoldMsOf(const Trace& trace, const SimulateOptions& options, size_t i);
 
 }  // namespace modelcache::replay
 

@@ -232,6 +232,27 @@ const std::vector<double> kCurveSloMs = {100,  200,   500,   1000, 2000,
 
 int RunReplay(ReplayFlags flags) {
   const bool embedded = flags.trace.empty();
+  const bool nodes = !flags.cluster.nodes.empty();
+  const bool policies_given = !flags.policies.empty();
+  if (!nodes && AnyClusterFlag(flags.cluster)) {
+    throw Error(ErrorCode::kInvalidArgument,
+                "--route, --concurrency, --event, --detect-after, "
+                "--retry-delay, --retries and --spill-on-full need --nodes");
+  }
+  if (nodes && flags.no_time) {
+    throw Error(ErrorCode::kInvalidArgument,
+                "--nodes: the replay of several nodes runs in trace time "
+                "(without --no-time)");
+  }
+  if (nodes && flags.stream) {
+    throw Error(ErrorCode::kInvalidArgument,
+                "--stream: the replay of several nodes reads the trace into "
+                "memory (without --stream)");
+  }
+  if (nodes) {
+    std::vector<replay::Route> routes;
+    ParseClusterFlags(flags.cluster, &routes);  // bad flags before the trace
+  }
   replay::ReplayOptions options;
   options.timed = !flags.no_time;
   options.hold_ms = flags.hold_ms;
@@ -303,7 +324,9 @@ int RunReplay(ReplayFlags flags) {
   } else {
     std::error_code ec;
     const auto file_bytes = std::filesystem::file_size(flags.trace, ec);
-    const bool stream = flags.stream || (!ec && file_bytes >= kStreamFromBytes);
+    // The replay of several nodes reads the trace into memory.
+    const bool stream =
+        !nodes && (flags.stream || (!ec && file_bytes >= kStreamFromBytes));
     replay::StreamOptions stream_options;
     stream_options.progress = [&](uint64_t done, uint64_t total) {
       progress.Reading(flags.trace, done, total);
@@ -368,6 +391,16 @@ int RunReplay(ReplayFlags flags) {
   const unsigned threads =
       flags.threads ? flags.threads
                     : std::max(1u, std::thread::hardware_concurrency());
+  if (nodes) {
+    // Every node runs what a `modelcache serve` runs by default.
+    if (!policies_given) flags.policies = {"next-use"};
+    progress.Clear();
+    return RunClusterReplay(
+        flags.cluster, trace, flags.policies, capacities, options, threads,
+        {flags.json, flags.report,
+         embedded ? "modelcache replay --nodes: embedded default trace"
+                  : "modelcache replay --nodes: " + flags.trace});
+  }
   if (!source) source = replay::SourceOf(trace);
   const replay::TraceHeader& header = source->header();
   std::atomic<uint64_t> requests_done{0};

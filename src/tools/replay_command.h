@@ -10,6 +10,8 @@
 #include <string>
 #include <vector>
 
+#include "cluster_command.h"
+
 namespace modelcache::tools {
 
 struct ReplayFlags {
@@ -43,6 +45,8 @@ struct ReplayFlags {
   std::string report;
   uint64_t seed = 42;
   unsigned threads = 0;
+  // --nodes and the flags that go with it: the multi-node replay.
+  ClusterFlags cluster;
   // Read the trace as a stream (also when its file is kStreamFromBytes or
   // larger): memory in proportion to the models, not to the requests.
   bool stream = false;
@@ -58,6 +62,7 @@ inline constexpr uint64_t kStreamFromBytes = uint64_t{256} << 20;
 // Runs the subcommand; returns the exit status. Prints the table (or JSON)
 // on stdout. Throws modelcache::Error (kInvalidArgument for a bad flag,
 // TraceError for a bad trace, kIo when the report cannot be written).
+// With --nodes: the multi-node replay instead (RunClusterReplay).
 int RunReplay(ReplayFlags flags);
 
 }  // namespace modelcache::tools

@@ -61,6 +61,7 @@
 #include <string>
 #include <vector>
 
+#include "modelcache/replay/cluster.h"
 #include "modelcache/replay/ring.h"
 #include "ring_command.h"
 
@@ -298,16 +299,26 @@ std::string ReadFile(const std::string& path) {
 // ---- the cluster under test ----
 
 // Backends, each behind its own frontend (fd@100 + its index).
-enum Backend { kChash = 0, kSdbm, kMap, kBounded, kBackends };
-const char* const kBackendNames[] = {"be_chash", "be_sdbm", "be_map", "be_bl"};
+enum Backend {
+  kChash = 0,
+  kSdbm,
+  kMap,
+  kBounded,
+  kRoundRobin,
+  kLeastConn,
+  kBackends
+};
+const char* const kBackendNames[] = {"be_chash", "be_sdbm", "be_map",
+                                     "be_bl",    "be_rr",   "be_lc"};
 constexpr int kStatsFd = 100 + kBackends;
 constexpr int kBalanceFactor = 150;
 
 // The plain backends' servers (as `modelcache ring --nodes` takes them).
 constexpr char kNodes[] = "n1:1:100,n2:2:100,n3:3:50,n4:17:200,n5:1000:1";
 
-// The bounded-load backend: small weights so that a dozen requests in
-// flight saturate servers; b5 starts `disabled`; b6 refuses connections.
+// The bounded-load backend (and the round-robin and leastconn ones): small
+// weights so that a dozen requests in flight saturate servers; b5 starts
+// `disabled`; b6 refuses connections.
 std::vector<RingServer> BoundedServers() {
   return {{"b1", 1, 1},    {"b2", 2, 2},       {"b3", 7, 1},
           {"b4", 1000, 3}, {"b5", 5, 1, true}, {"b6", 9, 1}};
@@ -391,23 +402,30 @@ class HaproxyRingTest : public ::testing::Test {
         "  http-reuse never\n"
         "  retries 1\n"
         "  option redispatch\n";
-    const char* const hash_types[] = {"consistent", "consistent sdbm",
-                                      "map-based", "consistent"};
+    const char* const balance[] = {
+        "hash path,field(4,/)\n  hash-type consistent",
+        "hash path,field(4,/)\n  hash-type consistent sdbm",
+        "hash path,field(4,/)\n  hash-type map-based",
+        "hash path,field(4,/)\n  hash-type consistent",
+        "roundrobin",
+        "leastconn"};
     for (int b = 0; b < kBackends; ++b) {
       config += "frontend fe_" + std::to_string(b) + "\n  bind fd@" +
                 std::to_string(100 + b) + "\n  default_backend " +
                 kBackendNames[b] + "\nbackend " + kBackendNames[b] +
-                "\n  balance hash path,field(4,/)\n  hash-type " +
-                hash_types[b] + "\n";
+                "\n  balance " + balance[b] + "\n";
       const std::vector<RingServer> servers =
-          b == kBounded ? BoundedServers() : plain;
+          b == kBounded || b == kRoundRobin || b == kLeastConn
+              ? BoundedServers()
+              : plain;
       if (b == kBounded) {
         config +=
             "  hash-balance-factor " + std::to_string(kBalanceFactor) + "\n";
       }
       for (size_t s = 0; s < servers.size(); ++s) {
         ServerSocket sock;
-        sock.listening = !(b == kBounded && s == kRefusing);
+        sock.listening =
+            !(servers.size() == BoundedServers().size() && s == kRefusing);
         sock.fd = LoopbackSocket(sock.listening, &sock.port);
         sock.backend = static_cast<Backend>(b);
         sock.server = s;
@@ -803,6 +821,90 @@ TEST_F(HaproxyRingTest, BoundedLoadPlacesEveryRequestWhereTheRingSays) {
   EXPECT_GE(redispatches, 3u);
   std::cout << checks << " placements checked, " << spills
             << " spilled by load, " << redispatches << " redispatched\n";
+}
+
+// Round robin and leastconn through the same script: every request goes to
+// the server the replay's Router picks, given the requests in flight (which
+// leastconn orders by, in the order servers reached their counts), a server
+// going down while busy, one down since start-up coming up, and redispatches
+// away from the server that refuses connections (HAProxy counts the refused
+// request on it, then takes it back).
+TEST_F(HaproxyRingTest, RoundRobinAndLeastconnPickWhatTheRouterPicks) {
+  const std::vector<RingServer> servers = BoundedServers();
+  for (const Backend backend : {kRoundRobin, kLeastConn}) {
+    SCOPED_TRACE(kBackendNames[backend]);
+    Router router(servers, ParseRoute(backend == kRoundRobin ? "roundrobin"
+                                                             : "leastconn"));
+    std::vector<uint32_t> in_flight(servers.size(), 0);
+    std::mt19937 rng(7);
+    size_t checks = 0, redispatches = 0, mismatches = 0;
+    std::set<size_t> used;
+    const auto expected = [&] {
+      size_t want = router.Pick(0);
+      if (want == kRefusing) {
+        ++redispatches;
+        router.Took(want);
+        router.Released(want);
+        want = router.Pick(0, kRefusing);
+      }
+      return want;
+    };
+    const auto check = [&](size_t want, size_t placed, const char* what) {
+      ++checks;
+      used.insert(placed);
+      if (placed != want && ++mismatches <= 5) {
+        std::string loads;
+        for (uint32_t n : in_flight) loads += std::to_string(n) + " ";
+        ADD_FAILURE() << what << " request " << checks << " went to "
+                      << servers[placed].name << ", the router says "
+                      << servers[want].name << " (in flight: " << loads << ")";
+      }
+    };
+    const auto steps = [&](int count) {
+      for (int i = 0; i < count; ++i) {
+        AwaitInFlight(backend, servers, in_flight);
+        const uint32_t r = rng() % 10;
+        const std::string& model = models_[rng() % models_.size()];
+        if (r < 4 && held_.size() < 14) {
+          const size_t want = expected();
+          Pending p = Send(backend, model);
+          check(want, p.server_index, "held");
+          router.Took(p.server_index);
+          ++in_flight[p.server_index];
+          held_.push_back(std::move(p));
+        } else if (r < 8 || held_.empty()) {
+          const size_t want = expected();
+          router.Took(want);
+          const size_t placed = Place(backend, model);
+          check(want, placed, "probe");
+          router.Released(want);
+        } else {
+          const size_t k = rng() % held_.size();
+          const size_t s = Answer(held_[k]);
+          router.Released(s);
+          --in_flight[s];
+          held_.erase(held_.begin() + static_cast<ptrdiff_t>(k));
+        }
+      }
+    };
+    steps(80);
+    SetServerState(backend, "b2", false);
+    router.SetDown(1);
+    steps(60);
+    SetServerState(backend, "b5", true);
+    router.SetUp(4);
+    steps(60);
+    while (!held_.empty()) {
+      --in_flight[Answer(held_.back())];
+      held_.pop_back();
+    }
+    AwaitInFlight(backend, servers, in_flight);
+    EXPECT_EQ(mismatches, 0u) << "of " << checks << " requests";
+    EXPECT_GE(redispatches, 3u);
+    EXPECT_EQ(used.size(), servers.size() - 1) << "all but the refusing one";
+    std::cout << kBackendNames[backend] << ": " << checks
+              << " requests checked, " << redispatches << " redispatched\n";
+  }
 }
 
 }  // namespace

@@ -1,0 +1,531 @@
+// Rendering the multi-node replay's results (cluster.h): a text table, JSON,
+// and a self-contained HTML page with inline SVG bar charts.
+#include <algorithm>
+#include <cmath>
+#include <cstdio>
+#include <numeric>
+#include <sstream>
+
+#include "modelcache/replay/cluster.h"
+#include "nlohmann/json.hpp"
+
+namespace modelcache::replay {
+namespace {
+
+std::string Fixed(double value, int digits) {
+  char buf[64];
+  std::snprintf(buf, sizeof(buf), "%.*f", digits, value);
+  return buf;
+}
+
+// "850ms", "12.3s", "4.5min", "2.1h" (as the one-node table writes them).
+std::string FormatMs(double ms) {
+  if (ms < 1000) return Fixed(ms, 0) + "ms";
+  if (ms < 60000) return Fixed(ms / 1000, ms < 10000 ? 2 : 1) + "s";
+  if (ms < 3600000) return Fixed(ms / 60000, 1) + "min";
+  return Fixed(ms / 3600000, 1) + "h";
+}
+
+std::string Escape(const std::string& text) {
+  std::string out;
+  for (const char c : text) {
+    switch (c) {
+      case '&':
+        out += "&amp;";
+        break;
+      case '<':
+        out += "&lt;";
+        break;
+      case '>':
+        out += "&gt;";
+        break;
+      case '"':
+        out += "&quot;";
+        break;
+      default:
+        out += c;
+    }
+  }
+  return out;
+}
+
+std::string EventName(const ClusterEvent& e) {
+  return std::string(e.kind == ClusterEvent::Kind::kKill ? "kill:" : "join:") +
+         e.node + "@" + FormatMs(e.at_ms);
+}
+
+std::string Copies(const ClusterResult& r) {
+  return Fixed(r.copies_mean, 2) + "/" + std::to_string(r.copies_hottest) +
+         "/" + std::to_string(r.copies_median);
+}
+
+// The run's set-up, in words: nodes, load path, events, clients.
+std::vector<std::string> SetUp(const Trace& trace, const ClusterInfo& info) {
+  std::vector<std::string> lines;
+  const uint64_t model_bytes =
+      std::accumulate(trace.sizes.begin(), trace.sizes.end(), uint64_t{0});
+  lines.push_back("trace: " + std::to_string(trace.requests.size()) +
+                  " requests, " + std::to_string(trace.models.size()) +
+                  " models, " + FormatBytes(model_bytes) + " of models in all");
+  std::string nodes = "nodes (name:id:weight): ";
+  for (size_t i = 0; i < info.options.nodes.size(); ++i) {
+    const RingServer& s = info.options.nodes[i];
+    nodes += (i ? ", " : "") + s.name + ":" + std::to_string(s.id) + ":" +
+             std::to_string(s.weight);
+  }
+  lines.push_back(nodes);
+  lines.push_back(
+      "each node: the capacity of its row and its own load path, " +
+      Fixed(info.time.bandwidth_bytes_per_second / 1e9, 2) +
+      " GB/s shared by at most " +
+      (info.time.slots ? std::to_string(info.time.slots) : "unlimited") +
+      " loads, " + FormatMs(info.time.latency_ms) + " latency each");
+  std::string clients =
+      info.options.concurrency
+          ? "clients: at most " + std::to_string(info.options.concurrency) +
+                " requests out at once"
+          : std::string("clients: open loop (each request sent at its time)");
+  clients += "; retries " + std::to_string(info.options.retries) +
+             (info.options.spill_on_full
+                  ? "; a full node answers 503 and the request moves on"
+                  : "");
+  lines.push_back(clients);
+  if (!info.options.events.empty()) {
+    std::string events = "events:";
+    for (const ClusterEvent& e : info.options.events) {
+      events += " " + EventName(e);
+    }
+    events += " (a dead node leaves the ring " +
+              FormatMs(info.options.detect_ms) + " after it dies)";
+    lines.push_back(events);
+  }
+  lines.push_back(
+      "waits from when a request is sent to when it takes its lease, retries "
+      "included");
+  return lines;
+}
+
+nlohmann::json WaitsJson(const WaitSummary& w) {
+  return {{"p50", w.p50},
+          {"p95", w.p95},
+          {"p99", w.p99},
+          {"p999", w.p999},
+          {"max", w.max}};
+}
+
+// ---- bar charts ----
+
+const char* const kColors[] = {"#1f77b4", "#d62728", "#2ca02c", "#9467bd",
+                               "#ff7f0e", "#8c564b", "#e377c2", "#17becf"};
+
+struct BarSeries {
+  std::string name;
+  std::vector<double> values;  // one per group
+};
+
+// Groups along x, one bar per series in each group.
+std::string BarChart(const std::string& title, const std::string& y_label,
+                     const std::vector<std::string>& groups,
+                     const std::vector<BarSeries>& series,
+                     const std::function<std::string(double)>& y_tick) {
+  const double width = 720, height = 320, left = 80, right = 190, top = 36,
+               bottom = 70;
+  const double plot_w = width - left - right, plot_h = height - top - bottom;
+  double hi = 0;
+  for (const BarSeries& s : series) {
+    for (const double v : s.values) hi = std::max(hi, v);
+  }
+  if (hi <= 0) hi = 1;
+  std::ostringstream svg;
+  svg << "<svg xmlns=\"http://www.w3.org/2000/svg\" width=\"" << width
+      << "\" height=\"" << height << "\" viewBox=\"0 0 " << width << " "
+      << height << "\">\n";
+  svg << "<text x=\"" << left << "\" y=\"22\" class=\"title\">" << Escape(title)
+      << "</text>\n";
+  for (int i = 0; i <= 4; ++i) {
+    const double v = hi * i / 4;
+    const double y = top + plot_h - plot_h * i / 4;
+    svg << "<line x1=\"" << left << "\" y1=\"" << y << "\" x2=\""
+        << left + plot_w << "\" y2=\"" << y << "\" class=\"grid\"/>\n";
+    svg << "<text x=\"" << left - 6 << "\" y=\"" << y + 4
+        << "\" text-anchor=\"end\" class=\"tick\">" << Escape(y_tick(v))
+        << "</text>\n";
+  }
+  const double group_w =
+      plot_w / static_cast<double>(std::max<size_t>(groups.size(), 1));
+  const double bar_w =
+      group_w * 0.8 / static_cast<double>(std::max<size_t>(series.size(), 1));
+  for (size_t g = 0; g < groups.size(); ++g) {
+    const double x0 = left + group_w * static_cast<double>(g) + group_w * 0.1;
+    for (size_t s = 0; s < series.size(); ++s) {
+      const double v = g < series[s].values.size() ? series[s].values[g] : 0;
+      const double h = plot_h * v / hi;
+      svg << "<rect x=\"" << x0 + bar_w * static_cast<double>(s) << "\" y=\""
+          << top + plot_h - h << "\" width=\"" << bar_w * 0.92 << "\" height=\""
+          << h << "\" fill=\"" << kColors[s % 8] << "\"><title>"
+          << Escape(groups[g] + ", " + series[s].name + ": " + y_tick(v))
+          << "</title></rect>\n";
+    }
+    svg << "<text x=\"" << x0 + group_w * 0.4 << "\" y=\"" << top + plot_h + 18
+        << "\" text-anchor=\"middle\" class=\"tick\">" << Escape(groups[g])
+        << "</text>\n";
+  }
+  svg << "<line x1=\"" << left << "\" y1=\"" << top + plot_h << "\" x2=\""
+      << left + plot_w << "\" y2=\"" << top + plot_h << "\" class=\"axis\"/>\n";
+  svg << "<text transform=\"translate(18," << top + plot_h / 2
+      << ") rotate(-90)\" text-anchor=\"middle\" class=\"label\">"
+      << Escape(y_label) << "</text>\n";
+  for (size_t s = 0; s < series.size(); ++s) {
+    const double ly = top + 14 + 18 * static_cast<double>(s);
+    svg << "<rect x=\"" << left + plot_w + 16 << "\" y=\"" << ly - 10
+        << "\" width=\"12\" height=\"12\" fill=\"" << kColors[s % 8]
+        << "\"/>\n<text x=\"" << left + plot_w + 34 << "\" y=\"" << ly
+        << "\" class=\"legend\">" << Escape(series[s].name) << "</text>\n";
+  }
+  svg << "</svg>\n";
+  return svg.str();
+}
+
+// The routes in order of first appearance, and the (policy, capacity) runs.
+std::vector<std::string> Routes(const std::vector<ClusterResult>& results) {
+  std::vector<std::string> routes;
+  for (const ClusterResult& r : results) {
+    const std::string name = r.route.name();
+    if (std::find(routes.begin(), routes.end(), name) == routes.end()) {
+      routes.push_back(name);
+    }
+  }
+  return routes;
+}
+
+std::string RunLabel(const ClusterResult& r) {
+  return r.total.policy + " " + FormatBytes(r.total.capacity_bytes);
+}
+
+std::vector<BarSeries> PerRoute(
+    const std::vector<ClusterResult>& results,
+    const std::vector<std::string>& routes,
+    const std::function<double(const ClusterResult&)>& value) {
+  std::vector<BarSeries> series;
+  for (const ClusterResult& r : results) {
+    const std::string label = RunLabel(r);
+    auto it = std::find_if(series.begin(), series.end(),
+                           [&](const BarSeries& s) { return s.name == label; });
+    if (it == series.end()) {
+      series.push_back(BarSeries{label, std::vector<double>(routes.size(), 0)});
+      it = series.end() - 1;
+    }
+    const size_t g = static_cast<size_t>(
+        std::find(routes.begin(), routes.end(), r.route.name()) -
+        routes.begin());
+    it->values[g] = value(r);
+  }
+  return series;
+}
+
+}  // namespace
+
+std::string ClusterTable(const Trace& trace,
+                         const std::vector<ClusterResult>& results,
+                         const ClusterInfo& info) {
+  std::ostringstream out;
+  for (const std::string& line : SetUp(trace, info)) out << line << "\n";
+  out << "\n";
+  char line[640];
+  std::snprintf(line, sizeof(line),
+                "%-14s %-18s %10s %6s %7s %7s %7s %8s %7s %7s %9s %11s %7s "
+                "%6s %13s\n",
+                "route", "policy", "capacity", "cold%", "p50", "p99", "p99.9",
+                "max_wait", "reject", "refused", "idle_GiBh", "loaded", "loads",
+                "spills", "copies m/h/md");
+  out << line;
+  for (const ClusterResult& r : results) {
+    const RunResult& t = r.total;
+    std::snprintf(
+        line, sizeof(line),
+        "%-14s %-18s %10s %6.2f %7s %7s %7s %8s %7llu %7llu %9.1f %11s %7llu "
+        "%6llu %13s%s\n",
+        r.route.name().c_str(), t.policy.c_str(),
+        FormatBytes(t.capacity_bytes).c_str(), 100 * t.cold_start_ratio,
+        FormatMs(t.wait_ms.p50).c_str(), FormatMs(t.wait_ms.p99).c_str(),
+        FormatMs(t.wait_ms.p999).c_str(), FormatMs(t.wait_ms.max).c_str(),
+        static_cast<unsigned long long>(t.rejected),
+        static_cast<unsigned long long>(r.refused), t.idle_gib_hours,
+        FormatBytes(t.bytes_loaded).c_str(),
+        static_cast<unsigned long long>(r.loads),
+        static_cast<unsigned long long>(r.spills), Copies(r).c_str(),
+        t.overloaded ? "  OVERLOADED" : "");
+    out << line;
+  }
+  out << "\ncopies: per model, the nodes that loaded it; the mean over "
+         "models, the hottest model's, the median model's\n";
+
+  out << "\nper node: share of the requests served, loads, p99 wait\n";
+  std::snprintf(line, sizeof(line), "%-14s %-18s %10s", "route", "policy",
+                "capacity");
+  out << line;
+  for (const RingServer& s : info.options.nodes) {
+    std::snprintf(line, sizeof(line), " %22s", s.name.c_str());
+    out << line;
+  }
+  out << "\n";
+  for (const ClusterResult& r : results) {
+    std::snprintf(line, sizeof(line), "%-14s %-18s %10s",
+                  r.route.name().c_str(), r.total.policy.c_str(),
+                  FormatBytes(r.total.capacity_bytes).c_str());
+    out << line;
+    for (const NodeResult& n : r.nodes) {
+      const std::string cell = Fixed(100 * n.request_share, 1) + "% " +
+                               std::to_string(n.loads) + " " +
+                               FormatMs(n.wait_ms.p99);
+      std::snprintf(line, sizeof(line), " %22s", cell.c_str());
+      out << line;
+    }
+    out << "\n";
+  }
+  if (!info.options.events.empty()) {
+    out << "\nevents: models whose owner moved, and in the 10 minutes after: "
+           "loads and the models loaded\n";
+    std::snprintf(line, sizeof(line),
+                  "%-14s %-18s %10s %-16s %6s %7s %7s %8s\n", "route", "policy",
+                  "capacity", "event", "moved", "loads", "models", "retried");
+    out << line;
+    for (const ClusterResult& r : results) {
+      for (const ClusterEventResult& e : r.events) {
+        std::snprintf(
+            line, sizeof(line),
+            "%-14s %-18s %10s %-16s %6s %7llu %7llu %8llu\n",
+            r.route.name().c_str(), r.total.policy.c_str(),
+            FormatBytes(r.total.capacity_bytes).c_str(),
+            EventName(e.event).c_str(),
+            r.route.hashed() ? std::to_string(e.moved.size()).c_str() : "-",
+            static_cast<unsigned long long>(e.loads_after),
+            static_cast<unsigned long long>(e.models_loaded_after),
+            static_cast<unsigned long long>(e.requests_retried));
+        out << line;
+      }
+    }
+  }
+  return out.str();
+}
+
+std::string ClusterJson(const Trace& trace,
+                        const std::vector<ClusterResult>& results,
+                        const ClusterInfo& info) {
+  nlohmann::json doc;
+  doc["requests"] = trace.requests.size();
+  doc["models"] = trace.models.size();
+  doc["model_bytes"] =
+      std::accumulate(trace.sizes.begin(), trace.sizes.end(), uint64_t{0});
+  doc["time_model"] = {
+      {"bandwidth_bytes_per_second", info.time.bandwidth_bytes_per_second},
+      {"latency_ms", info.time.latency_ms},
+      {"slots", info.time.slots}};
+  nlohmann::json nodes = nlohmann::json::array();
+  for (const RingServer& s : info.options.nodes) {
+    nodes.push_back({{"name", s.name}, {"id", s.id}, {"weight", s.weight}});
+  }
+  nlohmann::json events = nlohmann::json::array();
+  for (const ClusterEvent& e : info.options.events) {
+    events.push_back(
+        {{"kind", e.kind == ClusterEvent::Kind::kKill ? "kill" : "join"},
+         {"node", e.node},
+         {"at_ms", e.at_ms}});
+  }
+  doc["cluster"] = {{"nodes", nodes},
+                    {"concurrency", info.options.concurrency},
+                    {"events", events},
+                    {"detect_ms", info.options.detect_ms},
+                    {"retry_delay_ms", info.options.retry_delay_ms},
+                    {"retries", info.options.retries},
+                    {"spill_on_full", info.options.spill_on_full}};
+  doc["results"] = nlohmann::json::array();
+  for (const ClusterResult& r : results) {
+    const RunResult& t = r.total;
+    nlohmann::json per_node = nlohmann::json::array();
+    for (const NodeResult& n : r.nodes) {
+      per_node.push_back(
+          {{"name", n.name},
+           {"requests", n.requests},
+           {"request_share", n.request_share},
+           {"loads", n.loads},
+           {"bytes_loaded", n.bytes_loaded},
+           {"refused", n.refused},
+           {"wait_ms", WaitsJson(n.wait_ms)},
+           {"peak_in_flight", n.peak_in_flight},
+           {"evictions", n.detail.evictions},
+           {"idle_gib_hours", n.detail.idle_gib_hours},
+           {"disk_busy_ratio", n.detail.disk_busy_ratio},
+           {"peak_resident_bytes", n.detail.peak_resident_bytes}});
+    }
+    nlohmann::json per_event = nlohmann::json::array();
+    for (const ClusterEventResult& e : r.events) {
+      nlohmann::json moved = nlohmann::json::array();
+      for (const uint32_t m : e.moved) moved.push_back(trace.models[m]);
+      per_event.push_back(
+          {{"kind",
+            e.event.kind == ClusterEvent::Kind::kKill ? "kill" : "join"},
+           {"node", e.event.node},
+           {"at_ms", e.event.at_ms},
+           {"moved", r.route.hashed() ? moved : nlohmann::json(nullptr)},
+           {"loads_after", e.loads_after},
+           {"models_loaded_after", e.models_loaded_after},
+           {"requests_retried", e.requests_retried}});
+    }
+    nlohmann::json owners = nullptr;
+    if (!r.owners.empty()) {
+      owners = nlohmann::json::object();
+      for (size_t m = 0; m < r.owners.size(); ++m) {
+        owners[trace.models[m]] =
+            r.owners[m] < r.nodes.size()
+                ? nlohmann::json(r.nodes[r.owners[m]].name)
+                : nlohmann::json(nullptr);
+      }
+    }
+    const auto model_json = [&](uint32_t m, uint32_t copies) {
+      return nlohmann::json{
+          {"model", m < trace.models.size() ? trace.models[m] : ""},
+          {"copies", copies}};
+    };
+    doc["results"].push_back(
+        {{"route", r.route.name()},
+         {"policy", t.policy},
+         {"capacity_bytes", t.capacity_bytes},
+         {"requests", t.requests},
+         {"hits", t.hits},
+         {"misses", t.misses},
+         {"too_large", t.too_large},
+         {"hit_ratio", t.hit_ratio},
+         {"byte_miss_ratio", t.byte_miss_ratio},
+         {"cold_starts", t.cold_starts},
+         {"cold_start_ratio", t.cold_start_ratio},
+         {"wait_ms", WaitsJson(t.wait_ms)},
+         {"rejected", t.rejected},
+         {"refused", r.refused},
+         {"bytes_loaded", t.bytes_loaded},
+         {"evictions", t.evictions},
+         {"prewarms", t.prewarms},
+         {"load_seconds", t.load_seconds},
+         {"disk_busy_ratio", t.disk_busy_ratio},
+         {"load_queue_peak", t.load_queue_peak},
+         {"load_queue_mean", t.load_queue_mean},
+         {"idle_gib_hours", t.idle_gib_hours},
+         {"peak_resident_bytes", t.peak_resident_bytes},
+         {"p75_model_cold_start_ratio", t.p75_model_cold_start_ratio},
+         {"overloaded", t.overloaded},
+         {"requests_per_second", t.requests_per_second},
+         {"loads", r.loads},
+         {"spills", r.spills},
+         {"retries", r.retries},
+         {"peak_in_flight", r.peak_in_flight},
+         {"copies",
+          {{"mean", r.copies_mean},
+           {"hottest", model_json(r.hottest_model, r.copies_hottest)},
+           {"median", model_json(r.median_model, r.copies_median)}}},
+         {"client_wait_ms", WaitsJson(r.client_wait_ms)},
+         {"client_waited", r.client_waited},
+         {"nodes", per_node},
+         {"events", per_event},
+         {"owners", owners}});
+  }
+  return doc.dump(2) + "\n";
+}
+
+std::string ClusterHtmlReport(const Trace& trace, const std::string& title,
+                              const std::vector<ClusterResult>& results,
+                              const ClusterInfo& info) {
+  std::ostringstream html;
+  html << "<!DOCTYPE html>\n<html lang=\"en\">\n<head>\n<meta "
+          "charset=\"utf-8\">\n<title>"
+       << Escape(title) << "</title>\n<style>\n"
+       << "body{font-family:system-ui,sans-serif;margin:2em "
+          "auto;max-width:1080px;color:#222}\n"
+       << "table{border-collapse:collapse;margin:1em 0}td,th{padding:3px 8px;"
+          "border-bottom:1px solid #ddd;text-align:right}th{background:#f4f4f4}"
+          "td:first-child,th:first-child{text-align:left}td{white-space:nowrap}"
+          "\n"
+       << ".axis{stroke:#444}.grid{stroke:#e4e4e4}.tick{font-size:11px;fill:#"
+          "444}.label{font-size:12px;fill:#222}.legend{font-size:12px}"
+          ".title{font-size:14px;font-weight:600}\n"
+       << "</style>\n</head>\n<body>\n<h1>" << Escape(title) << "</h1>\n<ul>\n";
+  for (const std::string& line : SetUp(trace, info)) {
+    html << "<li>" << Escape(line) << "</li>\n";
+  }
+  html << "</ul>\n<table>\n<tr><th>route</th><th>policy</th><th>capacity per "
+          "node</th><th>cold starts</th><th>p50 wait</th><th>p99 wait</th>"
+          "<th>p99.9 wait</th><th>max wait</th><th>rejected</th>"
+          "<th>refused</th><th>idle GiB&middot;h</th><th>bytes loaded</th>"
+          "<th>loads</th><th>spills</th><th>copies: mean / hottest / "
+          "median</th></tr>\n";
+  for (const ClusterResult& r : results) {
+    const RunResult& t = r.total;
+    html << "<tr><td>" << Escape(r.route.name()) << "</td><td>"
+         << Escape(t.policy) << "</td><td>"
+         << Escape(FormatBytes(t.capacity_bytes)) << "</td><td>"
+         << Fixed(100 * t.cold_start_ratio, 2) << "%</td><td>"
+         << FormatMs(t.wait_ms.p50) << "</td><td>" << FormatMs(t.wait_ms.p99)
+         << "</td><td>" << FormatMs(t.wait_ms.p999) << "</td><td>"
+         << FormatMs(t.wait_ms.max) << "</td><td>" << t.rejected << "</td><td>"
+         << r.refused << "</td><td>" << Fixed(t.idle_gib_hours, 1)
+         << "</td><td>" << Escape(FormatBytes(t.bytes_loaded)) << "</td><td>"
+         << r.loads << "</td><td>" << r.spills << "</td><td>"
+         << Escape(Copies(r)) << "</td></tr>\n";
+  }
+  html << "</table>\n";
+
+  const std::vector<std::string> routes = Routes(results);
+  html << BarChart("Loads per route (all nodes)", "loads", routes,
+                   PerRoute(results, routes,
+                            [](const ClusterResult& r) {
+                              return static_cast<double>(r.loads);
+                            }),
+                   [](double v) { return Fixed(v, 0); });
+  html << BarChart(
+      "p99 wait per route", "p99 wait", routes,
+      PerRoute(results, routes,
+               [](const ClusterResult& r) { return r.total.wait_ms.p99; }),
+      [](double v) { return FormatMs(v); });
+
+  html << "<h2>Per node</h2>\n<table>\n<tr><th>route</th><th>policy</th>"
+          "<th>capacity</th><th>node</th><th>share of requests</th>"
+          "<th>loads</th><th>bytes loaded</th><th>p99 wait</th>"
+          "<th>503s</th><th>peak in flight</th></tr>\n";
+  for (const ClusterResult& r : results) {
+    for (const NodeResult& n : r.nodes) {
+      html << "<tr><td>" << Escape(r.route.name()) << "</td><td>"
+           << Escape(r.total.policy) << "</td><td>"
+           << Escape(FormatBytes(r.total.capacity_bytes)) << "</td><td>"
+           << Escape(n.name) << "</td><td>" << Fixed(100 * n.request_share, 1)
+           << "%</td><td>" << n.loads << "</td><td>"
+           << Escape(FormatBytes(n.bytes_loaded)) << "</td><td>"
+           << FormatMs(n.wait_ms.p99) << "</td><td>" << n.refused << "</td><td>"
+           << n.peak_in_flight << "</td></tr>\n";
+    }
+  }
+  html << "</table>\n";
+  if (!info.options.events.empty()) {
+    html << "<h2>Events</h2>\n<p>Moved: the models whose owner changes "
+            "(hashed routes). Loads and models loaded: in the 10 minutes "
+            "after the event, on every node.</p>\n<table>\n<tr><th>route</th>"
+            "<th>policy</th><th>capacity</th><th>event</th><th>moved</th>"
+            "<th>loads</th><th>models loaded</th><th>requests retried</th>"
+            "</tr>\n";
+    for (const ClusterResult& r : results) {
+      for (const ClusterEventResult& e : r.events) {
+        html << "<tr><td>" << Escape(r.route.name()) << "</td><td>"
+             << Escape(r.total.policy) << "</td><td>"
+             << Escape(FormatBytes(r.total.capacity_bytes)) << "</td><td>"
+             << Escape(EventName(e.event)) << "</td><td>"
+             << (r.route.hashed() ? std::to_string(e.moved.size()) : "-")
+             << "</td><td>" << e.loads_after << "</td><td>"
+             << e.models_loaded_after << "</td><td>" << e.requests_retried
+             << "</td></tr>\n";
+      }
+    }
+    html << "</table>\n";
+  }
+  html << "</body>\n</html>\n";
+  return html.str();
+}
+
+}  // namespace modelcache::replay

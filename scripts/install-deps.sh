@@ -24,6 +24,10 @@ packages=(
   # tests: FastAPI on uvicorn, run with --workers N under gunicorn, whose
   # arbiter restarts a worker that dies.
   python3-fastapi python3-uvicorn gunicorn
+  # Headless Chromium, to look at replay's HTML report as the README's
+  # replay section describes it (chromium --headless --screenshot=FILE.png
+  # file://REPORT.html).
+  chromium
 )
 
 missing=()

@@ -13,8 +13,8 @@
 // whose name parses back to it, or throw; a Router of each route over the
 // servers must pick a server that is up (one other than the avoided one
 // where HAProxy's algorithm guarantees it), whatever the requests in flight
-// and servers going down and up. Any other exception, a failed check (a trap), a memory error
-// (ASan) or undefined behaviour (UBSan, no recovery) is a crash.
+// and servers going down and up. Any other exception, a failed check (a trap),
+// a memory error (ASan) or undefined behaviour (UBSan, no recovery) is a crash.
 #include <unistd.h>
 
 #include <cstddef>
@@ -110,7 +110,8 @@ void CheckRing(const std::vector<RingServer>& servers,
 // Every route over `servers`: picks, requests in flight taken and given
 // back, servers down and up, all driven by the input's bytes.
 void CheckRouters(const std::vector<RingServer>& servers,
-                  const std::vector<std::string>& models, std::string_view noise) {
+                  const std::vector<std::string>& models,
+                  std::string_view noise) {
   using modelcache::replay::ParseRoute;
   using modelcache::replay::Router;
   const auto byte = [&](size_t i) -> uint32_t {

@@ -44,13 +44,13 @@ namespace {
 using modelcache::replay::AzureOptions;
 using modelcache::replay::OpenAzureFunctionsTrace;
 using modelcache::replay::OpenCsvTrace;
-using modelcache::replay::Request;
-using modelcache::replay::TraceSource;
 using modelcache::replay::ReadAzureFunctionsTrace;
 using modelcache::replay::ReadCsvTrace;
 using modelcache::replay::ReadSizes;
+using modelcache::replay::Request;
 using modelcache::replay::SizeTable;
 using modelcache::replay::Trace;
+using modelcache::replay::TraceSource;
 
 constexpr uint64_t kMaxRequests = 1 << 20;
 
@@ -159,7 +159,8 @@ std::string Gzip(const uint8_t* data, size_t size) {
 std::string Zstd(const uint8_t* data, size_t size) {
   static ZSTD_CCtx* const cctx = ZSTD_createCCtx();
   std::string out(ZSTD_compressBound(size), '\0');
-  const size_t n = ZSTD_compressCCtx(cctx, out.data(), out.size(), data, size, 1);
+  const size_t n =
+      ZSTD_compressCCtx(cctx, out.data(), out.size(), data, size, 1);
   Check(!ZSTD_isError(n));
   out.resize(n);
   return out;
@@ -240,8 +241,8 @@ extern "C" int LLVMFuzzerTestOneInput(const uint8_t* data, size_t size) {
     const Outcome azure =
         Run([&] { return ReadAzureFunctionsTrace(input, options); });
     Check(Same(azure, Run([&] {
-      return Collect(*OpenAzureFunctionsTrace(input, options));
-    })));
+                 return Collect(*OpenAzureFunctionsTrace(input, options));
+               })));
   }
   AzureOptions memory;
   memory.memory_path = input;
@@ -252,8 +253,8 @@ extern "C" int LLVMFuzzerTestOneInput(const uint8_t* data, size_t size) {
   const Outcome with_durations =
       Run([&] { return ReadAzureFunctionsTrace(invocations, durations); });
   Check(Same(with_durations, Run([&] {
-    return Collect(*OpenAzureFunctionsTrace(invocations, durations));
-  })));
+               return Collect(*OpenAzureFunctionsTrace(invocations, durations));
+             })));
 
   // Compressed, the input reads as it did (the same path, so the same
   // messages); cut short, it is an error. (Unless the input is compressed
@@ -271,8 +272,9 @@ extern "C" int LLVMFuzzerTestOneInput(const uint8_t* data, size_t size) {
     const size_t cut = 4 + (size > 0 ? data[0] : 0) % (packed.size() - 4);
     Write(input, reinterpret_cast<const uint8_t*>(packed.data()), cut);
     Check(!Run([&] { return ReadCsvTrace(input, &kSizes); }).error.empty());
-    Check(!Run([&] { return Collect(*OpenCsvTrace(input, &kSizes)); })
-               .error.empty());
+    Check(!Run([&] {
+             return Collect(*OpenCsvTrace(input, &kSizes));
+           }).error.empty());
   }
   return 0;
 }

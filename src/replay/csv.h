@@ -56,8 +56,7 @@ inline bool ParseNumber(std::string_view text, double* out) {
 
 // A size_bytes field; fails naming the line when it is not a whole number
 // of bytes.
-uint64_t ParseSize(const std::string& path, size_t line,
-                   std::string_view text);
+uint64_t ParseSize(const std::string& path, size_t line, std::string_view text);
 
 // The largest time or service time, in ms, a trace may give: 2^53, about
 // 285,000 years, which doubles hold exactly and which fits the int64 and

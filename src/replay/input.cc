@@ -82,9 +82,9 @@ class InputFile::GzipDecoder : public InputFile::Decoder {
         throw InputError(
             "truncated gzip data (the file ends inside a gzip member)");
       }
-      stream_.next_in =
-          reinterpret_cast<Bytef*>(const_cast<char*>(in()));
-      stream_.avail_in = static_cast<uInt>(std::min<size_t>(in_size(), 1u << 30));
+      stream_.next_in = reinterpret_cast<Bytef*>(const_cast<char*>(in()));
+      stream_.avail_in =
+          static_cast<uInt>(std::min<size_t>(in_size(), 1u << 30));
       stream_.next_out = reinterpret_cast<Bytef*>(out);
       stream_.avail_out = static_cast<uInt>(std::min<size_t>(max, 1u << 30));
       const uInt offered_in = stream_.avail_in, offered_out = stream_.avail_out;
@@ -266,8 +266,8 @@ bool LineReader::Next(std::string_view* line) {
     const char* data = buffer_.get();
     if (const void* newline =
             std::memchr(data + scanned_, '\n', end_ - scanned_)) {
-      const size_t at = static_cast<size_t>(static_cast<const char*>(newline) -
-                                            data);
+      const size_t at =
+          static_cast<size_t>(static_cast<const char*>(newline) - data);
       *line = std::string_view(data + begin_, at - begin_);
       begin_ = scanned_ = at + 1;
       ++line_number_;

@@ -454,8 +454,8 @@ void AzureModels(const std::string& path, const AzureOptions& options,
       if (it != options.sizes->end()) {
         size = it->second;
       } else {
-        throw TraceError(path + ": --sizes has no size for '" +
-                         names->back() + "'");
+        throw TraceError(path + ": --sizes has no size for '" + names->back() +
+                         "'");
       }
     } else if (!options.memory_path.empty() && m < function) {
       auto it = memory.find(hashes[m]);
@@ -485,9 +485,8 @@ AzureDurations::AzureDurations(const AzureOptions& options,
                                const std::vector<std::string>& hashes)
     : rng_(options.seed ^ 0xD0A710ULL) {
   const std::vector<std::string> columns = {
-      "percentile_Average_0",  "percentile_Average_1",
-      "percentile_Average_25", "percentile_Average_50",
-      "percentile_Average_75", "percentile_Average_99",
+      "percentile_Average_0",  "percentile_Average_1",  "percentile_Average_25",
+      "percentile_Average_50", "percentile_Average_75", "percentile_Average_99",
       "percentile_Average_100"};
   auto durations =
       ReadPerFunction(options.durations_path, "HashFunction", columns);

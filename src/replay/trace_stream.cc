@@ -128,7 +128,8 @@ class CsvRows {
       return true;
     }
     if (t_col_ < 0) {
-      Fail(path(), 1, "empty file: expected a header naming 't_ms' and 'model'");
+      Fail(path(), 1,
+           "empty file: expected a header naming 't_ms' and 'model'");
     }
     return false;
   }
@@ -171,8 +172,8 @@ class CsvRows {
            std::string("the header must name the columns 't_ms' and 'model'") +
                (t_col_ < 0 ? " (no 't_ms')" : " (no 'model')"));
     }
-    needed_ = static_cast<size_t>(std::max(
-                  {t_col_, model_col_, size_col_, duration_col_})) +
+    needed_ = static_cast<size_t>(
+                  std::max({t_col_, model_col_, size_col_, duration_col_})) +
               1;
   }
 
@@ -345,7 +346,7 @@ class AzureSource : public TraceSource {
 
   TraceHeader header_;
   bool poisson_ = false;
-  std::vector<int64_t> minutes_;  // per column
+  std::vector<int64_t> minutes_;          // per column
   std::vector<std::vector<Cell>> cells_;  // per column, by function
   // The columns in order of their minute, those of one minute together.
   std::vector<std::vector<size_t>> groups_;
@@ -530,14 +531,14 @@ class AzureSource::Reader : public RequestReader {
 
   struct Cursor {
     uint32_t function;
-    int64_t base;    // the minute's first ms
-    uint64_t count;  // requests in the cell
-    uint64_t j = 0;  // the current one's rank
-    int64_t t = 0;   // the current one's time
-    std::vector<int64_t> offsets;     // Poisson, few: sorted draws
-    std::vector<uint64_t> per_ms;     // Poisson, many: draws per offset
-    int64_t offset = 0;               // ... the current one's offset
-    uint64_t left_at_offset = 0;      // ... and how many more come there
+    int64_t base;                  // the minute's first ms
+    uint64_t count;                // requests in the cell
+    uint64_t j = 0;                // the current one's rank
+    int64_t t = 0;                 // the current one's time
+    std::vector<int64_t> offsets;  // Poisson, few: sorted draws
+    std::vector<uint64_t> per_ms;  // Poisson, many: draws per offset
+    int64_t offset = 0;            // ... the current one's offset
+    uint64_t left_at_offset = 0;   // ... and how many more come there
     bool poisson = false;
   };
 

@@ -530,7 +530,8 @@ class HeaderBuilder {
                                       " " + FormatRange(prev.begin, prev.end));
       }
       if (t.begin > cursor) {
-        throw FormatError(source, "data bytes " + FormatByteRange(cursor, t.begin) +
+        throw FormatError(source, "data bytes " +
+                                      FormatByteRange(cursor, t.begin) +
                                       " belong to no tensor (gap before "
                                       "tensor " +
                                       Quoted(t.name) + ")");

@@ -24,9 +24,9 @@
 #include <thread>
 #include <vector>
 
+#include "../test_util.h"
 #include "modelcache/core/budget.h"
 #include "modelcache/core/cache.h"
-#include "../test_util.h"
 
 namespace modelcache {
 namespace {

@@ -122,8 +122,8 @@ std::shared_ptr<ModelCopy> LoadCopy(const CopyLoadOptions& options,
 
 namespace modelcache::serve {
 
-std::string CheckCatalog(const std::string& catalog_path,
-                         const std::string& model_root) {
+CatalogCheck CheckCatalog(const std::string& catalog_path,
+                          const std::string& model_root) {
   const Catalog catalog = Catalog::FromFile(catalog_path);
   size_t files = 0;
   uint64_t bytes = 0;
@@ -133,9 +133,11 @@ std::string CheckCatalog(const std::string& catalog_path,
                         (models == 1 ? " model, " : " models, ") +
                         std::to_string(files) +
                         (files == 1 ? " file" : " files");
-  if (model_root.empty()) return summary + " (files not checked)";
+  if (model_root.empty()) return {summary + " (files not checked)", {}};
+  CatalogCheck check;
   const base::UniqueFd root = detail::OpenRoot(model_root);
   for (const CatalogModel& m : catalog.models()) {
+    uint64_t copy_bytes = 0;
     for (const std::string& file : m.files) {
       const base::UniqueFd fd = detail::OpenBeneath(root.get(), file);
       struct stat st;
@@ -160,12 +162,21 @@ std::string CheckCatalog(const std::string& catalog_path,
           static_cast<ssize_t>(length)) {
         throw weights::IoError(file, "cannot read the header", errno);
       }
-      weights::ParseSafetensorsHeader(json, size, file);
+      const weights::SafetensorsHeader header =
+          weights::ParseSafetensorsHeader(json, size, file);
       bytes += size;
+      // As LoadCopy makes the copy: a data memfd of the data bytes (none
+      // when there are none) and a header memfd of the header's JSON text.
+      const uint64_t data = header.data_bytes();
+      copy_bytes += (data > 0 ? weights::PageRoundedBytes(data) : 0) +
+                    weights::PageRoundedBytes(
+                        weights::SafetensorsHeaderJson(header).size());
     }
+    check.copy_bytes.emplace_back(m.id, copy_bytes);
   }
-  return summary + " under " + model_root + ", " + FormatBytes(bytes) +
-         ": valid";
+  check.summary =
+      summary + " under " + model_root + ", " + FormatBytes(bytes) + ": valid";
+  return check;
 }
 
 }  // namespace modelcache::serve

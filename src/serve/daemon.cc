@@ -204,9 +204,18 @@ Daemon::Impl::Impl(DaemonOptions options)
   if (options_.host_capacity_bytes == 0) {
     Invalid("the host capacity must be more than 0 bytes");
   }
-  if (options_.test_load_bytes_per_second < 0 ||
-      std::isnan(options_.test_load_bytes_per_second)) {
-    Invalid("the test load bandwidth must be positive");
+  if (!(options_.throttle_load_bytes_per_second > 0)) {
+    Invalid("the throttle's load bandwidth must be above 0 bytes per second");
+  }
+  if (options_.throttle_load_latency.count() < 0) {
+    Invalid("the throttle's load latency must be 0 or more");
+  }
+  if (std::isfinite(options_.throttle_load_bytes_per_second) ||
+      options_.throttle_load_latency.count() > 0) {
+    throttle_ = std::make_unique<detail::LoadThrottle>(
+        options_.throttle_load_bytes_per_second,
+        std::chrono::duration_cast<Clock::duration>(
+            options_.throttle_load_latency));
   }
   if (options_.catalog_path.empty()) Invalid("a catalog is needed");
   if (options_.model_root.empty()) Invalid("a model root is needed");
@@ -262,7 +271,7 @@ Daemon::Impl::Impl(DaemonOptions options)
       live_.erase(id);
     }
   };
-  copy_options_.before_read = [this](uint64_t bytes) { BeforeRead(bytes); };
+  copy_options_.before_read = [this](uint64_t) { BeforeRead(); };
 
   {
     const auto now = std::chrono::system_clock::now().time_since_epoch();
@@ -438,10 +447,7 @@ Daemon::Impl::~Impl() {
     pool_cv_.NotifyAll();
   }
   shutting_down_ = true;
-  {
-    base::MutexLock lock(&throttle_mu_);
-    throttle_cv_.NotifyAll();
-  }
+  if (throttle_) throttle_->Stop();
   for (std::thread& t : pool_) t.join();
   {
     base::MutexLock lock(&expiry_mu_);
@@ -1408,10 +1414,7 @@ void Daemon::Impl::BeginShutdown() {
   if (stopping_) return;
   stopping_ = true;
   shutting_down_ = true;
-  {
-    base::MutexLock lock(&throttle_mu_);
-    throttle_cv_.NotifyAll();
-  }
+  if (throttle_) throttle_->Stop();
   EpollDel(epoll_fd_.get(), listen_fd_.get());
   struct stat st;
   if (::stat(socket_path_.c_str(), &st) == 0 && st.st_ino == socket_inode_) {
@@ -1608,9 +1611,12 @@ void Daemon::Impl::RunTask(Task& task) {
     task.lease = store_->Acquire(
         model.id, expected,
         [&] {
+          const Clock::time_point start = Clock::now();
           std::shared_ptr<detail::ModelCopy> copy =
               detail::LoadCopy(copy_options_, model);
           const uint64_t bytes = copy->bytes();
+          // Off every lock: only this load (and those joining it) waits.
+          if (throttle_) throttle_->Hold(start, bytes);
           return Loaded{std::move(copy), bytes, {}};
         },
         options);
@@ -1635,24 +1641,13 @@ void Daemon::Impl::ExpiryThread() {
   }
 }
 
-void Daemon::Impl::BeforeRead(uint64_t bytes) {
+void Daemon::Impl::BeforeRead() {
   if (options_.test_load_gate_fd >= 0) {
     char byte;
     ssize_t n;
     do {
       n = ::read(options_.test_load_gate_fd, &byte, 1);
     } while (n < 0 && errno == EINTR);
-  }
-  if (options_.test_load_bytes_per_second > 0) {
-    const auto until =
-        Clock::now() +
-        std::chrono::duration_cast<Clock::duration>(
-            std::chrono::duration<double>(static_cast<double>(bytes) /
-                                          options_.test_load_bytes_per_second));
-    base::MutexLock lock(&throttle_mu_);
-    while (!shutting_down_.load() && Clock::now() < until) {
-      throttle_cv_.WaitUntil(&throttle_mu_, until);
-    }
   }
   if (shutting_down_.load()) {
     throw Error(ErrorCode::kUnavailable, "the daemon is shutting down");

@@ -65,6 +65,7 @@
 #include "modelcache/serve/daemon.h"
 #include "modelcache/serve/errors.h"
 #include "protocol.h"
+#include "throttle.h"
 
 namespace modelcache::serve {
 
@@ -285,7 +286,8 @@ class Daemon::Impl {
   // ---- the pool (daemon.cc) ----
   void PoolThread();
   void RunTask(detail::Task& task);
-  void BeforeRead(uint64_t bytes);
+  // The test gate (DaemonOptions::test_load_gate_fd), before each file.
+  void BeforeRead();
 
   // ---- helpers for both ----
   std::shared_ptr<const Catalog> catalog() const MC_EXCLUDES(catalog_mu_);
@@ -417,9 +419,8 @@ class Daemon::Impl {
   bool expiry_stop_ MC_GUARDED_BY(expiry_mu_) = false;
   std::thread expiry_;
 
-  // Test throttle: sleeps end early at shutdown.
-  base::Mutex throttle_mu_;
-  base::CondVar throttle_cv_;
+  // The load throttle (null when off); its holds end early at shutdown.
+  std::unique_ptr<detail::LoadThrottle> throttle_;
 };
 
 }  // namespace modelcache::serve

@@ -552,6 +552,22 @@ HttpResponse Daemon::Impl::Metrics() {
   Metric(&out, "modelcache_acquire_wait_seconds", "histogram",
          "How long acquires waited for their copy.");
   acquire_wait_seconds_.Render("modelcache_acquire_wait_seconds", &out);
+  if (throttle_) {
+    // A testing and sizing knob: its settings, and what it cost.
+    if (std::isfinite(throttle_->bytes_per_second())) {
+      gauge("modelcache_throttle_load_bandwidth_bytes_per_second",
+            "The load throttle's bandwidth, shared by the loads moving "
+            "bytes.",
+            throttle_->bytes_per_second());
+    }
+    gauge("modelcache_throttle_load_latency_seconds",
+          "The load throttle's fixed time per load.",
+          std::chrono::duration<double>(throttle_->latency()).count());
+    counter("modelcache_throttle_held_seconds_total",
+            "Time loads were held by the load throttle after their real "
+            "reads, summed over loads.",
+            throttle_->held_seconds());
+  }
 
   if (options_.per_model_metrics) {
     std::map<std::string, std::pair<uint64_t, int>> per_model;

@@ -12,7 +12,9 @@
 #include <sys/stat.h>
 #include <unistd.h>
 
+#include <cmath>
 #include <fstream>
+#include <limits>
 #include <memory>
 #include <nlohmann/json.hpp>
 #include <sstream>
@@ -46,6 +48,36 @@ std::chrono::milliseconds Duration(const std::string& flag,
   } catch (const Error& e) {
     Invalid(flag + ": " + e.what());
   }
+}
+
+// "50MB/s", "500MiB/s" or "inf": bytes per second above 0.
+double Bandwidth(const std::string& flag, const std::string& text) {
+  if (text == "inf") return std::numeric_limits<double>::infinity();
+  std::string_view bytes = text;
+  if (bytes.size() > 2 && bytes.substr(bytes.size() - 2) == "/s") {
+    bytes.remove_suffix(2);
+  }
+  try {
+    const uint64_t b = ParseBytes(bytes);
+    if (b > 0) return static_cast<double>(b);
+  } catch (const Error&) {
+    // Reported below with what a bandwidth looks like.
+  }
+  Invalid(flag + ": not a bandwidth: '" + text +
+          "' (use bytes per second above 0, as in 50MB/s, or inf)");
+}
+
+// A duration of 0 or more, to the nanosecond, at most a day.
+std::chrono::nanoseconds LongDuration(const std::string& flag,
+                                      const std::string& text) {
+  double ms = 0;
+  try {
+    ms = replay::ParseDurationMs(text);
+  } catch (const Error& e) {
+    Invalid(flag + ": " + e.what());
+  }
+  if (ms > 24 * 3600e3) Invalid(flag + ": '" + text + "' is over a day");
+  return std::chrono::nanoseconds(static_cast<int64_t>(std::llround(ms * 1e6)));
 }
 
 uint64_t HalfOfMemory() {
@@ -222,11 +254,23 @@ void AddServeOptions(CLI::App& c, ServeFlags& f) {
   c.add_flag("--check-catalog", f.check_catalog,
              "Validate the catalog (and, with --model-root, every file's "
              "header) and exit");
+  c.add_flag("--json", f.json,
+             "With --check-catalog: print {\"summary\", \"models\": "
+             "[{\"id\", \"bytes\"}]}, bytes being each model's copy in "
+             "the budget (replay's size_bytes; needs --model-root)");
   c.add_option("--ready-fd", f.ready_fd,
                "Write one JSON line to this descriptor once serving, then "
                "close it");
-  // For tests: deterministic load times and a gate on loads.
-  c.add_option("--test-load-bandwidth", f.test_load_bandwidth)->group("");
+  c.add_option("--throttle-load-bandwidth", f.throttle_load_bandwidth,
+               "Testing and sizing knob: loads move their copy's bytes (the "
+               "model's \"bytes\" in /v1/models) at this many bytes per "
+               "second, shared equally by the loads moving bytes at once, "
+               "as replay's --load-bandwidth (e.g. 50MB/s, or inf)");
+  c.add_option("--throttle-load-latency", f.throttle_load_latency,
+               "Testing and sizing knob: a load's bytes start to move this "
+               "long after it got its slot and its room, as replay's "
+               "--load-latency (e.g. 20ms; default 0)");
+  // For tests: a gate on loads.
   c.add_option("--test-load-gate-fd", f.test_load_gate_fd)->group("");
   c.add_flag("--test-per-component-open", f.test_per_component_open)->group("");
 }
@@ -274,9 +318,29 @@ int RunServe(const ServeFlags& flags, std::ostream& out, std::ostream& err) {
   try {
     if (flags.check_catalog) {
       if (flags.catalog.empty()) Invalid("--check-catalog needs --catalog");
-      out << serve::CheckCatalog(flags.catalog, flags.model_root) << "\n";
+      const serve::CatalogCheck check =
+          serve::CheckCatalog(flags.catalog, flags.model_root);
+      if (!flags.json) {
+        out << check.summary << "\n";
+        return 0;
+      }
+      nlohmann::json models = nlohmann::json::array();
+      if (flags.model_root.empty()) {
+        const serve::Catalog catalog = serve::Catalog::FromFile(flags.catalog);
+        for (const serve::CatalogModel& m : catalog.models()) {
+          models.push_back({{"id", m.id}, {"bytes", nullptr}});
+        }
+      } else {
+        for (const auto& [id, bytes] : check.copy_bytes) {
+          models.push_back({{"id", id}, {"bytes", bytes}});
+        }
+      }
+      out << nlohmann::json{{"summary", check.summary}, {"models", models}}
+                 .dump()
+          << "\n";
       return 0;
     }
+    if (flags.json) Invalid("--json goes with --check-catalog");
     if (flags.catalog.empty() || flags.model_root.empty() ||
         flags.socket.empty()) {
       Invalid("serve needs --catalog, --model-root and --socket");
@@ -310,13 +374,13 @@ int RunServe(const ServeFlags& flags, std::ostream& out, std::ostream& err) {
     }
     options.per_model_metrics = flags.per_model_metrics;
     options.handle_signals = true;
-    if (!flags.test_load_bandwidth.empty()) {
-      std::string_view bytes = flags.test_load_bandwidth;
-      if (bytes.size() > 2 && bytes.substr(bytes.size() - 2) == "/s") {
-        bytes.remove_suffix(2);
-      }
-      options.test_load_bytes_per_second =
-          static_cast<double>(ParseBytes(bytes));
+    if (!flags.throttle_load_bandwidth.empty()) {
+      options.throttle_load_bytes_per_second =
+          Bandwidth("--throttle-load-bandwidth", flags.throttle_load_bandwidth);
+    }
+    if (!flags.throttle_load_latency.empty()) {
+      options.throttle_load_latency =
+          LongDuration("--throttle-load-latency", flags.throttle_load_latency);
     }
     options.test_load_gate_fd = flags.test_load_gate_fd;
     options.test_per_component_open = flags.test_per_component_open;

@@ -6,6 +6,7 @@
 //                    [--http-admin ADDRESS:PORT] [--host-capacity 24GiB]
 //                    [--policy next-use] [limits...] [--ready-fd N]
 //   modelcache serve --check-catalog --catalog catalog.json [--model-root DIR]
+//                    [--json]
 //
 // The HTTP listeners take loopback addresses only (127.0.0.0/8, [::1]);
 // port 0 picks a free port, which the log and the ready line name. Reads
@@ -49,9 +50,12 @@ struct ServeFlags {
   std::string orphan_rescan = "1s";
   bool per_model_metrics = false;
   bool check_catalog = false;
+  bool json = false;  // --check-catalog's output
   int ready_fd = -1;
+  // The load throttle, a testing and sizing knob: empty for none.
+  std::string throttle_load_bandwidth;
+  std::string throttle_load_latency;
   // Tests only (hidden flags).
-  std::string test_load_bandwidth;
   int test_load_gate_fd = -1;
   bool test_per_component_open = false;
 };
@@ -62,7 +66,8 @@ void AddServeOptions(CLI::App& command, ServeFlags& flags);
 // Runs the subcommand and returns the exit status; errors are one line on
 // `err` ("error: ...") and exit status 1. With check_catalog, validates the
 // catalog (and, given a model root, every file's header) and prints one line
-// on `out`.
+// on `out`: a summary, or with json an object whose "models" list each
+// model's "id" and "bytes" (its copy in the budget; null without a root).
 int RunServe(const ServeFlags& flags, std::ostream& out, std::ostream& err);
 
 // "127.0.0.1:9464" or "[::1]:0" -> host and port. Throws Error

@@ -814,7 +814,9 @@ TEST_F(ServeTest, TheHttpApiShowsAndSteersTheStore) {
 TEST_F(ServeTest, MetricsPassPromtool) {
   AddModel("m1", 64 * kKiB, 20);
   AddModel("m2", 64 * kKiB, 21);
-  Daemon& d = StartDaemon("1GiB", {"--per-model-metrics"});
+  Daemon& d =
+      StartDaemon("1GiB", {"--per-model-metrics", "--throttle-load-bandwidth",
+                           "1GB/s", "--throttle-load-latency", "1ms"});
   {
     Client client = Client::Connect(d.socket());
     RemoteWeights w = client.Acquire("m1", std::chrono::seconds(60));
@@ -835,15 +837,26 @@ TEST_F(ServeTest, MetricsPassPromtool) {
         << metrics;
   }
   for (const char* name :
-       {"modelcache_budget_capacity_bytes", "modelcache_budget_used_bytes",
-        "modelcache_budget_high_water_bytes", "modelcache_resident_bytes",
-        "modelcache_retired_bytes", "modelcache_orphaned_bytes",
-        "modelcache_resident_models", "modelcache_leases", "modelcache_clients",
-        "modelcache_waiting_acquires", "modelcache_loads_total",
-        "modelcache_load_failures_total", "modelcache_evictions_total",
-        "modelcache_loaded_bytes_total", "modelcache_protocol_errors_total",
+       {"modelcache_budget_capacity_bytes",
+        "modelcache_budget_used_bytes",
+        "modelcache_budget_high_water_bytes",
+        "modelcache_resident_bytes",
+        "modelcache_retired_bytes",
+        "modelcache_orphaned_bytes",
+        "modelcache_resident_models",
+        "modelcache_leases",
+        "modelcache_clients",
+        "modelcache_waiting_acquires",
+        "modelcache_loads_total",
+        "modelcache_load_failures_total",
+        "modelcache_evictions_total",
+        "modelcache_loaded_bytes_total",
+        "modelcache_protocol_errors_total",
         "modelcache_load_duration_seconds_count",
-        "modelcache_acquire_wait_seconds_count"}) {
+        "modelcache_acquire_wait_seconds_count",
+        "modelcache_throttle_load_bandwidth_bytes_per_second",
+        "modelcache_throttle_load_latency_seconds",
+        "modelcache_throttle_held_seconds_total"}) {
     EXPECT_GE(d.Metric(name), 0) << name;
   }
   EXPECT_EQ(d.Metric("modelcache_acquires_total{result=\"not_found\"}"), 1);
@@ -873,6 +886,175 @@ TEST_F(ServeTest, SigtermAnswersWaitersAndExitsOnceTheLoadInFlightEnds) {
   EXPECT_TRUE(WIFEXITED(status) && WEXITSTATUS(status) == 0) << status;
   // The holder's copy outlives the daemon.
   EXPECT_EQ(holder.Ok("checksum"), std::vector<std::string>{got[1]});
+}
+
+// ---- the load throttle (a testing and sizing knob) ----
+//
+// A throttle promises "no earlier than": each check below is a lower bound
+// that the model implies and that a throttle without it (no latency per
+// load, or no sharing of the bandwidth) would break.
+
+// `modelcache ARGS`: its exit status and what it printed (both streams).
+std::pair<int, std::string> RunCli(const TempDir& dir,
+                                   const std::string& args) {
+  const std::string out = dir / "cli.txt";
+  Process::Spec spec;
+  spec.argv = {"/bin/sh", "-c",
+               std::string(MODELCACHE_CLI) + " " + args + " >" + out + " 2>&1"};
+  Process p(spec);
+  const int status = p.Wait();
+  std::ifstream in(out);
+  std::string text((std::istreambuf_iterator<char>(in)),
+                   std::istreambuf_iterator<char>());
+  return {WIFEXITED(status) ? WEXITSTATUS(status) : -1, text};
+}
+
+double Seconds(Clock::duration d) {
+  return std::chrono::duration<double>(d).count();
+}
+
+TEST_F(ServeTest, CheckCatalogJsonGivesEachModelsBytesInTheBudget) {
+  // Data sizes on and off page boundaries.
+  AddModel("small", 64 * kKiB, 43);
+  AddModel("odd", 300 * kKiB + 123, 44);
+  AddModel("big", 2 * kMiB, 45);
+  const auto [status, out] =
+      RunCli(dir_, "serve --check-catalog --json --catalog " + catalog_ +
+                       " --model-root " + root_);
+  ASSERT_EQ(status, 0) << out;
+  const json check = json::parse(out, nullptr, false);
+  ASSERT_TRUE(check.is_object()) << out;
+  EXPECT_THAT(check["summary"].get<std::string>(), HasSubstr("valid"));
+  ASSERT_EQ(check["models"].size(), 3u);
+  Daemon& d = StartDaemon();
+  Client client = Client::Connect(d.socket());
+  for (const json& m : check["models"]) {
+    const std::string id = m["id"].get<std::string>();
+    RemoteWeights w = client.Acquire(id, std::chrono::seconds(60));
+    leases_.Add(std::to_string(w.lease()));
+    EXPECT_EQ(m["bytes"].get<uint64_t>(), CopyBytes(id)) << id;
+  }
+  uint64_t sum = 0;
+  for (const json& m : check["models"]) sum += m["bytes"].get<uint64_t>();
+  EXPECT_EQ(d.Budget()["used_bytes"].get<uint64_t>(), sum);
+  // Without a root the files are not read: no bytes.
+  const auto [status2, out2] =
+      RunCli(dir_, "serve --check-catalog --json --catalog " + catalog_);
+  ASSERT_EQ(status2, 0) << out2;
+  EXPECT_TRUE(json::parse(out2)["models"][0]["bytes"].is_null()) << out2;
+  const auto [status3, out3] =
+      RunCli(dir_, "serve --json --catalog " + catalog_ + " --model-root " +
+                       root_ + " --socket " + socket_ + " --http off");
+  EXPECT_EQ(status3, 1);
+  EXPECT_THAT(out3, HasSubstr("error: --json goes with --check-catalog"));
+}
+
+TEST_F(ServeTest,
+       TheThrottleGivesEachLoadItsLatencyThenItsBytesOneSlotAtATime) {
+  AddModel("a", 256 * kKiB, 46);
+  AddModel("b", 256 * kKiB, 47);
+  AddModel("c", 384 * kKiB, 48);
+  const double bandwidth = 4.0 * kMiB;
+  const double latency = 0.03;
+  Daemon& d =
+      StartDaemon("1GiB", {"--load-slots", "1", "--throttle-load-bandwidth",
+                           "4MiB/s", "--throttle-load-latency", "30ms"});
+  // One load alone: its latency, then its copy's bytes at the bandwidth.
+  Client client = Client::Connect(d.socket());
+  const auto t0 = Clock::now();
+  RemoteWeights a = client.Acquire("a", std::chrono::seconds(60));
+  const double took = Seconds(Clock::now() - t0);
+  leases_.Add(std::to_string(a.lease()));
+  EXPECT_GE(took, latency + static_cast<double>(CopyBytes("a")) / bandwidth);
+  // Two at once through one slot: one after the other (FIFO), each with its
+  // latency from when it got the slot.
+  Raw raw(d.socket());
+  const auto t1 = Clock::now();
+  ASSERT_TRUE(raw.Send(protocol::EncodeAcquire(1, "b", 600000, false)));
+  ASSERT_TRUE(raw.Send(protocol::EncodeAcquire(2, "c", 600000, false)));
+  std::vector<uint64_t> order;
+  for (int i = 0; i < 2; ++i) {
+    const auto reply = raw.Reply();
+    ASSERT_TRUE(reply);
+    ASSERT_TRUE(reply->ok) << reply->message;
+    leases_.Add(std::to_string(reply->lease));
+    order.push_back(reply->id);
+  }
+  const double both = Seconds(Clock::now() - t1);
+  EXPECT_EQ(order, (std::vector<uint64_t>{1, 2})) << "first come, first loaded";
+  EXPECT_GE(both,
+            2 * latency + static_cast<double>(CopyBytes("b") + CopyBytes("c")) /
+                              bandwidth);
+  // Its settings and what it held, in /metrics.
+  EXPECT_EQ(d.Metric("modelcache_throttle_load_bandwidth_bytes_per_second"),
+            bandwidth);
+  EXPECT_DOUBLE_EQ(d.Metric("modelcache_throttle_load_latency_seconds"),
+                   latency);
+  EXPECT_GT(d.Metric("modelcache_throttle_held_seconds_total"), 0);
+  EXPECT_EQ(d.Metric("modelcache_loads_total"), 3);
+}
+
+TEST_F(ServeTest, LoadsMovingBytesAtOnceShareTheThrottlesBandwidth) {
+  AddModel("a", 512 * kKiB, 49);
+  AddModel("b", 512 * kKiB, 50);
+  const double bandwidth = 4.0 * kMiB;
+  Daemon& d = StartDaemon(
+      "1GiB", {"--load-slots", "2", "--throttle-load-bandwidth", "4MiB/s"});
+  Raw raw(d.socket());
+  const auto t0 = Clock::now();
+  ASSERT_TRUE(raw.Send(protocol::EncodeAcquire(1, "a", 600000, false)));
+  ASSERT_TRUE(raw.Send(protocol::EncodeAcquire(2, "b", 600000, false)));
+  for (int i = 0; i < 2; ++i) {
+    const auto reply = raw.Reply();
+    ASSERT_TRUE(reply);
+    ASSERT_TRUE(reply->ok) << reply->message;
+    leases_.Add(std::to_string(reply->lease));
+  }
+  // Two slots, one bandwidth: both loads together take their bytes over
+  // it, not the larger one's alone (each alone would take half of this).
+  EXPECT_GE(Seconds(Clock::now() - t0),
+            static_cast<double>(CopyBytes("a") + CopyBytes("b")) / bandwidth);
+}
+
+TEST_F(ServeTest, SigtermEndsALoadTheThrottleHolds) {
+  AddModel("slow", 256 * kKiB, 51);
+  // Hours for this load: only shutdown ends it.
+  Daemon& d = StartDaemon("1GiB", {"--throttle-load-bandwidth", "16/s"});
+  Raw raw(d.socket());
+  ASSERT_TRUE(raw.Send(protocol::EncodeAcquire(1, "slow", 600000, false)));
+  Eventually([&] { return d.Model("slow")["state"] == "LOADING"; },
+             "the load is held");
+  d.process().Signal(SIGTERM);
+  const auto reply = raw.Reply();
+  ASSERT_TRUE(reply);
+  EXPECT_EQ(reply->code, ServeCode::kUnavailable);
+  const int status = d.process().Wait();
+  EXPECT_TRUE(WIFEXITED(status) && WEXITSTATUS(status) == 0) << status;
+}
+
+TEST_F(ServeTest, BadThrottleValuesAreRefusedNamingTheFlag) {
+  AddModel("m", 64 * kKiB, 52);
+  const std::string base = "serve --catalog " + catalog_ + " --model-root " +
+                           root_ + " --socket " + socket_ + " --http off ";
+  for (const char* bad :
+       {"0", "0MB/s", "-5MB/s", "nan", "abc", "5XB/s", "MB/s", "/s"}) {
+    SCOPED_TRACE(bad);
+    const auto [status, out] =
+        RunCli(dir_, base + "--throttle-load-bandwidth='" + bad + "'");
+    EXPECT_EQ(status, 1) << out;
+    EXPECT_THAT(out, HasSubstr("error: --throttle-load-bandwidth: not a "
+                               "bandwidth: '" +
+                               std::string(bad) + "'"));
+  }
+  for (const char* bad : {"-1ms", "nan", "inf", "x", "5 parsecs", "25h"}) {
+    SCOPED_TRACE(bad);
+    const auto [status, out] =
+        RunCli(dir_, base + "--throttle-load-latency='" + bad + "'");
+    EXPECT_EQ(status, 1) << out;
+    EXPECT_THAT(out, HasSubstr("error: --throttle-load-latency: "));
+    EXPECT_THAT(out, HasSubstr(bad));
+  }
+  EXPECT_FALSE(fs::exists(socket_));
 }
 
 TEST_F(ServeTest, SighupReloadsTheCatalogAndRetiresWhatLeftIt) {

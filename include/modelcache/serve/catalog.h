@@ -22,9 +22,11 @@
 #ifndef MODELCACHE_SERVE_CATALOG_H_
 #define MODELCACHE_SERVE_CATALOG_H_
 
+#include <cstdint>
 #include <map>
 #include <string>
 #include <string_view>
+#include <utility>
 #include <vector>
 
 #include "modelcache/base/errors.h"
@@ -72,13 +74,22 @@ class Catalog {
   std::map<std::string, size_t, std::less<>> names_;  // id or alias -> index
 };
 
+struct CatalogCheck {
+  std::string summary;  // one line
+  // With a model root, each model in catalog order with the bytes its copy
+  // takes in the daemon's budget: every file's data and header memfds, in
+  // pages. That is the "bytes" of /v1/models/{id} once it is loaded, what
+  // the load throttle moves, and the size_bytes `modelcache replay` wants.
+  std::vector<std::pair<std::string, uint64_t>> copy_bytes;
+};
+
 // What `modelcache serve --check-catalog` does: validates the catalog at
 // `catalog_path` and, when `model_root` is not empty, opens every file
 // beneath the root as the daemon would (no symbolic link, never outside it)
-// and validates its safetensors header. Returns a one-line summary; throws
-// CatalogError, weights::IoError or weights::FormatError naming the file.
-std::string CheckCatalog(const std::string& catalog_path,
-                         const std::string& model_root);
+// and validates its safetensors header. Throws CatalogError,
+// weights::IoError or weights::FormatError naming the file.
+CatalogCheck CheckCatalog(const std::string& catalog_path,
+                          const std::string& model_root);
 
 }  // namespace modelcache::serve
 

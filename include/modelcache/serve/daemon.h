@@ -43,6 +43,7 @@
 #include <chrono>
 #include <cstdint>
 #include <functional>
+#include <limits>
 #include <memory>
 #include <string>
 #include <vector>
@@ -99,9 +100,22 @@ struct DaemonOptions {
   // Where log lines go; standard error when empty.
   std::function<void(const std::string&)> log;
 
-  // For tests only. Each load takes at least its file sizes at this many
-  // bytes per second (0: no throttle), so that load times are known.
-  double test_load_bytes_per_second = 0;
+  // The load throttle, a testing and sizing knob (src/serve/throttle.h):
+  // each load takes at least the time `modelcache replay`'s time model
+  // gives it with --load-bandwidth, --load-latency and --load-slots (the
+  // latter is limits.load_slots). A load starts when it has its slot and its
+  // bytes are reserved (when the store runs its loader). It then waits out
+  // the latency, and its copy's bytes (ModelCopy::bytes(), what the budget
+  // charges, the "bytes" of /v1/models/{id}) move at an equal share of the
+  // bandwidth among the loads moving bytes at that moment: n at once move
+  // at bandwidth / n each. Its bytes start moving at max(start + latency,
+  // the end of its real read), so the model holds as long as a real read
+  // takes no longer than the latency. Loads of every kind share it (replay
+  // lets its prewarms move only while no demand load does). +inf
+  // bandwidth and 0 latency: no throttle.
+  double throttle_load_bytes_per_second =
+      std::numeric_limits<double>::infinity();
+  std::chrono::nanoseconds throttle_load_latency{0};
   // Each file's read first takes one byte from this descriptor (-1: none),
   // so that a test decides when loads proceed; end of file lets all pass.
   int test_load_gate_fd = -1;

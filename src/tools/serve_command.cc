@@ -268,8 +268,9 @@ void AddServeOptions(CLI::App& c, ServeFlags& f) {
                "as replay's --load-bandwidth (e.g. 50MB/s, or inf)");
   c.add_option("--throttle-load-latency", f.throttle_load_latency,
                "Testing and sizing knob: a load's bytes start to move this "
-               "long after it got its slot and its room, as replay's "
-               "--load-latency (e.g. 20ms; default 0)");
+               "long after it got its slot and its room (or once its real "
+               "read ends, if later), as replay's --load-latency (e.g. "
+               "20ms; default 0)");
   // For tests: a gate on loads.
   c.add_option("--test-load-gate-fd", f.test_load_gate_fd)->group("");
   c.add_flag("--test-per-component-open", f.test_per_component_open)->group("");

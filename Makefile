@@ -4,7 +4,7 @@ JOBS ?= $(shell nproc)
 DEPS_STAMP := build/.deps-installed
 
 .PHONY: all deps build demo test test-release test-asan test-tsan test-tsa \
-	test-fuzz fuzz property bench clean
+	test-fuzz fuzz property bench cluster clean
 FUZZ_SECONDS ?= 600
 PROPERTY_CASES ?= 100000
 
@@ -40,12 +40,19 @@ define run_suite
 	cd $(2) && ctest --output-on-failure -j $(JOBS) $(CTEST_FILTER) $(3)
 endef
 
+# Replays of the whole shared trace, single-threaded apart from runs in
+# parallel that smaller tests cover: the sanitizer builds skip them (they
+# take minutes there and check no memory or thread behaviour the rest does
+# not; the fuzzers run the same readers under ASan), the release and clang
+# builds run them.
+WHOLE_TRACE_TESTS := -E '^(StreamReplay\.(CsvStreamGivesTheInMemoryResultsForEveryPolicyKind|SameJsonAsInMemoryOnTheSharedTraceAndCompressedCopies)|ReplayCli\.JsonOnTheSharedTrace|Replay\.NextUseLoadsFewerBytesThanEitherGdsfOnEveryWorkload)$$'
+
 test-release: deps
 	$(call run_suite,release,build,)
 test-asan: deps
-	$(call run_suite,asan,build/asan,)
+	$(call run_suite,asan,build/asan,$(WHOLE_TRACE_TESTS))
 test-tsan: deps
-	$(call run_suite,tsan,build/tsan,)
+	$(call run_suite,tsan,build/tsan,$(WHOLE_TRACE_TESTS))
 test-tsa: deps
 	$(call run_suite,clang-tsa,build/clang-tsa,)
 
@@ -104,6 +111,14 @@ bench: build
 	PYTHONPATH=build/python /usr/bin/python3 bench/python/hit_path.py
 	PYTHONPATH=build/python /usr/bin/python3 bench/python/miss_storm.py
 	PYTHONPATH=build/python /usr/bin/python3 bench/python/node_server.py
+
+# The loopback cluster (examples/cluster/cluster.py): 4 nodes of `modelcache
+# serve` and the example workers behind HAProxy, with Prometheus, every route
+# measured beside `modelcache replay --nodes`, a node killed and restarted;
+# results in build/cluster-results/. `make test` runs its short version
+# (--quick).
+cluster: build
+	/usr/bin/python3 examples/cluster/cluster.py --build build
 
 clean:
 	rm -rf build

@@ -395,6 +395,10 @@ def test_a_full_node_answers_503_at_once(node):
 
     (status, headers, body), inputs = infer("m4")  # 42 MB
     assert (status, body["error"], headers["Retry-After"]) == (503, "TOO_LARGE", "1"), body
+    # A model the daemon's catalog lacks is 404, not 503: no other node has it.
+    status, _, body = request(server.uds, "POST", "/v1/models/m9/infer",
+                              {"inputs": inputs_for("m0", 1)})
+    assert status == 404 and "m9" in body["detail"], body
     (status, headers, body), inputs = infer("m3")
     check_answer("m3", status, headers, body, inputs)
     assert headers["X-Load"] == "miss"

@@ -79,6 +79,11 @@ DAEMON_HTTP = os.environ.get("DAEMON_HTTP", "")
 # memory) of the files under MODEL_ROOT, as servers do without the daemon.
 WEIGHTS = os.environ.get("WEIGHTS", "daemon")
 MODEL_ROOT = os.environ.get("MODEL_ROOT", "")
+# For measurements (the loopback cluster, examples/cluster): every request is
+# served in no less than this many milliseconds, the model's run included, so
+# that how long a request holds its node does not depend on the machine's
+# load. 0: as fast as the model runs.
+SERVICE_MS = float(os.environ.get("SERVICE_MS", "0"))
 
 app = FastAPI(title="modelcache node server")
 
@@ -204,12 +209,11 @@ def _unavailable(e: errors.Error, wait_ms: float) -> JSONResponse:
 def infer(model_id: str, request: InferRequest) -> Any:
     # A plain def: FastAPI runs it on its thread pool, and every wait for
     # the daemon releases the GIL, so one worker serves many at once.
-    if model_id not in models.SHAPES:
-        raise HTTPException(status_code=404, detail=f"no model {model_id!r}")
     start = time.perf_counter()
     try:
         held, wait_ms, load = _take(model_id)
-    except errors.NotFoundError as e:
+    except (errors.NotFoundError, FileNotFoundError) as e:
+        # The daemon's catalog (or, in-process, MODEL_ROOT) has no such model.
         raise HTTPException(status_code=404, detail=str(e))
     except (errors.CapacityError, errors.TooLargeError,
             errors.UnavailableError, errors.TimeoutError) as e:
@@ -218,6 +222,10 @@ def infer(model_id: str, request: InferRequest) -> Any:
         return _unavailable(e, (time.perf_counter() - start) * 1000)
     try:
         outputs = models.run(held.net, request.inputs)
+        if SERVICE_MS > 0:  # held until then, lease and all
+            rest = SERVICE_MS / 1000 - (time.perf_counter() - start - wait_ms / 1000)
+            if rest > 0:
+                time.sleep(rest)
     finally:
         _give_back(held)
     return JSONResponse(

@@ -41,10 +41,9 @@ define run_suite
 endef
 
 # Replays of the whole shared trace, single-threaded apart from runs in
-# parallel that smaller tests cover: the sanitizer builds skip them (they
-# take minutes there and check no memory or thread behaviour the rest does
-# not; the fuzzers run the same readers under ASan), the release and clang
-# builds run them.
+# parallel that smaller tests cover: only the release build runs them. In the
+# sanitizer and clang builds they take minutes and check no memory or thread
+# behaviour the rest does not (the fuzzers run the same readers under ASan).
 WHOLE_TRACE_TESTS := -E '^(StreamReplay\.(CsvStreamGivesTheInMemoryResultsForEveryPolicyKind|SameJsonAsInMemoryOnTheSharedTraceAndCompressedCopies)|ReplayCli\.JsonOnTheSharedTrace|Replay\.NextUseLoadsFewerBytesThanEitherGdsfOnEveryWorkload)$$'
 
 test-release: deps
@@ -54,7 +53,7 @@ test-asan: deps
 test-tsan: deps
 	$(call run_suite,tsan,build/tsan,$(WHOLE_TRACE_TESTS))
 test-tsa: deps
-	$(call run_suite,clang-tsa,build/clang-tsa,)
+	$(call run_suite,clang-tsa,build/clang-tsa,$(WHOLE_TRACE_TESTS))
 
 # The safetensors reader, the trace readers, `modelcache ring`'s inputs and
 # the serve protocol's parsers under libFuzzer (clang, ASan+UBSan), seeded

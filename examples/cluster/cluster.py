@@ -727,6 +727,7 @@ class Cluster:
         self.checks: List[Dict[str, Any]] = []
         self.hold_ms = float(s.service_ms)
         self.client: Optional[Client] = None
+        self.killed_counts: Dict[str, Dict[str, int]] = {}
 
     # -- set-up --
 
@@ -746,15 +747,15 @@ class Cluster:
 
     def measure_sizes(self) -> None:
         """The bytes each model takes in a node's budget (replay's
-        size_bytes): every model loaded once on the first node through its
-        admin API, then unloaded."""
-        first = self.nodes[0]
-        for model_id in self.s.catalog_models:
-            status, body = admin(first.admin, "POST", f"/v1/models/{model_id}/load")
-            if status != 200:
-                raise ClusterError(f"load {model_id} on {first.name}: {status} {body}")
-            self.sizes[model_id] = first.models()[model_id]["bytes"]
-            first.unload_all()
+        size_bytes), as the daemon computes them: `modelcache serve
+        --check-catalog --json`."""
+        out = subprocess.run(
+            [str(self.s.modelcache), "serve", "--check-catalog", "--json",
+             "--catalog", str(self.s.catalog), "--model-root", str(self.s.model_root)],
+            capture_output=True, text=True)
+        if out.returncode != 0:
+            raise ClusterError(f"modelcache serve --check-catalog: {out.stderr}")
+        self.sizes = {m["id"]: m["bytes"] for m in json.loads(out.stdout)["models"]}
         path = self.s.tmp / "sizes.csv"
         with open(path, "w") as f:
             f.write("model,size_bytes\n")
@@ -824,13 +825,19 @@ class Cluster:
             requests = client.run(trace, on_sent)
         seconds = time.monotonic() - started
         after = self.model_loads()
-        # A node killed and started again during the run counts from zero.
-        node_loads = {n: sum(after[n].get(m, 0) - before.get(n, {}).get(m, 0)
-                             for m in after[n]) for n in after}
+        # A node killed during the run: its loads up to the kill (read just
+        # before it), then its new daemon's, which count from zero.
+        node_loads: Dict[str, int] = {}
         copies: Dict[str, int] = {}
         for n in after:
-            for m, v in after[n].items():
-                if v - before.get(n, {}).get(m, 0) > 0:
+            gone = self.killed_counts.pop(n, None)
+            added = {m: v - before.get(n, {}).get(m, 0) for m, v in after[n].items()}
+            if gone is not None:
+                added = {m: gone.get(m, 0) - before.get(n, {}).get(m, 0) + v
+                         for m, v in after[n].items()}
+            node_loads[n] = sum(added.values())
+            for m, v in added.items():
+                if v > 0:
                     copies[m] = copies.get(m, 0) + 1
         self.out.mkdir(parents=True, exist_ok=True)
         with open(self.out / f"{name}-requests.csv", "w") as f:
@@ -1000,6 +1007,9 @@ class Cluster:
                     if phase[0] == 99:
                         break
                 if act == "kill":
+                    # Its loads so far (one still running at the kill never
+                    # completes, counts nowhere, and its request is retried).
+                    self.killed_counts[victim] = self.model_loads()[victim]
                     node.kill()
                     killed = time.monotonic()
                     wait_for(f"haproxy: {victim} DOWN",
@@ -1114,6 +1124,16 @@ def summary(c: Cluster, results: Dict[str, Dict[str, Any]]) -> str:
             + " ".join(f"{100 * m['request_share'][n]:.0f} ({100 * shares[n]:.0f})"
                        for n in sorted(shares))
             + f" | {m['seconds']:.0f} |")
+    kill = results.get("kill")
+    if kill:
+        m, p = kill["measured"], kill["predicted"]
+        lines.append("")
+        lines.append(f"kill ({m['route']}, concurrency 1, one node SIGKILLed at 40% and "
+                     f"started again cold at 70%): {m['loads']} loads (replay "
+                     f"{p['loads']}), p99 wait {m['wait_ms']['p99']:.0f} ms (replay "
+                     f"{p['wait_ms']['p99']:.0f}), {m['error_count']} errors, "
+                     f"{len(m['loaded_elsewhere'])} models loaded away from their "
+                     f"owner, all in ring --kill's moved set of {len(m['moved'])}")
     return "\n".join(lines)
 
 

@@ -892,7 +892,8 @@ class Cluster:
 
     def check_prometheus(self, name: str, measured: Dict[str, Any]) -> None:
         """Prometheus' sum of the daemons' loads_total equals theirs, and
-        HAProxy's per-server responses equal the X-Node counts."""
+        HAProxy's per-server 2xx responses equal the X-Node counts (a 503
+        retried on another server is not one)."""
         own = sum(n.loads_metric() for n in self.nodes if n.daemon is not None)
         mark = time.time()
         live = sum(1 for n in self.nodes if n.daemon is not None)
@@ -902,7 +903,7 @@ class Cluster:
         self.check(name, "Prometheus agrees (loads)", queried == own,
                    f"sum(modelcache_loads_total) {queried:.0f}, the daemons' own {own:.0f}")
         rows = self.prometheus.query(
-            'sum by (server) (haproxy_server_http_responses_total{proxy="nodes"})')
+            'sum by (server) (haproxy_server_http_responses_total{proxy="nodes",code="2xx"})')
         served = {r["metric"]["server"]: int(float(r["value"][1])) for r in rows}
         seen = {n.name: measured["requests_by_node"].get(n.name, 0) for n in self.nodes}
         served = {n.name: served.get(n.name, 0) for n in self.nodes}

@@ -611,7 +611,8 @@ class Client:
 
     def __init__(self, host: str, port: int, concurrency: int) -> None:
         self.host, self.port, self.concurrency = host, port, concurrency
-        self.body = json.dumps({"inputs": [[0.01 * j for j in range(models.FAMILY_INPUT)]]}).encode()
+        inputs = [[0.01 * j for j in range(models.FAMILY_INPUT)]]
+        self.body = json.dumps({"inputs": inputs}).encode()
         self.started_at = time.monotonic()
 
     def run(self, trace: Sequence[Tuple[float, str]],
@@ -1110,7 +1111,8 @@ def compare(c: Cluster, tag: str, r: Dict[str, Any]) -> None:
 
 def summary(c: Cluster, results: Dict[str, Dict[str, Any]]) -> str:
     lines = ["| route | loads (measured / replay) | p99 wait ms (measured / replay) "
-             "| copies hottest / median (measured / replay) | request share per node, measured (replay) | s |",
+             "| copies hottest / median (measured / replay) "
+             "| request share per node, measured (replay) | s |",
              "|---|---|---|---|---|---|"]
     for tag, r in results.items():
         m, p = r["measured"], r.get("predicted")

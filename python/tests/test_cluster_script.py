@@ -72,7 +72,8 @@ def test_a_taken_port_is_named_and_nothing_starts(tmp_path):
         out = run_script(tmp_path, "--base-port", str(port - 2), build=build_dir())
     assert out.returncode == 1, out
     errors = [line for line in out.stderr.splitlines() if line.startswith("error:")]
-    assert errors == [f"error: port 127.0.0.1:{port} is taken (choose another --base-port)"], out.stderr
+    assert errors == [f"error: port 127.0.0.1:{port} is taken "
+                      "(choose another --base-port)"], out.stderr
     assert processes_mentioning(str(tmp_path)) == []
 
 

@@ -8,12 +8,13 @@
 // in-memory reader agree: the same error, or the same models, sizes and
 // requests.
 #include <algorithm>
+#include <bit>
 #include <cmath>
-#include <functional>
+#include <cstring>
 #include <limits>
 #include <optional>
 #include <random>
-#include <unordered_map>
+#include <string_view>
 
 #include "csv.h"
 #include "input.h"
@@ -52,14 +53,87 @@ class FieldSplitter {
   std::vector<std::string> storage_;
 };
 
-struct NameHash {
-  using is_transparent = void;
-  size_t operator()(std::string_view name) const {
-    return std::hash<std::string_view>{}(name);
+// The models' names and their numbers, looked up once per request in every
+// pass: an open-addressing table (linear probing, a power-of-two size at
+// most half full) of 32-bit hash tags and numbers, the names side by side in
+// one string. A std::unordered_map's lookup (a modulo, then a node and its
+// string elsewhere in memory) was the largest cost of a streamed pass.
+class NameIndex {
+ public:
+  static constexpr uint32_t kNone = std::numeric_limits<uint32_t>::max();
+
+  // The number of `name`, or kNone.
+  uint32_t Find(std::string_view name) const {
+    if (slots_.empty()) return kNone;
+    const uint64_t hash = Hash(name);
+    const uint32_t tag = static_cast<uint32_t>(hash >> 32);
+    for (size_t i = hash & mask_;; i = (i + 1) & mask_) {
+      const Slot& slot = slots_[i];
+      if (slot.model == kNone) return kNone;
+      if (slot.tag == tag && NameOf(slot.model) == name) return slot.model;
+    }
   }
+
+  // Numbers `name` (not yet in the index) as the next model.
+  // REQUIRES: Find(name) == kNone.
+  uint32_t Add(std::string_view name) {
+    const auto model = static_cast<uint32_t>(ends_.size());
+    names_.append(name);
+    ends_.push_back(names_.size());
+    if (2 * ends_.size() > slots_.size()) {
+      slots_.assign(std::bit_ceil(std::max<size_t>(16, 4 * ends_.size())),
+                    Slot{});
+      mask_ = slots_.size() - 1;
+      for (uint32_t m = 0; m < ends_.size(); ++m) Place(m);
+    } else {
+      Place(model);
+    }
+    return model;
+  }
+
+ private:
+  struct Slot {
+    uint32_t tag = 0;
+    uint32_t model = kNone;
+  };
+
+  // 8 bytes at a time, each multiplied in, then mixed (MurmurHash3's
+  // finaliser): names are short, and this is not a defence against names
+  // chosen to collide.
+  static uint64_t Hash(std::string_view name) {
+    uint64_t h = 0x9E3779B97F4A7C15ull ^ name.size();
+    size_t i = 0;
+    for (; i + 8 <= name.size(); i += 8) {
+      uint64_t word;
+      std::memcpy(&word, name.data() + i, 8);
+      h = (h ^ word) * 0xFF51AFD7ED558CCDull;
+    }
+    uint64_t rest = 0;
+    std::memcpy(&rest, name.data() + i, name.size() - i);
+    h = (h ^ rest) * 0xC4CEB9FE1A85EC53ull;
+    h ^= h >> 33;
+    h *= 0xFF51AFD7ED558CCDull;
+    h ^= h >> 33;
+    return h;
+  }
+
+  std::string_view NameOf(uint32_t model) const {
+    const size_t begin = model == 0 ? 0 : ends_[model - 1];
+    return std::string_view(names_).substr(begin, ends_[model] - begin);
+  }
+
+  void Place(uint32_t model) {
+    const uint64_t hash = Hash(NameOf(model));
+    size_t i = hash & mask_;
+    while (slots_[i].model != kNone) i = (i + 1) & mask_;
+    slots_[i] = Slot{static_cast<uint32_t>(hash >> 32), model};
+  }
+
+  std::string names_;         // every name, in the order of their numbers
+  std::vector<size_t> ends_;  // per model, where its name ends in names_
+  std::vector<Slot> slots_;
+  size_t mask_ = 0;
 };
-using ModelIndex =
-    std::unordered_map<std::string, uint32_t, NameHash, std::equal_to<>>;
 
 [[noreturn]] void Changed(const std::string& path, size_t line) {
   Fail(path, line,
@@ -72,6 +146,7 @@ using ModelIndex =
 // One request row of a CSV trace.
 struct CsvRow {
   double t = 0;
+  int64_t t_ms = 0;  // t rounded to the nearest ms, as std::llround rounds
   std::string_view name;
   bool has_size = false;
   uint64_t size = 0;
@@ -79,10 +154,13 @@ struct CsvRow {
 
 // The rows of a CSV trace, with ReadCsvTrace's checks of each row in its
 // order; the caller checks a model's sizes against each other, then asks
-// for the row's service time.
+// for the row's service time. With `read_sizes` false, size_bytes is
+// neither parsed nor checked (has_size is false): a pass after the first,
+// which has checked them all, does not use them.
 class CsvRows {
  public:
-  explicit CsvRows(const std::string& path) : lines_(path) {}
+  CsvRows(const std::string& path, bool read_sizes)
+      : lines_(path), read_sizes_(read_sizes) {}
 
   // The next request row (its views live until the next call); false at
   // the end of the file.
@@ -102,7 +180,14 @@ class CsvRows {
                  " fields, found " + std::to_string(fields.size()));
       }
       const std::string_view t_text = Trim(fields[t_col_]);
-      if (!ParseNumber(t_text, &row->t)) {
+      if (ParseWholeMs(t_text, &row->t_ms)) {
+        row->t = static_cast<double>(row->t_ms);
+      } else if (ParseNumber(t_text, &row->t)) {
+        // Out of range, it fails below.
+        if (row->t >= 0 && row->t <= kMaxMs) {
+          row->t_ms = static_cast<int64_t>(std::llround(row->t));
+        }
+      } else {
         Fail(path(), this->line(),
              "t_ms '" + std::string(t_text) + "' is not a number");
       }
@@ -121,7 +206,8 @@ class CsvRows {
       previous_t_ = row->t;
       row->name = Trim(fields[model_col_]);
       if (row->name.empty()) Fail(path(), this->line(), "empty model name");
-      row->has_size = size_col_ >= 0 && !Trim(fields[size_col_]).empty();
+      row->has_size =
+          read_sizes_ && size_col_ >= 0 && !Trim(fields[size_col_]).empty();
       if (row->has_size) {
         row->size = ParseSize(path(), this->line(), fields[size_col_]);
       }
@@ -177,7 +263,23 @@ class CsvRows {
               1;
   }
 
+  // Up to 15 decimal digits and nothing else (how times are mostly
+  // written): their value, which a double holds exactly, so ParseNumber
+  // would give it too; else false, for ParseNumber to decide.
+  static bool ParseWholeMs(std::string_view text, int64_t* out) {
+    if (text.empty() || text.size() > 15) return false;
+    int64_t value = 0;
+    for (const char c : text) {
+      const auto digit = static_cast<unsigned char>(c - '0');
+      if (digit > 9) return false;
+      value = value * 10 + digit;
+    }
+    *out = value;
+    return true;
+  }
+
   LineReader lines_;
+  const bool read_sizes_;
   FieldSplitter splitter_;
   const std::vector<std::string_view>* fields_ = nullptr;
   int t_col_ = -1, model_col_ = -1, size_col_ = -1, duration_col_ = -1;
@@ -190,23 +292,19 @@ class CsvSource : public TraceSource {
   CsvSource(const std::string& path, const SizeTable* sizes,
             const StreamOptions& stream)
       : path_(path) {
-    CsvRows rows(path);
+    CsvRows rows(path, /*read_sizes=*/true);
     std::vector<bool> sized;
     std::vector<size_t> first_line;  // per model, for errors
     CsvRow row;
     uint64_t n = 0;
     while (rows.Next(&row)) {
-      auto it = index_.find(row.name);
-      uint32_t m;
-      if (it == index_.end()) {
-        m = static_cast<uint32_t>(header_.models.size());
-        index_.emplace(std::string(row.name), m);
+      uint32_t m = index_.Find(row.name);
+      if (m == NameIndex::kNone) {
+        m = index_.Add(row.name);
         header_.models.emplace_back(row.name);
         header_.sizes.push_back(0);
         sized.push_back(false);
         first_line.push_back(rows.line());
-      } else {
-        m = it->second;
       }
       if (row.has_size) {
         if (sized[m] && header_.sizes[m] != row.size) {
@@ -219,9 +317,8 @@ class CsvSource : public TraceSource {
         sized[m] = true;
       }
       rows.Duration();
-      const int64_t t = static_cast<int64_t>(std::llround(row.t));
-      if (n == 0) header_.t_first_ms = t;
-      header_.t_last_ms = t;
+      if (n == 0) header_.t_first_ms = row.t_ms;
+      header_.t_last_ms = row.t_ms;
       if (++n % kProgressLines == 0 && stream.progress) {
         stream.progress(rows.input().bytes_read(), rows.input().file_bytes());
       }
@@ -252,25 +349,24 @@ class CsvSource : public TraceSource {
 
   const std::string path_;
   TraceHeader header_;
-  ModelIndex index_;
+  NameIndex index_;
 };
 
 class CsvSource::Reader : public RequestReader {
  public:
   explicit Reader(const CsvSource& source)
-      : source_(source), rows_(source.path_) {}
+      : source_(source), rows_(source.path_, /*read_sizes=*/false) {}
 
   size_t Read(Request* requests, float* hold_ms, size_t max) override {
     const TraceHeader& header = source_.header_;
     size_t k = 0;
     CsvRow row;
     while (k < max && rows_.Next(&row)) {
-      auto it = source_.index_.find(row.name);
-      if (it == source_.index_.end() || read_ == header.requests) {
+      const uint32_t model = source_.index_.Find(row.name);
+      if (model == NameIndex::kNone || read_ == header.requests) {
         Changed(rows_.path(), rows_.line());
       }
-      requests[k] =
-          Request{static_cast<int64_t>(std::llround(row.t)), it->second};
+      requests[k] = Request{row.t_ms, model};
       if (header.service_times) hold_ms[k] = rows_.Duration();
       ++k;
       ++read_;

@@ -287,6 +287,44 @@ TEST(CsvSource, GivesTheInMemoryTraceAndHeader) {
   }
 }
 
+// Thousands of models whose names run from 1 to 34 bytes, many sharing
+// their first bytes, and times written in every way a CSV field may hold
+// one: the stream numbers the models and rounds the times as the in-memory
+// reader does.
+TEST(CsvSource, ManyModelsAndEveryWayOfWritingATime) {
+  std::string text = "t_ms,model,size_bytes\n";
+  std::mt19937_64 rng(11);
+  const auto name = [](uint64_t m) {
+    return std::string(m % 31, 'x') + std::to_string(m);
+  };
+  for (uint64_t i = 0; i < 20000; ++i) {
+    const uint64_t m = i < 3000 ? i : rng() % 3000;  // each model, then any
+    const uint64_t t = 1000 + 2 * i;
+    const std::string digits = std::to_string(t);
+    const std::string ways[] = {
+        digits,
+        "000" + digits,
+        digits + ".5",  // rounds up
+        digits + ".49",
+        " " + digits + "\t",
+        digits + "e0",
+        "0000000000" + digits,      // 14 or 15 digits
+        "00000000000000" + digits,  // 18 or 19
+    };
+    const std::string& time = ways[i % std::size(ways)];
+    text += time + "," + name(m) + "," + std::to_string(100 + m) + "\n";
+  }
+  text += "999999999999999," + name(7) + ",107\n";   // 15 digits
+  text += "1000000000000000," + name(8) + ",108\n";  // 16
+  text += "9007199254740992," + name(9) + ",109\n";  // 2^53, the largest
+  TempFile file(text);
+  const Trace want = ReadCsvTrace(file.path(), nullptr);
+  ASSERT_EQ(want.models.size(), 3000u);
+  const auto source = OpenCsvTrace(file.path(), nullptr);
+  ExpectHeaderOf(*source, want);
+  ExpectSameTrace(Collect(*source), want);
+}
+
 TEST(CsvSource, BadInputGivesTheInMemoryReadersError) {
   const SizeTable sizes = {{"a", 1}};
   for (const std::string& text : {
@@ -302,6 +340,10 @@ TEST(CsvSource, BadInputGivesTheInMemoryReadersError) {
            std::string("t_ms,model,size_bytes\n1\n"),
            std::string("t_ms,model,size_bytes\n-1,a,1\n"),
            std::string("t_ms,model,size_bytes\n1e300,a,1\n"),
+           std::string("t_ms,model\n1e16,a\n"),
+           std::string("t_ms,model\n+5,a\n"),
+           std::string("t_ms,model\n0x10,a\n"),
+           std::string("t_ms,model\n1 2,a\n"),
            std::string("t_ms,model,size_bytes\n1, ,1\n"),
            std::string("t_ms,model,size_bytes\n1,a,1.5\n"),
            std::string("t_ms,model,duration_ms\n1,a,x\n"),

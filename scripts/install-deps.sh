@@ -28,6 +28,8 @@ packages=(
   # replay section describes it (chromium --headless --screenshot=FILE.png
   # file://REPORT.html).
   chromium
+  # bench/stream_billion.sh: the zstd command and GNU time (peak RSS).
+  zstd time
 )
 
 missing=()

@@ -95,7 +95,8 @@ int main(int argc, char** argv) {
   CLI::Option* slo_ms = replay_cmd->add_option(
       "--slo-ms", replay_flags.slo_ms,
       "Find, per policy, the smallest capacity whose wait at "
-      "--slo-percentile is within this (default 1000 ms)");
+      "--slo-percentile is within this (default 1000 ms), or off: no "
+      "search, the table's runs only");
   replay_cmd->add_option("--slo-percentile", replay_flags.slo_percentile,
                          "The SLO's percentile of the waits: p50, p99, "
                          "p99.9, max, ... (default p99)");

@@ -267,17 +267,28 @@ int RunReplay(ReplayFlags flags) {
   replay::RunInfo info;
   info.timed = options.timed;
   info.time = options.time;
-  // The SLO's flags are checked before any replay runs.
-  info.slo.slo_ms = ParseSloMs(flags.slo_ms);
+  // The SLO's flags are checked before any replay runs. `--slo-ms off`
+  // replays the table only: the search replays the trace again for each
+  // probe, which a production-size trace read as a stream pays in passes.
+  const bool slo_off = flags.slo_ms == "off";
+  if (!slo_off) info.slo.slo_ms = ParseSloMs(flags.slo_ms);
   info.slo.percentile = ParsePercentile(flags.slo_percentile);
   if (!flags.slo_resolution.empty())
     ParseResolution(flags.slo_resolution, &info.slo);
-  if (!options.timed && (flags.slo_given || !flags.slo_resolution.empty() ||
-                         flags.slo_percentile != "p99")) {
+  if (!options.timed &&
+      ((flags.slo_given && !slo_off) || !flags.slo_resolution.empty() ||
+       flags.slo_percentile != "p99")) {
     throw Error(ErrorCode::kInvalidArgument,
                 "--slo-ms, --slo-percentile and --slo-resolution need the time "
                 "model (without --no-time): the untimed replay never waits");
   }
+  if (slo_off &&
+      (!flags.slo_resolution.empty() || flags.slo_percentile != "p99")) {
+    throw Error(ErrorCode::kInvalidArgument,
+                "--slo-percentile and --slo-resolution need an SLO to search "
+                "for: --slo-ms is off");
+  }
+  const bool search_slo = options.timed && !slo_off;
   if (!flags.max_index_memory.empty()) {
     try {
       options.max_next_use_index_bytes =
@@ -386,7 +397,7 @@ int RunReplay(ReplayFlags flags) {
     }
   }
   info.report_policies = flags.report_policies;
-  if (!flags.report.empty()) info.slo.curve_slo_ms = kCurveSloMs;
+  if (!flags.report.empty() && search_slo) info.slo.curve_slo_ms = kCurveSloMs;
 
   const unsigned threads =
       flags.threads ? flags.threads
@@ -412,7 +423,7 @@ int RunReplay(ReplayFlags flags) {
       [&](size_t done, size_t total) {
         progress.Replaying(done, total, requests_done.load(), requests_total);
       });
-  if (options.timed) {
+  if (search_slo) {
     // The table's runs are the search's first probes.
     options.requests_done = nullptr;
     info.slo_answers = replay::FindSloCapacities(

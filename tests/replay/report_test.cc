@@ -27,6 +27,7 @@ namespace {
 
 using ::testing::ElementsAreArray;
 using ::testing::HasSubstr;
+using ::testing::Not;
 using ::testing::StartsWith;
 
 // ---- a strict parser for the report's HTML: every element closed in
@@ -526,6 +527,34 @@ TEST(ReplayCliSlo, NoneIsAnAnswer) {
   const auto doc = nlohmann::json::parse(j.out);
   EXPECT_TRUE(doc["slo"]["answers"][0]["capacity_bytes"].is_null());
   EXPECT_EQ(doc["slo"]["answers"][0]["failing_bytes"], 10240);
+}
+
+TEST(ReplayCliSlo, OffReplaysTheTableOnly) {
+  TempFile trace(HotPairCsv());
+  const std::string args = "replay " + trace.path() + kOneSecondLoads +
+                           " --policy lru,next-use --capacity 600B,700B";
+  Command searched = RunCli(args + " --slo-ms 500 --json");
+  Command off = RunCli(args + " --slo-ms off --json");
+  ASSERT_EQ(searched.status, 0) << searched.err;
+  ASSERT_EQ(off.status, 0) << off.err;
+  auto with = nlohmann::json::parse(searched.out);
+  auto without = nlohmann::json::parse(off.out);
+  EXPECT_TRUE(with["slo"].is_object());
+  EXPECT_TRUE(without["slo"].is_null());
+  // The table's rows are the same runs, apart from how long they took.
+  for (auto* doc : {&with, &without}) {
+    for (auto& row : (*doc)["results"]) row.erase("requests_per_second");
+  }
+  EXPECT_EQ(with["results"], without["results"]);
+  Command table = RunCli(args + " --slo-ms off");
+  ASSERT_EQ(table.status, 0) << table.err;
+  EXPECT_THAT(table.out, Not(HasSubstr("memory for")));
+  EXPECT_THAT(table.out, HasSubstr("next-use"));
+  Command bad = RunCli(args + " --slo-ms off --slo-percentile p50");
+  EXPECT_EQ(bad.status, 1);
+  EXPECT_THAT(bad.err,
+              StartsWith("error: --slo-percentile and --slo-resolution "
+                         "need an SLO to search for: --slo-ms is off"));
 }
 
 TEST(ReplayCliSlo, BadSloFlagsAreClearErrors) {

@@ -93,13 +93,24 @@ void Node::AdvanceTo(double t) {
   now_ = t;
 }
 
+bool Node::TransferDone(double remaining, size_t sharing) const {
+  // Less than half a byte left is rounding: done. So is what the clock
+  // cannot move: late in a long trace (from 2^32 ms, 50 days, at 2 GB/s) a
+  // double's step of time moves more than a byte, and a transfer could be
+  // left with bytes no representable step reaches.
+  return remaining <= 0.5 || now_ + remaining * static_cast<double>(sharing) *
+                                         1000.0 /
+                                         time_.bandwidth_bytes_per_second <=
+                                 now_;
+}
+
 double Node::NextTransferEnd() const {
   const auto& served =
       demand_transfers_.empty() ? prewarm_transfers_ : demand_transfers_;
   if (served.empty()) return kInf;
   double least = kInf;
   for (uint32_t m : served) least = std::min(least, models_[m].remaining);
-  if (least <= 0.5) return now_;
+  if (TransferDone(least, served.size())) return now_;
   return now_ + least * static_cast<double>(served.size()) * 1000.0 /
                     time_.bandwidth_bytes_per_second;
 }
@@ -107,10 +118,10 @@ double Node::NextTransferEnd() const {
 void Node::FinishTransfers() {
   auto& served =
       demand_transfers_.empty() ? prewarm_transfers_ : demand_transfers_;
-  // Less than half a byte left is rounding: done.
+  const size_t sharing = served.size();
   std::vector<uint32_t> done;
   for (size_t k = 0; k < served.size();) {
-    if (models_[served[k]].remaining <= 0.5) {
+    if (TransferDone(models_[served[k]].remaining, sharing)) {
       done.push_back(served[k]);
       served[k] = served.back();
       served.pop_back();

@@ -254,6 +254,9 @@ class Node {
 
   // ---- time ----
   double NextTransferEnd() const;
+  // Whether a transfer with `remaining` bytes, one of `sharing` moving at
+  // once, is done: under half a byte, or less than the clock can move.
+  bool TransferDone(double remaining, size_t sharing) const;
   void FinishTransfers();
   void HandleEvent(const Event& e);
 

@@ -5,6 +5,7 @@
 #include <algorithm>
 #include <cmath>
 #include <limits>
+#include <numeric>
 #include <random>
 #include <string>
 #include <utility>
@@ -53,6 +54,27 @@ TEST(TimedReplay, OneModelOneSlotWaitsLatencyPlusTransfer) {
   EXPECT_EQ(r.load_queue_peak, 0u);  // it started at once: never queued
   // Busy for 1100 ms of the 5000 ms trace.
   EXPECT_DOUBLE_EQ(r.disk_busy_ratio, 1100.0 / 5000);
+}
+
+TEST(TimedReplay, LoadsFinishLateInALongTrace) {
+  // From 2^33 ms (99 days into a trace) a double's step is 2^-19 ms: at
+  // 1 TB/s that moves 1,907 bytes, so a transfer can be left with bytes that
+  // no representable step of the clock moves. Each load must still finish
+  // (the replay used to spin there for ever).
+  std::vector<uint64_t> sizes;
+  std::vector<std::pair<int64_t, uint32_t>> requests;
+  for (uint32_t m = 0; m < 20; ++m) {
+    sizes.push_back(1'000'003 + 7'919 * uint64_t{m});
+    requests.push_back({8'600'000'000 + 1'000 * int64_t{m}, m});
+  }
+  Trace trace = MakeTrace(sizes, requests);
+  RunResult r = Simulate(trace, "lru", 10 * kGiB, Timed(100, 1, 1e12));
+  EXPECT_EQ(r.cold_starts, 20u);
+  EXPECT_EQ(r.bytes_loaded,
+            std::accumulate(sizes.begin(), sizes.end(), uint64_t{0}));
+  // 100 ms and about a microsecond of transfer, to the clock's step.
+  EXPECT_NEAR(r.wait_ms.max, 100.0, 0.01);
+  EXPECT_NEAR(r.wait_ms.p50, 100.0, 0.01);
 }
 
 TEST(TimedReplay, TwoLoadsShareTheBandwidth) {

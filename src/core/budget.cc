@@ -9,7 +9,10 @@
 //
 // A reservation's round: under mu_, take the bytes if they fit; otherwise
 // note the shortfall (used + bytes - capacity) and, without mu_, ask every
-// member what it could evict now. Evict one victim only when that total
+// member what it could evict now (each keeps a running count, so asking
+// costs the same however many records are resident; only a round with
+// victims whose unloaders failed, or a ranked bar, makes a member look at
+// its records). Evict one victim only when that total
 // covers the shortfall, then start the round again; when it cannot, evict
 // nothing and fail or wait. Members are asked afresh before every victim, so
 // a reservation that a concurrent lease makes hopeless stops after the

@@ -98,6 +98,12 @@
 //       kHistoryKeysPerShard per shard. A time-dependent policy's records
 //       are still filed in the order, by access sequence; the victim search
 //       ranks them afresh instead of taking the order's first.
+//   I9. A shard's running count of evictable bytes (Shard::evictable_bytes)
+//       is the sum of the sizes of its evictable records, and a record is
+//       counted (counted_evictable) iff it is evictable. The budget's
+//       "would evicting make it fit" check reads these counts instead of
+//       scanning every record, so it costs the same at 100 resident models
+//       as at 100,000.
 //
 // Locking: shard mutexes are never nested and never held while user code
 // runs (loader, unloader, value deleter, event callback) or while the budget
@@ -215,6 +221,13 @@ struct alignas(64) Shard {
   base::Mutex mu;
   uint64_t seq MC_GUARDED_BY(mu) = 0;
   uint64_t hits MC_GUARDED_BY(mu) = 0;
+  // Bytes of the shard's evictable records (resident, unleased, unpinned,
+  // not retired): the sum of the sizes of those with counted_evictable.
+  // Written under `mu` (a plain load and store, no read-modify-write), read
+  // without it by EvictableBytes, which sums the shards: a snapshot, as the
+  // budget's check is (budget.h). Beside the hit counter because a hit that
+  // takes a model's first lease changes it.
+  std::atomic<uint64_t> evictable_bytes{0};
   absl::flat_hash_map<std::string, Slot, KeyHash, KeyEqual> map
       MC_GUARDED_BY(mu);
   base::CondVar changed;  // a record of this shard changed state
@@ -321,6 +334,22 @@ class CacheCore final : public BudgetMember {
   static bool Evictable(const Record& r) {
     return r.state == RecordState::kResident && !r.retired && r.leases == 0 &&
            !r.pinned;
+  }
+  // Brings `r`'s share of its shard's running count of evictable bytes in
+  // line with Evictable(r). Called after every change of a record's state,
+  // lease count, pin or retirement (a size changes only while a record is
+  // loading, when it is not evictable). Cheap: one comparison when nothing
+  // changed, which is every hit but a model's first lease.
+  static void RecountLocked(Shard& shard, Record* r) MC_REQUIRES(shard.mu) {
+    const bool evictable = Evictable(*r);
+    if (evictable == r->counted_evictable) [[likely]] {
+      return;
+    }
+    r->counted_evictable = evictable;
+    const uint64_t count =
+        shard.evictable_bytes.load(std::memory_order_relaxed);
+    shard.evictable_bytes.store(evictable ? count + r->bytes : count - r->bytes,
+                                std::memory_order_relaxed);
   }
   void TouchLocked(Shard& shard, Record* r, double hint = 0)
       MC_REQUIRES(shard.mu);

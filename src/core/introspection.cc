@@ -107,6 +107,7 @@ uint64_t CacheCore::CheckInvariants() {
     shard.mu.AssertHeld();
     alias_mu_.AssertHeld();  // taken above, for the whole walk
     size_t ordered_records = 0;
+    uint64_t evictable_bytes = 0;  // I9, counted afresh
     for (const auto& [key, slot] : shard.map) {
       if (!slot.record) {
         auto target = alias_target_.find(key);
@@ -137,7 +138,13 @@ uint64_t CacheCore::CheckInvariants() {
         MC_INVARIANT(r.leases == 0, "lease on a record being unloaded", key);
       }
       accounted += r.bytes;  // I4 (a loading record's bytes = reservation)
+      MC_INVARIANT(r.counted_evictable == Evictable(r),
+                   "record's evictability miscounted", key);  // I9
+      if (Evictable(r)) evictable_bytes += r.bytes;
     }
+    MC_INVARIANT(shard.evictable_bytes.load(std::memory_order_relaxed) ==
+                     evictable_bytes,
+                 "running count of evictable bytes out of step", "");  // I9
     MC_INVARIANT(shard.order.size() == ordered_records,
                  "order has entries for records not in the map", "");
     MC_INVARIANT(shard.history.size() <= kHistoryKeysPerShard &&
@@ -146,6 +153,8 @@ uint64_t CacheCore::CheckInvariants() {
     for (const auto& [ptr, rec] : shard.retired) {           // I3
       MC_INVARIANT(rec->retired && !rec->in_order, "retired record misfiled",
                    rec->key);
+      MC_INVARIANT(!rec->counted_evictable,
+                   "retired record counted as evictable", rec->key);  // I9
       MC_INVARIANT(rec->state != RecordState::kUnloading || rec->leases == 0,
                    "lease on a retired record being unloaded", rec->key);  // I5
       MC_INVARIANT(rec->leases > 0 || rec->unload_failed ||
@@ -191,6 +200,17 @@ uint64_t CacheCore::EvictableBytes(const std::unordered_set<uint64_t>& skip,
                                    double evict_below) {
   uint64_t bytes = 0;
   const bool ranked = evict_below != std::numeric_limits<double>::infinity();
+  if (skip.empty() && !ranked) [[likely]] {
+    // The budget's check before every eviction: the running counts (I9), one
+    // read per shard, whatever the number of resident records.
+    for (size_t i = 0; i <= shard_mask_; ++i) {
+      bytes += shards_[i].evictable_bytes.load(std::memory_order_relaxed);
+    }
+    return bytes;
+  }
+  // A reservation whose victims' unloaders failed (`skip`), or one that may
+  // evict only what ranks below it (a keep-alive prewarm): rare, and each
+  // record must be looked at.
   const double now_seconds = policy_time_dependent_ ? NowSeconds() : 0;
   ForEachShard([&](Shard& shard, size_t) {
     shard.mu.AssertHeld();

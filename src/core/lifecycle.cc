@@ -111,6 +111,7 @@ void CacheCore::RetireLocked(Shard& shard, const std::shared_ptr<Record>& r) {
   assert(it != shard.map.end() && it->second.record == r);
   shard.map.erase(it);
   r->retired = true;
+  RecountLocked(shard, r.get());
   shard.retired.emplace(r.get(), r);
   ++shard.counters.removals;
 }
@@ -164,6 +165,7 @@ Lease CacheCore::Acquire(std::string_view key, uint64_t expected_bytes,
                               /*in_progress=*/r->leases > 0);
             TouchLocked(shard, r, options.policy_hint);
             ++r->leases;
+            RecountLocked(shard, r);
             ++shard.hits;
             return MakeLease(r);
           case RecordState::kLoading:
@@ -545,6 +547,7 @@ std::optional<Lease> CacheCore::Lookup(std::string_view key, bool count_miss,
                     /*in_progress=*/r->leases > 0);
   TouchLocked(shard, r, policy_hint);
   ++r->leases;
+  RecountLocked(shard, r);
   ++shard.hits;
   return MakeLease(r);
 }
@@ -574,6 +577,7 @@ void CacheCore::ReleaseLease(Record* r, bool request_end) {
         r->state = RecordState::kUnloading;
         r->owner = std::this_thread::get_id();
       } else {
+        RecountLocked(shard, r);
         // Idle from now: an idle TTL counts from the end of the last lease.
         // (Only here and at the load: a hit leaves a lease, so stamping it
         // too would add a clock read to every hit and change nothing an
@@ -639,6 +643,7 @@ std::exception_ptr CacheCore::UnloadResident(Shard& shard,
     assert(rec->state == RecordState::kUnloading && rec->leases == 0);
     if (error) {
       rec->state = RecordState::kResident;  // its order entry never moved
+      RecountLocked(shard, rec.get());
       ++shard.counters.failed_unloads;
     } else {
       shard.order.Erase(rec.get());
@@ -743,6 +748,7 @@ EvictOutcome CacheCore::EvictIfEvictable(const std::shared_ptr<Record>& rec,
     }
     rec->state = RecordState::kUnloading;
     rec->owner = std::this_thread::get_id();
+    RecountLocked(shard, rec.get());
   }
   return UnloadResident(shard, rec, reason) ? EvictOutcome::kUnloadFailed
                                             : EvictOutcome::kEvicted;
@@ -788,6 +794,7 @@ RemoveOutcome CacheCore::Remove(std::string_view key,
       } else {
         rec->state = RecordState::kUnloading;
         rec->owner = std::this_thread::get_id();
+        RecountLocked(shard, rec.get());
       }
       break;
     }
@@ -820,6 +827,7 @@ void CacheCore::SetPinned(std::string_view key, bool pinned) {
     Record* r = it->second.record.get();
     now_evictable = r->pinned && !pinned && r->leases == 0;
     r->pinned = pinned;
+    RecountLocked(shard, r);
   }
   if (now_evictable) budget_->NotifyEvictable();
 }
@@ -970,6 +978,7 @@ void CacheCore::Shutdown() {
       assert(slot.record->state == RecordState::kResident &&
              "cache destroyed during a load or unload");
       slot.record->state = RecordState::kGone;  // no peer may evict it now
+      RecountLocked(shard, slot.record.get());
       records.push_back(slot.record);
     }
     for (auto& [ptr, rec] : shard.retired) {

@@ -42,6 +42,11 @@ struct alignas(64) Record {
   bool stale = false;          // invalidated while loading
   bool unload_failed = false;  // retired record whose unloader threw
   bool in_order = false;
+  // Its bytes are in its shard's running count of evictable bytes
+  // (Shard::evictable_bytes): kept equal to Evictable() by
+  // CacheCore::RecountLocked after every change of state, leases, pin or
+  // retirement.
+  bool counted_evictable = false;
   int leases = 0;
   uint64_t bytes = 0;  // reserved while loading, resident size after
   uint64_t accesses = 0;

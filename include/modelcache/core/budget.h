@@ -85,7 +85,9 @@ class BudgetMember {
   // every lock and releases the bytes to the budget on success.
   virtual EvictOutcome TryEvict(const VictimCandidate& victim) = 0;
   // Bytes of the records BestVictim could offer now: resident, unleased,
-  // unpinned, not in `skip`, with a priority below `evict_below`.
+  // unpinned, not in `skip`, with a priority below `evict_below`. Called
+  // before every eviction: with `skip` empty and no bar (the common case) it
+  // must not depend on the number of records.
   virtual uint64_t EvictableBytes(const std::unordered_set<uint64_t>& skip,
                                   double evict_below) = 0;
   // Appends "key (size, why held)" items for a capacity error: every record

@@ -90,6 +90,9 @@ bench: build
 	./build/bin/modelcache_miss_storm_bench --benchmark_repetitions=5 \
 	  --benchmark_report_aggregates_only=true \
 	  --benchmark_out=build/bench-results/miss_storm.json --benchmark_out_format=json
+	./build/bin/modelcache_eviction_bench --benchmark_repetitions=5 \
+	  --benchmark_report_aggregates_only=true \
+	  --benchmark_out=build/bench-results/eviction.json --benchmark_out_format=json
 	./build/bin/modelcache_replay_bench --benchmark_repetitions=5 \
 	  --benchmark_report_aggregates_only=true \
 	  --benchmark_out=build/bench-results/replay.json --benchmark_out_format=json

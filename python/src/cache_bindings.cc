@@ -232,11 +232,13 @@ PyObject* LeaseRepr(PyObject* self) {
 
 PyMethodDef lease_methods[] = {
     {"release", LeaseRelease, METH_NOARGS,
-     "Gives the lease back; later calls do nothing."},
-    {"__enter__", LeaseEnter, METH_NOARGS, "The model."},
+     "release($self, /)\n--\n\nGives the lease back; later calls do "
+     "nothing."},
+    {"__enter__", LeaseEnter, METH_NOARGS,
+     "__enter__($self, /)\n--\n\nThe model."},
     {"__exit__",
      reinterpret_cast<PyCFunction>(reinterpret_cast<void (*)()>(LeaseExit)),
-     METH_FASTCALL, "Releases the lease."},
+     METH_FASTCALL, "__exit__($self, /, *args)\n--\n\nReleases the lease."},
     {nullptr, nullptr, 0, nullptr}};
 
 PyGetSetDef lease_getset[] = {

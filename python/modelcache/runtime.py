@@ -88,15 +88,16 @@ class SimulatedDevice:
     Args:
         name: the device's name (in stats and error messages; must be
             unique within a runtime).
-        capacity_bytes: the device's memory.
+        capacity_bytes: the device's memory, an int of bytes or a size
+            as the CLI writes it ("8GiB"); so is working_reserve_bytes.
         working_reserve_bytes: kept free of models (for activations): the
             device's model budget is capacity minus this.
         bandwidth_bytes_per_second: the modelled host-to-device bandwidth.
     """
 
     name: str
-    capacity_bytes: int
-    working_reserve_bytes: int = 0
+    capacity_bytes: Union[int, str]
+    working_reserve_bytes: Union[int, str] = 0
     bandwidth_bytes_per_second: float = 16e9
 
     kind = "simulated"
@@ -108,8 +109,8 @@ class HostDevice:
     means the machine's physical memory."""
 
     name: str = "host"
-    capacity_bytes: int = 0
-    working_reserve_bytes: int = 0
+    capacity_bytes: Union[int, str] = 0
+    working_reserve_bytes: Union[int, str] = 0
 
     kind = "host"
 
@@ -125,8 +126,8 @@ class CudaDevice:
     when the runtime is made if CUDA cannot be used."""
 
     ordinal: int = 0
-    capacity_bytes: int = 0
-    working_reserve_bytes: int = 0
+    capacity_bytes: Union[int, str] = 0
+    working_reserve_bytes: Union[int, str] = 0
 
     kind = "cuda"
 
@@ -322,7 +323,8 @@ class Runtime:
 
     __slots__ = ("_runtime", "__weakref__")
 
-    def __init__(self, registry_json_path: PathLike, host_capacity_bytes: int,
+    def __init__(self, registry_json_path: PathLike,
+                 host_capacity_bytes: Union[int, str],
                  devices: Sequence[DeviceSpec] = (), *, mode: str = "mmap",
                  pread_threads: int = 4) -> None:
         if isinstance(devices, (Mapping, str, bytes)):

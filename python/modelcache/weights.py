@@ -201,7 +201,7 @@ class HostWeightStore:
 
     __slots__ = ("_store", "__weakref__")
 
-    def __init__(self, capacity_bytes: int, mode: str = "mmap",
+    def __init__(self, capacity_bytes: Union[int, str], mode: str = "mmap",
                  name: str = "host", *, pread_threads: int = 4) -> None:
         self._store = _core._HostWeightStore(
             _args.byte_size(capacity_bytes, "capacity_bytes"),

@@ -674,8 +674,9 @@ removal, outside the cache's locks.
             if (o == nullptr) throw py::error_already_set();
             return py::reinterpret_steal<py::object>(o);
           },
-          py::arg("key") = Missing(), py::arg("loader") = Missing(),
-          py::arg("expected_bytes") = Missing(), py::kw_only(),
+          py::arg_v("key", Missing(), "<required>"),
+          py::arg_v("loader", Missing(), "<required>"),
+          py::arg_v("expected_bytes", Missing(), "<required>"), py::kw_only(),
           py::arg("timeout") = py::none(), py::arg("when_full") = "fail",
           "acquire()'s path for misses and keyword arguments.")
       .def(
@@ -704,8 +705,9 @@ removal, outside the cache's locks.
                          return 0;
                        });
           },
-          py::arg("key") = Missing(), py::arg("loader") = Missing(),
-          py::arg("expected_bytes") = Missing(), py::kw_only(),
+          py::arg_v("key", Missing(), "<required>"),
+          py::arg_v("loader", Missing(), "<required>"),
+          py::arg_v("expected_bytes", Missing(), "<required>"), py::kw_only(),
           py::arg("timeout") = py::none(), py::arg("when_full") = "fail",
           py::arg("evict_only_lower_ranked") = false,
           "Loads ``key`` if absent and leaves it resident without a lease. "

@@ -473,10 +473,19 @@ CacheHandle& Handle(const py::object& self) {
 // method _acquire, which validates the arguments, releases the GIL and may
 // load. Only the plain call form, acquire(key, loader, expected_bytes), takes
 // the fast path, so keyword arguments are always validated.
+// An int the slow path would take as expected_bytes without a word: a hit
+// with a negative size (or a bool) is refused there like a miss.
+bool IsSmallNonNegative(PyObject* value) {
+  int overflow = 0;
+  const long long v = PyLong_AsLongLongAndOverflow(value, &overflow);
+  return overflow == 0 && v >= 0;
+}
+
 PyObject* CacheAcquire(PyObject* self, PyObject* const* args, Py_ssize_t nargs,
                        PyObject* kwnames) {
   if (nargs == 3 && kwnames == nullptr && PyUnicode_Check(args[0]) &&
-      PyCallable_Check(args[1]) && PyLong_Check(args[2])) {
+      PyCallable_Check(args[1]) && PyLong_CheckExact(args[2]) &&
+      IsSmallNonNegative(args[2])) {
     Py_ssize_t size = 0;
     const char* key = PyUnicode_AsUTF8AndSize(args[0], &size);
     if (key == nullptr) return nullptr;
@@ -629,8 +638,9 @@ threads race for it, kept resident within a byte budget, never evicted while
 a lease on it is held, and never cached when its loader fails.
 
 ``Cache(name="models", capacity_bytes=None, budget=None, policy="lru",
-idle_ttl=None, shard_bits=4, on_event=None)``: give ``capacity_bytes`` for a
-budget of its own or ``budget`` to share one. ``policy`` is a name from
+idle_ttl=None, shard_bits=4, on_event=None)``: give ``capacity_bytes`` (an
+int or a size such as "16GiB") for a budget of its own or ``budget`` to share
+one. ``policy`` is a name from
 ``modelcache.policy_names()`` ("lru", "gdsf", "next-use", "ttl-10m",
 "next-use-prewarm", ...): the same policies replay runs. A keep-alive policy
 ("hybrid-histogram", "gdsf-prewarm", "next-use-prewarm") unloads idle models

@@ -284,3 +284,8 @@ def test_expected_bytes_is_required_and_says_why():
     with pytest.raises(InvalidArgumentError, match="expected_bytes"):
         cache.acquire("n", lambda: "v", -5)
     assert cache.entry("n") is None
+    # On a hit too: the size is checked whether or not the loader would run.
+    for bad in (-5, True):
+        with pytest.raises((InvalidArgumentError, TypeError), match="expected_bytes"):
+            cache.acquire("j", lambda: "w", bad)
+    assert cache.entry("j").leases == 0

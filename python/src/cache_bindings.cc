@@ -448,6 +448,19 @@ std::unique_ptr<CacheHandle> NewCache(const py::object& name_arg,
         fields["bytes"] = event.bytes;
         fields["seconds"] = event.seconds;
         fields["error"] = event.error;
+        // A Python loader's or unloader's exception, traceback included.
+        py::object exception = py::none();
+        if (event.exception) {
+          try {
+            std::rethrow_exception(event.exception);
+          } catch (const PythonError& e) {
+            exception = py::reinterpret_borrow<py::object>(e.value());
+          } catch (...) {
+            // A C++ error of the core (a refused reservation): `error`
+            // says it; there is no Python object to give.
+          }
+        }
+        fields["exception"] = exception;
         py::object event_class =
             py::module_::import("modelcache._types").attr("Event");
         py::object ev = CallPython(event_class, {}, fields);

@@ -136,13 +136,41 @@ def test_an_unloaders_exception_reaches_remove_with_its_frames_and_events_read_c
     assert frames(info.value) == [
         "test_an_unloaders_exception_reaches_remove_with_its_frames_and_events_read_cleanly",
         "unload", "middle", "deepest_raise"]
-    # Where nothing raises to a caller (prune, eviction), the event says why.
+    # Where nothing raises to a caller (prune, eviction), the event says
+    # why and holds the exception itself, traceback included.
+    del events[:]
     assert cache.prune() == 0
-    with pytest.raises(ValueError):
+    with pytest.raises(ValueError) as loader_error:
         cache.acquire("b", failing_loader, 10)
-    errors = {(e.type, e.error) for e in events if e.error}
-    assert errors == {("unload_failed", "ValueError: disk on fire"),
-                      ("load_failed", "ValueError: disk on fire")}
+    failures = [e for e in events if e.error]
+    assert [(e.type, e.key, e.error) for e in failures] == [
+        ("unload_failed", "a", "ValueError: disk on fire"),
+        ("load_failed", "b", "ValueError: disk on fire")]
+    unload_failed, load_failed = failures
+    assert isinstance(unload_failed.exception, ValueError)
+    assert frames(unload_failed.exception) == ["unload", "middle", "deepest_raise"]
+    assert load_failed.exception is loader_error.value
+    assert frames(load_failed.exception)[-3:] == ["failing_loader", "middle", "deepest_raise"]
+    assert all(e.exception is None for e in events if not e.error)
+
+
+def test_an_unloader_failing_in_an_eviction_reaches_the_event_with_its_frames():
+    events = []
+    cache = modelcache.Cache(capacity_bytes=10, on_event=events.append)
+
+    def unload():
+        middle()
+
+    cache.prefetch("a", lambda: modelcache.Loaded("value", 10, unload), 10)
+    # Making room for "b" runs a's unloader, which raises: a stays.
+    with pytest.raises(modelcache.CapacityError):
+        cache.acquire("b", lambda: "other", 10)
+    failed = [e for e in events if e.type == "unload_failed"]
+    assert len(failed) == 1 and failed[0].key == "a"
+    assert failed[0].error == "ValueError: disk on fire"
+    assert frames(failed[0].exception) == ["unload", "middle", "deepest_raise"]
+    assert cache.entry("a").state == "resident"
+
 
 
 def test_an_on_event_callbacks_exception_reaches_unraisablehook_with_its_frames(monkeypatch):

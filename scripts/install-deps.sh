@@ -13,6 +13,10 @@ packages=(
   zlib1g-dev libzstd-dev
   librocksdb-dev libleveldb-dev
   python3-dev pybind11-dev python3-pytest python3-numpy python3-torch
+  # `pip install .` of the Python package (pyproject.toml, setup.py) and its
+  # test: setuptools and wheel build it, venv (with ensurepip's pip) installs
+  # it, offline (--no-build-isolation --no-index).
+  python3-setuptools python3-wheel python3-venv python3-pip
   # HAProxy 2.6, whose hash ring tests/replay/haproxy_ring_test.cc runs
   # (Debian's own configuration defines no frontend, so its service listens
   # on nothing).

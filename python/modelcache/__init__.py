@@ -103,15 +103,15 @@ def torch_bytes(module_or_state_dict: Any) -> int:
         tensors = list(module_or_state_dict.values())
     else:
         raise InvalidArgumentError(
-            "torch_bytes takes a torch.nn.Module or a state dict, not "
-            + type(module_or_state_dict).__name__
+            "module_or_state_dict must be a torch.nn.Module or a state dict, "
+            "not " + type(module_or_state_dict).__name__
         )
     seen = set()
     total = 0
     for t in tensors:
         if not hasattr(t, "untyped_storage") and not hasattr(t, "storage"):
             raise InvalidArgumentError(
-                "torch_bytes: not a tensor: " + type(t).__name__
+                "module_or_state_dict: not a tensor: " + type(t).__name__
             )
         # Whole storages, once each: a view keeps its whole storage alive.
         storage = t.untyped_storage() if hasattr(t, "untyped_storage") else t.storage()

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from dataclasses import asdict, dataclass, make_dataclass
-from typing import Any, Dict, List, Tuple
+from typing import Any, Dict, List, Optional, Tuple
 
 from . import _core
 
@@ -53,4 +53,7 @@ class Event:
     key: str
     bytes: int
     seconds: float  #: load time, for "loaded"
-    error: str  #: for "load_failed" and "unload_failed"
+    error: str  #: for "load_failed" and "unload_failed": "ValueError: ..."
+    #: For "load_failed" and "unload_failed": the exception the loader or
+    #: unloader raised, with its traceback (None for the other events).
+    exception: Optional[BaseException] = None

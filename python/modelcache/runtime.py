@@ -52,7 +52,7 @@ from __future__ import annotations
 import dataclasses
 from typing import TYPE_CHECKING, Any, Dict, List, Mapping, Sequence, Union
 
-from . import _core
+from . import _args, _core
 from ._lease import _Releasable
 from ._types import CacheStats
 from .errors import InvalidArgumentError
@@ -88,15 +88,16 @@ class SimulatedDevice:
     Args:
         name: the device's name (in stats and error messages; must be
             unique within a runtime).
-        capacity_bytes: the device's memory.
+        capacity_bytes: the device's memory, an int of bytes or a size
+            as the CLI writes it ("8GiB"); so is working_reserve_bytes.
         working_reserve_bytes: kept free of models (for activations): the
             device's model budget is capacity minus this.
         bandwidth_bytes_per_second: the modelled host-to-device bandwidth.
     """
 
     name: str
-    capacity_bytes: int
-    working_reserve_bytes: int = 0
+    capacity_bytes: Union[int, str]
+    working_reserve_bytes: Union[int, str] = 0
     bandwidth_bytes_per_second: float = 16e9
 
     kind = "simulated"
@@ -108,8 +109,8 @@ class HostDevice:
     means the machine's physical memory."""
 
     name: str = "host"
-    capacity_bytes: int = 0
-    working_reserve_bytes: int = 0
+    capacity_bytes: Union[int, str] = 0
+    working_reserve_bytes: Union[int, str] = 0
 
     kind = "host"
 
@@ -125,8 +126,8 @@ class CudaDevice:
     when the runtime is made if CUDA cannot be used."""
 
     ordinal: int = 0
-    capacity_bytes: int = 0
-    working_reserve_bytes: int = 0
+    capacity_bytes: Union[int, str] = 0
+    working_reserve_bytes: Union[int, str] = 0
 
     kind = "cuda"
 
@@ -166,12 +167,16 @@ def _normalise_device(spec: DeviceSpec) -> Dict[str, Any]:
             f"dict, not {type(spec).__name__}")
     out: Dict[str, Any] = {
         "kind": kind,
-        "name": fields.get("name", "host"),
-        "ordinal": int(fields.get("ordinal", 0)),
-        "capacity_bytes": int(fields.get("capacity_bytes", 0)),
-        "working_reserve_bytes": int(fields.get("working_reserve_bytes", 0)),
-        "bandwidth_bytes_per_second":
-            float(fields.get("bandwidth_bytes_per_second", 16e9)),
+        "name": _args.string(fields.get("name", "host"), "name"),
+        "ordinal": _args.integer(fields.get("ordinal", 0), "ordinal", 0),
+        "capacity_bytes": _args.byte_size(fields.get("capacity_bytes", 0),
+                                          "capacity_bytes", allow_zero=True),
+        "working_reserve_bytes": _args.byte_size(
+            fields.get("working_reserve_bytes", 0), "working_reserve_bytes",
+            allow_zero=True),
+        "bandwidth_bytes_per_second": _args.number(
+            fields.get("bandwidth_bytes_per_second", 16e9),
+            "bandwidth_bytes_per_second"),
     }
     if kind == "simulated" and out["capacity_bytes"] <= 0:
         raise InvalidArgumentError(
@@ -288,7 +293,8 @@ class ModelLease(_Releasable):
         where it is placed (device memory, or the host copy). With
         ``raw=True`` its bytes as a 1-D uint8 array (any dtype); otherwise
         dtypes numpy lacks (BF16, F8_*) raise InvalidArgumentError."""
-        return self._lease.read(name, raw)
+        return self._lease.read(_args.string(name, "name"),
+                                _args.boolean(raw, "raw"))
 
     def __repr__(self) -> str:
         state = " released" if self.released else ""
@@ -302,7 +308,8 @@ class Runtime:
 
     Args:
         registry_json_path: the registry (see the module docstring).
-        host_capacity_bytes: the host budget for weight files (> 0).
+        host_capacity_bytes: the host budget for weight files (> 0): an
+            int of bytes or a size as the CLI writes it ("16GiB").
         devices: the devices, in index order.
         mode: how host copies are read: "mmap" or "pread".
         pread_threads: threads per "pread" load.
@@ -316,14 +323,21 @@ class Runtime:
 
     __slots__ = ("_runtime", "__weakref__")
 
-    def __init__(self, registry_json_path: PathLike, host_capacity_bytes: int,
+    def __init__(self, registry_json_path: PathLike,
+                 host_capacity_bytes: Union[int, str],
                  devices: Sequence[DeviceSpec] = (), *, mode: str = "mmap",
                  pread_threads: int = 4) -> None:
         if isinstance(devices, (Mapping, str, bytes)):
             raise InvalidArgumentError("devices must be a list of devices")
+        if not isinstance(devices, Sequence):
+            raise TypeError("devices must be a list of devices, not "
+                            + type(devices).__name__)
         specs = [_normalise_device(d) for d in devices]
-        self._runtime = _core._Runtime(registry_json_path, host_capacity_bytes,
-                                       specs, mode, pread_threads)
+        self._runtime = _core._Runtime(
+            _args.path(registry_json_path, "registry_json_path"),
+            _args.byte_size(host_capacity_bytes, "host_capacity_bytes"),
+            specs, _args.choice(mode, "mode", ("mmap", "pread")),
+            _args.integer(pread_threads, "pread_threads", minimum=1))
 
     def acquire(self, model: str, device: Union[int, str] = 0,
                 placement: str = "full", *, timeout: Timeout = None,
@@ -351,8 +365,14 @@ class Runtime:
             modelcache.errors.UnavailableError: the device is unusable (a
                 corrupted CUDA context).
         """
-        return ModelLease(self._runtime.acquire(model, device, placement,
-                                                timeout, when_full))
+        if isinstance(device, bool) or not isinstance(device, (int, str)):
+            raise TypeError("device must be a device name (str) or a "
+                            f"position (int), not {type(device).__name__}")
+        return ModelLease(self._runtime.acquire(
+            _args.string(model, "model"), device,
+            _args.choice(placement, "placement", ("full", "partial")),
+            _args.timeout(timeout),
+            _args.choice(when_full, "when_full", ("fail", "wait"))))
 
     def stats(self) -> RuntimeStats:
         """A snapshot of the host store, each device cache and each

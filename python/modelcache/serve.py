@@ -58,7 +58,7 @@ import threading
 import weakref
 from typing import TYPE_CHECKING, Any, Dict, List, Optional, Tuple, Union, overload
 
-from . import _core
+from . import _args, _core
 from ._lease import _Releasable
 from .errors import DaemonUnavailableError, FailedPreconditionError
 
@@ -178,12 +178,12 @@ class RemoteLease(_Releasable):
         """
         lease = self._checked()
         if name is not None:
-            return lease.numpy(name)
+            return lease.numpy(_args.string(name, "name"))
         return {n: lease.numpy(n) for n in lease.names()}
 
     def raw(self, name: str) -> "_np.ndarray":
         """The bytes of tensor ``name`` as a read-only 1-D uint8 array."""
-        return self._checked().raw(name)
+        return self._checked().raw(_args.string(name, "name"))
 
     @overload
     def torch(self, *, copy: bool = False) -> Dict[str, "_torch.Tensor"]: ...
@@ -200,6 +200,9 @@ class RemoteLease(_Releasable):
         ``copy=True``: tensors the caller owns (writable, nothing shared).
         Supported dtypes: F64, F32, F16, BF16, I64, I32, I16, I8, U8, BOOL.
         """
+        if name is not None:
+            _args.string(name, "name")
+        _args.boolean(copy, "copy")
         lease = self._checked()
         names = [name] if name is not None else lease.names()
         out = {n: self._one_tensor(lease, n, copy) for n in names}
@@ -314,12 +317,14 @@ class Client:
             InvalidArgumentError, DaemonUnavailableError; see the module
             docstring.
         """
-        return RemoteLease(self._client.acquire(model, timeout, when_full))
+        return RemoteLease(self._client.acquire(
+            _args.string(model, "model"), _args.timeout(timeout),
+            _args.choice(when_full, "when_full", ("fail", "wait"))))
 
     def ping(self, timeout: Timeout = 5.0) -> None:
         """A round trip to the daemon (connecting if needed). Raises
         DaemonUnavailableError when it cannot be reached in time."""
-        self._client.ping(timeout)
+        self._client.ping(_args.timeout(timeout))
 
     def info(self) -> Dict[str, Any]:
         """What the daemon said when the connection was made:
@@ -358,4 +363,6 @@ def connect(socket_path: PathLike, *, connect_timeout: Timeout = 0) -> Client:
         modelcache.errors.InvalidArgumentError: this peer is not allowed,
             or the daemon speaks another version.
     """
-    return Client(_core._ServeClient.connect(socket_path, connect_timeout))
+    return Client(_core._ServeClient.connect(
+        _args.path(socket_path, "socket_path"),
+        _args.timeout(connect_timeout, "connect_timeout")))

@@ -34,7 +34,7 @@ from __future__ import annotations
 import os
 from typing import TYPE_CHECKING, Any, Dict, List, Union
 
-from . import _core
+from . import _args, _core
 from ._lease import _Releasable
 from ._types import CacheStats
 
@@ -81,7 +81,7 @@ def inspect(path: PathLike) -> Dict[str, Any]:
             safetensors file (the message is "<path>: <problem>").
         modelcache.errors.IoError: the file cannot be opened or read.
     """
-    return _core._inspect_safetensors(path)
+    return _core._inspect_safetensors(_args.path(path, "path"))
 
 
 class WeightsLease(_Releasable):
@@ -142,12 +142,12 @@ class WeightsLease(_Releasable):
         Raises:
             modelcache.errors.NotFoundError: no tensor ``name``.
         """
-        return self._lease.numpy(name)
+        return self._lease.numpy(_args.string(name, "name"))
 
     def raw(self, name: str) -> "_np.ndarray":
         """The bytes of tensor ``name`` as a read-only, zero-copy, 1-D
         uint8 numpy array (any dtype)."""
-        return self._lease.raw(name)
+        return self._lease.raw(_args.string(name, "name"))
 
     def torch(self, name: str) -> "_torch.Tensor":
         """A zero-copy CPU torch tensor of tensor ``name``, via DLPack.
@@ -161,7 +161,7 @@ class WeightsLease(_Releasable):
         """
         from torch.utils import dlpack
 
-        capsule, dtype = self._lease.dlpack(name)
+        capsule, dtype = self._lease.dlpack(_args.string(name, "name"))
         tensor = dlpack.from_dlpack(capsule)
         if dtype == "BOOL":  # exported as U8: torch 1.13's DLPack lacks bool
             import torch
@@ -185,7 +185,8 @@ class HostWeightStore:
     a load needs room.
 
     Args:
-        capacity_bytes: the budget for host copies, in bytes (> 0). A
+        capacity_bytes: the budget for host copies (> 0): an int of bytes
+            or a size as the CLI writes it ("16GiB", "500MB"). A
             resident copy counts its data buffer's size; while it loads, the
             whole file's size is reserved.
         mode: "mmap" maps the file read-only (nothing is copied; pages come
@@ -200,10 +201,13 @@ class HostWeightStore:
 
     __slots__ = ("_store", "__weakref__")
 
-    def __init__(self, capacity_bytes: int, mode: str = "mmap",
+    def __init__(self, capacity_bytes: Union[int, str], mode: str = "mmap",
                  name: str = "host", *, pread_threads: int = 4) -> None:
-        self._store = _core._HostWeightStore(capacity_bytes, mode, name,
-                                             pread_threads)
+        self._store = _core._HostWeightStore(
+            _args.byte_size(capacity_bytes, "capacity_bytes"),
+            _args.choice(mode, "mode", ("mmap", "pread")),
+            _args.string(name, "name"),
+            _args.integer(pread_threads, "pread_threads", minimum=1))
 
     def acquire(self, path: PathLike, *, timeout: Timeout = None,
                 when_full: str = "fail") -> WeightsLease:
@@ -226,16 +230,19 @@ class HostWeightStore:
             modelcache.errors.CapacityError: no room (when_full="fail").
             modelcache.errors.TimeoutError: the timeout passed.
         """
-        shown = os.fsdecode(path)  # a bad path type fails before the load
-        return WeightsLease(self._store.acquire(path, timeout, when_full),
-                            shown)
+        shown = os.fsdecode(_args.path(path, "path"))
+        return WeightsLease(
+            self._store.acquire(path, _args.timeout(timeout),
+                                _args.choice(when_full, "when_full",
+                                             ("fail", "wait"))),
+            shown)
 
     def invalidate(self, path: PathLike) -> str:
         """Retires the copy of the file at ``path``: later acquires load it
         afresh; current holders and views keep the old copy until they let
         go. Returns "removed" (it was unreferenced and is freed),
         "retired" (still referenced) or "not_found"."""
-        return self._store.invalidate(path)
+        return self._store.invalidate(_args.path(path, "path"))
 
     def prune(self) -> int:
         """Frees every copy nobody references; returns how many."""
@@ -292,5 +299,8 @@ def load_state_dict(store: HostWeightStore, path: PathLike, *,
     not be written to (see the module docstring). Raises what
     :meth:`HostWeightStore.acquire` and :meth:`WeightsLease.torch` raise.
     """
+    if not isinstance(store, HostWeightStore):
+        raise TypeError("store must be a modelcache.weights.HostWeightStore, "
+                        f"not {type(store).__name__}")
     with store.acquire(path, timeout=timeout, when_full=when_full) as lease:
         return {name: lease.torch(name) for name in lease.names()}

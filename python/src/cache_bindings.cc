@@ -232,11 +232,13 @@ PyObject* LeaseRepr(PyObject* self) {
 
 PyMethodDef lease_methods[] = {
     {"release", LeaseRelease, METH_NOARGS,
-     "Gives the lease back; later calls do nothing."},
-    {"__enter__", LeaseEnter, METH_NOARGS, "The model."},
+     "release($self, /)\n--\n\nGives the lease back; later calls do "
+     "nothing."},
+    {"__enter__", LeaseEnter, METH_NOARGS,
+     "__enter__($self, /)\n--\n\nThe model."},
     {"__exit__",
      reinterpret_cast<PyCFunction>(reinterpret_cast<void (*)()>(LeaseExit)),
-     METH_FASTCALL, "Releases the lease."},
+     METH_FASTCALL, "__exit__($self, /, *args)\n--\n\nReleases the lease."},
     {nullptr, nullptr, 0, nullptr}};
 
 PyGetSetDef lease_getset[] = {
@@ -332,6 +334,50 @@ auto RunLoading(CacheHandle& handle, const std::string& key,
   }
 }
 
+// The default of acquire's and prefetch's required parameters, so that
+// leaving one out is told as Python tells it (pybind11 would list the
+// overloads instead). A private object: None is a wrong value, not a
+// missing one.
+py::object Missing() {
+  // Made once, with the GIL (at module init), and never dropped.
+  static PyObject* missing =
+      py::module_::import("builtins").attr("object")().release().ptr();
+  return py::reinterpret_borrow<py::object>(missing);
+}
+
+// The arguments acquire and prefetch share, checked.
+struct LoadArgs {
+  LoadArgs(const char* function, const py::object& key_arg,
+           const py::object& loader_arg, const py::object& expected_arg,
+           const py::object& when_full_arg) {
+    const py::object missing = Missing();
+    const char* what[] = {"key", "loader", "expected_bytes"};
+    const py::object* given[] = {&key_arg, &loader_arg, &expected_arg};
+    for (int i = 0; i < 3; ++i) {
+      if (given[i]->is(missing)) {
+        std::string message = std::string("Cache.") + function +
+                              "() missing required argument '" + what[i] + "'";
+        if (i == 2) {
+          message +=
+              ": the bytes to reserve in the budget before the loader runs "
+              "(an int or a size such as '7GiB'); a loader that returns "
+              "modelcache.Loaded(value, bytes) corrects it to the real size";
+        }
+        PyErr_SetString(PyExc_TypeError, message.c_str());
+        throw py::error_already_set();
+      }
+    }
+    key = StrArg(key_arg, "key");
+    loader = CallableArg(loader_arg, "loader", false);
+    expected_bytes = BytesArg(expected_arg, "expected_bytes", true);
+    when_full = StrArg(when_full_arg, "when_full");
+  }
+  std::string key;
+  py::object loader;
+  uint64_t expected_bytes = 0;
+  std::string when_full;
+};
+
 NamedPolicy PolicyFrom(const std::string& name) {
   try {
     return PolicyByName(name);
@@ -340,12 +386,30 @@ NamedPolicy PolicyFrom(const std::string& name) {
   }
 }
 
-std::unique_ptr<CacheHandle> NewCache(std::string name,
-                                      std::optional<uint64_t> capacity_bytes,
-                                      std::shared_ptr<Budget> budget,
-                                      const std::string& policy,
+std::unique_ptr<CacheHandle> NewCache(const py::object& name_arg,
+                                      const py::object& capacity_arg,
+                                      const py::object& budget_arg,
+                                      const py::object& policy_arg,
                                       const py::object& idle_ttl,
-                                      int shard_bits, py::object on_event) {
+                                      const py::object& shard_bits_arg,
+                                      py::object on_event) {
+  const std::string name = StrArg(name_arg, "name");
+  std::optional<uint64_t> capacity_bytes;
+  if (!capacity_arg.is_none()) {
+    capacity_bytes = BytesArg(capacity_arg, "capacity_bytes", false);
+  }
+  std::shared_ptr<Budget> budget;
+  if (!budget_arg.is_none()) {
+    if (!py::isinstance<Budget>(budget_arg)) {
+      RaiseArgumentType("budget", "a modelcache.Budget or None", budget_arg);
+    }
+    budget = budget_arg.cast<std::shared_ptr<Budget>>();
+  }
+  const std::string policy = StrArg(policy_arg, "policy");
+  const long long shard_bits =
+      IntArg(shard_bits_arg, "shard_bits", 0, kMaxShardBits);
+  on_event = CallableArg(on_event, "on_event", true);
+  (void)SecondsFrom(idle_ttl, "idle_ttl");
   if (budget && capacity_bytes) {
     RaiseError(ErrorCode::kInvalidArgument,
                "give capacity_bytes or budget, not both");
@@ -353,14 +417,6 @@ std::unique_ptr<CacheHandle> NewCache(std::string name,
   if (!budget && !capacity_bytes) {
     RaiseError(ErrorCode::kInvalidArgument,
                "give capacity_bytes (a new budget) or budget (a shared one)");
-  }
-  if (shard_bits < 0 || shard_bits > kMaxShardBits) {
-    RaiseError(ErrorCode::kInvalidArgument,
-               "shard_bits must be within 0.." + std::to_string(kMaxShardBits) +
-                   ", got " + std::to_string(shard_bits));
-  }
-  if (!on_event.is_none() && !PyCallable_Check(on_event.ptr())) {
-    RaiseError(ErrorCode::kInvalidArgument, "on_event must be callable");
   }
   if (!budget) budget = std::make_shared<Budget>(*capacity_bytes, name);
   CacheOptions options;
@@ -373,7 +429,7 @@ std::unique_ptr<CacheHandle> NewCache(std::string name,
       return prewarm_loaders->SourceFor(key);
     };
   }
-  options.shard_bits = shard_bits;
+  options.shard_bits = static_cast<int>(shard_bits);
   if (std::optional<double> ttl = SecondsFrom(idle_ttl, "idle_ttl")) {
     if (std::isinf(*ttl)) {
       RaiseError(ErrorCode::kInvalidArgument, "idle_ttl must be finite");
@@ -392,6 +448,19 @@ std::unique_ptr<CacheHandle> NewCache(std::string name,
         fields["bytes"] = event.bytes;
         fields["seconds"] = event.seconds;
         fields["error"] = event.error;
+        // A Python loader's or unloader's exception, traceback included.
+        py::object exception = py::none();
+        if (event.exception) {
+          try {
+            std::rethrow_exception(event.exception);
+          } catch (const PythonError& e) {
+            exception = py::reinterpret_borrow<py::object>(e.value());
+          } catch (...) {
+            // A C++ error of the core (a refused reservation): `error`
+            // says it; there is no Python object to give.
+          }
+        }
+        fields["exception"] = exception;
         py::object event_class =
             py::module_::import("modelcache._types").attr("Event");
         py::object ev = CallPython(event_class, {}, fields);
@@ -417,10 +486,19 @@ CacheHandle& Handle(const py::object& self) {
 // method _acquire, which validates the arguments, releases the GIL and may
 // load. Only the plain call form, acquire(key, loader, expected_bytes), takes
 // the fast path, so keyword arguments are always validated.
+// An int the slow path would take as expected_bytes without a word: a hit
+// with a negative size (or a bool) is refused there like a miss.
+bool IsSmallNonNegative(PyObject* value) {
+  int overflow = 0;
+  const long long v = PyLong_AsLongLongAndOverflow(value, &overflow);
+  return overflow == 0 && v >= 0;
+}
+
 PyObject* CacheAcquire(PyObject* self, PyObject* const* args, Py_ssize_t nargs,
                        PyObject* kwnames) {
   if (nargs == 3 && kwnames == nullptr && PyUnicode_Check(args[0]) &&
-      PyCallable_Check(args[1]) && PyLong_Check(args[2])) {
+      PyCallable_Check(args[1]) && PyLong_CheckExact(args[2]) &&
+      IsSmallNonNegative(args[2])) {
     Py_ssize_t size = 0;
     const char* key = PyUnicode_AsUTF8AndSize(args[0], &size);
     if (key == nullptr) return nullptr;
@@ -448,11 +526,13 @@ PyMethodDef acquire_def = {
     "acquire",
     reinterpret_cast<PyCFunction>(reinterpret_cast<void (*)()>(CacheAcquire)),
     METH_FASTCALL | METH_KEYWORDS,
-    R"doc(acquire(key, loader, expected_bytes, *, timeout=None, when_full="fail") -> Lease
+    R"doc(acquire($self, key, loader, expected_bytes, *, timeout=None, when_full='fail')
+--
 
 Returns a Lease on ``key`` (or the key it aliases), calling ``loader()`` to
-load it if it is not resident; ``expected_bytes`` is reserved before the
-loader runs. The loader returns the model (sized ``expected_bytes``) or a
+load it if it is not resident; ``expected_bytes`` (an int or a size such as
+"7GiB") is reserved before the loader runs, and is required: it is what
+keeps loads in flight within the budget. The loader returns the model (sized ``expected_bytes``) or a
 Loaded. Concurrent acquires of one key share one load.
 
 ``when_full``: "fail" raises CapacityError when nothing can be evicted;
@@ -470,7 +550,8 @@ KeyboardInterrupt on Ctrl-C (main thread).
 void BindCache(py::module_& m) {
   m.def(
       "policy_names",
-      [](bool offline) {
+      [](const py::object& offline_arg) {
+        const bool offline = BoolArg(offline_arg, "offline");
         std::vector<std::string> names = PolicyNames();
         if (offline) {
           for (std::string& name : OfflinePolicyNames()) {
@@ -483,6 +564,23 @@ void BindCache(py::module_& m) {
       "The policy names Cache(policy=...) takes, as replay and the daemon "
       "take them; \"ttl-<N>m\" stands for ttl-10m, ttl-90s, ttl-1h. With "
       "offline=True, also those that need the future (\"belady\").");
+  m.def(
+      "_byte_size",
+      [](const py::object& value, const py::object& name, bool allow_zero) {
+        return BytesArg(value, StrArg(name, "name").c_str(), allow_zero);
+      },
+      py::arg("value"), py::arg("name"), py::arg("allow_zero"),
+      "A byte size (an int, or a string in the CLI's grammar: \"16GiB\", "
+      "\"500MB\") as an int; TypeError or InvalidArgumentError naming "
+      "``name`` otherwise. For the Python modules' argument checks.");
+  m.def(
+      "_check_timeout",
+      [](const py::object& value, const py::object& name) {
+        (void)TimeoutArg(value, StrArg(name, "name").c_str());
+      },
+      py::arg("value"), py::arg("name"),
+      "InvalidArgumentError naming ``name`` unless ``value`` is None, a "
+      "number of seconds >= 0 or a timedelta.");
   m.def("_cache_stats_fields", &CacheStatsFields);
   m.def("_entry_fields", &EntryFields);
   py::class_<Budget, std::shared_ptr<Budget>>(m, "Budget", R"doc(
@@ -491,9 +589,13 @@ A byte budget that one or several caches draw from.
 When a cache on the budget needs room, the budget evicts the lowest-priority
 idle model among all its caches, whichever cache holds it.
 )doc")
-      .def(py::init([](uint64_t capacity_bytes, std::string name) {
-             return std::make_shared<Budget>(capacity_bytes, std::move(name));
-           }),
+      .def(py::init(
+               [](const py::object& capacity_arg, const py::object& name_arg) {
+                 const uint64_t capacity_bytes =
+                     BytesArg(capacity_arg, "capacity_bytes", false);
+                 return std::make_shared<Budget>(capacity_bytes,
+                                                 StrArg(name_arg, "name"));
+               }),
            py::arg("capacity_bytes"), py::arg("name") = "budget")
       .def_property_readonly("name", &Budget::name)
       .def_property_readonly("capacity", &Budget::capacity,
@@ -507,7 +609,9 @@ idle model among all its caches, whichever cache holds it.
                              "Acquires currently waiting for room.")
       .def(
           "set_capacity",
-          [](Budget& b, uint64_t capacity_bytes) {
+          [](Budget& b, const py::object& capacity_arg) {
+            const uint64_t capacity_bytes =
+                BytesArg(capacity_arg, "capacity_bytes", false);
             return WithoutGil([&] { return b.SetCapacity(capacity_bytes); });
           },
           py::arg("capacity_bytes"),
@@ -528,11 +632,10 @@ What a loader may return to give the model's real size and an unloader.
 when given, is called before the value is dropped, on eviction or removal. If
 it raises, the model stays resident and counted.
 )doc")
-      .def(py::init([](py::object value, uint64_t bytes, py::object unload) {
-             if (!unload.is_none() && !PyCallable_Check(unload.ptr())) {
-               RaiseError(ErrorCode::kInvalidArgument,
-                          "unload must be callable or None");
-             }
+      .def(py::init([](py::object value, const py::object& bytes_arg,
+                       const py::object& unload_arg) {
+             const uint64_t bytes = BytesArg(bytes_arg, "bytes", true);
+             py::object unload = CallableArg(unload_arg, "unload", true);
              return PyLoaded{std::move(value), bytes, std::move(unload)};
            }),
            py::arg("value"), py::arg("bytes"), py::arg("unload") = py::none())
@@ -548,8 +651,9 @@ threads race for it, kept resident within a byte budget, never evicted while
 a lease on it is held, and never cached when its loader fails.
 
 ``Cache(name="models", capacity_bytes=None, budget=None, policy="lru",
-idle_ttl=None, shard_bits=4, on_event=None)``: give ``capacity_bytes`` for a
-budget of its own or ``budget`` to share one. ``policy`` is a name from
+idle_ttl=None, shard_bits=4, on_event=None)``: give ``capacity_bytes`` (an
+int or a size such as "16GiB") for a budget of its own or ``budget`` to share
+one. ``policy`` is a name from
 ``modelcache.policy_names()`` ("lru", "gdsf", "next-use", "ttl-10m",
 "next-use-prewarm", ...): the same policies replay runs. A keep-alive policy
 ("hybrid-histogram", "gdsf-prewarm", "next-use-prewarm") unloads idle models
@@ -572,10 +676,16 @@ removal, outside the cache's locks.
           "The Budget this cache draws from.")
       .def(
           "_acquire",
-          [](py::object self, const std::string& key, py::object loader,
-             uint64_t expected_bytes, py::object timeout,
-             const std::string& when_full) {
+          [](py::object self, const py::object& key_arg,
+             const py::object& loader_arg, const py::object& expected_arg,
+             const py::object& timeout, const py::object& when_full_arg) {
             CacheHandle& h = Handle(self);
+            const LoadArgs args{"acquire", key_arg, loader_arg, expected_arg,
+                                when_full_arg};
+            const std::string& key = args.key;
+            const py::object& loader = args.loader;
+            const uint64_t expected_bytes = args.expected_bytes;
+            const std::string& when_full = args.when_full;
             h.RememberLoader(key, expected_bytes, loader);
             Lease lease = RunLoading(
                 h, key, loader, expected_bytes, timeout, when_full,
@@ -587,16 +697,26 @@ removal, outside the cache's locks.
             if (o == nullptr) throw py::error_already_set();
             return py::reinterpret_steal<py::object>(o);
           },
-          py::arg("key"), py::arg("loader"), py::arg("expected_bytes"),
-          py::kw_only(), py::arg("timeout") = py::none(),
-          py::arg("when_full") = "fail",
+          py::arg_v("key", Missing(), "<required>"),
+          py::arg_v("loader", Missing(), "<required>"),
+          py::arg_v("expected_bytes", Missing(), "<required>"), py::kw_only(),
+          py::arg("timeout") = py::none(), py::arg("when_full") = "fail",
           "acquire()'s path for misses and keyword arguments.")
       .def(
           "prefetch",
-          [](py::object self, const std::string& key, py::object loader,
-             uint64_t expected_bytes, py::object timeout,
-             const std::string& when_full, bool evict_only_lower_ranked) {
+          [](py::object self, const py::object& key_arg,
+             const py::object& loader_arg, const py::object& expected_arg,
+             const py::object& timeout, const py::object& when_full_arg,
+             const py::object& lower_arg) {
             CacheHandle& h = Handle(self);
+            const LoadArgs args{"prefetch", key_arg, loader_arg, expected_arg,
+                                when_full_arg};
+            const std::string& key = args.key;
+            const py::object& loader = args.loader;
+            const uint64_t expected_bytes = args.expected_bytes;
+            const std::string& when_full = args.when_full;
+            const bool evict_only_lower_ranked =
+                BoolArg(lower_arg, "evict_only_lower_ranked");
             h.RememberLoader(key, expected_bytes, loader);
             RunLoading(h, key, loader, expected_bytes, timeout, when_full,
                        [&](ModelCache& cache, const AcquireOptions& options,
@@ -608,9 +728,10 @@ removal, outside the cache's locks.
                          return 0;
                        });
           },
-          py::arg("key"), py::arg("loader"), py::arg("expected_bytes"),
-          py::kw_only(), py::arg("timeout") = py::none(),
-          py::arg("when_full") = "fail",
+          py::arg_v("key", Missing(), "<required>"),
+          py::arg_v("loader", Missing(), "<required>"),
+          py::arg_v("expected_bytes", Missing(), "<required>"), py::kw_only(),
+          py::arg("timeout") = py::none(), py::arg("when_full") = "fail",
           py::arg("evict_only_lower_ranked") = false,
           "Loads ``key`` if absent and leaves it resident without a lease. "
           "It is not a request: a policy that learns when requests come "
@@ -620,8 +741,9 @@ removal, outside the cache's locks.
           "model expected sooner). Raises like acquire().")
       .def(
           "get",
-          [](py::object self, const std::string& key) -> py::object {
+          [](py::object self, const py::object& key_arg) -> py::object {
             CacheHandle& h = Handle(self);
+            const std::string key = StrArg(key_arg, "key");
             std::optional<Lease> lease =
                 WithoutGil([&] { return h.cache().Lookup(key); });
             if (!lease) return py::none();
@@ -633,7 +755,8 @@ removal, outside the cache's locks.
           "A Lease if ``key`` is resident, else None; never loads.")
       .def(
           "remove",
-          [](CacheHandle& h, const std::string& key, py::object timeout) {
+          [](CacheHandle& h, const py::object& key_arg, py::object timeout) {
+            const std::string key = StrArg(key_arg, "key");
             const Clock::time_point deadline = DeadlineFrom(timeout);
             const RemoveOutcome outcome =
                 WithoutGil([&] { return h.cache().Remove(key, deadline); });
@@ -650,7 +773,8 @@ the model stays resident.
 )doc")
       .def(
           "invalidate",
-          [](CacheHandle& h, const std::string& key, py::object timeout) {
+          [](CacheHandle& h, const py::object& key_arg, py::object timeout) {
+            const std::string key = StrArg(key_arg, "key");
             const Clock::time_point deadline = DeadlineFrom(timeout);
             const RemoveOutcome outcome =
                 WithoutGil([&] { return h.cache().Invalidate(key, deadline); });
@@ -663,7 +787,8 @@ the model stays resident.
           "acquires load afresh.")
       .def(
           "pin",
-          [](CacheHandle& h, const std::string& key) {
+          [](CacheHandle& h, const py::object& key_arg) {
+            const std::string key = StrArg(key_arg, "key");
             WithoutGil([&] { h.cache().Pin(key); });
           },
           py::arg("key"),
@@ -671,27 +796,32 @@ the model stays resident.
           "resident. Pins do not nest.")
       .def(
           "unpin",
-          [](CacheHandle& h, const std::string& key) {
+          [](CacheHandle& h, const py::object& key_arg) {
+            const std::string key = StrArg(key_arg, "key");
             WithoutGil([&] { h.cache().Unpin(key); });
           },
           py::arg("key"))
       .def(
           "add_alias",
-          [](CacheHandle& h, const std::string& alias,
-             const std::string& canonical) {
+          [](CacheHandle& h, const py::object& alias_arg,
+             const py::object& canonical_arg) {
+            const std::string alias = StrArg(alias_arg, "alias");
+            const std::string canonical = StrArg(canonical_arg, "canonical");
             WithoutGil([&] { h.cache().AddAlias(alias, canonical); });
           },
           py::arg("alias"), py::arg("canonical"),
           "Makes ``alias`` another name of ``canonical`` (one level deep).")
       .def(
           "remove_alias",
-          [](CacheHandle& h, const std::string& alias) {
+          [](CacheHandle& h, const py::object& alias_arg) {
+            const std::string alias = StrArg(alias_arg, "alias");
             return WithoutGil([&] { return h.cache().RemoveAlias(alias); });
           },
           py::arg("alias"))
       .def(
           "resolve",
-          [](CacheHandle& h, const std::string& key) {
+          [](CacheHandle& h, const py::object& key_arg) {
+            const std::string key = StrArg(key_arg, "key");
             return WithoutGil([&] { return h.cache().Resolve(key); });
           },
           py::arg("key"), "The canonical key ``key`` names.")
@@ -709,7 +839,9 @@ the model stays resident.
           "Unloads every idle, unpinned model; returns how many.")
       .def(
           "set_capacity",
-          [](CacheHandle& h, uint64_t capacity_bytes) {
+          [](CacheHandle& h, const py::object& capacity_arg) {
+            const uint64_t capacity_bytes =
+                BytesArg(capacity_arg, "capacity_bytes", false);
             return WithoutGil(
                 [&] { return h.cache().SetCapacity(capacity_bytes); });
           },
@@ -730,7 +862,8 @@ the model stays resident.
            })
       .def(
           "_entry",
-          [](CacheHandle& h, const std::string& key) -> py::object {
+          [](CacheHandle& h, const py::object& key_arg) -> py::object {
+            const std::string key = StrArg(key_arg, "key");
             std::optional<EntryInfo> e =
                 WithoutGil([&] { return h.cache().Entry(key); });
             if (!e) return py::none();

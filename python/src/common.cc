@@ -4,7 +4,10 @@
 
 #include <atomic>
 #include <cmath>
+#include <cstring>
 #include <thread>
+
+#include "modelcache/base/bytes.h"
 
 namespace modelcache::python {
 
@@ -82,17 +85,55 @@ std::shared_ptr<void> SharePyObject(py::handle object) {
   });
 }
 
+namespace {
+
+// "ValueError: disk on fire": the exception as the last line of a Python
+// traceback shows it, without pybind11's "At:" dump of the frames (the
+// frames stay in the exception's traceback, where Python shows them).
+std::string DescribeException(py::handle value) {
+  std::string text = Py_TYPE(value.ptr())->tp_name;
+  if (const char* dot = std::strrchr(text.c_str(), '.')) text = dot + 1;
+  PyObject* str = PyObject_Str(value.ptr());
+  if (str == nullptr) {
+    PyErr_Clear();
+    return text;
+  }
+  Py_ssize_t size = 0;
+  const char* utf8 = PyUnicode_AsUTF8AndSize(str, &size);
+  if (utf8 == nullptr) {
+    PyErr_Clear();
+  } else if (size > 0) {
+    text += ": " + std::string(utf8, static_cast<size_t>(size));
+  }
+  Py_DECREF(str);
+  return text;
+}
+
+}  // namespace
+
 PythonError::PythonError(py::error_already_set& error) {
-  // error_already_set normalized the exception; its value carries the
-  // traceback (__traceback__), so keeping the value keeps everything.
-  value_ = PyRef(error.value());
-  message_ = error.what();
+  // The traceback of an exception that left Python code for C (here, the
+  // PyObject_Call of a loader) lives in the error indicator only: the
+  // exception's __traceback__ is set when Python code catches it, which
+  // has not happened yet. Storing it in the exception keeps the frames from
+  // the loader down to the raise with the object, for the thread that ran
+  // the loader and for every waiter's LoadError.__cause__.
+  py::handle value = error.value();
+  if (error.trace()) PyException_SetTraceback(value.ptr(), error.trace().ptr());
+  value_ = PyRef(value);
+  message_ = DescribeException(value);
+}
+
+void RestorePythonException(py::handle value) {
+  // PyErr_Restore with the exception's own traceback: Python then adds the
+  // frames it unwinds through in front of the loader's.
+  PyObject* traceback = PyException_GetTraceback(value.ptr());  // new ref
+  PyErr_Restore(Py_NewRef(reinterpret_cast<PyObject*>(Py_TYPE(value.ptr()))),
+                Py_NewRef(value.ptr()), traceback);
 }
 
 void PythonError::Reraise() const {
-  py::handle value = value_.get();
-  PyErr_SetObject(reinterpret_cast<PyObject*>(Py_TYPE(value.ptr())),
-                  value.ptr());
+  RestorePythonException(value_.get());
   throw py::error_already_set();
 }
 
@@ -201,15 +242,124 @@ AcquireOptions MakeAcquireOptions(const py::object& timeout,
   return options;
 }
 
+namespace {
+
+std::string TypeName(py::handle value) {
+  std::string name = Py_TYPE(value.ptr())->tp_name;
+  if (const char* dot = std::strrchr(name.c_str(), '.')) name = dot + 1;
+  return name;
+}
+
+}  // namespace
+
+void RaiseArgumentType(const char* name, const char* expected, py::handle got) {
+  PyErr_SetString(PyExc_TypeError, (std::string(name) + " must be " + expected +
+                                    ", not " + TypeName(got))
+                                       .c_str());
+  throw py::error_already_set();
+}
+
+std::string StrArg(py::handle value, const char* name) {
+  if (!PyUnicode_Check(value.ptr())) RaiseArgumentType(name, "a str", value);
+  Py_ssize_t size = 0;
+  const char* utf8 = PyUnicode_AsUTF8AndSize(value.ptr(), &size);
+  if (utf8 == nullptr) throw py::error_already_set();
+  return std::string(utf8, static_cast<size_t>(size));
+}
+
+bool BoolArg(py::handle value, const char* name) {
+  if (!PyBool_Check(value.ptr())) RaiseArgumentType(name, "a bool", value);
+  return value.ptr() == Py_True;
+}
+
+namespace {
+
+// The int of an __index__ object (not a bool), as a Python int.
+py::object IndexOf(py::handle value, const char* name, const char* expected) {
+  if (PyBool_Check(value.ptr()) || !PyIndex_Check(value.ptr())) {
+    RaiseArgumentType(name, expected, value);
+  }
+  PyObject* index = PyNumber_Index(value.ptr());
+  if (index == nullptr) throw py::error_already_set();
+  return py::reinterpret_steal<py::object>(index);
+}
+
+}  // namespace
+
+long long IntArg(py::handle value, const char* name, long long min,
+                 long long max) {
+  py::object index = IndexOf(value, name, "an int");
+  int overflow = 0;
+  const long long v = PyLong_AsLongLongAndOverflow(index.ptr(), &overflow);
+  if (overflow == 0 && v == -1 && PyErr_Occurred()) {
+    throw py::error_already_set();
+  }
+  if (overflow != 0 || v < min || v > max) {
+    RaiseError(ErrorCode::kInvalidArgument,
+               std::string(name) + " must be within " + std::to_string(min) +
+                   ".." + std::to_string(max) + ", got " +
+                   std::string(py::str(index)));
+  }
+  return v;
+}
+
+uint64_t BytesArg(py::handle value, const char* name, bool allow_zero) {
+  const char* expected =
+      "an int or a byte size string such as '16GiB' or '500MB'";
+  uint64_t bytes = 0;
+  if (PyUnicode_Check(value.ptr())) {
+    const std::string text = StrArg(value, name);
+    try {
+      bytes = ParseBytes(text);
+    } catch (const Error& e) {
+      RaiseError(ErrorCode::kInvalidArgument,
+                 std::string(name) + ": " + e.what());
+    }
+  } else {
+    py::object index = IndexOf(value, name, expected);
+    if (PyObject_RichCompareBool(index.ptr(), py::int_(0).ptr(), Py_LT) == 1) {
+      RaiseError(ErrorCode::kInvalidArgument,
+                 std::string(name) + " must not be negative, got " +
+                     std::string(py::str(index)));
+    }
+    bytes = PyLong_AsUnsignedLongLong(index.ptr());
+    if (bytes == static_cast<uint64_t>(-1) && PyErr_Occurred()) {
+      PyErr_Clear();
+      RaiseError(ErrorCode::kInvalidArgument,
+                 std::string(name) +
+                     " is 2^64 bytes or more: " + std::string(py::str(index)));
+    }
+  }
+  if (bytes == 0 && !allow_zero) {
+    RaiseError(ErrorCode::kInvalidArgument,
+               std::string(name) + " must be more than 0 bytes");
+  }
+  return bytes;
+}
+
+py::object CallableArg(py::handle value, const char* name, bool allow_none) {
+  if (allow_none && value.is_none()) return py::none();
+  if (!PyCallable_Check(value.ptr())) {
+    RaiseArgumentType(name, allow_none ? "callable or None" : "callable",
+                      value);
+  }
+  return py::reinterpret_borrow<py::object>(value);
+}
+
+py::object TimeoutArg(py::handle value, const char* name) {
+  py::object timeout = py::reinterpret_borrow<py::object>(value);
+  (void)SecondsFrom(timeout, name);
+  return timeout;
+}
+
 void RegisterExceptionTranslators() {
   py::register_exception_translator([](std::exception_ptr p) {
     try {
       if (p) std::rethrow_exception(p);
     } catch (const PythonError& e) {
-      // User code's exception reaching the thread that ran it: unchanged.
-      py::handle value = e.value();
-      PyErr_SetObject(reinterpret_cast<PyObject*>(Py_TYPE(value.ptr())),
-                      value.ptr());
+      // User code's exception reaching the thread that ran it: unchanged,
+      // traceback included.
+      RestorePythonException(e.value());
     } catch (const Error& e) {
       PyErr_SetString(ErrorClass(e.code()).ptr(), e.what());
     }

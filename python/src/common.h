@@ -112,6 +112,7 @@ class PythonError : public std::exception {
   // Takes the Python error indicator (or the exception held by `error`).
   // REQUIRES: the GIL is held.
   explicit PythonError(py::error_already_set& error);
+  // "Type: message", as the last line of a Python traceback reads.
   const char* what() const noexcept override { return message_.c_str(); }
   // The exception object; use with the GIL held.
   py::handle value() const { return value_.get(); }
@@ -123,6 +124,10 @@ class PythonError : public std::exception {
   PyRef value_;
   std::string message_;
 };
+
+// Sets the Python error indicator to `value` (an exception object) with
+// its own __traceback__. REQUIRES: the GIL is held.
+void RestorePythonException(py::handle value);
 
 // Holds the GIL for its scope, from any thread, re-entrantly. If Python
 // ends this thread while it waits for the GIL (a daemon thread after
@@ -185,6 +190,36 @@ AcquireOptions MakeAcquireOptions(const py::object& timeout,
 Clock::time_point DeadlineFrom(const py::object& timeout);
 // Seconds from a float, an int or a datetime.timedelta; nullopt for None.
 std::optional<double> SecondsFrom(const py::object& value, const char* what);
+
+// ---- Arguments of the public functions ----
+//
+// Each public function takes its arguments as py::object and converts them
+// here, so that a wrong argument reads as Python's own errors do, naming the
+// parameter ("capacity_bytes must be an int or a byte size string such as
+// '16GiB', not list"), instead of pybind11's list of overloads. TypeError
+// for a wrong type, InvalidArgumentError for a wrong value. REQUIRES: the
+// GIL is held, for all of them.
+
+// Raises TypeError "<name> must be <expected>, not <type of got>".
+[[noreturn]] void RaiseArgumentType(const char* name, const char* expected,
+                                    py::handle got);
+// A str.
+std::string StrArg(py::handle value, const char* name);
+// A bool (True or False only: 1 or "yes" are refused).
+bool BoolArg(py::handle value, const char* name);
+// An int (anything with __index__ but a bool) within [min, max].
+long long IntArg(py::handle value, const char* name, long long min,
+                 long long max);
+// A byte size: an int (anything with __index__ but a bool) or a string in
+// the CLI's grammar (ParseBytes: "16GiB", "500MB", "1.5GiB", "4096").
+// Negative, malformed, 2^64 or more, and zero unless `allow_zero`:
+// InvalidArgumentError naming `name`.
+uint64_t BytesArg(py::handle value, const char* name, bool allow_zero);
+// A callable (or None when `allow_none`); returned as given.
+py::object CallableArg(py::handle value, const char* name, bool allow_none);
+// A timeout (None, seconds or a timedelta), checked as DeadlineFrom does;
+// returned as given.
+py::object TimeoutArg(py::handle value, const char* name);
 
 // CacheStats as a dict keyed by its field names (modelcache.CacheStats's
 // fields). REQUIRES: the GIL is held.

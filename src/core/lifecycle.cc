@@ -526,7 +526,7 @@ void CacheCore::FailLoad(Shard& shard, const std::shared_ptr<Record>& rec,
   budget_->Release(reserved);
   LoadEnded(*rec, -1);
   if (Observed() && loader_threw) {
-    Emit({EventType::kLoadFailed, rec->key, 0, 0, std::move(message)});
+    Emit({EventType::kLoadFailed, rec->key, 0, 0, std::move(message), error});
   }
 }
 
@@ -619,7 +619,7 @@ void CacheCore::FreeRetired(Shard& shard, const std::shared_ptr<Record>& rec) {
   if (error) {
     if (Observed()) {
       Emit({EventType::kUnloadFailed, rec->key, rec->bytes, 0,
-            DescribeException(error)});
+            DescribeException(error), error});
     }
     return;
   }
@@ -672,7 +672,7 @@ std::exception_ptr CacheCore::UnloadResident(Shard& shard,
   if (error) {
     if (Observed()) {
       Emit({EventType::kUnloadFailed, rec->key, rec->bytes, 0,
-            DescribeException(error)});
+            DescribeException(error), error});
     }
     return error;
   }
@@ -995,7 +995,7 @@ void CacheCore::Shutdown() {
     // says, since nobody could ever retry.
     if (auto error = CallUnloader(rec->unload); error && Observed()) {
       Emit({EventType::kUnloadFailed, rec->key, rec->bytes, 0,
-            DescribeException(error)});
+            DescribeException(error), error});
     }
     rec->value.reset();
     rec->unload = nullptr;

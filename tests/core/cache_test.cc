@@ -8,6 +8,8 @@
 // they do, so that "loaded once", "unloaded exactly once" and "never loaded"
 // are checked, not assumed.
 
+#include "modelcache/core/cache.h"
+
 #include <gmock/gmock.h>
 #include <gtest/gtest.h>
 
@@ -25,7 +27,6 @@
 #include <utility>
 #include <vector>
 
-#include "modelcache/core/cache.h"
 #include "../test_util.h"
 
 namespace modelcache {
@@ -677,11 +678,17 @@ TEST_F(CacheBasicTest, EventsReportEachTransitionWithKeyAndBytes) {
                   "retired:c:100", "retired_freed:c:100", "load_failed:bad",
                   "loaded:e:100", "unload_failed:e"));
   for (const CacheEvent& e : events) {
+    // The failures carry what was thrown, the object itself.
     if (e.type == EventType::kLoadFailed) {
       EXPECT_THAT(e.error, HasSubstr("disk on fire"));
-    }
-    if (e.type == EventType::kUnloadFailed) {
+      ASSERT_TRUE(e.exception);
+      EXPECT_THROW(std::rethrow_exception(e.exception), std::runtime_error);
+    } else if (e.type == EventType::kUnloadFailed) {
       EXPECT_THAT(e.error, HasSubstr("unload of e failed"));
+      ASSERT_TRUE(e.exception);
+      EXPECT_THROW(std::rethrow_exception(e.exception), UnloadError);
+    } else {
+      EXPECT_FALSE(e.exception);
     }
     if (e.type == EventType::kLoaded) {
       EXPECT_GE(e.seconds, 0.0);

@@ -52,6 +52,7 @@
 
 #include <chrono>
 #include <cstdint>
+#include <exception>
 #include <functional>
 #include <memory>
 #include <optional>
@@ -137,6 +138,10 @@ struct CacheEvent {
   uint64_t bytes = 0;
   double seconds = 0;  // load time, for kLoaded
   std::string error;   // for kLoadFailed and kUnloadFailed
+  // For kLoadFailed and kUnloadFailed: what the loader or unloader threw,
+  // the object itself (a binding's callback can give its user the original
+  // exception, e.g. a Python one with its traceback). Null otherwise.
+  std::exception_ptr exception;
 };
 
 // CacheOptions::shard_bits above this means this (4,096 shards).
@@ -158,10 +163,10 @@ struct CacheOptions {
   // Eviction order; LRU when null.
   std::shared_ptr<const EvictionPolicy> policy;
   // Records unleased for longer than this are evicted by EvictExpired(),
-  // which every miss that starts a load also runs. A record's idle time counts from the end of
-  // its last lease (every acquire holds one), so a model held for longer
-  // than the TTL is not expired the moment it is released. Zero disables
-  // it.
+  // which every miss that starts a load also runs. A record's idle time counts
+  // from the end of its last lease (every acquire holds one), so a model held
+  // for longer than the TTL is not expired the moment it is released. Zero
+  // disables it.
   std::chrono::nanoseconds idle_ttl{0};
   // Time source for idle_ttl and last-use stamps. When empty, the coarse
   // monotonic clock (the steady_clock's clock, read at a few milliseconds'

@@ -58,6 +58,28 @@ std::string FormatMs(double ms) {
   return Fixed(ms / 3600000, 1) + "h";
 }
 
+// The share of all requests a run did not serve, in percent (0 for none).
+double UnservedPercent(const RunResult& r) {
+  return r.requests ? 100 * static_cast<double>(UnservedRequests(r)) /
+                          static_cast<double>(r.requests)
+                    : 0;
+}
+
+// "  UNSERVED", "  OVERLOADED", both or nothing: what a row must not be
+// read without.
+std::string RowFlags(const RunResult& r) {
+  std::string flags;
+  if (UnservedRequests(r) > 0) flags += "  UNSERVED";
+  if (r.overloaded) flags += "  OVERLOADED";
+  return flags;
+}
+
+// A wait of the run's, or "-" when it served no request (there is no wait
+// to show, and 0 would read as none waited).
+std::string WaitText(const RunResult& r, double ms) {
+  return UnservedRequests(r) >= r.requests ? "-" : FormatMs(ms);
+}
+
 std::string PolicyLabel(const RunResult& r) {
   return r.offline ? r.policy + " (offline)" : r.policy;
 }
@@ -450,8 +472,8 @@ std::string SloText(const SloSearchOptions& slo, double ms) {
 }
 
 // One line per policy: "next-use: 52.3 GiB for p99 wait ≤ 1.00s (lru
-// 61.0 GiB, +17%)", compared with lru's answer (or the first policy's when
-// lru was not searched).
+// needs 61.0 GiB, 17% more)", compared with lru's answer (or the first policy's
+// when lru was not searched).
 std::vector<std::string> SloLines(const TraceHeader& trace,
                                   const RunInfo& info) {
   const std::vector<SloAnswer>& answers = info.slo_answers;
@@ -468,15 +490,25 @@ std::vector<std::string> SloLines(const TraceHeader& trace,
       line += CapacityText(*a.capacity_bytes) + what;
       if (base != &a) {
         if (base->capacity_bytes) {
-          const double ratio = static_cast<double>(*base->capacity_bytes) /
-                                   static_cast<double>(*a.capacity_bytes) -
-                               1;
-          char pct[32];
-          std::snprintf(pct, sizeof(pct), "%+.0f%%", 100 * ratio);
-          notes.push_back(base->policy + " " +
-                          CapacityText(*base->capacity_bytes) + ", " + pct);
+          // What the baseline needs beside this policy: "lru needs 57.5
+          // GiB, 8% more". No share of a capacity of 0 (models of 0 bytes).
+          std::string note =
+              base->policy + " needs " + CapacityText(*base->capacity_bytes);
+          if (*a.capacity_bytes > 0) {
+            const double ratio = static_cast<double>(*base->capacity_bytes) /
+                                     static_cast<double>(*a.capacity_bytes) -
+                                 1;
+            char pct[32];
+            std::snprintf(pct, sizeof(pct), "%.0f%%", 100 * std::abs(ratio));
+            if (std::string(pct) == "0%") {
+              note += ", the same";
+            } else {
+              note += std::string(", ") + pct + (ratio > 0 ? " more" : " less");
+            }
+          }
+          notes.push_back(std::move(note));
         } else {
-          notes.push_back(base->policy + " none");
+          notes.push_back(base->policy + " meets it at no capacity");
         }
       }
     } else {
@@ -514,52 +546,58 @@ std::string ResultsTable(const TraceHeader& trace,
     out << "load path: " << Fixed(info.time.bandwidth_bytes_per_second / 1e9, 2)
         << " GB/s shared by at most "
         << (info.time.slots ? std::to_string(info.time.slots) : "unlimited")
-        << " loads, " << FormatMs(info.time.latency_ms)
-        << " latency each; waits over the requests served\n";
+        << " loads, " << FormatMs(info.time.latency_ms) << " latency each\n"
+        << "waits are over the requests served; unserved: too large or "
+           "rejected, % of all requests (a row with any says UNSERVED and "
+           "meets no SLO)\n";
   }
+  for (const std::string& note : info.notes) out << note << "\n";
   out << "\n";
   char line[512];
   if (!info.timed) {
     std::snprintf(line, sizeof(line),
-                  "%-20s %11s %9s %9s %9s %9s %7s %12s %10s %11s\n", "policy",
-                  "capacity", "hits", "misses", "too_large", "evictions",
-                  "hit%", "loaded", "byte_miss%", "req/s");
+                  "%-20s %11s %8s %9s %9s %9s %9s %7s %12s %10s %11s\n",
+                  "policy", "capacity", "unserved", "hits", "misses",
+                  "too_large", "evictions", "hit%", "loaded", "byte_miss%",
+                  "req/s");
     out << line;
     for (const RunResult& r : results) {
       std::snprintf(
           line, sizeof(line),
-          "%-20s %11s %9llu %9llu %9llu %9llu %7.2f %12s %10.2f %11.3g\n",
+          "%-20s %11s %7.2f%% %9llu %9llu %9llu %9llu %7.2f %12s %10.2f "
+          "%11.3g%s\n",
           PolicyLabel(r).c_str(), FormatBytes(r.capacity_bytes).c_str(),
-          static_cast<unsigned long long>(r.hits),
+          UnservedPercent(r), static_cast<unsigned long long>(r.hits),
           static_cast<unsigned long long>(r.misses),
           static_cast<unsigned long long>(r.too_large),
           static_cast<unsigned long long>(r.evictions), 100 * r.hit_ratio,
           FormatBytes(r.bytes_loaded).c_str(), 100 * r.byte_miss_ratio,
-          r.requests_per_second);
+          r.requests_per_second, RowFlags(r).c_str());
       out << line;
     }
     return out.str();
   }
-  std::snprintf(line, sizeof(line),
-                "%-20s %10s %7s %8s %8s %8s %8s %8s %9s %11s %7s %6s %7s %9s\n",
-                "policy", "capacity", "cold%", "p50", "p99", "p99.9",
-                "max_wait", "rejected", "idle_GiBh", "loaded", "busy%", "queue",
-                "p75cold", "req/s");
+  std::snprintf(
+      line, sizeof(line),
+      "%-20s %10s %8s %7s %8s %8s %8s %8s %8s %9s %11s %7s %6s %7s %9s\n",
+      "policy", "capacity", "unserved", "cold%", "p50", "p99", "p99.9",
+      "max_wait", "rejected", "idle_GiBh", "loaded", "busy%", "queue",
+      "p75cold", "req/s");
   out << line;
   for (const RunResult& r : results) {
     std::snprintf(
         line, sizeof(line),
-        "%-20s %10s %7.2f %8s %8s %8s %8s %8llu %9.1f %11s %7.1f %6llu %7.3f "
-        "%9.3g%s\n",
+        "%-20s %10s %7.2f%% %7.2f %8s %8s %8s %8s %8llu %9.1f %11s %7.1f %6llu "
+        "%7.3f %9.3g%s\n",
         PolicyLabel(r).c_str(), FormatBytes(r.capacity_bytes).c_str(),
-        100 * r.cold_start_ratio, FormatMs(r.wait_ms.p50).c_str(),
-        FormatMs(r.wait_ms.p99).c_str(), FormatMs(r.wait_ms.p999).c_str(),
-        FormatMs(r.wait_ms.max).c_str(),
+        UnservedPercent(r), 100 * r.cold_start_ratio,
+        WaitText(r, r.wait_ms.p50).c_str(), WaitText(r, r.wait_ms.p99).c_str(),
+        WaitText(r, r.wait_ms.p999).c_str(), WaitText(r, r.wait_ms.max).c_str(),
         static_cast<unsigned long long>(r.rejected), r.idle_gib_hours,
         FormatBytes(r.bytes_loaded).c_str(), 100 * r.disk_busy_ratio,
         static_cast<unsigned long long>(r.load_queue_peak),
         r.p75_model_cold_start_ratio, r.requests_per_second,
-        r.overloaded ? "  OVERLOADED" : "");
+        RowFlags(r).c_str());
     out << line;
   }
   if (!info.slo_answers.empty()) {
@@ -632,6 +670,11 @@ std::string ResultsJson(const TraceHeader& trace,
          {"misses", r.misses},
          {"too_large", r.too_large},
          {"blocked", r.blocked},
+         {"unserved", UnservedRequests(r)},
+         {"unserved_ratio", r.requests
+                                ? static_cast<double>(UnservedRequests(r)) /
+                                      static_cast<double>(r.requests)
+                                : 0.0},
          {"bytes_loaded", r.bytes_loaded},
          {"evictions", r.evictions},
          {"hit_ratio", r.hit_ratio},
@@ -1030,24 +1073,32 @@ std::string HtmlReport(const TraceHeader& trace, const std::string& title,
     html << "<h2>Waits</h2>\n"
          << PivotTable(c, "p99 wait over the requests served",
                        [](const RunResult& r) {
-                         return Escape(FormatMs(r.wait_ms.p99)) +
-                                (r.overloaded
-                                     ? " <b class=\"bad\">overloaded</b>"
-                                     : "");
+                         std::string cell = Escape(WaitText(r, r.wait_ms.p99));
+                         if (UnservedRequests(r) > 0) {
+                           cell += " <b class=\"bad\">" +
+                                   Fixed(UnservedPercent(r), 2) +
+                                   "% unserved</b>";
+                         }
+                         if (r.overloaded)
+                           cell += " <b class=\"bad\">overloaded</b>";
+                         return cell;
                        })
          << "<details>\n<summary>Every run: cold starts, waits, idle memory, "
             "disk</summary>\n<table>\n<tr><th>policy</th><th>capacity</th>"
-            "<th>cold starts</th><th>p50 wait</th><th>p99 wait</th>"
+            "<th>unserved</th><th>cold starts</th><th>p50 wait</th><th>p99 "
+            "wait</th>"
             "<th>p99.9 wait</th><th>max wait</th><th>rejected</th>"
             "<th>idle GiB&middot;h</th><th>disk busy</th><th>queue peak</th>"
             "<th>load</th></tr>\n";
     for (const RunResult& r : results) {
       html << "<tr><td>" << Escape(PolicyLabel(r)) << "</td><td>"
            << Escape(FormatBytes(r.capacity_bytes)) << "</td><td>"
+           << Fixed(UnservedPercent(r), 2) << "%</td><td>"
            << Fixed(100 * r.cold_start_ratio, 2) << "%</td><td>"
-           << FormatMs(r.wait_ms.p50) << "</td><td>" << FormatMs(r.wait_ms.p99)
-           << "</td><td>" << FormatMs(r.wait_ms.p999) << "</td><td>"
-           << FormatMs(r.wait_ms.max) << "</td><td>" << r.rejected
+           << WaitText(r, r.wait_ms.p50) << "</td><td>"
+           << WaitText(r, r.wait_ms.p99) << "</td><td>"
+           << WaitText(r, r.wait_ms.p999) << "</td><td>"
+           << WaitText(r, r.wait_ms.max) << "</td><td>" << r.rejected
            << "</td><td>" << Fixed(r.idle_gib_hours, 1) << "</td><td>"
            << Fixed(100 * r.disk_busy_ratio, 1) << "%</td><td>"
            << r.load_queue_peak << "</td><td>"

@@ -466,7 +466,7 @@ TEST(ReplayCliSlo, PrintsTheCapacityComputedByHand) {
                                "replaying (to 1 B):\n"
                                "lru: 700 B for p99 wait \u2264 500ms\n"
                                "next-use: 700 B for p99 wait \u2264 500ms "
-                               "(lru 700 B, +0%)\n"));
+                               "(lru needs 700 B, the same)\n"));
 
   TempFile report("", ".html");
   Command j = RunCli("replay " + trace.path() + kOneSecondLoads +
@@ -587,9 +587,15 @@ TEST(ReplayCliSlo, BadSloFlagsAreClearErrors) {
   expect_error("--no-time --slo-ms 500",
                "--slo-ms, --slo-percentile and --slo-resolution need the time "
                "model");
-  expect_error("--policy lru,gdsf --report-policies lru,fifo",
-               "--report-policies: 'fifo' is not a replayed policy (lru, "
-               "gdsf)");
+  TempFile report("", ".html");
+  expect_error(
+      "--policy lru,gdsf --report-policies lru,fifo --report " + report.path(),
+      "--report-policies: 'fifo' is not a replayed policy (lru, "
+      "gdsf)");
+  // Without a report there is nothing for it to pick.
+  expect_error("--policy lru,gdsf --report-policies lru",
+               "--report-policies picks what the report draws: give --report "
+               "FILE.html too");
 }
 
 }  // namespace

@@ -140,6 +140,14 @@ int main(int argc, char** argv) {
   CLI::App* replay_cmd = app.add_subcommand(
       "replay",
       "Replay a request trace through the cache under one or more budgets");
+  replay_cmd->footer(
+      "On a TRACE, the default is --policy " +
+      JoinNames(modelcache::tools::kDefaultPolicies) +
+      " at 10%, 25% and 50% of all model bytes, none below the largest "
+      "model.\nThe waits (p50 to max_wait) are over the requests served; "
+      "'unserved' is the share of all requests too large for the capacity "
+      "or rejected (--max-wait), and a row with any says UNSERVED and meets "
+      "no SLO.");
   replay_cmd->add_option("trace", replay_flags.trace,
                          "Trace file; without one, an embedded default runs");
   replay_cmd->add_option("--format", replay_flags.format, "Trace format")
@@ -189,10 +197,7 @@ int main(int argc, char** argv) {
                           "use 0 for unlimited, or 1 or more"));
   replay_cmd->add_option("--max-wait", replay_flags.max_wait,
                          "A request still waiting this long leaves, counted as "
-                         "rejected (default: none). The waits' percentiles are "
-                         "over the requests served; the `unserved` column "
-                         "counts those too large or rejected, and a row with "
-                         "any is flagged UNSERVED");
+                         "rejected (default: none)");
   replay_cmd
       ->add_option("--arrivals", replay_flags.arrivals,
                    "azure-functions: spread each minute's requests evenly, "
@@ -223,7 +228,7 @@ int main(int argc, char** argv) {
   replay_cmd
       ->add_option("--report-policies", replay_flags.report_policies,
                    "The policies whose time series the report draws "
-                   "(default: all)")
+                   "(default: all; needs --report)")
       ->delimiter(',');
   replay_cmd->add_flag("--json", replay_flags.json,
                        "Print JSON instead of a table");

@@ -710,6 +710,17 @@ TEST(ReplayCli, ARequestThatIsNeverServedIsFlaggedNotAPerfectRow) {
                         "model, 8.79 KiB\n"));
 }
 
+// --help says what runs by default and what the waits are taken over.
+TEST(ReplayCli, HelpStatesTheDefaultsAndWhatTheWaitsAreOver) {
+  Command c = RunCli("replay --help");
+  ASSERT_EQ(c.status, 0) << c.err;
+  EXPECT_THAT(c.out, HasSubstr("On a TRACE, the default is --policy lru, "
+                               "gdsf, next-use at 10%, 25% and 50% of all "
+                               "model bytes, none below the largest model."));
+  EXPECT_THAT(c.out, HasSubstr("The waits (p50 to max_wait) are over the "
+                               "requests served;"));
+}
+
 // A trace with a header and no request is an error naming the file; and no
 // output ever shows a nan (here: models of 0 bytes, whose SLO answer is 0).
 TEST(ReplayCli, AHeaderOnlyTraceIsAnErrorAndNothingPrintsNan) {

@@ -330,6 +330,7 @@ int RunReplay(ReplayFlags flags) {
   flags.policies = TrimmedItems(flags.policies);
   flags.capacities = TrimmedItems(flags.capacities);
   flags.report_policies = TrimmedItems(flags.report_policies);
+  flags.cluster.routes = TrimmedItems(flags.cluster.routes);
   const bool policies_given = !flags.policies.empty();
   if (!flags.report_policies.empty() && flags.report.empty() && !embedded) {
     throw Error(ErrorCode::kInvalidArgument,

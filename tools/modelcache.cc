@@ -10,8 +10,13 @@
 // an eight-hour request trace, several policies and capacities. This file is
 // only the command line; the commands are in src/tools (modelcache_tools),
 // which their tests link too.
+#include <algorithm>
+#include <charconv>
+#include <cmath>
+#include <cstdint>
 #include <exception>
 #include <iostream>
+#include <limits>
 #include <string>
 #include <vector>
 
@@ -31,6 +36,100 @@ std::string JoinNames(const std::vector<std::string>& names) {
   return out;
 }
 
+// A whole number of at most `max`, for an option whose conversion error
+// would otherwise read "Could not convert". `hint` says what to give.
+CLI::Validator WholeNumber(uint64_t max, const std::string& hint) {
+  return CLI::Validator(
+      [max, hint](std::string& text) -> std::string {
+        uint64_t value = 0;
+        const auto [end, ec] =
+            std::from_chars(text.data(), text.data() + text.size(), value);
+        if (text.empty() || ec == std::errc::invalid_argument ||
+            end != text.data() + text.size()) {
+          return "not a whole number of 0 or more: '" + text + "' (" + hint +
+                 ")";
+        }
+        if (ec == std::errc::result_out_of_range || value > max) {
+          return "'" + text + "' is more than the most, " +
+                 std::to_string(max) + " (" + hint + ")";
+        }
+        return "";
+      },
+      "N");
+}
+
+// A number of milliseconds, 0 or more and finite.
+CLI::Validator Milliseconds(const std::string& hint) {
+  return CLI::Validator(
+      [hint](std::string& text) -> std::string {
+        double value = 0;
+        const auto [end, ec] =
+            std::from_chars(text.data(), text.data() + text.size(), value);
+        if (text.empty() || ec != std::errc() ||
+            end != text.data() + text.size() || !(value >= 0) ||
+            !std::isfinite(value)) {
+          return "not a duration of 0 ms or more: '" + text + "' (" + hint +
+                 ")";
+        }
+        return "";
+      },
+      "MS");
+}
+
+// Levenshtein distance, for "did you mean".
+size_t EditDistance(const std::string& a, const std::string& b) {
+  std::vector<size_t> row(b.size() + 1);
+  for (size_t j = 0; j <= b.size(); ++j) row[j] = j;
+  for (size_t i = 1; i <= a.size(); ++i) {
+    size_t diagonal = row[0];
+    row[0] = i;
+    for (size_t j = 1; j <= b.size(); ++j) {
+      const size_t up = row[j];
+      row[j] = std::min({row[j] + 1, row[j - 1] + 1,
+                         diagonal + (a[i - 1] == b[j - 1] ? 0 : 1)});
+      diagonal = up;
+    }
+  }
+  return row[b.size()];
+}
+
+// For arguments a subcommand does not take: each unknown option, with the
+// closest one it has when that is close, and where to see them all. Empty
+// when every option was known (the extra arguments are positional).
+std::string UnknownOptions(const CLI::App& app, int argc, char** argv) {
+  const CLI::App* command = nullptr;
+  for (int i = 1; i < argc && command == nullptr; ++i) {
+    for (const CLI::App* sub : app.get_subcommands({})) {
+      if (sub->get_name() == argv[i]) command = sub;
+    }
+  }
+  if (command == nullptr) return "";
+  std::vector<std::string> known;
+  for (const CLI::Option* option : command->get_options()) {
+    for (const std::string& name : option->get_lnames()) {
+      known.push_back("--" + name);
+    }
+  }
+  std::string out;
+  for (int i = 1; i < argc; ++i) {
+    std::string arg = argv[i];
+    if (arg.rfind("--", 0) != 0 || arg == "--") continue;
+    arg = arg.substr(0, arg.find('='));
+    if (std::find(known.begin(), known.end(), arg) != known.end()) continue;
+    std::string best;
+    size_t best_distance = 3;  // at most two edits away
+    for (const std::string& name : known) {
+      const size_t d = EditDistance(arg, name);
+      if (d < best_distance) best = name, best_distance = d;
+    }
+    out += std::string(out.empty() ? "" : "; ") + "unknown option " + arg +
+           (best.empty() ? "" : " (did you mean " + best + "?)");
+  }
+  if (out.empty()) return "";
+  return out + "; modelcache " + command->get_name() +
+         " --help lists the options";
+}
+
 }  // namespace
 
 int main(int argc, char** argv) {
@@ -41,28 +140,47 @@ int main(int argc, char** argv) {
   CLI::App* replay_cmd = app.add_subcommand(
       "replay",
       "Replay a request trace through the cache under one or more budgets");
+  replay_cmd->footer(
+      "On a TRACE, the default is --policy " +
+      JoinNames(modelcache::tools::kDefaultPolicies) +
+      " at 10%, 25% and 50% of all model bytes, none below the largest "
+      "model.\nThe waits (p50 to max_wait) are over the requests served; "
+      "'unserved' is the share of all requests too large for the capacity "
+      "or rejected (--max-wait), and a row with any says UNSERVED and meets "
+      "no SLO.");
   replay_cmd->add_option("trace", replay_flags.trace,
                          "Trace file; without one, an embedded default runs");
   replay_cmd->add_option("--format", replay_flags.format, "Trace format")
       ->check(CLI::IsMember({"csv", "azure-functions"}));
   replay_cmd->add_option("--sizes", replay_flags.sizes,
                          "CSV of model,size_bytes");
-  replay_cmd->add_option("--models", replay_flags.models,
-                         "azure-functions: map function i to model i % N");
+  CLI::Option* models_option =
+      replay_cmd
+          ->add_option("--models", replay_flags.models,
+                       "azure-functions: map function i to model i % N "
+                       "(default 0: one model per function)")
+          ->check(WholeNumber(std::numeric_limits<uint32_t>::max(),
+                              "0 for one model per function"));
   replay_cmd
       ->add_option(
           "--policy", replay_flags.policies,
-          "Policies: " + JoinNames(modelcache::PolicyNames()) +
-              "; offline: " + JoinNames(modelcache::OfflinePolicyNames()))
+          "Policies, comma-separated: " + JoinNames(modelcache::PolicyNames()) +
+              "; offline: " + JoinNames(modelcache::OfflinePolicyNames()) +
+              " (default on a TRACE: " +
+              JoinNames(modelcache::tools::kDefaultPolicies) +
+              "; the embedded default runs eight)")
       ->delimiter(',');
   replay_cmd
       ->add_option("--capacity", replay_flags.capacities,
-                   "Capacities, e.g. 16GiB,32GiB")
+                   "Capacities, e.g. 16GiB,32GiB (default on a TRACE: 10%, "
+                   "25% and 50% of all model bytes, none below the largest "
+                   "model; the embedded default: 16, 32, 48 and 64 GiB)")
       ->delimiter(',');
   replay_cmd
       ->add_option("--hold-ms", replay_flags.hold_ms,
-                   "Keep each lease this long in trace time")
-      ->check(CLI::NonNegativeNumber);
+                   "Keep each lease this long in trace time, for requests "
+                   "without a service time (default 0)")
+      ->check(Milliseconds("use 0 or more milliseconds, as in 250"));
   replay_cmd->add_flag("--no-time", replay_flags.no_time,
                        "Untimed replay: loads take no time, nothing waits");
   replay_cmd->add_option("--load-bandwidth", replay_flags.load_bandwidth,
@@ -71,9 +189,12 @@ int main(int argc, char** argv) {
   replay_cmd->add_option("--load-latency", replay_flags.load_latency,
                          "Fixed time per load before its bytes move (default "
                          "100ms)");
-  replay_cmd->add_option("--load-slots", replay_flags.load_slots,
-                         "Loads in flight at most; more queue in FIFO order; 0 "
-                         "for unlimited (default 4)");
+  replay_cmd
+      ->add_option("--load-slots", replay_flags.load_slots,
+                   "Loads in flight at most; more queue in FIFO order; 0 "
+                   "for unlimited (default 4)")
+      ->check(WholeNumber(std::numeric_limits<uint32_t>::max(),
+                          "use 0 for unlimited, or 1 or more"));
   replay_cmd->add_option("--max-wait", replay_flags.max_wait,
                          "A request still waiting this long leaves, counted as "
                          "rejected (default: none)");
@@ -107,16 +228,23 @@ int main(int argc, char** argv) {
   replay_cmd
       ->add_option("--report-policies", replay_flags.report_policies,
                    "The policies whose time series the report draws "
-                   "(default: all)")
+                   "(default: all; needs --report)")
       ->delimiter(',');
   replay_cmd->add_flag("--json", replay_flags.json,
                        "Print JSON instead of a table");
   replay_cmd->add_option("--report", replay_flags.report,
                          "Write an HTML report here");
-  replay_cmd->add_option("--seed", replay_flags.seed,
-                         "Seed for generated sizes and the embedded trace");
-  replay_cmd->add_option("--threads", replay_flags.threads,
-                         "Runs in parallel (default: one per core)");
+  replay_cmd
+      ->add_option("--seed", replay_flags.seed,
+                   "Seed for generated sizes and the embedded trace "
+                   "(default 42)")
+      ->check(WholeNumber(std::numeric_limits<uint64_t>::max(),
+                          "any whole number, as in 7"));
+  replay_cmd
+      ->add_option("--threads", replay_flags.threads,
+                   "Runs in parallel (default: one per core)")
+      ->check(WholeNumber(std::numeric_limits<unsigned>::max(),
+                          "0 or none for one per core"));
   // Several nodes behind HAProxy (modelcache/replay/cluster.h).
   modelcache::tools::ClusterFlags& cluster = replay_flags.cluster;
   replay_cmd->add_option("--nodes", cluster.nodes,
@@ -196,6 +324,10 @@ int main(int argc, char** argv) {
     return app.exit(e);
   } catch (const CLI::CallForAllHelp& e) {
     return app.exit(e);
+  } catch (const CLI::ExtrasError& e) {
+    const std::string unknown = UnknownOptions(app, argc, argv);
+    std::cerr << "error: " << (unknown.empty() ? e.what() : unknown) << "\n";
+    return 1;
   } catch (const CLI::ParseError& e) {
     std::cerr << "error: " << e.what() << "\n";
     return 1;
@@ -204,6 +336,7 @@ int main(int argc, char** argv) {
   try {
     if (*replay_cmd) {
       replay_flags.slo_given = slo_ms->count() > 0;
+      replay_flags.models_given = models_option->count() > 0;
       return modelcache::tools::RunReplay(replay_flags);
     }
     if (*ring_cmd) {

@@ -123,28 +123,44 @@ struct BarSeries {
   std::vector<double> values;  // one per group
 };
 
-// Groups along x, one bar per series in each group.
+// A round step for about five ticks up to `hi`: 1, 2, 2.5 or 5 times a
+// power of ten (of the unit the values are in).
+double RoundStep(double hi) {
+  const double raw = hi / 5;
+  const double power = std::pow(10.0, std::floor(std::log10(raw)));
+  for (const double f : {1.0, 2.0, 2.5, 5.0}) {
+    if (f * power >= raw) return f * power;
+  }
+  return 10 * power;
+}
+
+// Groups along x, one bar per series in each group. Sized by its viewBox
+// alone, so that it takes the page's width; the y axis ends on a round
+// tick; group labels too long for their group are slanted so that they
+// never run into each other.
 std::string BarChart(const std::string& title, const std::string& y_label,
                      const std::vector<std::string>& groups,
                      const std::vector<BarSeries>& series,
                      const std::function<std::string(double)>& y_tick) {
-  const double width = 720, height = 320, left = 80, right = 190, top = 36,
-               bottom = 70;
+  const double width = 1080, height = 340, left = 80, right = 200, top = 36,
+               bottom = 80;
   const double plot_w = width - left - right, plot_h = height - top - bottom;
-  double hi = 0;
+  double most = 0;
   for (const BarSeries& s : series) {
-    for (const double v : s.values) hi = std::max(hi, v);
+    for (const double v : s.values) most = std::max(most, v);
   }
-  if (hi <= 0) hi = 1;
+  if (most <= 0) most = 1;
+  const double step = RoundStep(most);
+  const int ticks = static_cast<int>(std::ceil(most / step - 1e-9));
+  const double hi = step * ticks;
   std::ostringstream svg;
-  svg << "<svg xmlns=\"http://www.w3.org/2000/svg\" width=\"" << width
-      << "\" height=\"" << height << "\" viewBox=\"0 0 " << width << " "
-      << height << "\">\n";
+  svg << "<svg xmlns=\"http://www.w3.org/2000/svg\" viewBox=\"0 0 " << width
+      << " " << height << "\">\n";
   svg << "<text x=\"" << left << "\" y=\"22\" class=\"title\">" << Escape(title)
       << "</text>\n";
-  for (int i = 0; i <= 4; ++i) {
-    const double v = hi * i / 4;
-    const double y = top + plot_h - plot_h * i / 4;
+  for (int i = 0; i <= ticks; ++i) {
+    const double v = step * i;
+    const double y = top + plot_h - plot_h * i / ticks;
     svg << "<line x1=\"" << left << "\" y1=\"" << y << "\" x2=\""
         << left + plot_w << "\" y2=\"" << y << "\" class=\"grid\"/>\n";
     svg << "<text x=\"" << left - 6 << "\" y=\"" << y + 4
@@ -155,6 +171,10 @@ std::string BarChart(const std::string& title, const std::string& y_label,
       plot_w / static_cast<double>(std::max<size_t>(groups.size(), 1));
   const double bar_w =
       group_w * 0.8 / static_cast<double>(std::max<size_t>(series.size(), 1));
+  // 11 px labels: about 6.5 px a character.
+  size_t longest = 0;
+  for (const std::string& g : groups) longest = std::max(longest, g.size());
+  const bool slant = static_cast<double>(longest) * 6.5 > group_w * 0.95;
   for (size_t g = 0; g < groups.size(); ++g) {
     const double x0 = left + group_w * static_cast<double>(g) + group_w * 0.1;
     for (size_t s = 0; s < series.size(); ++s) {
@@ -166,9 +186,11 @@ std::string BarChart(const std::string& title, const std::string& y_label,
           << Escape(groups[g] + ", " + series[s].name + ": " + y_tick(v))
           << "</title></rect>\n";
     }
-    svg << "<text x=\"" << x0 + group_w * 0.4 << "\" y=\"" << top + plot_h + 18
-        << "\" text-anchor=\"middle\" class=\"tick\">" << Escape(groups[g])
-        << "</text>\n";
+    const double lx = x0 + group_w * 0.4, ly = top + plot_h + 18;
+    svg << "<text x=\"" << lx << "\" y=\"" << ly << "\" text-anchor=\""
+        << (slant ? "end" : "middle") << "\" class=\"tick\"";
+    if (slant) svg << " transform=\"rotate(-30 " << lx << " " << ly << ")\"";
+    svg << ">" << Escape(groups[g]) << "</text>\n";
   }
   svg << "<line x1=\"" << left << "\" y1=\"" << top + plot_h << "\" x2=\""
       << left + plot_w << "\" y2=\"" << top + plot_h << "\" class=\"axis\"/>\n";
@@ -447,7 +469,21 @@ std::string ClusterHtmlReport(const Trace& trace, const std::string& title,
        << ".axis{stroke:#444}.grid{stroke:#e4e4e4}.tick{font-size:11px;fill:#"
           "444}.label{font-size:12px;fill:#222}.legend{font-size:12px}"
           ".title{font-size:14px;font-weight:600}\n"
-       << "</style>\n</head>\n<body>\n<h1>" << Escape(title) << "</h1>\n<ul>\n";
+          "h1{font-size:1.5em;margin-bottom:0.2em}p.trace{margin-top:0;"
+          "font-family:ui-monospace,monospace;overflow-wrap:anywhere}"
+          "svg{width:100%;height:auto;display:block;margin:1em 0}\n"
+       << "</style>\n</head>\n<body>\n";
+  // "modelcache replay --nodes: PATH": the command as the heading, the
+  // trace's path below it (a long path would wrap the heading).
+  const size_t colon = title.find(": ");
+  if (colon == std::string::npos) {
+    html << "<h1>" << Escape(title) << "</h1>\n";
+  } else {
+    html << "<h1>" << Escape(title.substr(0, colon))
+         << "</h1>\n<p class=\"trace\">" << Escape(title.substr(colon + 2))
+         << "</p>\n";
+  }
+  html << "<ul>\n";
   for (const std::string& line : SetUp(trace, info)) {
     html << "<li>" << Escape(line) << "</li>\n";
   }

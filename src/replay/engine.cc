@@ -4,6 +4,7 @@
 #include <atomic>
 #include <cassert>
 #include <cmath>
+#include <limits>
 #include <memory>
 #include <utility>
 
@@ -129,7 +130,21 @@ void Node::FinishTransfers() {
       ++k;
     }
   }
-  std::sort(done.begin(), done.end());
+  // Loads that end at the same instant complete in the order of their
+  // requests: the load whose earliest waiting request came first completes
+  // (and so becomes "recent") first. A load nobody waits for (a prewarm, or
+  // one whose every requester left) comes after them, by model. Never the
+  // order in which the models first appeared in the trace, nor the order of
+  // the transfer list, so the result does not depend on either.
+  constexpr size_t kNoRequest = std::numeric_limits<size_t>::max();
+  auto first_request = [&](uint32_t m) {
+    const std::vector<Waiter>& waiters = models_[m].waiters;
+    return waiters.empty() ? kNoRequest : waiters.front().request.id;
+  };
+  std::sort(done.begin(), done.end(), [&](uint32_t a, uint32_t b) {
+    const size_t ra = first_request(a), rb = first_request(b);
+    return ra != rb ? ra < rb : a < b;
+  });
   for (uint32_t m : done) CompleteLoad(m);
 }
 

@@ -30,7 +30,10 @@
 //   transfer end   computed, not queued: demand transfers share the bandwidth
 //                  equally (processor sharing), prewarm transfers share it
 //                  only while no demand transfer runs; the earliest to finish
-//                  ends next
+//                  ends next, and loads that finish at the same instant
+//                  complete in request order (the load whose earliest
+//                  waiting request came first completes first; then those
+//                  nobody waits for, by model)
 //   ttl check      for ttl-* policies, EvictExpired at the first instant a
 //                  model has been idle longer than the TTL
 //   keep-alive end for histogram policies, Remove of a model still idle
@@ -257,6 +260,8 @@ class Node {
   // Whether a transfer with `remaining` bytes, one of `sharing` moving at
   // once, is done: under half a byte, or less than the clock can move.
   bool TransferDone(double remaining, size_t sharing) const;
+  // Completes the transfers that are done now; loads that end together
+  // complete in the order of their earliest waiting request.
   void FinishTransfers();
   void HandleEvent(const Event& e);
 

@@ -262,6 +262,17 @@ bool LineReader::Refill() {
 }
 
 bool LineReader::Next(std::string_view* line) {
+  if (!NextLine(line)) return false;
+  // A UTF-8 byte order mark (what some editors and spreadsheets write
+  // first) is not part of the header's first column name.
+  constexpr std::string_view kBom = "\xEF\xBB\xBF";
+  if (line_number_ == 1 && line->substr(0, kBom.size()) == kBom) {
+    line->remove_prefix(kBom.size());
+  }
+  return true;
+}
+
+bool LineReader::NextLine(std::string_view* line) {
   for (;;) {
     const char* data = buffer_.get();
     if (const void* newline =

@@ -90,7 +90,8 @@ class LineReader {
 
   // The next line, valid until the next call; false at the end of the file.
   // Throws TraceError "PATH:LINE: ..." (LINE: the line being read) when the
-  // data is truncated or corrupt.
+  // data is truncated or corrupt. A UTF-8 byte order mark before the first
+  // line is dropped.
   bool Next(std::string_view* line);
 
   // The number of the line Next gave last (1 for the first).
@@ -99,6 +100,8 @@ class LineReader {
   const InputFile& input() const { return input_; }
 
  private:
+  // Next, as the file has it.
+  bool NextLine(std::string_view* line);
   // Reads more into buffer_, keeping [begin_, end_); false at the end.
   bool Refill();
 

@@ -58,6 +58,28 @@ std::string FormatMs(double ms) {
   return Fixed(ms / 3600000, 1) + "h";
 }
 
+// The share of all requests a run did not serve, in percent (0 for none).
+double UnservedPercent(const RunResult& r) {
+  return r.requests ? 100 * static_cast<double>(UnservedRequests(r)) /
+                          static_cast<double>(r.requests)
+                    : 0;
+}
+
+// "  UNSERVED", "  OVERLOADED", both or nothing: what a row must not be
+// read without.
+std::string RowFlags(const RunResult& r) {
+  std::string flags;
+  if (UnservedRequests(r) > 0) flags += "  UNSERVED";
+  if (r.overloaded) flags += "  OVERLOADED";
+  return flags;
+}
+
+// A wait of the run's, or "-" when it served no request (there is no wait
+// to show, and 0 would read as none waited).
+std::string WaitText(const RunResult& r, double ms) {
+  return UnservedRequests(r) >= r.requests ? "-" : FormatMs(ms);
+}
+
 std::string PolicyLabel(const RunResult& r) {
   return r.offline ? r.policy + " (offline)" : r.policy;
 }
@@ -87,7 +109,50 @@ struct Series {
   std::vector<std::pair<double, double>> points;
   // Optional, one per point: a band drawn from low to high behind the line.
   std::vector<double> low, high;
+  // Optional, one per point: the run it stands for was overloaded or left
+  // requests unserved; the point is ringed in red.
+  std::vector<bool> flagged;
 };
+
+// Series whose points are exactly those of an earlier one: the earlier
+// (the first in the table's order, the baseline when it is one of them)
+// stays solid, and each copy is drawn dashed over it, offset so that every
+// member of the group shows along the line. Per series: its group's size
+// and its place in the group (0 for the solid one).
+struct Coincidence {
+  size_t group_size = 1, place = 0;
+  size_t leader = 0;  // the series it coincides with
+};
+
+std::vector<Coincidence> Coincidences(const std::vector<Series>& series) {
+  std::vector<Coincidence> out(series.size());
+  for (size_t i = 0; i < series.size(); ++i) {
+    out[i].leader = i;
+    for (size_t j = 0; j < i; ++j) {
+      if (out[j].place == 0 && !series[i].points.empty() &&
+          series[j].points == series[i].points &&
+          series[j].low == series[i].low && series[j].high == series[i].high) {
+        out[i].leader = j;
+        out[i].place = out[j].group_size++;
+        break;
+      }
+    }
+  }
+  for (Coincidence& c : out) c.group_size = out[c.leader].group_size;
+  return out;
+}
+
+// The dash of a coinciding copy: 8 units of each 8 x group_size, its own.
+std::string DashOf(const Coincidence& c) {
+  if (c.place == 0) return "";
+  const double dash = 8, period = dash * static_cast<double>(c.group_size);
+  return " stroke-dasharray=\"" + std::to_string(static_cast<int>(dash)) + " " +
+         std::to_string(static_cast<int>(period - dash)) +
+         "\" stroke-dashoffset=\"" +
+         std::to_string(
+             -static_cast<int>(dash * static_cast<double>(c.place))) +
+         "\"";
+}
 
 // A labelled reference line across the plot.
 struct Mark {
@@ -203,18 +268,70 @@ void DrawSeries(std::ostringstream& svg, const std::vector<Series>& series,
         << "\" fill-opacity=\"0.25\" stroke=\"none\" points=\""
         << PointsOf(outline, px, py) << "\"/>\n";
   }
-  for (const Series& s : series) {
+  const std::vector<Coincidence> same = Coincidences(series);
+  for (size_t i = 0; i < series.size(); ++i) {
+    const Series& s = series[i];
     svg << "<polyline class=\"series\" data-series=\"" << Escape(s.name)
         << "\" fill=\"none\" stroke=\"" << s.color
-        << "\" stroke-width=\"2\" stroke-linejoin=\"round\" points=\""
-        << PointsOf(s.points, px, py) << "\"/>\n";
-    if (s.points.size() <= 24) {
+        << "\" stroke-width=\"2\" stroke-linejoin=\"round\"" << DashOf(same[i])
+        << " points=\"" << PointsOf(s.points, px, py) << "\"/>\n";
+    // A copy's markers would hide the solid line's.
+    if (s.points.size() <= 24 && same[i].place == 0) {
       for (auto [x, y] : s.points) {
         svg << "<circle cx=\"" << Num(px(x)) << "\" cy=\"" << Num(py(y))
             << "\" r=\"3.5\" fill=\"" << s.color << "\"/>\n";
       }
     }
   }
+  // The first series (the baseline, lru, when the table starts with it)
+  // again over every other, so that a curve running close to it never hides
+  // it; then its dashed copies again, over it.
+  if (series.size() > 1) {
+    for (size_t i = 0; i < series.size(); ++i) {
+      if (same[i].leader != 0) continue;
+      svg << "<polyline class=\"overlay\" data-series=\""
+          << Escape(series[i].name) << "\" fill=\"none\" stroke=\""
+          << series[i].color
+          << "\" stroke-width=\"2\" stroke-linejoin=\"round\""
+          << DashOf(same[i]) << " points=\""
+          << PointsOf(series[i].points, px, py) << "\"/>\n";
+    }
+  }
+  // Runs that were overloaded or left requests unserved: ringed, over
+  // every line.
+  for (const Series& s : series) {
+    for (size_t k = 0; k < s.flagged.size() && k < s.points.size(); ++k) {
+      if (!s.flagged[k]) continue;
+      svg << "<circle class=\"flagged\" data-series=\"" << Escape(s.name)
+          << "\" cx=\"" << Num(px(s.points[k].first)) << "\" cy=\""
+          << Num(py(s.points[k].second))
+          << "\" r=\"7\" fill=\"none\" stroke=\"#d62728\" "
+             "stroke-width=\"2\"/>\n";
+    }
+  }
+}
+
+// The legend's notes for coinciding series ("ttl-10m = lru (dashed)") and
+// ringed points.
+std::vector<std::string> SeriesNotes(const std::vector<Series>& series) {
+  std::vector<std::string> notes;
+  const std::vector<Coincidence> same = Coincidences(series);
+  for (size_t i = 0; i < series.size(); ++i) {
+    if (same[i].place != 0 || same[i].group_size < 2) continue;
+    // One short line each: the legend is 210 units wide.
+    for (size_t j = i + 1; j < series.size(); ++j) {
+      if (same[j].leader == i && same[j].place != 0)
+        notes.push_back(series[j].name + " = " + series[i].name + " (dashed)");
+    }
+  }
+  for (const Series& s : series) {
+    if (std::find(s.flagged.begin(), s.flagged.end(), true) !=
+        s.flagged.end()) {
+      notes.push_back("ringed: overloaded/unserved");
+      break;
+    }
+  }
+  return notes;
 }
 
 void OpenFigure(std::ostringstream& out, const std::string& id,
@@ -287,15 +404,20 @@ std::string RenderChart(const Chart& c) {
       << "\" class=\"label\" text-anchor=\"middle\" transform=\"rotate(-90 16 "
       << top + plot_h / 2 << ")\">" << Escape(c.y_label) << "</text>\n";
   double ly = top + 10;
-  for (const Series& s : c.series) {
+  const std::vector<Coincidence> same = Coincidences(c.series);
+  for (size_t i = 0; i < c.series.size(); ++i) {
+    const Series& s = c.series[i];
     svg << "<line x1=\"" << left + plot_w + 16 << "\" y1=\"" << ly - 4
         << "\" x2=\"" << left + plot_w + 38 << "\" y2=\"" << ly - 4
-        << "\" stroke=\"" << s.color << "\" stroke-width=\"3\"/>\n<text x=\""
-        << left + plot_w + 44 << "\" y=\"" << ly << "\" class=\"legend\">"
-        << Escape(s.name) << "</text>\n";
+        << "\" stroke=\"" << s.color << "\" stroke-width=\"3\""
+        << (same[i].place ? " stroke-dasharray=\"4 3\"" : "")
+        << "/>\n<text x=\"" << left + plot_w + 44 << "\" y=\"" << ly
+        << "\" class=\"legend\">" << Escape(s.name) << "</text>\n";
     ly += 20;
   }
-  for (const std::string& note : c.legend_notes) {
+  std::vector<std::string> notes = c.legend_notes;
+  for (const std::string& note : SeriesNotes(c.series)) notes.push_back(note);
+  for (const std::string& note : notes) {
     svg << "<text x=\"" << left + plot_w + 16 << "\" y=\"" << ly
         << "\" class=\"note\">" << Escape(note) << "</text>\n";
     ly += 18;
@@ -450,8 +572,8 @@ std::string SloText(const SloSearchOptions& slo, double ms) {
 }
 
 // One line per policy: "next-use: 52.3 GiB for p99 wait ≤ 1.00s (lru
-// 61.0 GiB, +17%)", compared with lru's answer (or the first policy's when
-// lru was not searched).
+// needs 61.0 GiB, 17% more)", compared with lru's answer (or the first policy's
+// when lru was not searched).
 std::vector<std::string> SloLines(const TraceHeader& trace,
                                   const RunInfo& info) {
   const std::vector<SloAnswer>& answers = info.slo_answers;
@@ -468,15 +590,25 @@ std::vector<std::string> SloLines(const TraceHeader& trace,
       line += CapacityText(*a.capacity_bytes) + what;
       if (base != &a) {
         if (base->capacity_bytes) {
-          const double ratio = static_cast<double>(*base->capacity_bytes) /
-                                   static_cast<double>(*a.capacity_bytes) -
-                               1;
-          char pct[32];
-          std::snprintf(pct, sizeof(pct), "%+.0f%%", 100 * ratio);
-          notes.push_back(base->policy + " " +
-                          CapacityText(*base->capacity_bytes) + ", " + pct);
+          // What the baseline needs beside this policy: "lru needs 57.5
+          // GiB, 8% more". No share of a capacity of 0 (models of 0 bytes).
+          std::string note =
+              base->policy + " needs " + CapacityText(*base->capacity_bytes);
+          if (*a.capacity_bytes > 0) {
+            const double ratio = static_cast<double>(*base->capacity_bytes) /
+                                     static_cast<double>(*a.capacity_bytes) -
+                                 1;
+            char pct[32];
+            std::snprintf(pct, sizeof(pct), "%.0f%%", 100 * std::abs(ratio));
+            if (std::string(pct) == "0%") {
+              note += ", the same";
+            } else {
+              note += std::string(", ") + pct + (ratio > 0 ? " more" : " less");
+            }
+          }
+          notes.push_back(std::move(note));
         } else {
-          notes.push_back(base->policy + " none");
+          notes.push_back(base->policy + " meets it at no capacity");
         }
       }
     } else {
@@ -514,52 +646,58 @@ std::string ResultsTable(const TraceHeader& trace,
     out << "load path: " << Fixed(info.time.bandwidth_bytes_per_second / 1e9, 2)
         << " GB/s shared by at most "
         << (info.time.slots ? std::to_string(info.time.slots) : "unlimited")
-        << " loads, " << FormatMs(info.time.latency_ms)
-        << " latency each; waits over the requests served\n";
+        << " loads, " << FormatMs(info.time.latency_ms) << " latency each\n"
+        << "waits are over the requests served; unserved: too large or "
+           "rejected, % of all requests (a row with any says UNSERVED and "
+           "meets no SLO)\n";
   }
+  for (const std::string& note : info.notes) out << note << "\n";
   out << "\n";
   char line[512];
   if (!info.timed) {
     std::snprintf(line, sizeof(line),
-                  "%-20s %11s %9s %9s %9s %9s %7s %12s %10s %11s\n", "policy",
-                  "capacity", "hits", "misses", "too_large", "evictions",
-                  "hit%", "loaded", "byte_miss%", "req/s");
+                  "%-20s %11s %8s %9s %9s %9s %9s %7s %12s %10s %11s\n",
+                  "policy", "capacity", "unserved", "hits", "misses",
+                  "too_large", "evictions", "hit%", "loaded", "byte_miss%",
+                  "req/s");
     out << line;
     for (const RunResult& r : results) {
       std::snprintf(
           line, sizeof(line),
-          "%-20s %11s %9llu %9llu %9llu %9llu %7.2f %12s %10.2f %11.3g\n",
+          "%-20s %11s %7.2f%% %9llu %9llu %9llu %9llu %7.2f %12s %10.2f "
+          "%11.3g%s\n",
           PolicyLabel(r).c_str(), FormatBytes(r.capacity_bytes).c_str(),
-          static_cast<unsigned long long>(r.hits),
+          UnservedPercent(r), static_cast<unsigned long long>(r.hits),
           static_cast<unsigned long long>(r.misses),
           static_cast<unsigned long long>(r.too_large),
           static_cast<unsigned long long>(r.evictions), 100 * r.hit_ratio,
           FormatBytes(r.bytes_loaded).c_str(), 100 * r.byte_miss_ratio,
-          r.requests_per_second);
+          r.requests_per_second, RowFlags(r).c_str());
       out << line;
     }
     return out.str();
   }
-  std::snprintf(line, sizeof(line),
-                "%-20s %10s %7s %8s %8s %8s %8s %8s %9s %11s %7s %6s %7s %9s\n",
-                "policy", "capacity", "cold%", "p50", "p99", "p99.9",
-                "max_wait", "rejected", "idle_GiBh", "loaded", "busy%", "queue",
-                "p75cold", "req/s");
+  std::snprintf(
+      line, sizeof(line),
+      "%-20s %10s %8s %7s %8s %8s %8s %8s %8s %9s %11s %7s %6s %7s %9s\n",
+      "policy", "capacity", "unserved", "cold%", "p50", "p99", "p99.9",
+      "max_wait", "rejected", "idle_GiBh", "loaded", "busy%", "queue",
+      "p75cold", "req/s");
   out << line;
   for (const RunResult& r : results) {
     std::snprintf(
         line, sizeof(line),
-        "%-20s %10s %7.2f %8s %8s %8s %8s %8llu %9.1f %11s %7.1f %6llu %7.3f "
-        "%9.3g%s\n",
+        "%-20s %10s %7.2f%% %7.2f %8s %8s %8s %8s %8llu %9.1f %11s %7.1f %6llu "
+        "%7.3f %9.3g%s\n",
         PolicyLabel(r).c_str(), FormatBytes(r.capacity_bytes).c_str(),
-        100 * r.cold_start_ratio, FormatMs(r.wait_ms.p50).c_str(),
-        FormatMs(r.wait_ms.p99).c_str(), FormatMs(r.wait_ms.p999).c_str(),
-        FormatMs(r.wait_ms.max).c_str(),
+        UnservedPercent(r), 100 * r.cold_start_ratio,
+        WaitText(r, r.wait_ms.p50).c_str(), WaitText(r, r.wait_ms.p99).c_str(),
+        WaitText(r, r.wait_ms.p999).c_str(), WaitText(r, r.wait_ms.max).c_str(),
         static_cast<unsigned long long>(r.rejected), r.idle_gib_hours,
         FormatBytes(r.bytes_loaded).c_str(), 100 * r.disk_busy_ratio,
         static_cast<unsigned long long>(r.load_queue_peak),
         r.p75_model_cold_start_ratio, r.requests_per_second,
-        r.overloaded ? "  OVERLOADED" : "");
+        RowFlags(r).c_str());
     out << line;
   }
   if (!info.slo_answers.empty()) {
@@ -632,6 +770,11 @@ std::string ResultsJson(const TraceHeader& trace,
          {"misses", r.misses},
          {"too_large", r.too_large},
          {"blocked", r.blocked},
+         {"unserved", UnservedRequests(r)},
+         {"unserved_ratio", r.requests
+                                ? static_cast<double>(UnservedRequests(r)) /
+                                      static_cast<double>(r.requests)
+                                : 0.0},
          {"bytes_loaded", r.bytes_loaded},
          {"evictions", r.evictions},
          {"hit_ratio", r.hit_ratio},
@@ -802,8 +945,8 @@ std::string SloChart(const ReportContext& c) {
       ResolutionText(slo.curve_resolution_fraction,
                      slo.curve_resolution_bytes) +
       ". A missing point: no capacity up to the sum of all models meets it. "
-      "Curves that coincide are drawn over one another; the table below "
-      "gives every value.";
+      "A curve the same as an earlier one is drawn dashed over it, so both "
+      "show; the table below gives every value.";
   return RenderChart(chart);
 }
 
@@ -853,24 +996,18 @@ std::string WaitCharts(const ReportContext& c) {
   by_idle.title = "p99 wait against idle memory-time";
   by_idle.x_label = "idle GiB\u00b7h (memory resident with no lease)";
   by_idle.y_label = "p99 wait (log scale)";
-  by_idle.caption = "One point per capacity; down and to the left is better.";
+  by_idle.caption =
+      "One point per capacity; down and to the left is better. A ringed "
+      "point is a run that was overloaded or left requests unserved.";
   double p99_lo = 1e300, p99_hi = 0, idle_max = 0;
-  for (const std::string& policy : c.policies) {
-    Series cap{policy, "", {}}, idle{policy, "", {}};
-    for (const RunResult& r : c.results) {
-      if (PolicyLabel(r) != policy) continue;
-      cap.color = idle.color = c.Color(r);
-      cap.points.emplace_back(static_cast<double>(r.capacity_bytes) / kGiB,
-                              LogMs(r.wait_ms.p99));
-      idle.points.emplace_back(r.idle_gib_hours, LogMs(r.wait_ms.p99));
+  bool any_zero = false;
+  for (const RunResult& r : c.results) {
+    if (r.wait_ms.p99 <= 0) {
+      any_zero = true;
+    } else {
       p99_lo = std::min(p99_lo, std::max(r.wait_ms.p99, 1.0));
-      p99_hi = std::max(p99_hi, std::max(r.wait_ms.p99, 1.0));
-      idle_max = std::max(idle_max, r.idle_gib_hours);
     }
-    std::sort(cap.points.begin(), cap.points.end());
-    std::sort(idle.points.begin(), idle.points.end());
-    by_capacity.series.push_back(std::move(cap));
-    by_idle.series.push_back(std::move(idle));
+    p99_hi = std::max(p99_hi, std::max(r.wait_ms.p99, 1.0));
   }
   if (c.info.slo.percentile == 99 && !c.info.slo_answers.empty()) {
     p99_lo = std::min(p99_lo, c.info.slo.slo_ms);
@@ -878,12 +1015,57 @@ std::string WaitCharts(const ReportContext& c) {
     by_capacity.y_marks.push_back({std::log10(c.info.slo.slo_ms), "SLO"});
     by_idle.y_marks.push_back({std::log10(c.info.slo.slo_ms), "SLO"});
   }
-  by_capacity.y = by_idle.y = DurationAxis(p99_lo, p99_hi);
+  if (p99_lo > p99_hi) p99_lo = p99_hi;  // every p99 was 0
+  Axis p99_axis = DurationAxis(p99_lo, p99_hi);
+  // A p99 of 0 (fewer than 1% of the requests served waited) has no place
+  // on a log scale: it is drawn on its own tick, "0", half a decade below
+  // the scale, not at a made-up millisecond.
+  const double zero_at = p99_axis.lo - 0.5;
+  if (any_zero) {
+    p99_axis.ticks.insert(p99_axis.ticks.begin(), zero_at);
+    p99_axis.lo = zero_at;
+    auto log_label = p99_axis.label;
+    p99_axis.label = [log_label, zero_at](double e) {
+      return e <= zero_at ? std::string("0") : log_label(e);
+    };
+  }
+  auto p99_y = [&](double ms) { return ms <= 0 ? zero_at : LogMs(ms); };
+  for (const std::string& policy : c.policies) {
+    Series cap{policy, "", {}}, idle{policy, "", {}};
+    std::vector<std::pair<std::pair<double, double>, bool>> cap_points,
+        idle_points;
+    for (const RunResult& r : c.results) {
+      if (PolicyLabel(r) != policy) continue;
+      cap.color = idle.color = c.Color(r);
+      const bool flagged = r.overloaded || UnservedRequests(r) > 0;
+      cap_points.push_back(
+          {{static_cast<double>(r.capacity_bytes) / kGiB, p99_y(r.wait_ms.p99)},
+           flagged});
+      idle_points.push_back(
+          {{r.idle_gib_hours, p99_y(r.wait_ms.p99)}, flagged});
+      idle_max = std::max(idle_max, r.idle_gib_hours);
+    }
+    std::sort(cap_points.begin(), cap_points.end());
+    std::sort(idle_points.begin(), idle_points.end());
+    for (const auto& [point, flagged] : cap_points) {
+      cap.points.push_back(point);
+      cap.flagged.push_back(flagged);
+    }
+    for (const auto& [point, flagged] : idle_points) {
+      idle.points.push_back(point);
+      idle.flagged.push_back(flagged);
+    }
+    by_capacity.series.push_back(std::move(cap));
+    by_idle.series.push_back(std::move(idle));
+  }
+  by_capacity.y = by_idle.y = p99_axis;
   by_capacity.x =
       LinearAxis(static_cast<double>(c.capacities.front()) / kGiB,
                  static_cast<double>(c.capacities.back()) / kGiB, GibLabel);
   by_capacity.caption =
-      "A request that hits waits 0 and is drawn at the bottom of the axis.";
+      "A p99 of 0 (fewer than 1% of the requests served waited) is drawn on "
+      "the line marked 0, below the log scale. A ringed point is a run that "
+      "was overloaded or left requests unserved.";
   by_idle.x = LinearAxis(0, idle_max, [](double x) { return Fixed(x, 0); });
   out += RenderChart(by_capacity);
   out += RenderChart(by_idle);
@@ -1030,24 +1212,32 @@ std::string HtmlReport(const TraceHeader& trace, const std::string& title,
     html << "<h2>Waits</h2>\n"
          << PivotTable(c, "p99 wait over the requests served",
                        [](const RunResult& r) {
-                         return Escape(FormatMs(r.wait_ms.p99)) +
-                                (r.overloaded
-                                     ? " <b class=\"bad\">overloaded</b>"
-                                     : "");
+                         std::string cell = Escape(WaitText(r, r.wait_ms.p99));
+                         if (UnservedRequests(r) > 0) {
+                           cell += " <b class=\"bad\">" +
+                                   Fixed(UnservedPercent(r), 2) +
+                                   "% unserved</b>";
+                         }
+                         if (r.overloaded)
+                           cell += " <b class=\"bad\">overloaded</b>";
+                         return cell;
                        })
          << "<details>\n<summary>Every run: cold starts, waits, idle memory, "
             "disk</summary>\n<table>\n<tr><th>policy</th><th>capacity</th>"
-            "<th>cold starts</th><th>p50 wait</th><th>p99 wait</th>"
+            "<th>unserved</th><th>cold starts</th><th>p50 wait</th><th>p99 "
+            "wait</th>"
             "<th>p99.9 wait</th><th>max wait</th><th>rejected</th>"
             "<th>idle GiB&middot;h</th><th>disk busy</th><th>queue peak</th>"
             "<th>load</th></tr>\n";
     for (const RunResult& r : results) {
       html << "<tr><td>" << Escape(PolicyLabel(r)) << "</td><td>"
            << Escape(FormatBytes(r.capacity_bytes)) << "</td><td>"
+           << Fixed(UnservedPercent(r), 2) << "%</td><td>"
            << Fixed(100 * r.cold_start_ratio, 2) << "%</td><td>"
-           << FormatMs(r.wait_ms.p50) << "</td><td>" << FormatMs(r.wait_ms.p99)
-           << "</td><td>" << FormatMs(r.wait_ms.p999) << "</td><td>"
-           << FormatMs(r.wait_ms.max) << "</td><td>" << r.rejected
+           << WaitText(r, r.wait_ms.p50) << "</td><td>"
+           << WaitText(r, r.wait_ms.p99) << "</td><td>"
+           << WaitText(r, r.wait_ms.p999) << "</td><td>"
+           << WaitText(r, r.wait_ms.max) << "</td><td>" << r.rejected
            << "</td><td>" << Fixed(r.idle_gib_hours, 1) << "</td><td>"
            << Fixed(100 * r.disk_busy_ratio, 1) << "%</td><td>"
            << r.load_queue_peak << "</td><td>"
@@ -1108,15 +1298,23 @@ std::string HtmlReport(const TraceHeader& trace, const std::string& title,
     loaded.caption = "Every load, the first of each model included.";
     for (const std::string& policy : c.policies) {
       Series h{policy, "", {}}, l{policy, "", {}};
+      std::vector<const RunResult*> runs;
       for (const RunResult& r : results) {
-        if (PolicyLabel(r) != policy) continue;
-        h.color = l.color = c.Color(r);
-        const double x = static_cast<double>(r.capacity_bytes) / kGiB;
-        h.points.emplace_back(x, 100 * r.hit_ratio);
-        l.points.emplace_back(x, static_cast<double>(r.bytes_loaded) / unit);
+        if (PolicyLabel(r) == policy) runs.push_back(&r);
       }
-      std::sort(h.points.begin(), h.points.end());
-      std::sort(l.points.begin(), l.points.end());
+      std::sort(runs.begin(), runs.end(),
+                [](const RunResult* a, const RunResult* b) {
+                  return a->capacity_bytes < b->capacity_bytes;
+                });
+      for (const RunResult* r : runs) {
+        h.color = l.color = c.Color(*r);
+        const double x = static_cast<double>(r->capacity_bytes) / kGiB;
+        const bool flagged = r->overloaded || UnservedRequests(*r) > 0;
+        h.points.emplace_back(x, 100 * r->hit_ratio);
+        l.points.emplace_back(x, static_cast<double>(r->bytes_loaded) / unit);
+        h.flagged.push_back(flagged);
+        l.flagged.push_back(flagged);
+      }
       hit.series.push_back(std::move(h));
       loaded.series.push_back(std::move(l));
     }

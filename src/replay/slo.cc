@@ -115,6 +115,22 @@ std::vector<uint64_t> SweepPoints(const std::set<uint64_t>& have,
   return points;
 }
 
+// The bisection rounds a bracket `width` wide whose failing end is `lower`
+// can still take for `target`, at most: each round halves it (rounding up)
+// and it closes once no wider than its resolution, which is at least that
+// of an answer just above `lower`.
+size_t RoundsBound(uint64_t width, uint64_t lower, const Target& target) {
+  const double resolution =
+      std::max({std::ceil(target.fraction * static_cast<double>(lower)),
+                static_cast<double>(target.bytes), 1.0});
+  size_t rounds = 0;
+  for (double w = static_cast<double>(width); w > resolution;
+       w = std::ceil(w / 2)) {
+    ++rounds;
+  }
+  return rounds;
+}
+
 }  // namespace
 
 SloAnswer SloAnswerFromProbes(std::vector<SloProbe> probes,
@@ -197,7 +213,7 @@ std::vector<SloAnswer> FindSloCapacities(
     const TraceSource& source, const std::vector<std::string>& policies,
     const SimulateOptions& options, const SloSearchOptions& slo,
     unsigned threads, const std::vector<RunResult>& known,
-    const std::function<void(size_t, size_t)>& progress) {
+    const std::function<void(const SloProgress&)>& progress) {
   ValidateSloOptions(slo);
   for (const std::string& p : policies) {
     Simulate(Trace{}, p, 0, options);  // throws the clear error
@@ -269,10 +285,51 @@ std::vector<SloAnswer> FindSloCapacities(
     }
     return plan;
   };
+  // The bisection rounds that can follow the sweep, at most: after it, a
+  // bracket lies between two consecutive capacities of the probes and the
+  // sweep's plan (or below the first, from one byte under the floor).
+  auto rounds_after_sweep =
+      [&](const std::vector<std::pair<size_t, uint64_t>>& plan) {
+        size_t most = 0;
+        for (size_t p = 0; p < policies.size(); ++p) {
+          std::set<uint64_t> points{top};
+          for (const auto& [capacity, probe] : probes[p])
+            points.insert(capacity);
+          for (const auto& [q, c] : plan) {
+            if (q == p) points.insert(c);
+          }
+          uint64_t lower = floor > 0 ? floor - 1 : 0;
+          for (uint64_t c : points) {
+            if (c <= lower) continue;
+            for (const Target& t : targets)
+              most = std::max(most, RoundsBound(c - lower, lower, t));
+            lower = c;
+          }
+        }
+        return most;
+      };
+  // The bisection rounds after the one that probes now, at most.
+  auto rounds_after_bisection = [&] {
+    size_t most = 0;
+    for (size_t p = 0; p < policies.size(); ++p) {
+      for (const Target& t : targets) {
+        const Bracket b = BracketOf(probes[p], floor, t.slo_ms);
+        if (Open(b, floor, t)) {
+          most = std::max(most,
+                          RoundsBound(*b.answer - b.failing, b.failing, t) - 1);
+        }
+      }
+    }
+    return most;
+  };
   // Runs a round's probes on the pool.
-  size_t done = 0, planned = 0;
-  auto run = [&](const std::vector<std::pair<size_t, uint64_t>>& plan) {
-    planned += plan.size();
+  SloProgress state;
+  auto run = [&](const std::vector<std::pair<size_t, uint64_t>>& plan,
+                 size_t rounds_left) {
+    state.round_probes = plan.size();
+    state.round_done = 0;
+    state.rounds_left = rounds_left;
+    if (progress) progress(state);
     std::vector<SloProbe> found(plan.size());
     std::atomic<size_t> next{0};
     std::mutex mu;
@@ -288,8 +345,9 @@ std::vector<SloAnswer> FindSloCapacities(
           if (!error) error = std::current_exception();
         }
         std::lock_guard<std::mutex> lock(mu);
-        ++done;
-        if (progress) progress(done, planned);
+        ++state.probes_done;
+        ++state.round_done;
+        if (progress) progress(state);
       }
     };
     const unsigned workers = std::max(
@@ -302,9 +360,15 @@ std::vector<SloAnswer> FindSloCapacities(
     for (size_t i = 0; i < plan.size(); ++i) {
       probes[plan[i].first].emplace(plan[i].second, found[i]);
     }
+    ++state.round;
   };
-  run(sweep());  // may be empty: the runs given can cover the sweep
-  for (auto plan = bisection(); !plan.empty(); plan = bisection()) run(plan);
+  {
+    // May be empty: the runs given can cover the sweep.
+    const auto plan = sweep();
+    run(plan, rounds_after_sweep(plan));
+  }
+  for (auto plan = bisection(); !plan.empty(); plan = bisection())
+    run(plan, rounds_after_bisection());
 
   std::vector<SloAnswer> answers;
   for (size_t p = 0; p < policies.size(); ++p) {
@@ -327,7 +391,7 @@ std::vector<SloAnswer> FindSloCapacities(
     const Trace& trace, const std::vector<std::string>& policies,
     const SimulateOptions& options, const SloSearchOptions& slo,
     unsigned threads, const std::vector<RunResult>& known,
-    const std::function<void(size_t, size_t)>& progress) {
+    const std::function<void(const SloProgress&)>& progress) {
   return FindSloCapacities(*SourceOf(trace), policies, options, slo, threads,
                            known, progress);
 }

@@ -115,7 +115,8 @@ SizeTable ReadSizes(const std::string& path) {
   return sizes;
 }
 
-Trace ReadCsvTrace(const std::string& path, const SizeTable* sizes) {
+Trace ReadCsvTrace(const std::string& path, const SizeTable* sizes,
+                   const std::string& sizes_path) {
   LineReader in(path);
   TraceBuilder builder;
   std::vector<size_t> first_line;  // per model, for errors
@@ -130,18 +131,17 @@ Trace ReadCsvTrace(const std::string& path, const SizeTable* sizes) {
     if (Trim(line).empty()) continue;
     SplitCsv(line, &fields);
     if (t_col < 0) {
+      bool azure_like = false;
       for (size_t i = 0; i < fields.size(); ++i) {
         const std::string_view name = Trim(fields[i]);
         if (name == "t_ms") t_col = static_cast<int>(i);
         if (name == "model") model_col = static_cast<int>(i);
         if (name == "size_bytes") size_col = static_cast<int>(i);
         if (name == "duration_ms") duration_col = static_cast<int>(i);
+        if (name == "HashFunction") azure_like = true;
       }
       if (t_col < 0 || model_col < 0) {
-        Fail(
-            path, line_no,
-            std::string("the header must name the columns 't_ms' and 'model'") +
-                (t_col < 0 ? " (no 't_ms')" : " (no 'model')"));
+        Fail(path, line_no, MissingColumnsMessage(t_col >= 0, azure_like));
       }
       needed = static_cast<size_t>(
                    std::max({t_col, model_col, size_col, duration_col})) +
@@ -213,9 +213,7 @@ Trace ReadCsvTrace(const std::string& path, const SizeTable* sizes) {
     const std::string& name = builder.trace.models[m];
     auto it = sizes ? sizes->find(name) : SizeTable::const_iterator{};
     if (!sizes || it == sizes->end()) {
-      Fail(path, first_line[m],
-           "model '" + name +
-               "' has no size: give a size_bytes column or --sizes FILE");
+      Fail(path, first_line[m], NoSizeMessage(name, sizes, sizes_path));
     }
     builder.trace.sizes[m] = it->second;
   }
@@ -454,8 +452,13 @@ void AzureModels(const std::string& path, const AzureOptions& options,
       if (it != options.sizes->end()) {
         size = it->second;
       } else {
-        throw TraceError(path + ": --sizes has no size for '" + names->back() +
-                         "'");
+        throw TraceError(
+            path + ": the sizes file " +
+            (options.sizes_path.empty() ? std::string()
+                                        : options.sizes_path + " ") +
+            "has no size for '" + names->back() + "' (add '" + names->back() +
+            ",SIZE_BYTES' there: the trace's models are model-0 to model-" +
+            std::to_string(models - 1) + ")");
       }
     } else if (!options.memory_path.empty() && m < function) {
       auto it = memory.find(hashes[m]);

@@ -13,6 +13,38 @@
 
 namespace modelcache::replay {
 
+// The message for a model of a CSV trace that has no size: where to give
+// one (a size_bytes column, --sizes, or the sizes file `sizes_path` that
+// lacks it when `sizes` is given).
+inline std::string NoSizeMessage(const std::string& model,
+                                 const SizeTable* sizes,
+                                 const std::string& sizes_path) {
+  if (sizes == nullptr) {
+    return "model '" + model +
+           "' has no size: give a size_bytes column or --sizes FILE";
+  }
+  return "model '" + model + "' has no size: no size_bytes here, and the " +
+         (sizes_path.empty() ? std::string("sizes file")
+                             : "sizes file " + sizes_path) +
+         " has no row for it (add '" + model + ",SIZE_BYTES' there)";
+}
+
+// The message for a CSV trace's header that lacks 't_ms' or 'model';
+// `azure_like`: the header names HashFunction, as the Azure Functions
+// trace's does.
+inline std::string MissingColumnsMessage(bool has_t_ms, bool azure_like) {
+  std::string message =
+      std::string("the header must name the columns 't_ms' and 'model'") +
+      (has_t_ms ? " (no 'model')" : " (no 't_ms')");
+  if (azure_like) {
+    message +=
+        ": it looks like an Azure Functions trace (HashOwner, HashApp, "
+        "HashFunction, then a count per minute); give --format "
+        "azure-functions";
+  }
+  return message;
+}
+
 // The models of an Azure Functions trace whose kept functions (those with a
 // request) have `hashes`, in file order: "model-<i>", sized by
 // options.sizes, else by the memory file, else by DefaultModelSize. Throws

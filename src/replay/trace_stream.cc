@@ -246,17 +246,17 @@ class CsvRows {
 
  private:
   void Header(const std::vector<std::string_view>& fields) {
+    bool azure_like = false;
     for (size_t i = 0; i < fields.size(); ++i) {
       const std::string_view name = Trim(fields[i]);
       if (name == "t_ms") t_col_ = static_cast<int>(i);
       if (name == "model") model_col_ = static_cast<int>(i);
       if (name == "size_bytes") size_col_ = static_cast<int>(i);
       if (name == "duration_ms") duration_col_ = static_cast<int>(i);
+      if (name == "HashFunction") azure_like = true;
     }
     if (t_col_ < 0 || model_col_ < 0) {
-      Fail(path(), line(),
-           std::string("the header must name the columns 't_ms' and 'model'") +
-               (t_col_ < 0 ? " (no 't_ms')" : " (no 'model')"));
+      Fail(path(), line(), MissingColumnsMessage(t_col_ >= 0, azure_like));
     }
     needed_ = static_cast<size_t>(
                   std::max({t_col_, model_col_, size_col_, duration_col_})) +
@@ -331,8 +331,7 @@ class CsvSource : public TraceSource {
       auto it = sizes ? sizes->find(name) : SizeTable::const_iterator{};
       if (!sizes || it == sizes->end()) {
         Fail(path, first_line[m],
-             "model '" + name +
-                 "' has no size: give a size_bytes column or --sizes FILE");
+             NoSizeMessage(name, sizes, stream.sizes_path));
       }
       header_.sizes[m] = it->second;
     }

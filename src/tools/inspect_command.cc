@@ -116,6 +116,18 @@ std::string JsonListing(const std::string& file, const SafetensorsHeader& h) {
          "\n";
 }
 
+// Whether the file starts as a safetensors file does: after the 8-byte
+// header length, its JSON header opens with '{'. A file that is too short
+// or cannot be read is left to the reader's own error.
+bool LooksUnlikeSafetensors(const std::string& file) {
+  std::FILE* in = std::fopen(file.c_str(), "rb");
+  if (in == nullptr) return false;
+  unsigned char start[9];
+  const size_t got = std::fread(start, 1, sizeof start, in);
+  std::fclose(in);
+  return got == sizeof start && start[8] != '{';
+}
+
 }  // namespace
 
 int RunInspect(const std::string& file, bool json, std::ostream& out,
@@ -125,7 +137,20 @@ int RunInspect(const std::string& file, bool json, std::ostream& out,
     const SafetensorsHeader header = weights::ReadSafetensorsHeader(file);
     listing = json ? JsonListing(file, header) : TextListing(file, header);
   } catch (const weights::WeightsError& e) {
-    err << "error: " << e.what() << "\n";
+    std::string message = e.what();
+    if (LooksUnlikeSafetensors(file)) {
+      // Say so before the detail, which reads as a damaged file otherwise.
+      const std::string prefix = Printable(file, kNoLimit) + ": ";
+      const std::string note =
+          "does not look like a safetensors file (no JSON header after the "
+          "8-byte header length): ";
+      if (message.rfind(prefix, 0) == 0) {
+        message.insert(prefix.size(), note);
+      } else {
+        message = prefix + note + message;
+      }
+    }
+    err << "error: " << message << "\n";
     return 1;
   } catch (const std::exception& e) {
     err << "error: " << Printable(file, kNoLimit) << ": "

@@ -4,10 +4,12 @@
 
 #include <algorithm>
 #include <atomic>
+#include <cerrno>
 #include <charconv>
 #include <chrono>
 #include <cmath>
 #include <cstdio>
+#include <cstring>
 #include <filesystem>
 #include <fstream>
 #include <iostream>
@@ -26,8 +28,10 @@ namespace {
 
 // Progress on stderr, on a terminal (or when asked): the trace's first
 // read, then the requests replayed over all runs, their rate and the time
-// left. On a terminal one line is rewritten, once the run has taken a
-// second; otherwise (--progress) a line is written every five seconds.
+// left, then the SLO search's rounds, and one final line. On a terminal one
+// line is rewritten, once the run has taken a second, and the final line
+// stays; otherwise (--progress) a line is written every five seconds, and
+// the first of each phase at once.
 class Progress {
  public:
   explicit Progress(bool forced)
@@ -46,18 +50,22 @@ class Progress {
     }
   }
 
+  // The table's runs start now: their rate is measured from here.
+  void StartReplay() { replay_start_ = Clock::now(); }
+
+  // The table's runs are over: `runs` of them replayed `requests`.
+  void Replayed(size_t runs, uint64_t requests) {
+    runs_ = runs;
+    replayed_ = requests;
+    replay_rate_ = Rate(requests, replay_start_);
+  }
+
   void Replaying(size_t runs_done, size_t runs, uint64_t done, uint64_t total) {
-    if (!Due(/*new_phase=*/!replay_started_)) return;
-    if (!replay_started_) {
-      replay_started_ = true;
-      replay_start_ = Clock::now();
-      replay_start_done_ = done;
-    }
-    const double seconds =
-        std::chrono::duration<double>(Clock::now() - replay_start_).count();
-    const double rate =
-        seconds > 0 ? static_cast<double>(done - replay_start_done_) / seconds
-                    : 0;
+    runs_ = runs;
+    replayed_ = done;
+    if (!Due(/*new_phase=*/!replay_shown_)) return;
+    replay_shown_ = true;
+    const double rate = Rate(done, replay_start_);
     char line[160];
     std::snprintf(
         line, sizeof line,
@@ -66,25 +74,58 @@ class Progress {
         static_cast<int>(total ? done * 100 / total : 100), rate / 1e6);
     std::string text = line;
     if (rate > 0 && total > done) {
-      const auto left =
-          static_cast<uint64_t>(static_cast<double>(total - done) / rate);
-      std::snprintf(line, sizeof line, ", ETA %llu:%02llu:%02llu",
-                    static_cast<unsigned long long>(left / 3600),
-                    static_cast<unsigned long long>(left / 60 % 60),
-                    static_cast<unsigned long long>(left % 60));
-      text += line;
+      text += ", ETA " + Duration(static_cast<double>(total - done) / rate);
     }
     text +=
         ", " + std::to_string(runs_done) + "/" + std::to_string(runs) + " runs";
     Show(text);
   }
 
-  // The SLO search's probes (replays beyond the table's) done and planned.
-  void Searching(size_t done, size_t planned) {
-    if (!Due(/*new_phase=*/!search_started_)) return;
-    search_started_ = true;
-    Show("searching for the SLO's capacity: " + std::to_string(done) + "/" +
-         std::to_string(planned) + " replays");
+  // The SLO search: its rounds, and how many more it can take at most.
+  void Searching(const replay::SloProgress& p) {
+    if (!search_started_) {
+      search_started_ = true;
+      search_start_ = Clock::now();
+    }
+    search_ = p;
+    if (!Due(/*new_phase=*/!search_shown_)) return;
+    search_shown_ = true;
+    std::string text = "searching for the SLO's capacity: " +
+                       (p.round == 0 ? std::string("the sweep")
+                                     : "bisection " + std::to_string(p.round)) +
+                       ", " + std::to_string(p.round_done) + "/" +
+                       std::to_string(p.round_probes) + " replays";
+    text += p.rounds_left == 0
+                ? ", the last round"
+                : ", at most " + std::to_string(p.rounds_left) + " more round" +
+                      (p.rounds_left == 1 ? "" : "s");
+    text += " (" + std::to_string(p.probes_done) + " replays so far)";
+    Show(text);
+  }
+
+  // The last line: what ran and how fast. Shown when anything was (or
+  // progress was asked for), and kept on a terminal.
+  void Finish() {
+    if (!shown_at_all_ || (tty_ && !shown_)) return;
+    const double seconds =
+        std::chrono::duration<double>(Clock::now() - start_).count();
+    char line[200];
+    std::snprintf(line, sizeof line,
+                  "done in %s: %zu runs, %.1fM requests, %.2fM requests/s",
+                  Duration(seconds).c_str(), runs_,
+                  static_cast<double>(replayed_) / 1e6, replay_rate_ / 1e6);
+    std::string text = line;
+    if (search_started_) {
+      text +=
+          "; the SLO search: " + std::to_string(search_.probes_done) +
+          " replays in " + std::to_string(search_.round) + " round" +
+          (search_.round == 1 ? "" : "s") + ", " +
+          Duration(std::chrono::duration<double>(Clock::now() - search_start_)
+                       .count());
+    }
+    Show(text);
+    if (tty_) std::fprintf(stderr, "\n");
+    shown_ = false;  // kept: Clear leaves it
   }
 
   // Takes the line off a terminal, before the results are printed.
@@ -97,8 +138,23 @@ class Progress {
  private:
   using Clock = std::chrono::steady_clock;
 
-  // Whether to show a line now; the first of a phase (reading, then
-  // replaying) is never held back by the last one.
+  double Rate(uint64_t done, Clock::time_point since) const {
+    const double seconds =
+        std::chrono::duration<double>(Clock::now() - since).count();
+    return seconds > 0 ? static_cast<double>(done) / seconds : 0;
+  }
+
+  // "0:01:05".
+  static std::string Duration(double seconds) {
+    const auto s = static_cast<unsigned long long>(std::max(0.0, seconds));
+    char text[48];
+    std::snprintf(text, sizeof text, "%llu:%02llu:%02llu", s / 3600,
+                  s / 60 % 60, s % 60);
+    return text;
+  }
+
+  // Whether to show a line now; the first of a phase (reading, replaying,
+  // searching) is never held back by the last one.
   bool Due(bool new_phase = false) {
     if (!shown_at_all_) return false;
     const auto now = Clock::now();
@@ -129,9 +185,12 @@ class Progress {
   Clock::time_point last_;
   bool shown_ = false;
   int width_ = 0;
-  bool replay_started_ = false, search_started_ = false;
-  Clock::time_point replay_start_;
-  uint64_t replay_start_done_ = 0;
+  bool replay_shown_ = false, search_started_ = false, search_shown_ = false;
+  Clock::time_point replay_start_ = start_, search_start_;
+  size_t runs_ = 0;
+  uint64_t replayed_ = 0;
+  double replay_rate_ = 0;
+  replay::SloProgress search_;
 };
 
 // "2GB/s", "500MiB/s", or "inf".
@@ -224,6 +283,41 @@ void ParseResolution(const std::string& text, replay::SloSearchOptions* slo) {
   slo->resolution_bytes = bytes;
 }
 
+// The items of a comma-separated flag ("lru, gdsf"), without the spaces
+// around them; empty items ("lru,") are dropped.
+std::vector<std::string> TrimmedItems(const std::vector<std::string>& items) {
+  std::vector<std::string> out;
+  for (const std::string& item : items) {
+    const size_t first = item.find_first_not_of(" \t");
+    if (first == std::string::npos) continue;
+    const size_t last = item.find_last_not_of(" \t");
+    out.push_back(item.substr(first, last - first + 1));
+  }
+  return out;
+}
+
+// The report's file can be written: checked before any replay, so that a
+// bad path costs nothing. Opened for appending (an existing report is not
+// truncated yet) and removed again when it did not exist.
+void CheckReportWritable(const std::string& path) {
+  std::error_code ec;
+  const bool existed = std::filesystem::exists(path, ec);
+  FILE* file = std::fopen(path.c_str(), "a");
+  if (file == nullptr) {
+    throw Error(ErrorCode::kIo,
+                "--report: cannot write " + path + ": " + std::strerror(errno) +
+                    " (give a file in a directory that exists and that you "
+                    "may write)");
+  }
+  std::fclose(file);
+  if (!existed) std::filesystem::remove(path, ec);
+}
+
+// One line on stderr for input that is legal but looks like a mistake.
+void Warn(const std::string& text) {
+  std::fprintf(stderr, "warning: %s\n", text.c_str());
+}
+
 // The SLOs the report's chart of capacity against SLO draws.
 const std::vector<double> kCurveSloMs = {100,  200,   500,   1000, 2000,
                                          5000, 10000, 20000, 60000};
@@ -233,7 +327,21 @@ const std::vector<double> kCurveSloMs = {100,  200,   500,   1000, 2000,
 int RunReplay(ReplayFlags flags) {
   const bool embedded = flags.trace.empty();
   const bool nodes = !flags.cluster.nodes.empty();
+  flags.policies = TrimmedItems(flags.policies);
+  flags.capacities = TrimmedItems(flags.capacities);
+  flags.report_policies = TrimmedItems(flags.report_policies);
+  flags.cluster.routes = TrimmedItems(flags.cluster.routes);
   const bool policies_given = !flags.policies.empty();
+  if (!flags.report_policies.empty() && flags.report.empty() && !embedded) {
+    throw Error(ErrorCode::kInvalidArgument,
+                "--report-policies picks what the report draws: give "
+                "--report FILE.html too");
+  }
+  if (flags.models_given && flags.format == "csv") {
+    throw Error(ErrorCode::kInvalidArgument,
+                "--models applies to --format azure-functions: a CSV trace "
+                "names its models");
+  }
   if (!nodes && AnyClusterFlag(flags.cluster)) {
     throw Error(ErrorCode::kInvalidArgument,
                 "--route, --concurrency, --event, --detect-after, "
@@ -264,6 +372,8 @@ int RunReplay(ReplayFlags flags) {
   if (!flags.max_wait.empty()) {
     options.max_wait_ms = ParseDurationFlag("--max-wait", flags.max_wait);
   }
+  const bool max_wait_zero =
+      !flags.max_wait.empty() && options.max_wait_ms == 0 && !flags.no_time;
   replay::RunInfo info;
   info.timed = options.timed;
   info.time = options.time;
@@ -298,6 +408,9 @@ int RunReplay(ReplayFlags flags) {
                   std::string("--max-index-memory: ") + e.what());
     }
   }
+  // The report's path before any replay (the embedded default's is a
+  // temporary file, checked too).
+  if (!flags.report.empty()) CheckReportWritable(flags.report);
   Progress progress(flags.progress);
   replay::Trace trace;  // when read into memory
   std::unique_ptr<replay::TraceSource> source;
@@ -331,6 +444,7 @@ int RunReplay(ReplayFlags flags) {
       flags.report = (std::filesystem::temp_directory_path() /
                       "modelcache-replay-report.html")
                          .string();
+      CheckReportWritable(flags.report);
     }
   } else {
     std::error_code ec;
@@ -344,6 +458,7 @@ int RunReplay(ReplayFlags flags) {
     };
     replay::SizeTable sizes;
     if (!flags.sizes.empty()) sizes = replay::ReadSizes(flags.sizes);
+    stream_options.sizes_path = flags.sizes;
     const replay::SizeTable* size_table =
         flags.sizes.empty() ? nullptr : &sizes;
     if (flags.format == "csv") {
@@ -356,12 +471,13 @@ int RunReplay(ReplayFlags flags) {
       if (stream) {
         source = replay::OpenCsvTrace(flags.trace, size_table, stream_options);
       } else {
-        trace = replay::ReadCsvTrace(flags.trace, size_table);
+        trace = replay::ReadCsvTrace(flags.trace, size_table, flags.sizes);
       }
     } else {
       replay::AzureOptions azure;
       azure.num_models = flags.models;
       azure.sizes = size_table;
+      azure.sizes_path = flags.sizes;
       azure.seed = flags.seed;
       azure.poisson = flags.arrivals == "poisson";
       azure.memory_path = flags.memory;
@@ -374,14 +490,62 @@ int RunReplay(ReplayFlags flags) {
         trace = replay::ReadAzureFunctionsTrace(flags.trace, azure);
       }
     }
-    if (flags.policies.empty()) flags.policies = {"lru", "gdsf"};
+    const uint64_t requests =
+        source ? source->header().requests : trace.requests.size();
+    if (requests == 0) {
+      throw replay::TraceError(flags.trace +
+                               ": no requests: the trace has a header and "
+                               "no request to replay");
+    }
+    if (flags.policies.empty()) flags.policies = kDefaultPolicies;
     if (capacities.empty()) {
-      // A tenth, a quarter and a half of all the models' bytes.
+      // A tenth, a quarter and a half of all the models' bytes, none below
+      // the largest model (a capacity that cannot hold it serves none of
+      // its requests).
       const std::vector<uint64_t>& model_sizes =
           source ? source->header().sizes : trace.sizes;
       const uint64_t total =
           std::accumulate(model_sizes.begin(), model_sizes.end(), uint64_t{0});
-      capacities = {total / 10, total / 4, total / 2};
+      const uint64_t largest =
+          *std::max_element(model_sizes.begin(), model_sizes.end());
+      bool raised = false;
+      for (uint64_t c : {total / 10, total / 4, total / 2}) {
+        if (c < largest) raised = true;
+        c = std::max(c, largest);
+        if (capacities.empty() || capacities.back() != c)
+          capacities.push_back(c);
+      }
+      info.notes.push_back(
+          "capacities: 10%, 25% and 50% of all model bytes (choose with "
+          "--capacity)" +
+          (raised ? std::string(", none below the largest model, ") +
+                        replay::FormatBytes(largest)
+                  : std::string()));
+    }
+  }
+  {
+    // Legal, but unlikely to be meant.
+    const replay::TraceHeader& h =
+        source ? source->header() : replay::HeaderOf(trace);
+    uint32_t largest = 0;
+    for (uint32_t m = 1; m < h.sizes.size(); ++m) {
+      if (h.sizes[m] > h.sizes[largest]) largest = m;
+    }
+    std::string small;
+    for (uint64_t c : capacities) {
+      if (!h.sizes.empty() && c < h.sizes[largest]) {
+        small += (small.empty() ? "" : ", ") + replay::FormatBytes(c);
+      }
+    }
+    if (!small.empty()) {
+      Warn("--capacity " + small + " is smaller than the largest model ('" +
+           h.models[largest] + "', " + replay::FormatBytes(h.sizes[largest]) +
+           "): its requests cannot be served there and count as unserved");
+    }
+    if (max_wait_zero) {
+      Warn(
+          "--max-wait 0: every request that has to wait for a load is "
+          "rejected at once and counts as unserved");
     }
   }
 
@@ -418,6 +582,7 @@ int RunReplay(ReplayFlags flags) {
   options.requests_done = &requests_done;
   const uint64_t requests_total =
       header.requests * flags.policies.size() * capacities.size();
+  progress.StartReplay();
   std::vector<replay::RunResult> results = replay::ReplayAll(
       *source, flags.policies, capacities, options, threads,
       [&](size_t done, size_t total) {
@@ -428,8 +593,10 @@ int RunReplay(ReplayFlags flags) {
     options.requests_done = nullptr;
     info.slo_answers = replay::FindSloCapacities(
         *source, flags.policies, options, info.slo, threads, results,
-        [&](size_t done, size_t total) { progress.Searching(done, total); });
+        [&](const replay::SloProgress& p) { progress.Searching(p); });
   }
+  progress.Replayed(results.size(), requests_done.load());
+  progress.Finish();
   progress.Clear();
 
   if (flags.json) {
@@ -452,10 +619,15 @@ int RunReplay(ReplayFlags flags) {
     const std::string title = embedded
                                   ? "modelcache replay: embedded default trace"
                                   : "modelcache replay: " + flags.trace;
+    errno = 0;
     std::ofstream out(flags.report);
     out << replay::HtmlReport(header, title, results, info);
-    if (!out)
-      throw Error(ErrorCode::kIo, "cannot write the report to " + flags.report);
+    out.close();
+    if (!out) {
+      throw Error(ErrorCode::kIo,
+                  "cannot write the report to " + flags.report +
+                      (errno ? std::string(": ") + std::strerror(errno) : ""));
+    }
     (flags.json ? std::cerr : std::cout)
         << "\nreport: " << flags.report << "\n";
   }

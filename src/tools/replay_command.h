@@ -19,6 +19,7 @@ struct ReplayFlags {
   std::string format = "csv";
   std::string sizes;
   uint32_t models = 0;
+  bool models_given = false;  // --models was on the command line
   std::vector<std::string> policies;
   std::vector<std::string> capacities;
   double hold_ms = 0;
@@ -55,6 +56,12 @@ struct ReplayFlags {
   // An offline policy's next-use index may take at most this much ("4GiB").
   std::string max_index_memory;
 };
+
+// The policies replayed on a trace file when --policy is not given: the
+// baseline, the classic size-aware policy, and the one the README
+// recommends.
+inline const std::vector<std::string> kDefaultPolicies = {"lru", "gdsf",
+                                                          "next-use"};
 
 // A trace file this large or larger is read as a stream.
 inline constexpr uint64_t kStreamFromBytes = uint64_t{256} << 20;

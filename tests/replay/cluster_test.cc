@@ -685,6 +685,49 @@ TEST(ClusterCli, TableAndReportShowEveryRoute) {
   EXPECT_THAT(html, HasSubstr("Loads per route"));
   EXPECT_THAT(html, HasSubstr("p99 wait per route"));
   EXPECT_EQ(html.find("<script"), std::string::npos);
+  // The heading is the command; the trace's path goes below it.
+  EXPECT_THAT(html, HasSubstr("<h1>modelcache replay --nodes</h1>\n"
+                              "<p class=\"trace\">" +
+                              trace.path() + "</p>"));
+  // Charts take the page's width: sized by their viewBox alone.
+  EXPECT_THAT(html, HasSubstr("<svg xmlns=\"http://www.w3.org/2000/svg\" "
+                              "viewBox=\"0 0 1080 "));
+  EXPECT_EQ(html.find("<svg xmlns=\"http://www.w3.org/2000/svg\" width="),
+            std::string::npos);
+}
+
+// The bar chart's y axis ends on a round tick, with round steps.
+TEST(ClusterCli, ReportTicksAreRound) {
+  std::string csv = "t_ms,model,size_bytes\n";
+  // 2187 loads, as a number whose quarters are not round.
+  for (int i = 0; i < 2187; ++i) {
+    csv += std::to_string(i * 10) + ",m" + std::to_string(i) + ",100\n";
+  }
+  TraceFile trace(csv);
+  const std::string report = ::testing::TempDir() + "/cluster_ticks." +
+                             std::to_string(getpid()) + ".html";
+  const Command c = RunCli("replay " + trace.path() +
+                           " --capacity 1KiB --nodes 3 --route roundrobin "
+                           "--report " +
+                           report);
+  ASSERT_EQ(c.status, 0) << c.err;
+  std::ifstream in(report);
+  const std::string html((std::istreambuf_iterator<char>(in)), {});
+  std::remove(report.c_str());
+  const size_t loads = html.find("Loads per route");
+  ASSERT_NE(loads, std::string::npos);
+  const std::string chart =
+      html.substr(loads, html.find("</svg>", loads) - loads);
+  std::vector<int> values;
+  const std::string tick = "text-anchor=\"end\" class=\"tick\">";
+  for (size_t at = chart.find(tick); at != std::string::npos;
+       at = chart.find(tick, at + 1)) {
+    const size_t begin = at + tick.size();
+    values.push_back(
+        std::stoi(chart.substr(begin, chart.find('<', begin) - begin)));
+  }
+  // 0, 500, 1000, 1500, 2000, 2500: not 546.75, 1093.5, ...
+  EXPECT_THAT(values, ::testing::ElementsAre(0, 500, 1000, 1500, 2000, 2500));
 }
 
 }  // namespace

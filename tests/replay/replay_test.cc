@@ -14,6 +14,7 @@
 #include <map>
 #include <numeric>
 #include <random>
+#include <set>
 #include <sstream>
 #include <string>
 #include <unordered_map>
@@ -652,6 +653,187 @@ TEST(ReplayCli, BadInputOfTheTimeModelIsAnErrorWithFileAndLine) {
               StartsWith("error: " + directory + ":1: is a directory"));
 }
 
+// One request for a model larger than the capacity: nothing is served, and
+// the row must say so rather than read as a perfect result.
+TEST(ReplayCli, ARequestThatIsNeverServedIsFlaggedNotAPerfectRow) {
+  TempFile one("t_ms,model,size_bytes\n0,a,1000\n");
+  Command c = RunCli("replay " + one.path() + " --capacity 16 --policy lru");
+  ASSERT_EQ(c.status, 0) << c.err;
+  EXPECT_THAT(c.out, HasSubstr("unserved"));
+  EXPECT_THAT(c.out, ::testing::ContainsRegex(
+                         "lru +16 B +100.00% .* - +- +- +- .*UNSERVED\n"));
+  // The SLO search never answers with a capacity that serves nothing.
+  EXPECT_THAT(c.out, HasSubstr("lru: 1000 B for p99 wait"));
+  EXPECT_EQ(c.err,
+            "warning: --capacity 16 B is smaller than the largest model ('a', "
+            "1000 B): its requests cannot be served there and count as "
+            "unserved\n");
+  Command j =
+      RunCli("replay " + one.path() + " --capacity 16,2KB --policy lru --json");
+  ASSERT_EQ(j.status, 0) << j.err;
+  auto doc = nlohmann::json::parse(j.out);
+  EXPECT_EQ(doc["results"][0]["too_large"], 1);
+  EXPECT_EQ(doc["results"][0]["rejected"], 0);
+  EXPECT_EQ(doc["results"][0]["unserved"], 1);
+  EXPECT_EQ(doc["results"][0]["unserved_ratio"], 1.0);
+  EXPECT_EQ(doc["results"][1]["unserved"], 0);
+
+  // --max-wait 0 rejects every request that misses: flagged, and warned of.
+  Command w = RunCli("replay " + one.path() +
+                     " --capacity 2KB --policy lru --max-wait 0 --slo-ms off");
+  ASSERT_EQ(w.status, 0) << w.err;
+  EXPECT_THAT(w.out, ::testing::ContainsRegex("lru .* 100.00% .*UNSERVED\n"));
+  EXPECT_EQ(w.err,
+            "warning: --max-wait 0: every request that has to wait for a load "
+            "is rejected at once and counts as unserved\n");
+
+  // The default capacities never include one below the largest model, and
+  // say how they were chosen; the default policies include next-use.
+  TempFile mixed(
+      "t_ms,model,size_bytes\n0,big,9000\n1,a,100\n2,b,100\n3,a,100\n");
+  Command d = RunCli("replay " + mixed.path() + " --json");
+  ASSERT_EQ(d.status, 0) << d.err;
+  EXPECT_EQ(d.err, "");
+  auto defaults = nlohmann::json::parse(d.out);
+  std::set<std::string> policies;
+  for (const auto& r : defaults["results"]) {
+    EXPECT_GE(r["capacity_bytes"].get<uint64_t>(), 9000u);
+    EXPECT_EQ(r["unserved"], 0);
+    policies.insert(r["policy"].get<std::string>());
+  }
+  EXPECT_EQ(policies, (std::set<std::string>{"lru", "gdsf", "next-use"}));
+  Command t = RunCli("replay " + mixed.path() + " --slo-ms off");
+  ASSERT_EQ(t.status, 0) << t.err;
+  EXPECT_THAT(t.out,
+              HasSubstr("capacities: 10%, 25% and 50% of all model bytes "
+                        "(choose with --capacity), none below the largest "
+                        "model, 8.79 KiB\n"));
+}
+
+// --help says what runs by default and what the waits are taken over.
+TEST(ReplayCli, HelpStatesTheDefaultsAndWhatTheWaitsAreOver) {
+  Command c = RunCli("replay --help");
+  ASSERT_EQ(c.status, 0) << c.err;
+  EXPECT_THAT(c.out, HasSubstr("On a TRACE, the default is --policy lru, "
+                               "gdsf, next-use at 10%, 25% and 50% of all "
+                               "model bytes, none below the largest model."));
+  EXPECT_THAT(c.out, HasSubstr("The waits (p50 to max_wait) are over the "
+                               "requests served;"));
+}
+
+// A trace with a header and no request is an error naming the file; and no
+// output ever shows a nan (here: models of 0 bytes, whose SLO answer is 0).
+TEST(ReplayCli, AHeaderOnlyTraceIsAnErrorAndNothingPrintsNan) {
+  TempFile empty("t_ms,model,size_bytes\n");
+  Command c = RunCli("replay " + empty.path());
+  EXPECT_EQ(c.status, 1);
+  EXPECT_EQ(c.out, "");
+  EXPECT_EQ(c.err, "error: " + empty.path() +
+                       ": no requests: the trace has a header and no request "
+                       "to replay\n");
+  Command s = RunCli("replay " + empty.path() + " --stream --policy lru");
+  EXPECT_EQ(s.status, 1);
+  EXPECT_THAT(s.err, StartsWith("error: " + empty.path() + ": no requests"));
+
+  TempFile zero("t_ms,model,size_bytes\n0,a,0\n5,b,0\n9,a,0\n");
+  TempFile report("", ".html");
+  for (const std::string format : {"", " --json"}) {
+    Command z = RunCli("replay " + zero.path() +
+                       " --policy lru,gdsf --report " + report.path() + format);
+    ASSERT_EQ(z.status, 0) << z.err;
+    std::string all = z.out;
+    std::ifstream in(report.path());
+    all += std::string(std::istreambuf_iterator<char>(in), {});
+    std::transform(all.begin(), all.end(), all.begin(),
+                   [](unsigned char ch) { return std::tolower(ch); });
+    EXPECT_EQ(all.find("nan"), std::string::npos) << all;
+  }
+  // The library's own output on an empty trace: no nan either.
+  Trace nothing;
+  ReplayOptions options;
+  const auto results = ReplayAll(nothing, {"lru"}, {0, 1024}, options, 1);
+  RunInfo info;
+  info.timed = true;
+  info.slo_answers =
+      FindSloCapacities(nothing, {"lru", "gdsf"}, options, info.slo, 1);
+  for (std::string text : {ResultsTable(nothing, results, info),
+                           ResultsJson(nothing, results, info),
+                           HtmlReport(nothing, "empty", results, info)}) {
+    std::transform(text.begin(), text.end(), text.begin(),
+                   [](unsigned char ch) { return std::tolower(ch); });
+    EXPECT_EQ(text.find("nan"), std::string::npos) << text;
+  }
+}
+
+// Each mistake a user makes gets one line that says what is wrong, where,
+// and what to do, with exit status 1 and nothing on stdout.
+TEST(ReplayCli, EveryCommonMistakeIsAClearError) {
+  TempFile trace("t_ms,model,size_bytes\n1,a,10\n2,b,10\n");
+  auto expect_error = [&](const std::string& args, const std::string& message) {
+    Command c = RunCli(args);
+    EXPECT_EQ(c.status, 1) << args;
+    EXPECT_EQ(c.out, "") << args;
+    EXPECT_THAT(c.err, StartsWith("error: " + message)) << args;
+    EXPECT_EQ(std::count(c.err.begin(), c.err.end(), '\n'), 1) << c.err;
+  };
+  const std::string replay = "replay " + trace.path() + " ";
+  expect_error(replay + "--hold-ms -1",
+               "--hold-ms: not a duration of 0 ms or more: '-1' (use 0 or "
+               "more milliseconds");
+  expect_error(replay + "--load-slots -1",
+               "--load-slots: not a whole number of 0 or more: '-1' (use 0 "
+               "for unlimited");
+  expect_error(replay + "--polciy lru",
+               "unknown option --polciy (did you mean --policy?); modelcache "
+               "replay --help lists the options");
+  expect_error(replay + "--models 0",
+               "--models applies to --format azure-functions");
+  expect_error(replay + "--report /no/such/dir/r.html",
+               "--report: cannot write /no/such/dir/r.html: No such file or "
+               "directory");
+
+  // An Azure Functions trace without --format: named, with the flag.
+  TempFile azure(
+      "HashOwner,HashApp,HashFunction,Trigger,1,2\no,a,f,http,1,0\n");
+  expect_error("replay " + azure.path(),
+               azure.path() +
+                   ":1: the header must name the columns 't_ms' and 'model' "
+                   "(no 't_ms'): it looks like an Azure Functions trace");
+  Command a = RunCli("replay " + azure.path());
+  EXPECT_THAT(a.err, HasSubstr("give --format azure-functions"));
+
+  // A model the --sizes file lacks: the sizes file is named.
+  TempFile unsized("t_ms,model\n1,a\n2,b\n");
+  TempFile sizes("model,size_bytes\na,10\n");
+  expect_error("replay " + unsized.path() + " --sizes " + sizes.path(),
+               unsized.path() +
+                   ":3: model 'b' has no size: no size_bytes here, and the "
+                   "sizes file " +
+                   sizes.path() + " has no row for it (add 'b,SIZE_BYTES'");
+  expect_error("replay " + kAzureTrace +
+                   " --format azure-functions --models 2 --sizes " +
+                   sizes.path(),
+               kAzureTrace + ": the sizes file " + sizes.path() +
+                   " has no size for 'model-0'");
+
+  // Spaces after the commas of a list, and a UTF-8 byte order mark before
+  // the header, are accepted.
+  Command spaced = RunCli(replay +
+                          "--policy 'lru, gdsf' --capacity "
+                          "'1KiB, 2KiB' --json --slo-ms off");
+  ASSERT_EQ(spaced.status, 0) << spaced.err;
+  auto doc = nlohmann::json::parse(spaced.out);
+  ASSERT_EQ(doc["results"].size(), 4u);
+  EXPECT_EQ(doc["results"][3]["policy"], "gdsf");
+  EXPECT_EQ(doc["results"][3]["capacity_bytes"], 2048);
+  TempFile bom("\xEF\xBB\xBFt_ms,model,size_bytes\n1,a,10\n5000,a,10\n");
+  Command b = RunCli("replay " + bom.path() + " --json --policy lru");
+  ASSERT_EQ(b.status, 0) << b.err;
+  EXPECT_EQ(nlohmann::json::parse(b.out)["results"][0]["hits"], 1);
+  Command bs = RunCli("replay " + bom.path() + " --json --policy lru --stream");
+  ASSERT_EQ(bs.status, 0) << bs.err;
+}
+
 TEST(ReplayCli, JsonOnTheSharedTrace) {
   TempFile report("", ".html");
   Command c = RunCli("replay " + kAzureTrace +
@@ -710,6 +892,17 @@ TEST(ReplayCli,
   EXPECT_EQ(without_times(streamed.out), without_times(in_memory.out));
   EXPECT_THAT(streamed.err, HasSubstr("replaying: "));
   EXPECT_THAT(streamed.err, HasSubstr("requests/s"));
+  // The search has its own lines, with a bound on its rounds, and the
+  // progress ends with one final line, also when stderr is not a terminal.
+  EXPECT_THAT(streamed.err,
+              HasSubstr("searching for the SLO's capacity: the sweep, 0/"));
+  EXPECT_THAT(streamed.err, ::testing::ContainsRegex("more rounds?|the last "
+                                                     "round"));
+  ASSERT_FALSE(streamed.err.empty());
+  const size_t last_line =
+      streamed.err.rfind('\n', streamed.err.size() - 2) + 1;
+  EXPECT_THAT(streamed.err.substr(last_line), StartsWith("done in "));
+  EXPECT_THAT(streamed.err.substr(last_line), HasSubstr("; the SLO search: "));
   const std::string gz_path = trace.path() + ".gz";
   ASSERT_EQ(std::system(("gzip -c " + trace.path() + " > " + gz_path).c_str()),
             0);

@@ -13,6 +13,7 @@
 #include <fstream>
 #include <map>
 #include <random>
+#include <regex>
 #include <sstream>
 #include <string>
 #include <vector>
@@ -315,6 +316,65 @@ TEST(HtmlReport, EveryChartIsDrawnWithEveryPolicyInTheTablesOrder) {
   EXPECT_THAT(items[1]->text, HasSubstr("(lru "));
 }
 
+// The part of the page that draws one chart.
+std::string FigureOf(const std::string& html, const std::string& id) {
+  const size_t begin = html.find("<figure class=\"chart\" id=\"chart-" + id);
+  if (begin == std::string::npos) return "";
+  return html.substr(begin, html.find("</figure>", begin) - begin);
+}
+
+// What an operator must not misread: a curve the same as the baseline's
+// hides neither, a p99 of 0 is drawn as 0 (not at a made-up 1 ms), and runs
+// that were overloaded or left requests unserved are marked.
+TEST(HtmlReport, CoincidingCurvesZeroWaitsAndUnservedRunsAreShown) {
+  const Trace trace = Skewed(5, 4000);
+  uint64_t all = 0, largest = 0;
+  for (uint64_t size : trace.sizes)
+    all += size, largest = std::max(largest, size);
+  ReplayOptions options;
+  options.time.bandwidth_bytes_per_second = 1e9;
+  // ttl-24h is lru on a trace shorter than a day: the same curves.
+  const std::vector<std::string> policies = {"lru", "ttl-24h", "gdsf"};
+  const auto results =
+      ReplayAll(trace, policies, {largest / 2, largest * 4, all}, options, 2);
+  RunInfo info;
+  info.timed = true;
+  info.time = options.time;
+  const std::string html = HtmlReport(trace, "t", results, info);
+  ReadCharts(Body(Parser(html).Parse()));  // every chart's own checks
+
+  const std::string hits = FigureOf(html, "hit-ratio");
+  EXPECT_THAT(hits, HasSubstr("ttl-24h = lru (dashed)"));
+  const size_t copy = hits.find("class=\"series\" data-series=\"ttl-24h\"");
+  ASSERT_NE(copy, std::string::npos);
+  EXPECT_THAT(hits.substr(copy, hits.find('>', copy) - copy),
+              HasSubstr("stroke-dasharray"));
+  // The baseline drawn again over the others.
+  EXPECT_THAT(hits, HasSubstr("class=\"overlay\" data-series=\"lru\""));
+
+  // At the sum of all models only the 16 first loads wait: p99 is 0, drawn
+  // on the tick labelled 0.
+  const std::string p99 = FigureOf(html, "p99-capacity");
+  std::smatch zero;
+  ASSERT_TRUE(std::regex_search(
+      p99, zero,
+      std::regex("<text x=\"[0-9.]+\" y=\"([0-9.]+)\" class=\"tick\" "
+                 "text-anchor=\"end\">0</text>")))
+      << p99;
+  std::smatch line;
+  ASSERT_TRUE(std::regex_search(
+      p99, line,
+      std::regex(
+          "class=\"series\" data-series=\"lru\"[^>]* points=\"([^\"]*)\"")));
+  const auto points = Coordinates(line[1]);
+  ASSERT_EQ(points.size(), 3u);
+  EXPECT_NEAR(points.back().second, std::stod(zero[1]) - 4, 0.05);
+  // Below the largest model some requests are too large: ringed.
+  EXPECT_THAT(p99, HasSubstr("class=\"flagged\""));
+  EXPECT_THAT(p99, HasSubstr("ringed: overloaded/unserved"));
+  EXPECT_THAT(FigureOf(html, "hit-ratio"), HasSubstr("class=\"flagged\""));
+}
+
 TEST(HtmlReport, ReportPoliciesPicksThePanels) {
   const Trace trace = Skewed(6, 1500);
   ReplayOptions options;
@@ -466,7 +526,7 @@ TEST(ReplayCliSlo, PrintsTheCapacityComputedByHand) {
                                "replaying (to 1 B):\n"
                                "lru: 700 B for p99 wait \u2264 500ms\n"
                                "next-use: 700 B for p99 wait \u2264 500ms "
-                               "(lru 700 B, +0%)\n"));
+                               "(lru needs 700 B, the same)\n"));
 
   TempFile report("", ".html");
   Command j = RunCli("replay " + trace.path() + kOneSecondLoads +
@@ -587,9 +647,15 @@ TEST(ReplayCliSlo, BadSloFlagsAreClearErrors) {
   expect_error("--no-time --slo-ms 500",
                "--slo-ms, --slo-percentile and --slo-resolution need the time "
                "model");
-  expect_error("--policy lru,gdsf --report-policies lru,fifo",
-               "--report-policies: 'fifo' is not a replayed policy (lru, "
-               "gdsf)");
+  TempFile report("", ".html");
+  expect_error(
+      "--policy lru,gdsf --report-policies lru,fifo --report " + report.path(),
+      "--report-policies: 'fifo' is not a replayed policy (lru, "
+      "gdsf)");
+  // Without a report there is nothing for it to pick.
+  expect_error("--policy lru,gdsf --report-policies lru",
+               "--report-policies picks what the report draws: give --report "
+               "FILE.html too");
 }
 
 }  // namespace

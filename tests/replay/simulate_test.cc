@@ -5,6 +5,7 @@
 #include <algorithm>
 #include <cmath>
 #include <limits>
+#include <map>
 #include <numeric>
 #include <random>
 #include <string>
@@ -75,6 +76,42 @@ TEST(TimedReplay, LoadsFinishLateInALongTrace) {
   // 100 ms and about a microsecond of transfer, to the clock's step.
   EXPECT_NEAR(r.wait_ms.max, 100.0, 0.01);
   EXPECT_NEAR(r.wait_ms.p50, 100.0, 0.01);
+}
+
+// Two loads that end at the same instant complete in the order of their
+// requests, whatever the order in which the models first appeared. A and B
+// are requested together at 4000 ms and both end at 5148.576 ms: A's request
+// came first, so under LRU A is the older of the two and goes for C at
+// 6000 ms, and B hits at 7000 ms.
+TEST(TimedReplay, LoadsEndingTogetherCompleteInRequestOrder) {
+  constexpr uint64_t kMiB = uint64_t{1} << 20;
+  const std::vector<std::pair<int64_t, char>> requests = {
+      {0, 'B'},    {1000, 'C'}, {2000, 'D'}, {4000, 'A'},
+      {4000, 'B'}, {6000, 'C'}, {7000, 'B'}};
+  const std::map<char, uint64_t> size = {{'A', 1000 * kMiB},
+                                         {'B', 1000 * kMiB},
+                                         {'C', 1000 * kMiB},
+                                         {'D', 2000 * kMiB}};
+  // The models indexed in the order of their first request (B, C, D, A, as
+  // the CSV reader does), and alphabetically (A first).
+  for (const std::string order : {"BCDA", "ABCD", "DCBA"}) {
+    SCOPED_TRACE(order);
+    Trace trace;
+    for (char m : order) {
+      trace.models.push_back(std::string(1, m));
+      trace.sizes.push_back(size.at(m));
+    }
+    for (auto [t, m] : requests) {
+      trace.requests.push_back(
+          Request{t, static_cast<uint32_t>(order.find(m))});
+    }
+    RunResult r = Simulate(trace, "lru", 2000 * kMiB, ReplayOptions{});
+    EXPECT_EQ(r.hits, 1u);
+    EXPECT_EQ(r.evictions, 4u);
+    EXPECT_EQ(r.bytes_loaded, uint64_t{7'340'032'000});
+    // A and B: 100 ms and 2 x 1000 MiB at 2 GB/s, shared.
+    EXPECT_NEAR(r.wait_ms.max, 1148.576, 1e-6);
+  }
 }
 
 TEST(TimedReplay, TwoLoadsShareTheBandwidth) {

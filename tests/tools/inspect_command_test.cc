@@ -213,6 +213,21 @@ TEST_F(InspectFileTest, InvalidHeadersFailWithOneLine) {
   EXPECT_THAT(ExpectFailure(text, true), HasSubstr("does not start with"));
 }
 
+// A file that is not safetensors at all (a CSV given by mistake) is said
+// to be so, before the detail its first bytes give.
+TEST_F(InspectFileTest, AFileThatIsNotSafetensorsIsSaidToBeSo) {
+  const std::string csv =
+      Write("trace.csv", "t_ms,model,size_bytes\n0,a,1000\n");
+  for (bool json : {false, true}) {
+    const std::string err = ExpectFailure(csv, json);
+    EXPECT_THAT(err, StartsWith("error: " + csv +
+                                ": does not look like a safetensors file (no "
+                                "JSON header after the 8-byte header length): "
+                                "header length "));
+    EXPECT_EQ(std::count(err.begin(), err.end(), '\n'), 1) << err;
+  }
+}
+
 TEST_F(InspectFileTest, NamesAreEscapedInTextAndExactInJson) {
   modelcache::weights::SafetensorsWriter w;
   w.SetMetadata("note", "two\nlines");

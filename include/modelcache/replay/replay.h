@@ -74,7 +74,10 @@ double ParseDurationMs(std::string_view text);
 // rows' size_bytes, else from `sizes`; a model with neither is an error, as
 // are negative sizes, malformed numbers and times earlier than the previous
 // request's.
-Trace ReadCsvTrace(const std::string& path, const SizeTable* sizes);
+// `sizes_path` names the file `sizes` came from, for the error of a model
+// it lacks.
+Trace ReadCsvTrace(const std::string& path, const SizeTable* sizes,
+                   const std::string& sizes_path = {});
 
 // The Azure Functions 2019 per-minute layout (HashOwner, HashApp,
 // HashFunction, Trigger, then one column per minute of the day). Functions
@@ -89,6 +92,7 @@ Trace ReadAzureFunctionsTrace(const std::string& path, uint32_t num_models,
 struct AzureOptions {
   uint32_t num_models = 0;
   const SizeTable* sizes = nullptr;
+  std::string sizes_path;  // where `sizes` came from, for errors
   uint64_t seed = 42;
   // Spread each minute's c requests as a seeded Poisson process (c uniform
   // times in the minute, sorted) instead of evenly.
@@ -189,6 +193,8 @@ struct StreamOptions {
   // thread, with the bytes of the file read so far and its size (0 when it
   // is not a regular file).
   std::function<void(uint64_t done, uint64_t total)> progress;
+  // The file the sizes table came from, for the error of a model it lacks.
+  std::string sizes_path;
 };
 
 // The CSV of ReadCsvTrace, as a stream. Opening reads the whole file once
@@ -314,6 +320,15 @@ struct RunResult {
   };
   std::vector<Bin> bins;
 };
+
+// The requests a run did not serve: too large for its capacity, rejected
+// after ReplayOptions::max_wait_ms, or (untimed, with held leases) blocked.
+// Waits are over the requests served, so a run with any of these meets no
+// SLO however short its waits (SloProbe::served_all), and the table flags
+// its row UNSERVED.
+inline uint64_t UnservedRequests(const RunResult& r) {
+  return r.too_large + r.rejected + r.blocked;
+}
 
 // The replay in trace time, through a fresh cache of `capacity_bytes` run
 // by the policy named `policy` (PolicyByName, online or offline; faascache
@@ -444,25 +459,36 @@ std::string PercentileName(double percentile);
 // Throws Error kInvalidArgument naming the bad field of `options`.
 void ValidateSloOptions(const SloSearchOptions& options);
 
+// Where a search stands, for progress: the round under way (0 the sweep,
+// then the bisections), its probes and those of it done, and a bound on the
+// rounds after it (each bisection halves every open bracket, so the widest
+// bracket and its resolution bound them; the search may end sooner).
+struct SloProgress {
+  size_t probes_done = 0;  // every round's, so far
+  size_t round = 0;
+  size_t round_probes = 0, round_done = 0;
+  size_t rounds_left = 0;  // at most, after this one
+};
+
 // Per policy (in the order given), the smallest capacity that meets the SLO
 // (see above), each probe a Simulate of `trace` with `options`, on up to
 // `threads` threads. `known` are Simulate runs of the same trace and
 // options (the table's, say); those of a searched policy count as probes.
-// `progress` (may be empty) is called with the probes done and planned so
-// far, from one thread at a time. Throws Error kInvalidArgument for bad
-// options or an unknown policy, before replaying anything.
+// `progress` (may be empty) is called as each round starts and as each of
+// its probes ends, from one thread at a time. Throws Error kInvalidArgument for
+// bad options or an unknown policy, before replaying anything.
 std::vector<SloAnswer> FindSloCapacities(
     const Trace& trace, const std::vector<std::string>& policies,
     const SimulateOptions& options, const SloSearchOptions& slo,
     unsigned threads, const std::vector<RunResult>& known = {},
-    const std::function<void(size_t done, size_t total)>& progress = {});
+    const std::function<void(const SloProgress&)>& progress = {});
 // The same on a source (a streamed trace): one pass finds the requested
 // models, and each probe reads its own passes.
 std::vector<SloAnswer> FindSloCapacities(
     const TraceSource& source, const std::vector<std::string>& policies,
     const SimulateOptions& options, const SloSearchOptions& slo,
     unsigned threads, const std::vector<RunResult>& known = {},
-    const std::function<void(size_t done, size_t total)>& progress = {});
+    const std::function<void(const SloProgress&)>& progress = {});
 
 // How the table, JSON and report describe the run.
 struct RunInfo {
@@ -473,6 +499,9 @@ struct RunInfo {
   std::vector<SloAnswer> slo_answers;
   // The policies whose time series the report draws (all when empty).
   std::vector<std::string> report_policies;
+  // Lines the table prints above its header (how its capacities were
+  // chosen, say).
+  std::vector<std::string> notes;
 };
 
 // Each reads only the trace's models, sizes and request count: a

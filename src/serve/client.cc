@@ -21,7 +21,15 @@
 //
 // Releases do not wait for their reply: RemoteWeights sends the release
 // and drains, without blocking, whatever replies are waiting, so a client
-// that only releases never lets the daemon's reply queue grow.
+// that only releases never lets the daemon's reply queue grow. A release
+// the socket has no room for (the daemon is slow to read) is never dropped:
+// it joins the connection's queue of unsent releases, which the *flusher*
+// thread (started when the queue first fills, gone when it is empty and
+// every release it sent is answered) sends, in order, as the socket becomes
+// writable, reading the replies meanwhile when no other thread reads. Every
+// other request of that connection is sent after the queued releases, so a
+// reply to it means the daemon has had them all. All sends on a connection
+// happen under mu_ (without blocking), which keeps that order.
 //
 // fork(): a child must not touch its parent's ClientCore, whose mutex may
 // be held by a thread that does not exist in the child. An atfork handler
@@ -36,6 +44,7 @@
 #include <fcntl.h>
 #include <poll.h>
 #include <pthread.h>
+#include <sys/eventfd.h>
 #include <sys/mman.h>
 #include <sys/socket.h>
 #include <sys/stat.h>
@@ -47,9 +56,13 @@
 #include <atomic>
 #include <cerrno>
 #include <cstring>
+#include <deque>
 #include <map>
 #include <mutex>
+#include <system_error>
+#include <thread>
 #include <unordered_map>
+#include <unordered_set>
 
 #include "modelcache/base/mutex.h"
 #include "modelcache/base/unique_fd.h"
@@ -137,6 +150,13 @@ struct Connection {
   uint64_t generation = 0;
   bool broken = false;  // guarded by the core's mu_
   ServerInfo info;
+  // Guarded by the core's mu_: releases not sent yet, in the order they
+  // were made (id, datagram), and the ids of releases sent but not answered.
+  // At most `window` releases are unanswered at once, so that the daemon's
+  // answers never pile up past its max_queued_replies while we send.
+  std::deque<std::pair<uint64_t, std::string>> unsent;
+  std::unordered_set<uint64_t> unanswered;
+  size_t window = 64;
 
   ~Connection() {
     if (generation != g_fork_generation.load()) {
@@ -176,6 +196,9 @@ class ClientCore : public std::enable_shared_from_this<ClientCore> {
       : path_(std::move(path)),
         options_(options),
         generation_(g_fork_generation.load()) {}
+  // Stops the flusher: releases still queued die with the connection
+  // (which closes now), as the daemon's books of it do.
+  ~ClientCore() MC_EXCLUDES(mu_);
 
   uint64_t generation() const { return generation_; }
   const std::string& path() const { return path_; }
@@ -212,8 +235,18 @@ class ClientCore : public std::enable_shared_from_this<ClientCore> {
   Exchanged Exchange(const std::function<std::string(uint64_t)>& encode,
                      Clock::time_point deadline, const WaitInterrupt* interrupt)
       MC_EXCLUDES(mu_);
+  // Sends `message` after the releases queued on `c`, waiting for room
+  // until `deadline`; false when it could not.
   bool SendOn(Connection& c, std::string_view message,
-              Clock::time_point deadline);
+              Clock::time_point deadline) MC_EXCLUDES(mu_);
+  // Sends a release of `lease` on `c`, or queues it when the socket is full.
+  void SendRelease(const std::shared_ptr<Connection>& c, uint64_t lease)
+      MC_REQUIRES(mu_);
+  // Sends what `c` has queued until the socket is full; false on a socket
+  // error.
+  bool FlushUnsent(Connection& c) MC_REQUIRES(mu_);
+  void StartFlusher() MC_REQUIRES(mu_);
+  void Flusher() MC_EXCLUDES(mu_);
   // Reads what the socket holds (waiting up to `wait_ms`) and files it.
   // Called by the reader, without mu_.
   void ReadAndFile(const std::shared_ptr<Connection>& c, int wait_ms)
@@ -233,6 +266,12 @@ class ClientCore : public std::enable_shared_from_this<ClientCore> {
   uint64_t next_serial_ MC_GUARDED_BY(mu_) = 1;
   std::unordered_map<uint64_t, Slot> pending_ MC_GUARDED_BY(mu_);
   std::string last_break_ MC_GUARDED_BY(mu_);
+
+  // The flusher (see the design note); wake_fd_ interrupts its poll.
+  bool flushing_ MC_GUARDED_BY(mu_) = false;
+  bool stop_ MC_GUARDED_BY(mu_) = false;
+  std::thread flusher_ MC_GUARDED_BY(mu_);
+  base::UniqueFd wake_fd_ MC_GUARDED_BY(mu_);
 
   // Headers already parsed, so that a copy acquired again is not parsed
   // again. Keyed by what fstat says of the header memfd: a memfd's inode
@@ -330,6 +369,11 @@ std::shared_ptr<Connection> ClientCore::Dial(Clock::time_point deadline) {
       c->info.server = parsed.reply->server;
       c->info.version = parsed.reply->version;
       c->info.limits = parsed.reply->limits;
+      if (const auto it = c->info.limits.find("max_queued_replies");
+          it != c->info.limits.end()) {
+        c->window =
+            static_cast<size_t>(std::clamp<uint64_t>(it->second / 2, 1, 1024));
+      }
       return c;
     }
     // A peer that closed with our hello unread reports ECONNRESET once,
@@ -356,8 +400,23 @@ std::shared_ptr<Connection> ClientCore::Dial(Clock::time_point deadline) {
 bool ClientCore::SendOn(Connection& c, std::string_view message,
                         Clock::time_point deadline) {
   for (;;) {
-    if (SendDatagram(c.fd.get(), message, {}, MSG_DONTWAIT) == 0) return true;
-    if (errno != EAGAIN && errno != EWOULDBLOCK) return false;
+    {
+      base::MutexLock lock(&mu_);
+      if (!FlushUnsent(c)) return false;
+      if (!c.unsent.empty()) {
+        // Behind the releases: the flusher sends them and says when.
+        if (c.broken) return false;
+        StartFlusher();
+        if (!cv_.WaitUntil(&mu_, deadline) && Clock::now() >= deadline) {
+          return false;
+        }
+        continue;
+      }
+      if (SendDatagram(c.fd.get(), message, {}, MSG_DONTWAIT) == 0) {
+        return true;
+      }
+      if (errno != EAGAIN && errno != EWOULDBLOCK) return false;
+    }
     if (Clock::now() >= deadline) return false;
     pollfd p{c.fd.get(), POLLOUT, 0};
     ::poll(&p, 1, MillisUntil(deadline));
@@ -488,6 +547,7 @@ void ClientCore::ReadAndFile(const std::shared_ptr<Connection>& c,
         why = reply.message;
         continue;
       }
+      if (c->unanswered.erase(reply.id) != 0) continue;  // a release's
       const auto it = pending_.find(reply.id);
       if (it != pending_.end() && it->second.serial == c->serial &&
           !it->second.done) {
@@ -502,13 +562,109 @@ void ClientCore::ReadAndFile(const std::shared_ptr<Connection>& c,
       last_break_ = why;
       Broke(c);
     }
+    for (const uint64_t lease : stray_leases) SendRelease(c, lease);
     cv_.NotifyAll();
   }
-  for (const uint64_t lease : stray_leases) {
-    SendDatagram(c->fd.get(),
-                 protocol::EncodeRelease(0x7fffffffffffffffull, lease), {},
-                 MSG_DONTWAIT);
+}
+
+void ClientCore::SendRelease(const std::shared_ptr<Connection>& c,
+                             uint64_t lease) {
+  if (c->broken) return;  // the lease died with the connection
+  const uint64_t id = next_id_++;
+  c->unsent.emplace_back(id, protocol::EncodeRelease(id, lease));
+  if (!FlushUnsent(*c)) {
+    last_break_ = "the connection failed: " + ErrnoText(errno);
+    Broke(c);
+    return;
   }
+  if (!c->unsent.empty()) StartFlusher();
+}
+
+bool ClientCore::FlushUnsent(Connection& c) {
+  bool sent = false;
+  while (!c.unsent.empty() && c.unanswered.size() < c.window) {
+    if (SendDatagram(c.fd.get(), c.unsent.front().second, {}, MSG_DONTWAIT) !=
+        0) {
+      if (errno != EAGAIN && errno != EWOULDBLOCK) return false;
+      break;
+    }
+    c.unanswered.insert(c.unsent.front().first);
+    c.unsent.pop_front();
+    sent = true;
+  }
+  if (sent && c.unsent.empty()) cv_.NotifyAll();  // for SendOn
+  return true;
+}
+
+void ClientCore::StartFlusher() {
+  if (flushing_ || stop_) return;
+  if (!wake_fd_) {
+    wake_fd_.reset(::eventfd(0, EFD_NONBLOCK | EFD_CLOEXEC));
+    if (!wake_fd_) return;  // the next release or request sends the queue
+  }
+  if (flusher_.joinable()) flusher_.join();  // it has let go of mu_
+  try {
+    flusher_ = std::thread([this] { Flusher(); });
+    flushing_ = true;
+  } catch (const std::system_error&) {
+    // No thread now: the next release or request sends the queue.
+  }
+}
+
+void ClientCore::Flusher() {
+  mu_.Lock();
+  for (;;) {
+    const std::shared_ptr<Connection> c = conn_;
+    if (stop_ || !c || c->broken ||
+        (c->unsent.empty() && c->unanswered.empty())) {
+      break;
+    }
+    if (!FlushUnsent(*c)) {
+      last_break_ = "the connection failed: " + ErrnoText(errno);
+      Broke(c);
+      continue;
+    }
+    const bool want_out =
+        !c->unsent.empty() && c->unanswered.size() < c->window;
+    const bool read = !reading_;
+    if (!want_out && !read) {
+      // Another thread reads: it files the answers and wakes us.
+      cv_.WaitUntil(&mu_, Clock::now() + std::chrono::seconds(1));
+      continue;
+    }
+    if (read) reading_ = true;
+    const int wake = wake_fd_.get();
+    mu_.Unlock();
+    pollfd p[2] = {
+        {c->fd.get(),
+         static_cast<short>((want_out ? POLLOUT : 0) | (read ? POLLIN : 0)), 0},
+        {wake, POLLIN, 0}};
+    ::poll(p, 2, 1000);
+    if (read) ReadAndFile(c, 0);
+    mu_.Lock();
+    if (read) {
+      reading_ = false;
+      cv_.NotifyAll();
+    }
+  }
+  flushing_ = false;
+  mu_.Unlock();
+}
+
+ClientCore::~ClientCore() {
+  std::thread flusher;
+  {
+    base::MutexLock lock(&mu_);
+    stop_ = true;
+    cv_.NotifyAll();
+    if (wake_fd_) {
+      const uint64_t one = 1;
+      [[maybe_unused]] const ssize_t n =
+          ::write(wake_fd_.get(), &one, sizeof(one));
+    }
+    flusher.swap(flusher_);
+  }
+  if (flusher.joinable()) flusher.join();
 }
 
 ClientCore::Exchanged ClientCore::Exchange(
@@ -732,18 +888,15 @@ void ClientCore::Close() {
 
 void ClientCore::Release(uint64_t serial, uint64_t lease) noexcept {
   std::shared_ptr<Connection> c;
-  uint64_t id;
   bool read;
   {
     base::MutexLock lock(&mu_);
     if (!conn_ || conn_->broken || conn_->serial != serial) return;
     c = conn_;
-    id = next_id_++;  // its reply is filed nowhere and dropped
-    read = !reading_;
+    SendRelease(c, lease);  // sent, or queued for the flusher
+    read = !reading_ && !c->broken;
     if (read) reading_ = true;
   }
-  SendDatagram(c->fd.get(), protocol::EncodeRelease(id, lease), {},
-               MSG_DONTWAIT);
   if (read) {
     // Drain what is waiting, without blocking, so that replies to releases
     // never pile up in a client that only releases.

@@ -105,6 +105,15 @@ uint64_t ExpectedCopyBytes(const CopyLoadOptions& options,
 std::shared_ptr<ModelCopy> LoadCopy(const CopyLoadOptions& options,
                                     const CatalogModel& model);
 
+// What CheckCatalog checks of the files, for a catalog already parsed and
+// a root already open: what `modelcache serve --check-catalog` refuses, the
+// daemon refuses at start and on reload, with the same message. Returns the
+// bytes of every file, and fills `copy_bytes` (when not null) as
+// CatalogCheck::copy_bytes says. Throws as CheckCatalog does.
+uint64_t CheckCatalogFiles(
+    const Catalog& catalog, int root_fd,
+    std::vector<std::pair<std::string, uint64_t>>* copy_bytes);
+
 }  // namespace modelcache::serve::detail
 
 #endif  // MODELCACHE_SRC_SERVE_COPY_H_

@@ -121,10 +121,11 @@ enum Tag : uint64_t {
   kListenTag = 1,
   kEventTag = 2,
   kSignalTag = 3,
-  kConnTag = 4,       // id: connection
-  kConnPidTag = 5,    // id: connection
-  kOrphanPidTag = 6,  // id: orphan group
-  kRestartPidTag = 7  // id: pid
+  kConnTag = 4,        // id: connection
+  kConnPidTag = 5,     // id: connection
+  kOrphanPidTag = 6,   // id: orphan group
+  kRestartPidTag = 7,  // id: pid
+  kPauseHookTag = 8
 };
 constexpr int kTagShift = 56;
 uint64_t Tagged(uint64_t kind, uint64_t id) { return (kind << kTagShift) | id; }
@@ -221,13 +222,15 @@ Daemon::Impl::Impl(DaemonOptions options)
   if (options_.model_root.empty()) Invalid("a model root is needed");
 
   // Catalog and root first: nothing else is worth setting up without them.
+  // What `--check-catalog` refuses is refused here, with its message.
   {
     auto catalog = std::make_shared<const Catalog>(
         Catalog::FromFile(options_.catalog_path));
+    root_fd_ = detail::OpenRoot(options_.model_root);
+    detail::CheckCatalogFiles(*catalog, root_fd_.get(), nullptr);
     base::MutexLock lock(&catalog_mu_);
     catalog_ = std::move(catalog);
   }
-  root_fd_ = detail::OpenRoot(options_.model_root);
 
   // Descriptors: two per connection (socket, pidfd) and two per file copy.
   rlimit limit;
@@ -302,6 +305,10 @@ Daemon::Impl::Impl(DaemonOptions options)
     }
     EpollAdd(epoll_fd_.get(), signal_fd_.get(), EPOLLIN, Tagged(kSignalTag, 0));
   }
+  if (options_.test_pause_reads_fd >= 0) {
+    EpollAdd(epoll_fd_.get(), options_.test_pause_reads_fd, EPOLLIN,
+             Tagged(kPauseHookTag, 0));
+  }
 
   Log(weights::DescribeShmemHugePages(weights::ShmemHugePageMode()));
   RescanOrphans();
@@ -365,6 +372,7 @@ void Daemon::Impl::CreateStore() {
     PrewarmSource source;
     source.expected_bytes = detail::ExpectedCopyBytes(copy_options_, spec);
     source.loader = [this, spec] {
+      const ReadingMark reading(this, spec.id);
       std::shared_ptr<detail::ModelCopy> copy =
           detail::LoadCopy(copy_options_, spec);
       const uint64_t bytes = copy->bytes();
@@ -575,7 +583,7 @@ void Daemon::Impl::Run() {
           Connection& c = *it->second;
           if ((what & EPOLLOUT) != 0) Writable(c);
           if ((what & (EPOLLIN | EPOLLHUP | EPOLLERR | EPOLLRDHUP)) != 0 &&
-              !c.doomed) {
+              !c.doomed && !reads_paused_) {
             Readable(c);
           }
           break;
@@ -588,6 +596,9 @@ void Daemon::Impl::Run() {
           break;
         case kRestartPidTag:
           RescanOrphans();
+          break;
+        case kPauseHookTag:
+          PauseHook();
           break;
         default:
           break;
@@ -726,7 +737,7 @@ void Daemon::Impl::Accept() {
     c->pid = cred.pid;
     c->uid = cred.uid;
     c->gid = cred.gid;
-    EpollAdd(epoll_fd_.get(), c->fd.get(), EPOLLIN | EPOLLRDHUP,
+    EpollAdd(epoll_fd_.get(), c->fd.get(), ConnectionEvents(*c),
              Tagged(kConnTag, c->id));
     EpollAdd(epoll_fd_.get(), c->pidfd.get(), EPOLLIN,
              Tagged(kConnPidTag, c->id));
@@ -898,7 +909,7 @@ void Daemon::Impl::Send(Connection& c, detail::Outgoing message) {
   }
   if (!c.writing) {
     c.writing = true;
-    EpollMod(epoll_fd_.get(), c.fd.get(), EPOLLIN | EPOLLRDHUP | EPOLLOUT,
+    EpollMod(epoll_fd_.get(), c.fd.get(), ConnectionEvents(c),
              Tagged(kConnTag, c.id));
   }
 }
@@ -920,8 +931,32 @@ void Daemon::Impl::Writable(Connection& c) {
   }
   if (c.out.empty() && c.writing) {
     c.writing = false;
-    EpollMod(epoll_fd_.get(), c.fd.get(), EPOLLIN | EPOLLRDHUP,
+    EpollMod(epoll_fd_.get(), c.fd.get(), ConnectionEvents(c),
              Tagged(kConnTag, c.id));
+  }
+}
+
+uint32_t Daemon::Impl::ConnectionEvents(const Connection& c) const {
+  return (reads_paused_ ? 0u : static_cast<uint32_t>(EPOLLIN | EPOLLRDHUP)) |
+         (c.writing ? static_cast<uint32_t>(EPOLLOUT) : 0u);
+}
+
+void Daemon::Impl::PauseHook() {
+  const int fd = options_.test_pause_reads_fd;
+  char command = 0;
+  const ssize_t n = ::read(fd, &command, 1);
+  if (n < 0 && (errno == EAGAIN || errno == EINTR)) return;
+  const bool paused = n == 1 && command == 'p';
+  if (n != 1) EpollDel(epoll_fd_.get(), fd);  // gone: read on for good
+  if (paused != reads_paused_) {
+    reads_paused_ = paused;
+    for (const auto& [id, c] : conns_) {
+      EpollMod(epoll_fd_.get(), c->fd.get(), ConnectionEvents(*c),
+               Tagged(kConnTag, id));
+    }
+  }
+  if (n == 1) {
+    [[maybe_unused]] const ssize_t w = ::write(fd, &command, 1);
   }
 }
 
@@ -1282,6 +1317,11 @@ void Daemon::Impl::Complete(std::shared_ptr<Task> task) {
         result = {503, "the daemon is shutting down"};
       }
       Log("loading '" + model + "' failed: " + result.error);
+      if (result.status != 503) {
+        // Shown as the model's reason (and /readyz's, when pinned).
+        base::MutexLock lock(&stats_mu_);
+        model_stats_[model].last_error = result.error;
+      }
     }
     task->lease.Release();
     if (task->done) task->done->set_value(result);
@@ -1396,12 +1436,19 @@ void Daemon::Impl::ExpireWaiters(Clock::time_point now) {
     const auto ms = std::chrono::duration_cast<std::chrono::milliseconds>(
                         w->second.deadline - w->second.start)
                         .count();
-    std::string why = "its load is still running";
-    if (const auto entry = store_->Entry(model);
-        !entry || entry->state != EntryState::kLoading) {
+    std::string why;
+    const auto q = queues_.find(model);
+    if (ReadingNow(model)) {
+      why = "its load is still running";
+    } else if (q != queues_.end() && q->second.queued) {
+      why = "it waits for a load slot (" + std::to_string(running_) +
+            " loads running, the limit is " +
+            std::to_string(options_.limits.load_slots) + ")";
+    } else {
+      // Its load waits for room (or has not started): say who holds it.
       why = "waiting for room: " + FormatBytes(store_->budget().used()) +
-            " of " + FormatBytes(store_->budget().capacity()) + " in use" +
-            OrphanNote();
+            " of " + FormatBytes(store_->budget().capacity()) +
+            " in use; held by: " + HoldersNote(model) + OrphanNote();
     }
     const ServeCode code = ServeCode::kTimeout;
     RemoveWaiter(seq, &code,
@@ -1442,6 +1489,7 @@ void Daemon::Impl::DoReload() {
   try {
     fresh = std::make_shared<const Catalog>(
         Catalog::FromFile(options_.catalog_path));
+    detail::CheckCatalogFiles(*fresh, root_fd_.get(), nullptr);
   } catch (const std::exception& e) {
     Log(std::string("reload failed, keeping the catalog: ") + e.what());
     base::MutexLock lock(&catalog_mu_);
@@ -1463,7 +1511,12 @@ void Daemon::Impl::DoReload() {
     } else if (m.pinned && !now->pinned) {
       try {
         store_->Unpin(m.id);
-      } catch (const Error&) {
+      } catch (const Error& e) {
+        // Not resident is not pinned: nothing to undo. Anything else is the
+        // store's, and the operator hears of it (as over HTTP).
+        if (e.code() != ErrorCode::kNotFound) {
+          Log("reload: unpinning '" + m.id + "' failed: " + e.what());
+        }
       }
     }
   }
@@ -1563,6 +1616,45 @@ bool Daemon::Impl::TooLargeForOrphansOnly(uint64_t bytes) const {
   return orphaned_ > 0 && bytes <= configured_;
 }
 
+Daemon::Impl::ReadingMark::ReadingMark(Impl* impl, std::string model)
+    : impl_(impl), model_(std::move(model)) {
+  base::MutexLock lock(&impl_->reading_mu_);
+  ++impl_->reading_[model_];
+}
+
+Daemon::Impl::ReadingMark::~ReadingMark() {
+  base::MutexLock lock(&impl_->reading_mu_);
+  const auto it = impl_->reading_.find(model_);
+  if (--it->second == 0) impl_->reading_.erase(it);
+}
+
+bool Daemon::Impl::ReadingNow(const std::string& model) const {
+  base::MutexLock lock(&reading_mu_);
+  return reading_.count(model) != 0;
+}
+
+std::string Daemon::Impl::HoldersNote(const std::string& model) const {
+  std::string out;
+  for (const EntryInfo& e : store_->Entries()) {
+    if (e.bytes == 0 || e.key == model) continue;
+    std::string why;
+    if (e.state == EntryState::kLoading) why = "loading";
+    if (e.state == EntryState::kUnloading) why = "unloading";
+    if (e.leases > 0) {
+      why += (why.empty() ? "" : ", ") + std::to_string(e.leases) +
+             (e.leases == 1 ? " lease" : " leases");
+    }
+    if (e.pinned) why += (why.empty() ? "" : ", ") + std::string("pinned");
+    if (e.state == EntryState::kRetired) {
+      why += (why.empty() ? "" : ", ") + std::string("retired");
+    }
+    if (why.empty()) why = "evictable";
+    out += (out.empty() ? "" : ", ") +
+           ("'" + e.key + "' (" + FormatBytes(e.bytes) + ", " + why + ")");
+  }
+  return out.empty() ? "nothing resident" : out;
+}
+
 std::string Daemon::Impl::OrphanNote() const {
   uint64_t orphaned;
   {
@@ -1611,6 +1703,7 @@ void Daemon::Impl::RunTask(Task& task) {
     task.lease = store_->Acquire(
         model.id, expected,
         [&] {
+          const ReadingMark reading(this, model.id);
           const Clock::time_point start = Clock::now();
           std::shared_ptr<detail::ModelCopy> copy =
               detail::LoadCopy(copy_options_, model);

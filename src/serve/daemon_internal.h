@@ -282,6 +282,10 @@ class Daemon::Impl {
   void ScheduleRescan();
   void ApplyCapacity() MC_REQUIRES(capacity_mu_);
   void WatchPid(pid_t pid);
+  // The epoll events a connection's socket is watched for now.
+  uint32_t ConnectionEvents(const detail::Connection& c) const;
+  // DaemonOptions::test_pause_reads_fd is readable.
+  void PauseHook();
 
   // ---- the pool (daemon.cc) ----
   void PoolThread();
@@ -292,6 +296,23 @@ class Daemon::Impl {
   // ---- helpers for both ----
   std::shared_ptr<const Catalog> catalog() const MC_EXCLUDES(catalog_mu_);
   std::string OrphanNote() const MC_EXCLUDES(capacity_mu_);
+  // What holds the store's memory, but `model`: "'a' (5 MiB, 1 lease), ...".
+  std::string HoldersNote(const std::string& model) const;
+  // Whether a load of `model` is reading its files (or held by the
+  // throttle) now, rather than waiting for room or a slot.
+  bool ReadingNow(const std::string& model) const MC_EXCLUDES(reading_mu_);
+  // Marks a load of a model as reading for its lifetime (in a loader).
+  class ReadingMark {
+   public:
+    ReadingMark(Impl* impl, std::string model);
+    ~ReadingMark();
+    ReadingMark(const ReadingMark&) = delete;
+    ReadingMark& operator=(const ReadingMark&) = delete;
+
+   private:
+    Impl* const impl_;
+    const std::string model_;
+  };
   // Whether a copy of `bytes` is too large only because of orphans.
   bool TooLargeForOrphansOnly(uint64_t bytes) const MC_EXCLUDES(capacity_mu_);
   void OnEvent(const CacheEvent& event) MC_EXCLUDES(stats_mu_);
@@ -342,6 +363,9 @@ class Daemon::Impl {
   mutable base::Mutex live_mu_;
   std::set<detail::MemfdId> live_ MC_GUARDED_BY(live_mu_);
 
+  mutable base::Mutex reading_mu_;
+  std::map<std::string, int> reading_ MC_GUARDED_BY(reading_mu_);
+
   mutable base::Mutex stats_mu_;
   std::map<std::string, detail::ModelStats> model_stats_
       MC_GUARDED_BY(stats_mu_);
@@ -380,7 +404,8 @@ class Daemon::Impl {
   uint64_t next_group_ = 1;
   std::map<pid_t, base::UniqueFd> restart_pids_;
   Clock::time_point next_rescan_ = Clock::time_point::max();
-  bool stopping_ = false;  // shutdown begun on the loop
+  bool stopping_ = false;      // shutdown begun on the loop
+  bool reads_paused_ = false;  // DaemonOptions::test_pause_reads_fd
 
   // Cross-thread requests to the loop, woken through event_fd_.
   std::atomic<bool> shutdown_requested_{false};

@@ -233,7 +233,22 @@ HttpResponse Daemon::Impl::Ready() {
   for (const CatalogModel& m : catalog()->models()) {
     if (!m.pinned) continue;
     const auto entry = store_->Entry(m.id);
-    if (!entry || entry->state != EntryState::kResident || !entry->pinned) {
+    if (entry && entry->state == EntryState::kResident && entry->pinned) {
+      continue;
+    }
+    // The real reason: its load runs, or failed (and why).
+    std::string last_error;
+    {
+      base::MutexLock lock(&stats_mu_);
+      const auto s = model_stats_.find(m.id);
+      if (s != model_stats_.end()) last_error = s->second.last_error;
+    }
+    if (entry && entry->state == EntryState::kLoading) {
+      reasons.push_back("pinned model '" + m.id + "' is loading");
+    } else if (!last_error.empty()) {
+      reasons.push_back("pinned model '" + m.id +
+                        "' is not resident: load failed: " + last_error);
+    } else {
       reasons.push_back("pinned model '" + m.id + "' is not resident yet");
     }
   }

@@ -32,6 +32,12 @@
 // race another call on the same Client). The parent's socket is closed in
 // the child at fork.
 //
+// Releases: ~RemoteWeights never waits for the daemon. A release the
+// socket has no room for now (the daemon is slow to read) is queued and
+// sent, in order, by a thread of the Client's own as the socket becomes
+// writable; it is never dropped while the connection lives, and a request
+// made after it is sent after it.
+//
 // Thread safety: a Client may be used from any number of threads at once;
 // replies are matched to requests by id, so a long acquire does not hold up
 // a hit or a release on another thread. A RemoteWeights is immutable; it

@@ -121,6 +121,12 @@ struct DaemonOptions {
   int test_load_gate_fd = -1;
   // Open files one component at a time with O_NOFOLLOW instead of openat2.
   bool test_per_component_open = false;
+  // A socket (-1: none) through which a test stops the loop reading its
+  // clients: each byte read from it, 'p' (pause) or 'r' (resume), is
+  // answered with one byte once in effect. While paused, requests stay
+  // unread in the sockets (replies already queued are still sent); end of
+  // file resumes.
+  int test_pause_reads_fd = -1;
 };
 
 struct HttpRequest {

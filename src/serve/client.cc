@@ -12,10 +12,11 @@
 // caller timed out or was interrupted) that grants a lease is released at
 // once, so an abandoned acquire never holds a copy.
 //
-// A connection breaks on EOF, a socket error, or a message of the daemon's
-// own (id 0). Callers waiting on it then retry on a new connection
-// (acquires and pings; a lease dies with its connection, so retrying is
-// safe) or fail with DaemonUnavailableError. Connecting is done by one
+// A connection breaks on EOF or a socket error. A message of the daemon's
+// own (id 0) does not break it (protocol.h): its text becomes the reason
+// given if the connection then ends. Callers waiting on it then retry on a new
+// connection (acquires and pings; a lease dies with its connection, so retrying
+// is safe) or fail with DaemonUnavailableError. Connecting is done by one
 // thread at a time (connecting_), with exponential backoff, until the
 // caller's deadline.
 //
@@ -157,6 +158,7 @@ struct Connection {
   std::deque<std::pair<uint64_t, std::string>> unsent;
   std::unordered_set<uint64_t> unanswered;
   size_t window = 64;
+  std::string note;  // the daemon's last id-0 message (core's mu_)
 
   ~Connection() {
     if (generation != g_fork_generation.load()) {
@@ -542,9 +544,8 @@ void ClientCore::ReadAndFile(const std::shared_ptr<Connection>& c,
         break;
       }
       protocol::Reply& reply = *parsed.reply;
-      if (reply.id == 0) {  // the daemon's own: it closes the connection
-        broken = true;
-        why = reply.message;
+      if (reply.id == 0) {  // the daemon's own: news, not the end
+        c->note = reply.message;
         continue;
       }
       if (c->unanswered.erase(reply.id) != 0) continue;  // a release's
@@ -559,7 +560,7 @@ void ClientCore::ReadAndFile(const std::shared_ptr<Connection>& c,
       }
     }
     if (broken) {
-      last_break_ = why;
+      last_break_ = c->note.empty() ? why : why + ": " + c->note;
       Broke(c);
     }
     for (const uint64_t lease : stray_leases) SendRelease(c, lease);

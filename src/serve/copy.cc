@@ -33,10 +33,18 @@ int FileCopy::data_fd() const {
 }
 
 ModelCopy::~ModelCopy() {
-  if (!observer_) return;
-  for (const FileCopy& file : files_) {
-    observer_(file.data_id, false);
-    observer_(file.header_id, false);
+  if (observer_) {
+    for (const FileCopy& file : files_) {
+      observer_(file.data_id, false);
+      observer_(file.header_id, false);
+    }
+  }
+  if (free_later_ && !files_.empty()) {
+    try {
+      free_later_(std::move(files_));
+    } catch (...) {
+      // No memory to queue it: freed here, now.
+    }
   }
 }
 
@@ -115,6 +123,7 @@ std::shared_ptr<ModelCopy> LoadCopy(const CopyLoadOptions& options,
     }
     copy->observer_ = options.observer;
   }
+  copy->free_later_ = options.free_later;
   return copy;
 }
 

@@ -194,7 +194,9 @@ Daemon::Impl::Impl(DaemonOptions options)
       load_seconds_(
           {0.01, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120, 300}),
       acquire_wait_seconds_({0.0001, 0.0005, 0.001, 0.005, 0.01, 0.05, 0.1, 0.5,
-                             1, 5, 10, 30, 60}) {
+                             1, 5, 10, 30, 60}),
+      loop_iteration_seconds_({0.00001, 0.00005, 0.0001, 0.0005, 0.001, 0.005,
+                               0.01, 0.05, 0.1, 0.5, 1, 5}) {
   const Limits& l = options_.limits;
   if (l.max_clients < 1 || l.max_requests_per_client < 1 ||
       l.max_leases_per_client < 1 || l.max_queued_replies < 1 ||
@@ -275,6 +277,11 @@ Daemon::Impl::Impl(DaemonOptions options)
     }
   };
   copy_options_.before_read = [this](uint64_t) { BeforeRead(); };
+  copy_options_.free_later = [this](std::vector<detail::FileCopy> files) {
+    auto held =
+        std::make_shared<std::vector<detail::FileCopy>>(std::move(files));
+    Later([held] { held->clear(); });
+  };
 
   {
     const auto now = std::chrono::system_clock::now().time_since_epoch();
@@ -314,6 +321,11 @@ Daemon::Impl::Impl(DaemonOptions options)
   RescanOrphans();
   Listen();
 
+  {
+    base::MutexLock lock(&background_mu_);
+    background_running_ = true;
+  }
+  background_ = std::thread([this] { BackgroundThread(); });
   for (int i = 0; i < options_.limits.load_slots; ++i) {
     pool_.emplace_back([this] { PoolThread(); });
   }
@@ -362,7 +374,9 @@ void Daemon::Impl::CreateStore() {
   }
   cache.shard_bits = 2;
   cache.on_event = [this](const CacheEvent& event) { OnEvent(event); };
-  // A keep-alive policy's prewarms load like any load of the daemon.
+  // A keep-alive policy's prewarms load like any load of the daemon: on the
+  // store's keep-alive thread, they take a load slot (waiting for one) and
+  // the throttle, as replay's model of them does.
   cache.prewarm_source =
       [this](std::string_view key) -> std::optional<PrewarmSource> {
     const std::shared_ptr<const Catalog> cat = catalog();
@@ -372,10 +386,20 @@ void Daemon::Impl::CreateStore() {
     PrewarmSource source;
     source.expected_bytes = detail::ExpectedCopyBytes(copy_options_, spec);
     source.loader = [this, spec] {
+      TakeSlotForPrewarm();
+      struct SlotBack {
+        Impl* impl;
+        ~SlotBack() {
+          impl->GiveSlot();
+          impl->Wake();  // the loop starts what waited for the slot
+        }
+      } slot_back{this};
       const ReadingMark reading(this, spec.id);
+      const Clock::time_point start = Clock::now();
       std::shared_ptr<detail::ModelCopy> copy =
           detail::LoadCopy(copy_options_, spec);
       const uint64_t bytes = copy->bytes();
+      if (throttle_) throttle_->Hold(start, bytes);
       return Loaded{std::move(copy), bytes, {}};
     };
     return source;
@@ -455,6 +479,7 @@ Daemon::Impl::~Impl() {
     pool_cv_.NotifyAll();
   }
   shutting_down_ = true;
+  StopSlotWaits();
   if (throttle_) throttle_->Stop();
   for (std::thread& t : pool_) t.join();
   {
@@ -477,6 +502,13 @@ Daemon::Impl::~Impl() {
   }
   leases.clear();
   store_.reset();
+  // Last: what the store freed is queued for it.
+  {
+    base::MutexLock lock(&background_mu_);
+    background_stop_ = true;
+    background_cv_.NotifyAll();
+  }
+  if (background_.joinable()) background_.join();
   if (listen_fd_) {
     struct stat st;
     if (::stat(socket_path_.c_str(), &st) == 0 && st.st_ino == socket_inode_) {
@@ -532,6 +564,10 @@ void Daemon::Impl::RequestReload() {
 
 void Daemon::Impl::Run() {
   std::vector<epoll_event> events(128);
+  // modelcache_loop_iteration_seconds: from epoll_wait's return to the
+  // next call.
+  Clock::time_point iteration_start;
+  bool iteration_started = false;
   for (;;) {
     if (stopping_ && running_ == 0) break;
     int timeout = -1;
@@ -542,8 +578,15 @@ void Daemon::Impl::Run() {
       const auto ms = std::chrono::ceil<std::chrono::milliseconds>(next - now);
       timeout = static_cast<int>(std::clamp<int64_t>(ms.count(), 0, 60'000));
     }
+    if (iteration_started) {
+      loop_iteration_seconds_.Observe(
+          std::chrono::duration<double>(Clock::now() - iteration_start)
+              .count());
+    }
     const int n = ::epoll_wait(epoll_fd_.get(), events.data(),
                                static_cast<int>(events.size()), timeout);
+    iteration_start = Clock::now();
+    iteration_started = true;
     if (n < 0 && errno != EINTR) {
       const int e = errno;
       Log("epoll_wait failed: " + ErrnoText(e) + "; shutting down");
@@ -1158,7 +1201,7 @@ void Daemon::Impl::AddWaiter(Connection& c, const protocol::Request& r,
 }
 
 void Daemon::Impl::RemoveWaiter(uint64_t seq, const ServeCode* code,
-                                const std::string& message) {
+                                const std::string& message, bool in_queue) {
   const auto it = waiters_.find(seq);
   if (it == waiters_.end()) return;
   detail::Waiter w = std::move(it->second);
@@ -1178,10 +1221,15 @@ void Daemon::Impl::RemoveWaiter(uint64_t seq, const ServeCode* code,
       SendError(*c->second, w.request_id, *code, message);
     }
   }
+  if (!in_queue) return;  // the caller rebuilds the model's list
   const auto q = queues_.find(w.model);
   if (q == queues_.end()) return;
   auto& list = q->second.waiters;
-  list.erase(std::remove(list.begin(), list.end(), seq), list.end());
+  if (!list.empty() && list.front() == seq) {
+    list.pop_front();  // first come, first served: the usual case
+  } else {
+    list.erase(std::remove(list.begin(), list.end(), seq), list.end());
+  }
   if (!list.empty()) return;
   if (q->second.task) {
     q->second.task->cancel = true;  // its check ends the wait
@@ -1201,7 +1249,7 @@ void Daemon::Impl::RemoveWaiter(uint64_t seq, const ServeCode* code,
 void Daemon::Impl::Dispatch(const std::string& model) {
   detail::ModelQueue& q = queues_[model];
   if (q.task || q.queued) return;
-  if (running_ < options_.limits.load_slots) {
+  if (TryTakeSlot()) {
     StartTask(model);
     return;
   }
@@ -1219,6 +1267,7 @@ void Daemon::Impl::StartTask(const std::string& model) {
   const CatalogModel* spec = cat->Find(model);
   if (spec == nullptr || spec->id != model) {
     // Gone from the catalog since the request came.
+    GiveSlot();
     const ServeCode code = ServeCode::kNotFound;
     for (const uint64_t seq : std::deque<uint64_t>(q.waiters)) {
       RemoveWaiter(seq, &code, "no model '" + model + "' in the catalog");
@@ -1249,7 +1298,7 @@ void Daemon::Impl::StartPrefetch(
   task->prefetch = true;
   task->pin = pin;
   task->done = std::move(done);
-  if (running_ >= options_.limits.load_slots) {
+  if (!TryTakeSlot()) {
     slot_queue_.emplace(std::make_pair(-model.priority, next_order_++),
                         Queued{model.id, std::move(task)});
     return;
@@ -1261,11 +1310,12 @@ void Daemon::Impl::StartPrefetch(
 }
 
 void Daemon::Impl::StartQueued() {
-  while (running_ < options_.limits.load_slots && !slot_queue_.empty()) {
+  while (!slot_queue_.empty() && TryTakeSlot()) {
     Queued next = std::move(slot_queue_.begin()->second);
     slot_queue_.erase(slot_queue_.begin());
     if (next.prefetch) {
       if (stopping_) {
+        GiveSlot();
         if (next.prefetch->done) {
           next.prefetch->done->set_value({503, "the daemon is shutting down"});
         }
@@ -1281,8 +1331,43 @@ void Daemon::Impl::StartQueued() {
   }
 }
 
+bool Daemon::Impl::TryTakeSlot() {
+  base::MutexLock lock(&slots_mu_);
+  if (slots_used_ >= options_.limits.load_slots) return false;
+  ++slots_used_;
+  return true;
+}
+
+void Daemon::Impl::GiveSlot() {
+  base::MutexLock lock(&slots_mu_);
+  --slots_used_;
+  slots_cv_.NotifyAll();
+}
+
+int Daemon::Impl::SlotsUsed() const {
+  base::MutexLock lock(&slots_mu_);
+  return slots_used_;
+}
+
+void Daemon::Impl::TakeSlotForPrewarm() {
+  base::MutexLock lock(&slots_mu_);
+  while (slots_used_ >= options_.limits.load_slots) {
+    if (shutting_down_.load()) {
+      throw Error(ErrorCode::kUnavailable, "the daemon is shutting down");
+    }
+    slots_cv_.Wait(&slots_mu_);
+  }
+  ++slots_used_;
+}
+
+void Daemon::Impl::StopSlotWaits() {
+  base::MutexLock lock(&slots_mu_);
+  slots_cv_.NotifyAll();
+}
+
 void Daemon::Impl::Complete(std::shared_ptr<Task> task) {
   --running_;
+  GiveSlot();
   const std::string& model = task->model.id;
   if (task->prefetch) {
     detail::PrefetchResult result;
@@ -1336,23 +1421,36 @@ void Daemon::Impl::Complete(std::shared_ptr<Task> task) {
   }
   detail::ModelQueue& q = qit->second;
   if (q.task == task) q.task = nullptr;
+  // The model's waiters are answered in one pass, O(waiters): each answered
+  // one leaves the indexes (RemoveWaiter, not from the list), and the list
+  // becomes the ones left.
+  std::deque<uint64_t> waiting;
+  waiting.swap(q.waiters);
+  std::deque<uint64_t> left;
   if (task->lease) {
     Lease first = std::move(task->lease);
-    for (const uint64_t seq : std::deque<uint64_t>(q.waiters)) {
+    for (size_t i = 0; i < waiting.size(); ++i) {
+      const uint64_t seq = waiting[i];
       const auto w = waiters_.find(seq);
       if (w == waiters_.end()) continue;
       const auto c = conns_.find(w->second.connection);
-      if (c == conns_.end() || c->second->doomed) continue;
+      if (c == conns_.end() || c->second->doomed) {
+        left.push_back(seq);  // its close removes it
+        continue;
+      }
       Lease lease;
       if (first) {
         lease = std::move(first);
       } else if (std::optional<Lease> hit = store_->TryAcquire(model)) {
         lease = std::move(*hit);
       } else {
-        break;  // retired meanwhile: the rest wait for a new load
+        // Retired meanwhile: the rest wait for a new load.
+        left.insert(left.end(), waiting.begin() + static_cast<ptrdiff_t>(i),
+                    waiting.end());
+        break;
       }
       const detail::Waiter waiter = w->second;
-      RemoveWaiter(seq);
+      RemoveWaiter(seq, nullptr, "", /*in_queue=*/false);
       Grant(*c->second, waiter.request_id, model, std::move(lease),
             Result::kLoaded, waiter.joined ? "joined" : "miss", waiter.start);
     }
@@ -1395,22 +1493,30 @@ void Daemon::Impl::Complete(std::shared_ptr<Task> task) {
     } catch (...) {
       message = "loading '" + model + "' failed";
     }
-    if (!cancelled) {
-      for (const uint64_t seq : std::deque<uint64_t>(q.waiters)) {
+    if (cancelled) {
+      left.swap(waiting);
+    } else {
+      for (const uint64_t seq : waiting) {
         const auto w = waiters_.find(seq);
         if (w == waiters_.end()) continue;
         // After CAPACITY, those who asked to wait for room still do.
-        if (code == ServeCode::kCapacity && !w->second.fail_when_full) continue;
+        if (code == ServeCode::kCapacity && !w->second.fail_when_full) {
+          left.push_back(seq);
+          continue;
+        }
         ++acquires_[static_cast<size_t>(detail::ResultOf(code))];
         const auto c = conns_.find(w->second.connection);
         const uint64_t request = w->second.request_id;
-        RemoveWaiter(seq);
+        RemoveWaiter(seq, nullptr, "", /*in_queue=*/false);
         if (c != conns_.end()) {
           SendError(*c->second, request, code, message, cause);
         }
       }
     }
+  } else {
+    left.swap(waiting);
   }
+  queues_[model].waiters = std::move(left);
   const auto again = queues_.find(model);
   if (again != queues_.end()) {
     if (again->second.waiters.empty() && !again->second.task &&
@@ -1441,7 +1547,7 @@ void Daemon::Impl::ExpireWaiters(Clock::time_point now) {
     if (ReadingNow(model)) {
       why = "its load is still running";
     } else if (q != queues_.end() && q->second.queued) {
-      why = "it waits for a load slot (" + std::to_string(running_) +
+      why = "it waits for a load slot (" + std::to_string(SlotsUsed()) +
             " loads running, the limit is " +
             std::to_string(options_.limits.load_slots) + ")";
     } else {
@@ -1461,6 +1567,7 @@ void Daemon::Impl::BeginShutdown() {
   if (stopping_) return;
   stopping_ = true;
   shutting_down_ = true;
+  StopSlotWaits();
   if (throttle_) throttle_->Stop();
   EpollDel(epoll_fd_.get(), listen_fd_.get());
   struct stat st;
@@ -1732,6 +1839,36 @@ void Daemon::Impl::ExpiryThread() {
     }
     store_->EvictExpired();
   }
+}
+
+void Daemon::Impl::Later(std::function<void()> chore) {
+  {
+    base::MutexLock lock(&background_mu_);
+    if (background_running_) {
+      chores_.push_back(std::move(chore));
+      background_cv_.NotifyAll();
+      return;
+    }
+  }
+  chore();
+}
+
+void Daemon::Impl::BackgroundThread() {
+  background_mu_.Lock();
+  for (;;) {
+    while (chores_.empty() && !background_stop_) {
+      background_cv_.Wait(&background_mu_);
+    }
+    if (chores_.empty()) break;  // stopped, and every chore done
+    std::function<void()> chore = std::move(chores_.front());
+    chores_.pop_front();
+    background_mu_.Unlock();
+    chore();
+    chore = nullptr;  // what it holds goes here too
+    background_mu_.Lock();
+  }
+  background_running_ = false;
+  background_mu_.Unlock();
 }
 
 void Daemon::Impl::BeforeRead() {

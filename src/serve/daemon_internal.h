@@ -36,8 +36,12 @@
 //
 // Ownership: loop-only members have no lock; everything the HTTP threads
 // read is under a mutex (leases_mu_, catalog_mu_, capacity_mu_, stats_mu_,
-// orphans_mu_, live_mu_) or atomic. Lock order: none of these is held while
-// another is taken, except capacity_mu_ -> (the store's own locks).
+// orphans_mu_, live_mu_, reading_mu_, slots_mu_) or atomic. Lock order:
+//   capacity_mu_ -> the store's locks -> live_mu_
+// (SetCapacity under capacity_mu_ evicts; freeing the evicted copy runs its
+// observer, which takes live_mu_). stats_mu_ (the store's event callback,
+// which may run under the store's locks), reading_mu_ and slots_mu_ are
+// leaves. No other lock is held while another is taken.
 #ifndef MODELCACHE_SRC_SERVE_DAEMON_INTERNAL_H_
 #define MODELCACHE_SRC_SERVE_DAEMON_INTERNAL_H_
 
@@ -48,6 +52,7 @@
 #include <chrono>
 #include <deque>
 #include <exception>
+#include <functional>
 #include <future>
 #include <map>
 #include <memory>
@@ -261,14 +266,24 @@ class Daemon::Impl {
   void AddWaiter(detail::Connection& c, const protocol::Request& r,
                  const CatalogModel& model);
   // Removes a waiter from every index; answers it with `code` when given.
+  // `in_queue` false: not from its model's list, which the caller rebuilds
+  // (and which then decides whether the model's queue goes).
   void RemoveWaiter(uint64_t seq, const ServeCode* code = nullptr,
-                    const std::string& message = "");
+                    const std::string& message = "", bool in_queue = true);
   void Dispatch(const std::string& model);
   void StartTask(const std::string& model);
   void StartPrefetch(
       const CatalogModel& model, bool pin,
       std::shared_ptr<std::promise<detail::PrefetchResult>> done);
   void StartQueued();
+  // Load slots (Limits::load_slots), shared by the loop's tasks and the
+  // keep-alive prewarms of the store's thread.
+  bool TryTakeSlot() MC_EXCLUDES(slots_mu_);
+  void GiveSlot() MC_EXCLUDES(slots_mu_);
+  int SlotsUsed() const MC_EXCLUDES(slots_mu_);
+  // Blocks until a slot is free; throws kUnavailable at shutdown.
+  void TakeSlotForPrewarm() MC_EXCLUDES(slots_mu_);
+  void StopSlotWaits() MC_EXCLUDES(slots_mu_);
   void Complete(std::shared_ptr<detail::Task> task);
   void ExpireWaiters(Clock::time_point now);
   void DrainEvents();
@@ -363,6 +378,10 @@ class Daemon::Impl {
   mutable base::Mutex live_mu_;
   std::set<detail::MemfdId> live_ MC_GUARDED_BY(live_mu_);
 
+  mutable base::Mutex slots_mu_;
+  base::CondVar slots_cv_;
+  int slots_used_ MC_GUARDED_BY(slots_mu_) = 0;
+
   mutable base::Mutex reading_mu_;
   std::map<std::string, int> reading_ MC_GUARDED_BY(reading_mu_);
 
@@ -379,6 +398,7 @@ class Daemon::Impl {
   std::atomic<uint64_t> protocol_errors_{0};
   detail::Histogram load_seconds_;
   detail::Histogram acquire_wait_seconds_;
+  detail::Histogram loop_iteration_seconds_;
   std::atomic<int> clients_{0};
   std::atomic<int> waiting_{0};
   std::atomic<int> orphaned_leases_{0};
@@ -443,6 +463,19 @@ class Daemon::Impl {
   base::CondVar expiry_cv_;
   bool expiry_stop_ MC_GUARDED_BY(expiry_mu_) = false;
   std::thread expiry_;
+
+  // The background thread (Redis's lazyfree): frees copies' files and runs
+  // other chores the loop must not wait for, in order. Started last in the
+  // constructor; drained and stopped last in the destructor.
+  void BackgroundThread() MC_EXCLUDES(background_mu_);
+  // Runs `chore` on the background thread (here, now, when it is stopped).
+  void Later(std::function<void()> chore) MC_EXCLUDES(background_mu_);
+  base::Mutex background_mu_;
+  base::CondVar background_cv_;
+  std::deque<std::function<void()>> chores_ MC_GUARDED_BY(background_mu_);
+  bool background_running_ MC_GUARDED_BY(background_mu_) = false;
+  bool background_stop_ MC_GUARDED_BY(background_mu_) = false;
+  std::thread background_;
 
   // The load throttle (null when off); its holds end early at shutdown.
   std::unique_ptr<detail::LoadThrottle> throttle_;

@@ -567,6 +567,11 @@ HttpResponse Daemon::Impl::Metrics() {
   Metric(&out, "modelcache_acquire_wait_seconds", "histogram",
          "How long acquires waited for their copy.");
   acquire_wait_seconds_.Render("modelcache_acquire_wait_seconds", &out);
+  Metric(&out, "modelcache_loop_iteration_seconds", "histogram",
+         "How long the event loop worked between two waits for events (from "
+         "epoll_wait returning to the next call): every client waits this "
+         "long at worst.");
+  loop_iteration_seconds_.Render("modelcache_loop_iteration_seconds", &out);
   if (throttle_) {
     // A testing and sizing knob: its settings, and what it cost.
     if (std::isfinite(throttle_->bytes_per_second())) {

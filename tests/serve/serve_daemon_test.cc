@@ -1008,10 +1008,19 @@ TEST_F(ServeTest, MetricsPassPromtool) {
   EXPECT_EQ(d.Metric("modelcache_load_duration_seconds_count"), 1);
 }
 
-TEST_F(ServeTest, SigtermAnswersWaitersAndExitsOnceTheLoadInFlightEnds) {
+// SIGTERM abandons a load in flight rather than finishing it (a copy is a
+// cache; a supervisor's stop timeout wants a prompt exit).
+TEST_F(ServeTest, SigtermAnswersWaitersAndAbandonsTheLoadInFlight) {
   AddModel("held", 256 * kKiB, 22);
   AddModel("slow", 256 * kKiB, 23);
   Daemon& d = StartDaemon("1GiB", {}, /*gate=*/true);
+  // Any read of the slow model's file from now on shows here (the start's
+  // catalog check has read its header already).
+  const int watch = ::inotify_init1(IN_NONBLOCK | IN_CLOEXEC);
+  ASSERT_GE(watch, 0);
+  ASSERT_GE(::inotify_add_watch(
+                watch, (root_ + "/slow/model.safetensors").c_str(), IN_ACCESS),
+            0);
   d.OpenGate();  // one load passes: 'held'
   Worker holder(d.socket());
   const auto got = holder.Ok("acquire held");
@@ -1023,12 +1032,17 @@ TEST_F(ServeTest, SigtermAnswersWaitersAndExitsOnceTheLoadInFlightEnds) {
   const std::string answer = waiter.Receive();
   EXPECT_THAT(answer, HasSubstr("error UNAVAILABLE"));
   EXPECT_THAT(answer, HasSubstr("shutting down"));
-  // The load of 'slow' is still in flight: the daemon waits for it.
+  // The load of 'slow' is still in flight (held at the gate, before its
+  // read): the daemon waits for it to stop.
   EXPECT_FALSE(d.process().Exited());
   EXPECT_FALSE(fs::exists(d.socket())) << "still accepting";
   d.CloseGate();
   const int status = d.process().Wait();
   EXPECT_TRUE(WIFEXITED(status) && WEXITSTATUS(status) == 0) << status;
+  char events[4096];
+  EXPECT_EQ(::read(watch, events, sizeof(events)), -1)
+      << "the load went on to read its file after SIGTERM";
+  ::close(watch);
   // The holder's copy outlives the daemon.
   EXPECT_EQ(holder.Ok("checksum"), std::vector<std::string>{got[1]});
 }

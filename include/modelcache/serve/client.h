@@ -30,7 +30,10 @@
 // parent's leases; the parent's leases are untouched. The child's first
 // call on a Client connects afresh (the first call after fork() must not
 // race another call on the same Client). The parent's socket is closed in
-// the child at fork.
+// the child at fork when it is one of the first 256 connections alive in
+// the process (a table of that size, lock-free for the atfork handler);
+// past that, the child keeps the descriptor open, unused, so that the
+// daemon sees the parent's connection end only once both have closed it.
 //
 // Releases: ~RemoteWeights never waits for the daemon. A release the
 // socket has no room for now (the daemon is slow to read) is queued and

@@ -110,8 +110,11 @@ struct DaemonOptions {
   // bandwidth among the loads moving bytes at that moment: n at once move
   // at bandwidth / n each. Its bytes start moving at max(start + latency,
   // the end of its real read), so the model holds as long as a real read
-  // takes no longer than the latency. Loads of every kind share it (replay
-  // lets its prewarms move only while no demand load does). +inf
+  // takes no longer than the latency. Loads of every kind share it and the
+  // load slots: acquires' loads, HTTP loads and pins, pinned models at
+  // start, and a keep-alive policy's prewarms (replay lets its prewarms
+  // move only while no demand load does; the store's keep-alive thread
+  // starts one only then). +inf
   // bandwidth and 0 latency: no throttle.
   double throttle_load_bytes_per_second =
       std::numeric_limits<double>::infinity();
@@ -145,12 +148,16 @@ struct HttpResponse {
 
 class Daemon {
  public:
-  // Validates the options and the catalog, opens the model root, creates
-  // and listens on the socket, books the orphaned copies of a predecessor
-  // and starts the load pool; then nothing happens until Run(). Throws
-  // modelcache::Error: CatalogError, weights::IoError (the root),
-  // kInvalidArgument (options, the socket's path or folder), kUnavailable
-  // (another daemon listens on the socket).
+  // Validates the options and the catalog (and its files, as
+  // CheckCatalog does), opens the model root, creates and listens on the
+  // socket, books the orphaned copies of a predecessor, and starts the load
+  // pool (and the expiry thread of a TTL policy): the pinned models' loads
+  // start now, before Run(), and a keep-alive policy's thread may prewarm.
+  // No client is answered (nor accepted) until Run(). Throws
+  // modelcache::Error: CatalogError, weights::IoError or
+  // weights::FormatError (the root, a catalog's file), kInvalidArgument
+  // (options, the socket's path or folder), kUnavailable (another daemon
+  // listens on the socket).
   explicit Daemon(DaemonOptions options);
   // Releases every lease and frees every copy; clients' mappings stay
   // valid. REQUIRES: Run() is not running.
@@ -159,8 +166,12 @@ class Daemon {
   Daemon& operator=(const Daemon&) = delete;
 
   // Serves until Shutdown() (or SIGTERM/SIGINT with handle_signals): then
-  // stops accepting, answers every waiting acquire with UNAVAILABLE, waits
-  // for the loads in flight, closes every connection and returns.
+  // stops accepting, answers every waiting acquire with UNAVAILABLE,
+  // abandons the loads in flight (each stops before its next file, or at
+  // once when it waits for room, a slot or the throttle; a file being read
+  // is read to its end), waits for them to have stopped, closes every
+  // connection and returns. A copy is a cache: nothing is lost, and a
+  // prompt exit is what a supervisor's stop timeout wants.
   void Run();
   // Thread-safe; async-signal-safe.
   void Shutdown();

@@ -638,7 +638,7 @@ void Daemon::Impl::Run() {
           ReleaseOrphanGroup(id);
           break;
         case kRestartPidTag:
-          RescanOrphans();
+          RestartPidExited(static_cast<pid_t>(id));
           break;
         case kPauseHookTag:
           PauseHook();
@@ -652,9 +652,7 @@ void Daemon::Impl::Run() {
     ExpireWaiters(after);
     if (after >= next_rescan_) {
       next_rescan_ = Clock::time_point::max();
-      RescanOrphans();
-      CheckOrphanGroups();
-      if (!orphan_groups_.empty()) ScheduleRescan();
+      StartRecheck();
     }
     CloseDoomed();
   }
@@ -680,16 +678,23 @@ void Daemon::Impl::DrainEvents() {
   }
   std::vector<std::shared_ptr<Task>> completed;
   std::vector<Command> commands;
+  std::vector<std::vector<detail::PidMemfds>> rechecked;
+  std::vector<detail::Reloaded> reloaded;
   {
     base::MutexLock lock(&inbox_mu_);
+    reloaded.swap(reloaded_);
     completed.swap(completed_);
     commands.swap(commands_);
+    rechecked.swap(rechecked_);
     if (health_answered_ != health_asked_) {
       health_answered_ = health_asked_;
       health_cv_.NotifyAll();
     }
   }
   for (auto& task : completed) Complete(std::move(task));
+  for (const auto& found : rechecked) ApplyRecheck(found);
+  for (detail::Reloaded& r : reloaded) ApplyReload(std::move(r));
+  if (capacity_applied_.exchange(false)) RetryBlockedByOrphans();
   for (Command& command : commands) {
     const std::shared_ptr<const Catalog> cat = catalog();
     const CatalogModel* model = cat->Find(command.model);
@@ -1081,12 +1086,17 @@ void Daemon::Impl::ScheduleRescan() {
   next_rescan_ = std::min(next_rescan_, Clock::now() + options_.orphan_rescan);
 }
 
-void Daemon::Impl::CheckOrphanGroups() {
+void Daemon::Impl::CheckOrphanGroups(
+    const std::vector<detail::PidMemfds>& found) {
+  std::map<pid_t, const detail::PidMemfds*> by_pid;
+  for (const detail::PidMemfds& f : found) {
+    if (f.known) by_pid[f.pid] = &f;
+  }
   std::vector<uint64_t> emptied;
   for (auto& [id, group] : orphan_groups_) {
-    std::vector<std::pair<uint64_t, uint64_t>> held;
-    if (!detail::ProcessMemfds(group.pid, memfd_prefix_, &held)) continue;
-    const std::set<std::pair<uint64_t, uint64_t>> set(held.begin(), held.end());
+    const auto f = by_pid.find(group.pid);
+    if (f == by_pid.end()) continue;  // not read: nothing is known
+    const std::set<std::pair<uint64_t, uint64_t>>& set = f->second->held;
     std::vector<uint64_t> keep;
     std::vector<uint64_t> release;
     {
@@ -1592,17 +1602,45 @@ void Daemon::Impl::BeginShutdown() {
 }
 
 void Daemon::Impl::DoReload() {
-  std::shared_ptr<const Catalog> fresh;
-  try {
-    fresh = std::make_shared<const Catalog>(
-        Catalog::FromFile(options_.catalog_path));
-    detail::CheckCatalogFiles(*fresh, root_fd_.get(), nullptr);
-  } catch (const std::exception& e) {
-    Log(std::string("reload failed, keeping the catalog: ") + e.what());
-    base::MutexLock lock(&catalog_mu_);
-    reload_error_ = e.what();
+  // Reading, parsing and checking the catalog (every file's header) is off
+  // the loop: the background thread does it and hands the result back.
+  if (reload_in_flight_) {
+    reload_again_ = true;  // the file may have changed since it was read
     return;
   }
+  reload_in_flight_ = true;
+  Later([this] {
+    detail::Reloaded result;
+    try {
+      result.catalog = std::make_shared<const Catalog>(
+          Catalog::FromFile(options_.catalog_path));
+      detail::CheckCatalogFiles(*result.catalog, root_fd_.get(), nullptr);
+    } catch (const std::exception& e) {
+      result.catalog = nullptr;
+      result.error = e.what();
+    }
+    {
+      base::MutexLock lock(&inbox_mu_);
+      reloaded_.push_back(std::move(result));
+    }
+    Wake();
+  });
+}
+
+void Daemon::Impl::ApplyReload(detail::Reloaded result) {
+  reload_in_flight_ = false;
+  if (reload_again_) {
+    reload_again_ = false;
+    DoReload();
+  }
+  if (stopping_) return;
+  if (!result.catalog) {
+    Log("reload failed, keeping the catalog: " + result.error);
+    base::MutexLock lock(&catalog_mu_);
+    reload_error_ = result.error;
+    return;
+  }
+  const std::shared_ptr<const Catalog> fresh = std::move(result.catalog);
   std::shared_ptr<const Catalog> old;
   {
     base::MutexLock lock(&catalog_mu_);
@@ -1656,6 +1694,12 @@ void Daemon::Impl::RescanOrphans() {
       o.pids.insert(m.pid);
     }
   }
+  BookRestartOrphans(std::move(found), unreadable, /*now=*/true);
+}
+
+void Daemon::Impl::BookRestartOrphans(
+    std::map<detail::MemfdId, detail::RestartOrphan> found, int unreadable,
+    bool now) {
   uint64_t total = 0;
   std::set<pid_t> pids;
   for (const auto& [id, o] : found) {
@@ -1671,24 +1715,26 @@ void Daemon::Impl::RescanOrphans() {
     }
   }
   for (const pid_t pid : pids) WatchPid(pid);
-  uint64_t before;
-  {
-    base::MutexLock lock(&capacity_mu_);
-    before = orphaned_;
-    orphaned_ = total;
-    ApplyCapacity();
-  }
-  if (total < before) {
-    // Room came back: loads held up by orphans try again.
-    std::vector<std::string> blocked;
-    for (auto& [model, q] : queues_) {
-      if (q.blocked_by_orphans) {
-        q.blocked_by_orphans = false;
-        if (!q.waiters.empty()) blocked.push_back(model);
-      }
+  const uint64_t before = orphaned_.exchange(total);
+  if (before != total) {
+    if (now) {
+      base::MutexLock lock(&capacity_mu_);
+      ApplyCapacity();
+    } else {
+      // Off the loop: it may wait for PUT /v1/budget's evictions. The
+      // orphaned bytes only shrink after start, so the store's capacity
+      // growing a little later keeps used + orphaned within the capacity.
+      Later([this] {
+        {
+          base::MutexLock lock(&capacity_mu_);
+          ApplyCapacity();
+        }
+        capacity_applied_ = true;  // the loop retries what orphans held up
+        Wake();
+      });
     }
-    for (const std::string& model : blocked) Dispatch(model);
   }
+  if (total < before && now) RetryBlockedByOrphans();
   if (before != total) {
     Log("orphaned copies of a predecessor: " + FormatBytes(total) + " in " +
         std::to_string(found.size()) + " memfds mapped by " +
@@ -1702,6 +1748,99 @@ void Daemon::Impl::RescanOrphans() {
   if (total > 0) ScheduleRescan();
 }
 
+void Daemon::Impl::RetryBlockedByOrphans() {
+  // Room came back: loads held up by orphans try again.
+  std::vector<std::string> blocked;
+  for (auto& [model, q] : queues_) {
+    if (q.blocked_by_orphans) {
+      q.blocked_by_orphans = false;
+      if (!q.waiters.empty()) blocked.push_back(model);
+    }
+  }
+  for (const std::string& model : blocked) Dispatch(model);
+}
+
+void Daemon::Impl::RestartPidExited(pid_t pid) {
+  std::map<detail::MemfdId, detail::RestartOrphan> orphans;
+  int unreadable;
+  {
+    base::MutexLock lock(&orphans_mu_);
+    orphans = restart_orphans_;
+    unreadable = unreadable_maps_;
+  }
+  for (auto it = orphans.begin(); it != orphans.end();) {
+    it->second.pids.erase(pid);
+    it = it->second.pids.empty() ? orphans.erase(it) : std::next(it);
+  }
+  BookRestartOrphans(std::move(orphans), unreadable, /*now=*/false);
+}
+
+void Daemon::Impl::StartRecheck() {
+  if (recheck_in_flight_) return;  // ApplyRecheck schedules the next
+  std::set<pid_t> pids;
+  for (const auto& [id, group] : orphan_groups_) pids.insert(group.pid);
+  {
+    base::MutexLock lock(&orphans_mu_);
+    for (const auto& [id, o] : restart_orphans_) {
+      pids.insert(o.pids.begin(), o.pids.end());
+    }
+  }
+  if (pids.empty()) return;
+  recheck_in_flight_ = true;
+  Later([this, pids] {
+    std::vector<detail::PidMemfds> found;
+    for (const pid_t pid : pids) {
+      std::vector<std::pair<uint64_t, uint64_t>> held;
+      detail::PidMemfds f;
+      f.pid = pid;
+      f.known = detail::ProcessMemfds(pid, memfd_prefix_, &held);
+      f.held.insert(held.begin(), held.end());
+      found.push_back(std::move(f));
+    }
+    {
+      base::MutexLock lock(&inbox_mu_);
+      rechecked_.push_back(std::move(found));
+    }
+    Wake();
+  });
+}
+
+void Daemon::Impl::ApplyRecheck(const std::vector<detail::PidMemfds>& found) {
+  recheck_in_flight_ = false;
+  CheckOrphanGroups(found);
+  std::map<pid_t, const detail::PidMemfds*> by_pid;
+  for (const detail::PidMemfds& f : found) {
+    if (f.known) by_pid[f.pid] = &f;
+  }
+  std::map<detail::MemfdId, detail::RestartOrphan> orphans;
+  int unreadable;
+  {
+    base::MutexLock lock(&orphans_mu_);
+    orphans = restart_orphans_;
+    unreadable = unreadable_maps_;
+  }
+  bool changed = false;
+  for (auto it = orphans.begin(); it != orphans.end();) {
+    for (auto p = it->second.pids.begin(); p != it->second.pids.end();) {
+      const auto f = by_pid.find(*p);
+      if (f != by_pid.end() &&
+          f->second->held.count({it->first.dev, it->first.inode}) == 0) {
+        p = it->second.pids.erase(p);  // it maps that copy no more
+        changed = true;
+      } else {
+        ++p;
+      }
+    }
+    it = it->second.pids.empty() ? orphans.erase(it) : std::next(it);
+  }
+  if (changed) {
+    BookRestartOrphans(std::move(orphans), unreadable, /*now=*/false);
+  } else if (!orphans.empty()) {
+    ScheduleRescan();
+  }
+  if (!orphan_groups_.empty()) ScheduleRescan();
+}
+
 void Daemon::Impl::WatchPid(pid_t pid) {
   if (restart_pids_.count(pid) != 0) return;
   base::UniqueFd fd(PidfdOpen(pid));
@@ -1713,14 +1852,14 @@ void Daemon::Impl::WatchPid(pid_t pid) {
 }
 
 void Daemon::Impl::ApplyCapacity() {
-  const uint64_t capacity =
-      configured_ > orphaned_ ? configured_ - orphaned_ : 0;
+  const uint64_t configured = configured_.load();
+  const uint64_t orphaned = orphaned_.load();
+  const uint64_t capacity = configured > orphaned ? configured - orphaned : 0;
   if (store_->budget().capacity() != capacity) store_->SetCapacity(capacity);
 }
 
 bool Daemon::Impl::TooLargeForOrphansOnly(uint64_t bytes) const {
-  base::MutexLock lock(&capacity_mu_);
-  return orphaned_ > 0 && bytes <= configured_;
+  return orphaned_.load() > 0 && bytes <= configured_.load();
 }
 
 Daemon::Impl::ReadingMark::ReadingMark(Impl* impl, std::string model)
@@ -1763,11 +1902,7 @@ std::string Daemon::Impl::HoldersNote(const std::string& model) const {
 }
 
 std::string Daemon::Impl::OrphanNote() const {
-  uint64_t orphaned;
-  {
-    base::MutexLock lock(&capacity_mu_);
-    orphaned = orphaned_;
-  }
+  const uint64_t orphaned = orphaned_.load();
   if (orphaned == 0) return "";
   return "; " + FormatBytes(orphaned) +
          " more are held by copies of a previous daemon that processes still "

@@ -208,6 +208,20 @@ struct OrphanGroup {
   std::vector<uint64_t> leases;
 };
 
+// What one process maps or holds of the daemon's memfds (ProcessMemfds);
+// `known` false when its /proc entries could not be read.
+struct PidMemfds {
+  pid_t pid = 0;
+  bool known = false;
+  std::set<std::pair<uint64_t, uint64_t>> held;
+};
+
+// A catalog read for a reload, or why it was refused.
+struct Reloaded {
+  std::shared_ptr<const Catalog> catalog;  // null when refused
+  std::string error;
+};
+
 struct RestartOrphan {
   uint64_t bytes = 0;
   std::string name;
@@ -288,12 +302,33 @@ class Daemon::Impl {
   void ExpireWaiters(Clock::time_point now);
   void DrainEvents();
   void BeginShutdown();
+  // SIGHUP or Reload(): reads the catalog on the background thread...
   void DoReload();
+  // ... and applies what it read, on the loop.
+  void ApplyReload(detail::Reloaded result);
 
+  // At start only: the whole machine's /proc/*/maps, for a predecessor's
+  // copies.
   void RescanOrphans() MC_EXCLUDES(orphans_mu_, capacity_mu_, live_mu_);
+  // After start, orphans are watched by the pids that hold them: their
+  // pidfds, and every orphan_rescan their own /proc/PID/maps, read on the
+  // background thread (StartRecheck) and handed back through the eventfd
+  // (ApplyRecheck).
+  void StartRecheck() MC_EXCLUDES(orphans_mu_, inbox_mu_);
+  void ApplyRecheck(const std::vector<detail::PidMemfds>& found)
+      MC_EXCLUDES(orphans_mu_, leases_mu_);
+  // A process mapping a predecessor's copy exited.
+  void RestartPidExited(pid_t pid) MC_EXCLUDES(orphans_mu_);
+  // Books `orphans` as the predecessor's copies still mapped: the orphaned
+  // bytes, the pidfds watched, the store's capacity (now when `now`, else
+  // on the background thread: after start the bytes only shrink).
+  void BookRestartOrphans(
+      std::map<detail::MemfdId, detail::RestartOrphan> orphans, int unreadable,
+      bool now) MC_EXCLUDES(orphans_mu_, capacity_mu_);
   // Releases the orphaned leases whose process maps none of their copy's
   // memfds and holds no descriptor of them any more.
-  void CheckOrphanGroups() MC_EXCLUDES(leases_mu_);
+  void CheckOrphanGroups(const std::vector<detail::PidMemfds>& found)
+      MC_EXCLUDES(leases_mu_);
   void ScheduleRescan();
   void ApplyCapacity() MC_REQUIRES(capacity_mu_);
   void WatchPid(pid_t pid);
@@ -310,7 +345,7 @@ class Daemon::Impl {
 
   // ---- helpers for both ----
   std::shared_ptr<const Catalog> catalog() const MC_EXCLUDES(catalog_mu_);
-  std::string OrphanNote() const MC_EXCLUDES(capacity_mu_);
+  std::string OrphanNote() const;
   // What holds the store's memory, but `model`: "'a' (5 MiB, 1 lease), ...".
   std::string HoldersNote(const std::string& model) const;
   // Whether a load of `model` is reading its files (or held by the
@@ -329,7 +364,7 @@ class Daemon::Impl {
     const std::string model_;
   };
   // Whether a copy of `bytes` is too large only because of orphans.
-  bool TooLargeForOrphansOnly(uint64_t bytes) const MC_EXCLUDES(capacity_mu_);
+  bool TooLargeForOrphansOnly(uint64_t bytes) const;
   void OnEvent(const CacheEvent& event) MC_EXCLUDES(stats_mu_);
 
   // ---- HTTP (http_api.cc) ----
@@ -365,9 +400,13 @@ class Daemon::Impl {
   // restarted daemon never hands out an id its predecessor did.
   uint64_t next_lease_ = 0;
 
+  // capacity_mu_ serialises the store's capacity changes (ApplyCapacity,
+  // which may evict): the HTTP thread of PUT /v1/budget and the background
+  // thread take it, the loop never does. The two numbers it applies are
+  // read anywhere without it.
   mutable base::Mutex capacity_mu_;
-  uint64_t configured_ MC_GUARDED_BY(capacity_mu_) = 0;
-  uint64_t orphaned_ MC_GUARDED_BY(capacity_mu_) = 0;
+  std::atomic<uint64_t> configured_{0};
+  std::atomic<uint64_t> orphaned_{0};
 
   mutable base::Mutex orphans_mu_;
   std::map<detail::MemfdId, detail::RestartOrphan> restart_orphans_
@@ -440,6 +479,15 @@ class Daemon::Impl {
     std::shared_ptr<std::promise<detail::PrefetchResult>> done;
   };
   std::vector<Command> commands_ MC_GUARDED_BY(inbox_mu_);
+  std::vector<std::vector<detail::PidMemfds>> rechecked_
+      MC_GUARDED_BY(inbox_mu_);
+  bool recheck_in_flight_ = false;  // loop-only
+  std::vector<detail::Reloaded> reloaded_ MC_GUARDED_BY(inbox_mu_);
+  bool reload_in_flight_ = false;  // loop-only
+  bool reload_again_ = false;      // loop-only
+  // The background thread applied a capacity that grew.
+  std::atomic<bool> capacity_applied_{false};
+  void RetryBlockedByOrphans();
   // Set when Run() has returned: commands are refused from then on.
   bool loop_done_ MC_GUARDED_BY(inbox_mu_) = false;
   uint64_t health_asked_ MC_GUARDED_BY(inbox_mu_) = 0;

@@ -435,13 +435,8 @@ HttpResponse Daemon::Impl::BudgetEndpoint(const HttpRequest& request) {
     ApplyCapacity();
   }
   const ModelCache& store = *store_;
-  uint64_t configured;
-  uint64_t orphaned;
-  {
-    base::MutexLock lock(&capacity_mu_);
-    configured = configured_;
-    orphaned = orphaned_;
-  }
+  const uint64_t configured = configured_.load();
+  const uint64_t orphaned = orphaned_.load();
   const uint64_t used = store.budget().used();
   const uint64_t capacity = store.budget().capacity();
   return Json(200, json{{"capacity_bytes", configured},
@@ -483,13 +478,8 @@ HttpResponse Daemon::Impl::Copies() {
 
 HttpResponse Daemon::Impl::Metrics() {
   const CacheStats stats = store_->Stats();
-  uint64_t configured;
-  uint64_t orphaned;
-  {
-    base::MutexLock lock(&capacity_mu_);
-    configured = configured_;
-    orphaned = orphaned_;
-  }
+  const uint64_t configured = configured_.load();
+  const uint64_t orphaned = orphaned_.load();
   int leases;
   {
     base::MutexLock lock(&leases_mu_);

@@ -1,5 +1,14 @@
-// The daemon's state, shared by its event loop (daemon.cc) and its HTTP API
-// (http_api.cc).
+// The daemon's state, shared by the files of its concerns:
+//   daemon.cc              the facade, the loop (Run), shutdown and reload
+//   daemon_setup.cc        setup and listening, teardown
+//   daemon_connections.cc  accept, credentials, read, write, doom, close
+//   daemon_leases.cc       leases and orphan groups
+//   daemon_waiters.cc      the waiters and the load queue, load slots
+//   daemon_orphans.cc      a predecessor's copies (restart orphans), capacity
+//   daemon_threads.cc      the pool, expiry and background threads
+//   daemon_metrics.cc      metric names; http_api.cc renders them
+//   event_loop.h           the epoll, pidfd and errno wrappers
+//   http_api.cc            the HTTP API
 //
 // Design note (states and who owns what).
 //
@@ -33,6 +42,31 @@
 // they are bytes taken off the store's capacity (capacity_ = configured_ -
 // orphaned_), recomputed from /proc/*/maps at start, when a process that
 // maps one exits, and every orphan_rescan while any remain.
+//
+// Lifecycle.
+//   starting (the constructor): options, catalog and every catalog file
+//     checked (as --check-catalog), root opened, the store made, the
+//     whole machine's /proc/*/maps scanned once for a predecessor's copies
+//     (booked as orphaned bytes, their pids watched), the socket bound, then
+//     the background thread, the pool and the expiry thread started, and
+//     the pinned models' loads queued (they run before Run()).
+//   serving (Run()): the loop answers clients; the pool loads; the
+//     background thread frees copies, reads the orphan holders'
+//     /proc/PID/maps every orphan_rescan and SIGHUP's catalog, handing
+//     results back through the eventfd (completed_, rechecked_, reloaded_).
+//   stopping (SIGTERM, Shutdown()): the socket is unlinked, waiters get
+//     UNAVAILABLE, slot waits and throttle holds end, and every load in
+//     flight stops at its next interrupt check or file; Run() returns once
+//     none runs. The destructor joins the pool and expiry threads, drops
+//     every lease and the store, then drains and joins the background
+//     thread (the last copies are freed there).
+//
+// The prewarm path: a keep-alive policy's thread in the store (never the
+// loop) asks prewarm_source for a model, and the store runs its loader:
+// it takes a load slot (TakeSlotForPrewarm, shared with the loop's tasks
+// through slots_mu_), reads the copy (ReadingMark: "its load is still
+// running") and takes the throttle like any load, then gives the slot back
+// and wakes the loop, which starts what waited for the slot.
 //
 // Ownership: loop-only members have no lock; everything the HTTP threads
 // read is under a mutex (leases_mu_, catalog_mu_, capacity_mu_, stats_mu_,
@@ -251,12 +285,13 @@ class Daemon::Impl {
  private:
   using Clock = modelcache::Clock;
 
-  // ---- setup (daemon.cc) ----
+  // ---- setup (daemon_setup.cc; Log: daemon.cc) ----
   void Log(const std::string& line) const;
   void Listen();
   void CreateStore();
 
-  // ---- the loop (daemon.cc) ----
+  // ---- the loop (daemon.cc, daemon_connections.cc, daemon_leases.cc,
+  // daemon_waiters.cc, daemon_orphans.cc) ----
   void Accept();
   void Readable(detail::Connection& c);
   void Writable(detail::Connection& c);
@@ -337,7 +372,7 @@ class Daemon::Impl {
   // DaemonOptions::test_pause_reads_fd is readable.
   void PauseHook();
 
-  // ---- the pool (daemon.cc) ----
+  // ---- the pool (daemon_threads.cc) ----
   void PoolThread();
   void RunTask(detail::Task& task);
   // The test gate (DaemonOptions::test_load_gate_fd), before each file.

@@ -365,7 +365,9 @@ class Daemon::Impl {
   void CheckOrphanGroups(const std::vector<detail::PidMemfds>& found)
       MC_EXCLUDES(leases_mu_);
   void ScheduleRescan();
-  void ApplyCapacity() MC_REQUIRES(capacity_mu_);
+  // Sets the store's capacity to the configured one less `orphaned`, then
+  // publishes `orphaned` (orphaned_).
+  void ApplyCapacity(uint64_t orphaned) MC_REQUIRES(capacity_mu_);
   void WatchPid(pid_t pid);
   // The epoll events a connection's socket is watched for now.
   uint32_t ConnectionEvents(const detail::Connection& c) const;
@@ -517,6 +519,7 @@ class Daemon::Impl {
   std::vector<std::vector<detail::PidMemfds>> rechecked_
       MC_GUARDED_BY(inbox_mu_);
   bool recheck_in_flight_ = false;  // loop-only
+  uint64_t booked_orphaned_ = 0;    // loop-only: orphaned_ once applied
   std::vector<detail::Reloaded> reloaded_ MC_GUARDED_BY(inbox_mu_);
   bool reload_in_flight_ = false;  // loop-only
   bool reload_again_ = false;      // loop-only

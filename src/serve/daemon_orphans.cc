@@ -78,19 +78,22 @@ void Daemon::Impl::BookRestartOrphans(
     }
   }
   for (const pid_t pid : pids) WatchPid(pid);
-  const uint64_t before = orphaned_.exchange(total);
+  const uint64_t before = booked_orphaned_;
+  booked_orphaned_ = total;
   if (before != total) {
     if (now) {
       base::MutexLock lock(&capacity_mu_);
-      ApplyCapacity();
+      ApplyCapacity(total);
     } else {
       // Off the loop: it may wait for PUT /v1/budget's evictions. The
-      // orphaned bytes only shrink after start, so the store's capacity
-      // growing a little later keeps used + orphaned within the capacity.
-      Later([this] {
+      // orphaned bytes only shrink after start, and /v1/budget shows the
+      // new figure only once the store's capacity has grown by it, so
+      // used + orphaned stays within the capacity, and room the books show
+      // is room an acquire finds.
+      Later([this, total] {
         {
           base::MutexLock lock(&capacity_mu_);
-          ApplyCapacity();
+          ApplyCapacity(total);
         }
         capacity_applied_ = true;  // the loop retries what orphans held up
         Wake();
@@ -214,11 +217,11 @@ void Daemon::Impl::WatchPid(pid_t pid) {
   restart_pids_.emplace(pid, std::move(fd));
 }
 
-void Daemon::Impl::ApplyCapacity() {
+void Daemon::Impl::ApplyCapacity(uint64_t orphaned) {
   const uint64_t configured = configured_.load();
-  const uint64_t orphaned = orphaned_.load();
   const uint64_t capacity = configured > orphaned ? configured - orphaned : 0;
   if (store_->budget().capacity() != capacity) store_->SetCapacity(capacity);
+  orphaned_ = orphaned;
 }
 
 bool Daemon::Impl::TooLargeForOrphansOnly(uint64_t bytes) const {

@@ -432,7 +432,7 @@ HttpResponse Daemon::Impl::BudgetEndpoint(const HttpRequest& request) {
     if (capacity == 0) return Problem(400, "capacity_bytes must be above 0");
     base::MutexLock lock(&capacity_mu_);
     configured_ = capacity;
-    ApplyCapacity();
+    ApplyCapacity(orphaned_.load());
   }
   const ModelCache& store = *store_;
   const uint64_t configured = configured_.load();

@@ -247,8 +247,8 @@ void AddServeOptions(CLI::App& c, ServeFlags& f) {
   c.add_option("--ready-grace", f.ready_grace,
                "/readyz stays 503 this long after start (2s)");
   c.add_option("--orphan-rescan", f.orphan_rescan,
-               "How often a predecessor's orphaned copies are looked for "
-               "while any remain (1s)");
+               "How often the processes mapping orphaned copies have their "
+               "/proc/PID/maps read again while any remain (1s)");
   c.add_flag("--per-model-metrics", f.per_model_metrics,
              "Per-model series in /metrics");
   c.add_flag("--check-catalog", f.check_catalog,

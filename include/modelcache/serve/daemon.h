@@ -14,7 +14,8 @@
 // still lives its leases become *orphaned*: still counted and never evicted,
 // they end when the process's pidfd (opened from the peer's credentials at
 // accept) says it exited, or once the process neither maps their copy nor
-// holds a descriptor of it (looked up in /proc every orphan_rescan). A
+// holds a descriptor of it (its /proc/PID entries, read every orphan_rescan
+// off the event loop). A
 // connection also ends when its process exits while the socket stays open
 // (inherited by a child, say). So no copy a live process was given is freed
 // under it, and no dead process holds memory.
@@ -23,7 +24,9 @@
 // of its own instance name that processes still map (copies its predecessor
 // handed out), books them as orphaned bytes outside the store (the store's
 // capacity is the configured one minus those bytes, so used + orphaned never
-// exceeds it), and rescans until they are gone.
+// exceeds it), and from then on watches the processes that map them (their
+// pidfds, and their own /proc/PID/maps every orphan_rescan) until they are
+// gone; the whole machine is scanned only at start.
 //
 // Threads: Run() is the event loop (epoll over the listening socket, the
 // connections, their pidfds, a signalfd and an eventfd). A hit is served on
@@ -32,9 +35,12 @@
 // Limits::load_slots at a time, and the loop hands every request waiting on
 // that model a lease when it completes. A client is never waited for: its
 // replies are sent without blocking, queued when its socket is full, and the
-// connection is closed when the queue passes its limit. HandleHttp is
-// thread-safe: the HTTP API reads the store and the lease table under their
-// locks and asks the loop for loads.
+// connection is closed when the queue passes its limit. Nothing that scans,
+// frees, parses or waits on a lock held across evictions runs on the loop:
+// copies are freed, orphans' /proc entries and SIGHUP's catalog read, and
+// capacity changes applied on a background thread, whose results come back
+// through the eventfd. HandleHttp is thread-safe: the HTTP API reads the
+// store and the lease table under their locks and asks the loop for loads.
 #ifndef MODELCACHE_SERVE_DAEMON_H_
 #define MODELCACHE_SERVE_DAEMON_H_
 
@@ -86,9 +92,9 @@ struct DaemonOptions {
   // /readyz stays 503 this long after start, so that clients reconnecting
   // after a restart settle before a balancer sends traffic.
   std::chrono::milliseconds ready_grace{2000};
-  // How often orphaned copies of a predecessor, and the processes holding
-  // orphaned leases, are looked at again while any remain (also whenever a
-  // process that maps a predecessor's copy exits).
+  // How often the processes that map a predecessor's orphaned copies, and
+  // those holding orphaned leases, have their /proc/PID entries read again
+  // while any remain (an exit is seen at once, through its pidfd).
   std::chrono::milliseconds orphan_rescan{1000};
   // Per-model series in /metrics (a label per model: the operator's choice
   // of cardinality).

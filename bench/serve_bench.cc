@@ -18,17 +18,29 @@
 //       byte of a resident model, against a kPread load with a warm page
 //       cache; timed inside the new process from the start of main().
 //
+//   modelcache_serve_bench loop [--bytes 2GiB] [--idle-processes 500]
+//       [--out F]
+//       The event loop under load: the p99 and max of a client's ping round
+//       trip, in one run, while idle; while one orphan group exists and
+//       500 idle processes run; while a copy of --bytes is freed by an
+//       unload; while a 1,000-model catalog is reloaded (SIGHUP); while
+//       PUT /v1/budget evicts 100 copies. Each phase pings for a fixed
+//       window from the moment its action starts.
+//
 // Not a test: nothing here asserts a time. The figures go to the README
 // with the command that produced them.
 #include <fcntl.h>
 #include <poll.h>
 #include <signal.h>
 #include <spawn.h>
+#include <sys/socket.h>
 #include <sys/stat.h>
+#include <sys/un.h>
 #include <sys/wait.h>
 #include <unistd.h>
 
 #include <algorithm>
+#include <atomic>
 #include <chrono>
 #include <cstdint>
 #include <cstdio>
@@ -36,12 +48,14 @@
 #include <cstring>
 #include <filesystem>
 #include <fstream>
+#include <functional>
 #include <iostream>
 #include <map>
 #include <memory>
 #include <nlohmann/json.hpp>
 #include <sstream>
 #include <string>
+#include <thread>
 #include <vector>
 
 #include "modelcache/base/bytes.h"
@@ -286,7 +300,22 @@ int Acquire(uint64_t bytes, int iterations, const std::string& out) {
 
 // worker MODE PATH: loads (daemon: acquires) and touches every page, says
 // "ready FIRST_US LAST_US", then holds everything until stdin closes.
+// worker orphan PATH: acquires "small0", closes its connection while it
+// still maps the copy (an orphan group in the daemon), says "ready", and
+// holds it until stdin closes.
 int WorkerMain(const std::string& mode, const std::string& path) {
+  if (mode == "orphan") {
+    auto client = modelcache::serve::Client::Connect(path);
+    modelcache::serve::RemoteWeights held =
+        client.Acquire("small0", std::chrono::seconds(600));
+    client.Close();
+    std::printf("ready\n");
+    std::fflush(stdout);
+    char c;
+    while (::read(0, &c, 1) > 0) {
+    }
+    return held.tensors().empty() ? 1 : 0;
+  }
   std::optional<modelcache::serve::Client> client;
   modelcache::serve::RemoteWeights remote;
   std::optional<w::WeightSet> local;
@@ -456,6 +485,200 @@ int FirstTensor(uint64_t bytes, int runs, const std::string& out) {
   return 0;
 }
 
+// ---- loop ----
+
+// One HTTP/1.0 request over the daemon's admin socket; returns the status.
+int AdminHttp(const std::string& socket, const std::string& method,
+              const std::string& path, const std::string& body = "") {
+  const int fd = ::socket(AF_UNIX, SOCK_STREAM | SOCK_CLOEXEC, 0);
+  sockaddr_un address{};
+  address.sun_family = AF_UNIX;
+  std::strncpy(address.sun_path, socket.c_str(), sizeof(address.sun_path) - 1);
+  if (::connect(fd, reinterpret_cast<sockaddr*>(&address), sizeof(address)) !=
+      0) {
+    Die("cannot reach the admin socket " + socket);
+  }
+  const std::string request = method + " " + path +
+                              " HTTP/1.0\r\nHost: x\r\nContent-Type: "
+                              "application/json\r\nContent-Length: " +
+                              std::to_string(body.size()) + "\r\n\r\n" + body;
+  if (::write(fd, request.data(), request.size()) !=
+      static_cast<ssize_t>(request.size())) {
+    Die("write to the admin socket");
+  }
+  std::string reply;
+  char buffer[4096];
+  ssize_t n;
+  while ((n = ::read(fd, buffer, sizeof(buffer))) > 0) {
+    reply.append(buffer, static_cast<size_t>(n));
+  }
+  ::close(fd);
+  const size_t space = reply.find(' ');
+  return space == std::string::npos ? 0 : std::atoi(reply.c_str() + space + 1);
+}
+
+int Loop(uint64_t bytes, int idle_processes, const std::string& out) {
+  Setup s(bytes);  // "model": the big copy
+  // 100 small models (the budget's evictions) and 899 tiny ones: a catalog
+  // of 1,000 with the big one.
+  const uint64_t small_bytes = 256 << 10;
+  std::vector<std::string> small;
+  for (int i = 0; i < 100; ++i) {
+    const std::string id = "small" + std::to_string(i);
+    w::SafetensorsWriter writer;
+    writer.AddTensor("t", w::Dtype::kF32, {small_bytes / 4},
+                     w::PatternFill(static_cast<uint64_t>(i)));
+    writer.Write(s.root + "/" + id + ".safetensors");
+    small.push_back(id);
+  }
+  for (int i = 0; i < 899; ++i) {
+    w::SafetensorsWriter writer;
+    writer.AddTensor("t", w::Dtype::kF32, {16},
+                     w::PatternFill(static_cast<uint64_t>(i)));
+    writer.Write(s.root + "/tiny" + std::to_string(i) + ".safetensors");
+  }
+  const auto write_catalog = [&](bool thousand) {
+    json models = json::array();
+    models.push_back({{"id", "model"}, {"files", {"model.safetensors"}}});
+    for (const std::string& id : small) {
+      models.push_back({{"id", id}, {"files", {id + ".safetensors"}}});
+    }
+    if (thousand) {
+      for (int i = 0; i < 899; ++i) {
+        const std::string id = "tiny" + std::to_string(i);
+        models.push_back({{"id", id}, {"files", {id + ".safetensors"}}});
+      }
+    }
+    std::ofstream(s.catalog) << json{{"models", models}}.dump();
+  };
+  write_catalog(false);
+  const uint64_t capacity = bytes * 2 + 200 * small_bytes * 2;
+  int ready[2];
+  if (::pipe2(ready, O_CLOEXEC) != 0) Die("pipe");
+  const int high = ::fcntl(ready[1], F_DUPFD_CLOEXEC, 64);
+  ::close(ready[1]);
+  Child daemon({MODELCACHE_CLI, "serve", "--catalog", s.catalog, "--model-root",
+                s.root, "--socket", s.socket, "--http", "off",
+                "--host-capacity", std::to_string(capacity), "--ready-grace",
+                "0", "--orphan-rescan", "100ms", "--ready-fd", "3"},
+               3, high);
+  ::close(high);
+  {
+    char buffer[1024];
+    while (::read(ready[0], buffer, sizeof(buffer)) > 0) {
+    }
+    ::close(ready[0]);
+  }
+  const std::string admin = s.socket + ".admin";
+
+  // The pinger: its own connection, pinging back to back.
+  struct Sample {
+    Clock::time_point at;
+    double us;
+  };
+  std::vector<Sample> samples;
+  samples.reserve(1 << 22);
+  std::atomic<bool> stop{false};
+  std::thread pinger([&] {
+    auto client = modelcache::serve::Client::Connect(s.socket);
+    while (!stop.load()) {
+      const auto t0 = Clock::now();
+      client.Ping(std::chrono::seconds(60));
+      samples.push_back(
+          {t0, std::chrono::duration<double, std::micro>(Clock::now() - t0)
+                   .count()});
+    }
+  });
+  const auto window = std::chrono::milliseconds(1500);
+  struct Phase {
+    std::string name;
+    Clock::time_point start;
+    Clock::time_point end;
+  };
+  std::vector<Phase> phases;
+  const auto run_phase = [&](const std::string& name,
+                             const std::function<void()>& action) {
+    Phase p{name, Clock::now(), {}};
+    action();
+    ::poll(nullptr, 0, static_cast<int>(window.count()));  // the window
+    p.end = Clock::now();
+    phases.push_back(p);
+    std::cerr << "phase done: " << name << "\n";
+  };
+
+  run_phase("idle", [] {});
+
+  // One orphan group (a worker that closed its socket and still maps its
+  // copy) while many idle processes run.
+  std::vector<std::unique_ptr<Child>> sleepers;
+  for (int i = 0; i < idle_processes; ++i) {
+    sleepers.push_back(std::make_unique<Child>(
+        std::vector<std::string>{"/bin/sleep", "3600"}));
+  }
+  auto orphan = std::make_unique<Child>(
+      std::vector<std::string>{Self(), "worker", "orphan", s.socket}, -1, -1,
+      /*pipes=*/true);
+  if (orphan->ReadLine() != "ready") Die("the orphan worker did not start");
+  run_phase(
+      "one orphan group, " + std::to_string(idle_processes) + " idle processes",
+      [] {});
+  orphan.reset();
+  sleepers.clear();
+
+  if (AdminHttp(admin, "POST", "/v1/models/model/load") != 200) {
+    Die("cannot load the big model");
+  }
+  run_phase("unload frees a copy of " + modelcache::FormatBytes(bytes), [&] {
+    if (AdminHttp(admin, "POST", "/v1/models/model/unload") != 200) {
+      Die("cannot unload the big model");
+    }
+  });
+
+  write_catalog(true);
+  run_phase("SIGHUP reloads a 1,000-model catalog",
+            [&] { ::kill(daemon.pid(), SIGHUP); });
+
+  for (const std::string& id : small) {
+    if (AdminHttp(admin, "POST", "/v1/models/" + id + "/load") != 200) {
+      Die("cannot load " + id);
+    }
+  }
+  run_phase("PUT /v1/budget evicts 100 copies", [&] {
+    AdminHttp(admin, "PUT", "/v1/budget", "{\"capacity_bytes\": 4096}");
+  });
+
+  stop = true;
+  pinger.join();
+  daemon.Stop(SIGTERM);
+
+  json rows = json::array();
+  std::printf("%-44s %8s %10s %10s %10s\n", "situation", "pings", "p50 us",
+              "p99 us", "max us");
+  for (const Phase& p : phases) {
+    std::vector<double> v;
+    for (const Sample& x : samples) {
+      if (x.at >= p.start && x.at < p.end) v.push_back(x.us);
+    }
+    if (v.empty()) continue;
+    const double p50 = Percentile(v, 0.5);
+    const double p99 = Percentile(v, 0.99);
+    const double max = *std::max_element(v.begin(), v.end());
+    std::printf("%-44s %8zu %10.1f %10.1f %10.1f\n", p.name.c_str(), v.size(),
+                p50, p99, max);
+    rows.push_back({{"situation", p.name},
+                    {"pings", v.size()},
+                    {"p50_us", p50},
+                    {"p99_us", p99},
+                    {"max_us", max}});
+  }
+  Write(out, {{"benchmark", "serve_loop"},
+              {"bytes", bytes},
+              {"idle_processes", idle_processes},
+              {"window_ms", window.count()},
+              {"phases", rows}});
+  return 0;
+}
+
 }  // namespace
 
 int main(int argc, char** argv) {
@@ -464,7 +687,7 @@ int main(int argc, char** argv) {
   }
   if (argc < 2) {
     std::fprintf(stderr,
-                 "usage: %s acquire|memory|first-tensor [--bytes B] "
+                 "usage: %s acquire|memory|first-tensor|loop [--bytes B] "
                  "[--iterations N] [--workers 1,2,4,8] [--runs N] [--out F]\n",
                  argv[0]);
     return 2;
@@ -473,6 +696,7 @@ int main(int argc, char** argv) {
   uint64_t bytes = mode == "acquire" ? uint64_t{8} << 20 : uint64_t{2} << 30;
   int iterations = 20000;
   int runs = 10;
+  int idle_processes = 500;
   std::vector<int> workers = {1, 2, 4, 8};
   std::string out;
   for (int i = 2; i + 1 < argc; i += 2) {
@@ -482,6 +706,8 @@ int main(int argc, char** argv) {
       bytes = modelcache::ParseBytes(value);
     } else if (flag == "--iterations") {
       iterations = std::stoi(value);
+    } else if (flag == "--idle-processes") {
+      idle_processes = std::stoi(value);
     } else if (flag == "--runs") {
       runs = std::stoi(value);
     } else if (flag == "--out") {
@@ -499,5 +725,6 @@ int main(int argc, char** argv) {
   if (mode == "acquire") return Acquire(bytes, iterations, out);
   if (mode == "memory") return Memory(bytes, workers, out);
   if (mode == "first-tensor") return FirstTensor(bytes, runs, out);
+  if (mode == "loop") return Loop(bytes, idle_processes, out);
   Die("unknown mode " + mode);
 }

@@ -412,3 +412,35 @@ def test_a_full_node_answers_503_at_once(node):
     daemon.kill()
     status, headers, body = request(server.uds, "GET", "/readyz")
     assert (status, body["ready"], headers["Retry-After"]) == (503, False, "1"), body
+
+
+def test_a_cold_worker_answers_503_within_connect_timeout(node):
+    """A worker started while the daemon is down answers every request 503
+    within CONNECT_TIMEOUT (it never reached the daemon: the connect itself
+    is bounded, and after a failure it backs off rather than trying again in
+    full on each request), then serves once the daemon is up."""
+    daemon = node()
+    daemon.kill()  # its socket stays, with nobody behind it
+    timeout = 0.3
+    server = node.server(daemon, workers=1,
+                         env={"CONNECT_TIMEOUT": str(timeout),
+                              "CONNECT_BACKOFF_MAX": "0.2"})
+    for i in range(8):
+        model_id = list(models.SHAPES)[i % 5]
+        start = time.monotonic()
+        status, headers, body = request(server.uds, "POST",
+                                        f"/v1/models/{model_id}/infer",
+                                        {"inputs": inputs_for(model_id, i)})
+        elapsed = time.monotonic() - start
+        assert (status, body["error"], headers["Retry-After"]) == (503, "UNAVAILABLE", "1"), body
+        # The worker's own measure of the wait, and the whole round trip.
+        assert float(headers["X-Wait-Ms"]) <= timeout * 1000 + 50, (i, headers["X-Wait-Ms"])
+        assert elapsed < timeout + 2, (i, elapsed)
+    node()  # the daemon is back: the worker connects after its backoff
+    inputs = inputs_for("m0", 99)
+    wait_until(lambda: request(server.uds, "POST", "/v1/models/m0/infer",
+                               {"inputs": inputs})[0] == 200,
+               "the cold worker reaches the daemon once it is up", bound=60,
+               step=0.05)
+    check_answer("m0", *request(server.uds, "POST", "/v1/models/m0/infer",
+                                {"inputs": inputs}), inputs)

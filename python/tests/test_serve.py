@@ -134,13 +134,16 @@ def test_errors_are_the_package_classes_with_the_daemon_code(node):
     root = node.root
     write_safetensors(root / "big.safetensors",
                       {"w": np.zeros(3 << 20, dtype=np.float32)})  # 12 MiB
-    (root / "bad.safetensors").write_bytes(b"\x08" + b"\x00" * 7 + b'{"w": 1}')
+    # Valid while the daemon starts (it refuses what --check-catalog
+    # refuses), broken before its first load.
+    write_safetensors(root / "bad.safetensors", {"w": np.zeros(4, dtype=np.float32)})
     write_catalog(node.tmp / "catalog.json", [
         {"id": "a", "files": ["a.safetensors"]},
         {"id": "big", "files": ["big.safetensors"]},
         {"id": "bad", "files": ["bad.safetensors"]},
     ])
     daemon = node(capacity="8MiB")
+    (root / "bad.safetensors").write_bytes(b"\x08" + b"\x00" * 7 + b'{"w": 1}')
     client = modelcache.serve.connect(daemon.socket)
     with pytest.raises(errors.NotFoundError) as e:
         client.acquire("nope")

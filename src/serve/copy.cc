@@ -33,10 +33,18 @@ int FileCopy::data_fd() const {
 }
 
 ModelCopy::~ModelCopy() {
-  if (!observer_) return;
-  for (const FileCopy& file : files_) {
-    observer_(file.data_id, false);
-    observer_(file.header_id, false);
+  if (observer_) {
+    for (const FileCopy& file : files_) {
+      observer_(file.data_id, false);
+      observer_(file.header_id, false);
+    }
+  }
+  if (free_later_ && !files_.empty()) {
+    try {
+      free_later_(std::move(files_));
+    } catch (...) {
+      // No memory to queue it: freed here, now.
+    }
   }
 }
 
@@ -115,31 +123,18 @@ std::shared_ptr<ModelCopy> LoadCopy(const CopyLoadOptions& options,
     }
     copy->observer_ = options.observer;
   }
+  copy->free_later_ = options.free_later;
   return copy;
 }
 
-}  // namespace modelcache::serve::detail
-
-namespace modelcache::serve {
-
-CatalogCheck CheckCatalog(const std::string& catalog_path,
-                          const std::string& model_root) {
-  const Catalog catalog = Catalog::FromFile(catalog_path);
-  size_t files = 0;
+uint64_t CheckCatalogFiles(
+    const Catalog& catalog, int root_fd,
+    std::vector<std::pair<std::string, uint64_t>>* copy_bytes_out) {
   uint64_t bytes = 0;
-  for (const CatalogModel& m : catalog.models()) files += m.files.size();
-  const size_t models = catalog.models().size();
-  std::string summary = catalog_path + ": " + std::to_string(models) +
-                        (models == 1 ? " model, " : " models, ") +
-                        std::to_string(files) +
-                        (files == 1 ? " file" : " files");
-  if (model_root.empty()) return {summary + " (files not checked)", {}};
-  CatalogCheck check;
-  const base::UniqueFd root = detail::OpenRoot(model_root);
   for (const CatalogModel& m : catalog.models()) {
     uint64_t copy_bytes = 0;
     for (const std::string& file : m.files) {
-      const base::UniqueFd fd = detail::OpenBeneath(root.get(), file);
+      const base::UniqueFd fd = OpenBeneath(root_fd, file);
       struct stat st;
       if (::fstat(fd.get(), &st) != 0) {
         throw weights::IoError(file, "cannot stat", errno);
@@ -172,8 +167,31 @@ CatalogCheck CheckCatalog(const std::string& catalog_path,
                     weights::PageRoundedBytes(
                         weights::SafetensorsHeaderJson(header).size());
     }
-    check.copy_bytes.emplace_back(m.id, copy_bytes);
+    if (copy_bytes_out != nullptr)
+      copy_bytes_out->emplace_back(m.id, copy_bytes);
   }
+  return bytes;
+}
+
+}  // namespace modelcache::serve::detail
+
+namespace modelcache::serve {
+
+CatalogCheck CheckCatalog(const std::string& catalog_path,
+                          const std::string& model_root) {
+  const Catalog catalog = Catalog::FromFile(catalog_path);
+  size_t files = 0;
+  for (const CatalogModel& m : catalog.models()) files += m.files.size();
+  const size_t models = catalog.models().size();
+  std::string summary = catalog_path + ": " + std::to_string(models) +
+                        (models == 1 ? " model, " : " models, ") +
+                        std::to_string(files) +
+                        (files == 1 ? " file" : " files");
+  if (model_root.empty()) return {summary + " (files not checked)", {}};
+  CatalogCheck check;
+  const base::UniqueFd root = detail::OpenRoot(model_root);
+  const uint64_t bytes =
+      detail::CheckCatalogFiles(catalog, root.get(), &check.copy_bytes);
   check.summary =
       summary + " under " + model_root + ", " + FormatBytes(bytes) + ": valid";
   return check;

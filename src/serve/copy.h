@@ -76,6 +76,7 @@ class ModelCopy : public std::enable_shared_from_this<ModelCopy> {
                                              const CatalogModel&);
   const std::string model_;
   MemfdObserver observer_;  // set once the copy is complete
+  std::function<void(std::vector<FileCopy>)> free_later_;  // likewise
   std::vector<FileCopy> files_;
   uint64_t bytes_ = 0;
 };
@@ -88,6 +89,12 @@ struct CopyLoadOptions {
   int threads = 4;  // pread threads per file
   bool use_openat2 = true;
   MemfdObserver observer;
+  // When set, a complete copy's destructor hands its files (the mappings
+  // and memfds, whose pages the kernel frees, which takes real time for a
+  // large copy) to this rather than freeing them on the thread that let go
+  // of the copy: the daemon frees them on a background thread (as Redis's
+  // lazyfree does), off its event loop. The observer has been told first.
+  std::function<void(std::vector<FileCopy>)> free_later;
   // Runs before each file's data is read (the daemon's load slots and its
   // test hooks); may throw to abandon the load.
   std::function<void(uint64_t data_bytes)> before_read;
@@ -104,6 +111,15 @@ uint64_t ExpectedCopyBytes(const CopyLoadOptions& options,
 // modelcache::Error; nothing stays allocated on failure.
 std::shared_ptr<ModelCopy> LoadCopy(const CopyLoadOptions& options,
                                     const CatalogModel& model);
+
+// What CheckCatalog checks of the files, for a catalog already parsed and
+// a root already open: what `modelcache serve --check-catalog` refuses, the
+// daemon refuses at start and on reload, with the same message. Returns the
+// bytes of every file, and fills `copy_bytes` (when not null) as
+// CatalogCheck::copy_bytes says. Throws as CheckCatalog does.
+uint64_t CheckCatalogFiles(
+    const Catalog& catalog, int root_fd,
+    std::vector<std::pair<std::string, uint64_t>>* copy_bytes);
 
 }  // namespace modelcache::serve::detail
 

@@ -1,5 +1,14 @@
-// The daemon's state, shared by its event loop (daemon.cc) and its HTTP API
-// (http_api.cc).
+// The daemon's state, shared by the files of its concerns:
+//   daemon.cc              the facade, the loop (Run), shutdown and reload
+//   daemon_setup.cc        setup and listening, teardown
+//   daemon_connections.cc  accept, credentials, read, write, doom, close
+//   daemon_leases.cc       leases and orphan groups
+//   daemon_waiters.cc      the waiters and the load queue, load slots
+//   daemon_orphans.cc      a predecessor's copies (restart orphans), capacity
+//   daemon_threads.cc      the pool, expiry and background threads
+//   daemon_metrics.cc      metric names; http_api.cc renders them
+//   event_loop.h           the epoll, pidfd and errno wrappers
+//   http_api.cc            the HTTP API
 //
 // Design note (states and who owns what).
 //
@@ -34,10 +43,39 @@
 // orphaned_), recomputed from /proc/*/maps at start, when a process that
 // maps one exits, and every orphan_rescan while any remain.
 //
+// Lifecycle.
+//   starting (the constructor): options, catalog and every catalog file
+//     checked (as --check-catalog), root opened, the store made, the
+//     whole machine's /proc/*/maps scanned once for a predecessor's copies
+//     (booked as orphaned bytes, their pids watched), the socket bound, then
+//     the background thread, the pool and the expiry thread started, and
+//     the pinned models' loads queued (they run before Run()).
+//   serving (Run()): the loop answers clients; the pool loads; the
+//     background thread frees copies, reads the orphan holders'
+//     /proc/PID/maps every orphan_rescan and SIGHUP's catalog, handing
+//     results back through the eventfd (completed_, rechecked_, reloaded_).
+//   stopping (SIGTERM, Shutdown()): the socket is unlinked, waiters get
+//     UNAVAILABLE, slot waits and throttle holds end, and every load in
+//     flight stops at its next interrupt check or file; Run() returns once
+//     none runs. The destructor joins the pool and expiry threads, drops
+//     every lease and the store, then drains and joins the background
+//     thread (the last copies are freed there).
+//
+// The prewarm path: a keep-alive policy's thread in the store (never the
+// loop) asks prewarm_source for a model, and the store runs its loader:
+// it takes a load slot (TakeSlotForPrewarm, shared with the loop's tasks
+// through slots_mu_), reads the copy (ReadingMark: "its load is still
+// running") and takes the throttle like any load, then gives the slot back
+// and wakes the loop, which starts what waited for the slot.
+//
 // Ownership: loop-only members have no lock; everything the HTTP threads
 // read is under a mutex (leases_mu_, catalog_mu_, capacity_mu_, stats_mu_,
-// orphans_mu_, live_mu_) or atomic. Lock order: none of these is held while
-// another is taken, except capacity_mu_ -> (the store's own locks).
+// orphans_mu_, live_mu_, reading_mu_, slots_mu_) or atomic. Lock order:
+//   capacity_mu_ -> the store's locks -> live_mu_
+// (SetCapacity under capacity_mu_ evicts; freeing the evicted copy runs its
+// observer, which takes live_mu_). stats_mu_ (the store's event callback,
+// which may run under the store's locks), reading_mu_ and slots_mu_ are
+// leaves. No other lock is held while another is taken.
 #ifndef MODELCACHE_SRC_SERVE_DAEMON_INTERNAL_H_
 #define MODELCACHE_SRC_SERVE_DAEMON_INTERNAL_H_
 
@@ -48,6 +86,7 @@
 #include <chrono>
 #include <deque>
 #include <exception>
+#include <functional>
 #include <future>
 #include <map>
 #include <memory>
@@ -203,6 +242,20 @@ struct OrphanGroup {
   std::vector<uint64_t> leases;
 };
 
+// What one process maps or holds of the daemon's memfds (ProcessMemfds);
+// `known` false when its /proc entries could not be read.
+struct PidMemfds {
+  pid_t pid = 0;
+  bool known = false;
+  std::set<std::pair<uint64_t, uint64_t>> held;
+};
+
+// A catalog read for a reload, or why it was refused.
+struct Reloaded {
+  std::shared_ptr<const Catalog> catalog;  // null when refused
+  std::string error;
+};
+
 struct RestartOrphan {
   uint64_t bytes = 0;
   std::string name;
@@ -232,12 +285,13 @@ class Daemon::Impl {
  private:
   using Clock = modelcache::Clock;
 
-  // ---- setup (daemon.cc) ----
+  // ---- setup (daemon_setup.cc; Log: daemon.cc) ----
   void Log(const std::string& line) const;
   void Listen();
   void CreateStore();
 
-  // ---- the loop (daemon.cc) ----
+  // ---- the loop (daemon.cc, daemon_connections.cc, daemon_leases.cc,
+  // daemon_waiters.cc, daemon_orphans.cc) ----
   void Accept();
   void Readable(detail::Connection& c);
   void Writable(detail::Connection& c);
@@ -261,29 +315,66 @@ class Daemon::Impl {
   void AddWaiter(detail::Connection& c, const protocol::Request& r,
                  const CatalogModel& model);
   // Removes a waiter from every index; answers it with `code` when given.
+  // `in_queue` false: not from its model's list, which the caller rebuilds
+  // (and which then decides whether the model's queue goes).
   void RemoveWaiter(uint64_t seq, const ServeCode* code = nullptr,
-                    const std::string& message = "");
+                    const std::string& message = "", bool in_queue = true);
   void Dispatch(const std::string& model);
   void StartTask(const std::string& model);
   void StartPrefetch(
       const CatalogModel& model, bool pin,
       std::shared_ptr<std::promise<detail::PrefetchResult>> done);
   void StartQueued();
+  // Load slots (Limits::load_slots), shared by the loop's tasks and the
+  // keep-alive prewarms of the store's thread.
+  bool TryTakeSlot() MC_EXCLUDES(slots_mu_);
+  void GiveSlot() MC_EXCLUDES(slots_mu_);
+  int SlotsUsed() const MC_EXCLUDES(slots_mu_);
+  // Blocks until a slot is free; throws kUnavailable at shutdown.
+  void TakeSlotForPrewarm() MC_EXCLUDES(slots_mu_);
+  void StopSlotWaits() MC_EXCLUDES(slots_mu_);
   void Complete(std::shared_ptr<detail::Task> task);
   void ExpireWaiters(Clock::time_point now);
   void DrainEvents();
   void BeginShutdown();
+  // SIGHUP or Reload(): reads the catalog on the background thread...
   void DoReload();
+  // ... and applies what it read, on the loop.
+  void ApplyReload(detail::Reloaded result);
 
+  // At start only: the whole machine's /proc/*/maps, for a predecessor's
+  // copies.
   void RescanOrphans() MC_EXCLUDES(orphans_mu_, capacity_mu_, live_mu_);
+  // After start, orphans are watched by the pids that hold them: their
+  // pidfds, and every orphan_rescan their own /proc/PID/maps, read on the
+  // background thread (StartRecheck) and handed back through the eventfd
+  // (ApplyRecheck).
+  void StartRecheck() MC_EXCLUDES(orphans_mu_, inbox_mu_);
+  void ApplyRecheck(const std::vector<detail::PidMemfds>& found)
+      MC_EXCLUDES(orphans_mu_, leases_mu_);
+  // A process mapping a predecessor's copy exited.
+  void RestartPidExited(pid_t pid) MC_EXCLUDES(orphans_mu_);
+  // Books `orphans` as the predecessor's copies still mapped: the orphaned
+  // bytes, the pidfds watched, the store's capacity (now when `now`, else
+  // on the background thread: after start the bytes only shrink).
+  void BookRestartOrphans(
+      std::map<detail::MemfdId, detail::RestartOrphan> orphans, int unreadable,
+      bool now) MC_EXCLUDES(orphans_mu_, capacity_mu_);
   // Releases the orphaned leases whose process maps none of their copy's
   // memfds and holds no descriptor of them any more.
-  void CheckOrphanGroups() MC_EXCLUDES(leases_mu_);
+  void CheckOrphanGroups(const std::vector<detail::PidMemfds>& found)
+      MC_EXCLUDES(leases_mu_);
   void ScheduleRescan();
-  void ApplyCapacity() MC_REQUIRES(capacity_mu_);
+  // Sets the store's capacity to the configured one less `orphaned`, then
+  // publishes `orphaned` (orphaned_).
+  void ApplyCapacity(uint64_t orphaned) MC_REQUIRES(capacity_mu_);
   void WatchPid(pid_t pid);
+  // The epoll events a connection's socket is watched for now.
+  uint32_t ConnectionEvents(const detail::Connection& c) const;
+  // DaemonOptions::test_pause_reads_fd is readable.
+  void PauseHook();
 
-  // ---- the pool (daemon.cc) ----
+  // ---- the pool (daemon_threads.cc) ----
   void PoolThread();
   void RunTask(detail::Task& task);
   // The test gate (DaemonOptions::test_load_gate_fd), before each file.
@@ -291,9 +382,26 @@ class Daemon::Impl {
 
   // ---- helpers for both ----
   std::shared_ptr<const Catalog> catalog() const MC_EXCLUDES(catalog_mu_);
-  std::string OrphanNote() const MC_EXCLUDES(capacity_mu_);
+  std::string OrphanNote() const;
+  // What holds the store's memory, but `model`: "'a' (5 MiB, 1 lease), ...".
+  std::string HoldersNote(const std::string& model) const;
+  // Whether a load of `model` is reading its files (or held by the
+  // throttle) now, rather than waiting for room or a slot.
+  bool ReadingNow(const std::string& model) const MC_EXCLUDES(reading_mu_);
+  // Marks a load of a model as reading for its lifetime (in a loader).
+  class ReadingMark {
+   public:
+    ReadingMark(Impl* impl, std::string model);
+    ~ReadingMark();
+    ReadingMark(const ReadingMark&) = delete;
+    ReadingMark& operator=(const ReadingMark&) = delete;
+
+   private:
+    Impl* const impl_;
+    const std::string model_;
+  };
   // Whether a copy of `bytes` is too large only because of orphans.
-  bool TooLargeForOrphansOnly(uint64_t bytes) const MC_EXCLUDES(capacity_mu_);
+  bool TooLargeForOrphansOnly(uint64_t bytes) const;
   void OnEvent(const CacheEvent& event) MC_EXCLUDES(stats_mu_);
 
   // ---- HTTP (http_api.cc) ----
@@ -329,9 +437,13 @@ class Daemon::Impl {
   // restarted daemon never hands out an id its predecessor did.
   uint64_t next_lease_ = 0;
 
+  // capacity_mu_ serialises the store's capacity changes (ApplyCapacity,
+  // which may evict): the HTTP thread of PUT /v1/budget and the background
+  // thread take it, the loop never does. The two numbers it applies are
+  // read anywhere without it.
   mutable base::Mutex capacity_mu_;
-  uint64_t configured_ MC_GUARDED_BY(capacity_mu_) = 0;
-  uint64_t orphaned_ MC_GUARDED_BY(capacity_mu_) = 0;
+  std::atomic<uint64_t> configured_{0};
+  std::atomic<uint64_t> orphaned_{0};
 
   mutable base::Mutex orphans_mu_;
   std::map<detail::MemfdId, detail::RestartOrphan> restart_orphans_
@@ -341,6 +453,13 @@ class Daemon::Impl {
   // Memfds of the copies this daemon holds now.
   mutable base::Mutex live_mu_;
   std::set<detail::MemfdId> live_ MC_GUARDED_BY(live_mu_);
+
+  mutable base::Mutex slots_mu_;
+  base::CondVar slots_cv_;
+  int slots_used_ MC_GUARDED_BY(slots_mu_) = 0;
+
+  mutable base::Mutex reading_mu_;
+  std::map<std::string, int> reading_ MC_GUARDED_BY(reading_mu_);
 
   mutable base::Mutex stats_mu_;
   std::map<std::string, detail::ModelStats> model_stats_
@@ -355,6 +474,7 @@ class Daemon::Impl {
   std::atomic<uint64_t> protocol_errors_{0};
   detail::Histogram load_seconds_;
   detail::Histogram acquire_wait_seconds_;
+  detail::Histogram loop_iteration_seconds_;
   std::atomic<int> clients_{0};
   std::atomic<int> waiting_{0};
   std::atomic<int> orphaned_leases_{0};
@@ -380,7 +500,8 @@ class Daemon::Impl {
   uint64_t next_group_ = 1;
   std::map<pid_t, base::UniqueFd> restart_pids_;
   Clock::time_point next_rescan_ = Clock::time_point::max();
-  bool stopping_ = false;  // shutdown begun on the loop
+  bool stopping_ = false;      // shutdown begun on the loop
+  bool reads_paused_ = false;  // DaemonOptions::test_pause_reads_fd
 
   // Cross-thread requests to the loop, woken through event_fd_.
   std::atomic<bool> shutdown_requested_{false};
@@ -395,6 +516,16 @@ class Daemon::Impl {
     std::shared_ptr<std::promise<detail::PrefetchResult>> done;
   };
   std::vector<Command> commands_ MC_GUARDED_BY(inbox_mu_);
+  std::vector<std::vector<detail::PidMemfds>> rechecked_
+      MC_GUARDED_BY(inbox_mu_);
+  bool recheck_in_flight_ = false;  // loop-only
+  uint64_t booked_orphaned_ = 0;    // loop-only: orphaned_ once applied
+  std::vector<detail::Reloaded> reloaded_ MC_GUARDED_BY(inbox_mu_);
+  bool reload_in_flight_ = false;  // loop-only
+  bool reload_again_ = false;      // loop-only
+  // The background thread applied a capacity that grew.
+  std::atomic<bool> capacity_applied_{false};
+  void RetryBlockedByOrphans();
   // Set when Run() has returned: commands are refused from then on.
   bool loop_done_ MC_GUARDED_BY(inbox_mu_) = false;
   uint64_t health_asked_ MC_GUARDED_BY(inbox_mu_) = 0;
@@ -418,6 +549,19 @@ class Daemon::Impl {
   base::CondVar expiry_cv_;
   bool expiry_stop_ MC_GUARDED_BY(expiry_mu_) = false;
   std::thread expiry_;
+
+  // The background thread (Redis's lazyfree): frees copies' files and runs
+  // other chores the loop must not wait for, in order. Started last in the
+  // constructor; drained and stopped last in the destructor.
+  void BackgroundThread() MC_EXCLUDES(background_mu_);
+  // Runs `chore` on the background thread (here, now, when it is stopped).
+  void Later(std::function<void()> chore) MC_EXCLUDES(background_mu_);
+  base::Mutex background_mu_;
+  base::CondVar background_cv_;
+  std::deque<std::function<void()>> chores_ MC_GUARDED_BY(background_mu_);
+  bool background_running_ MC_GUARDED_BY(background_mu_) = false;
+  bool background_stop_ MC_GUARDED_BY(background_mu_) = false;
+  std::thread background_;
 
   // The load throttle (null when off); its holds end early at shutdown.
   std::unique_ptr<detail::LoadThrottle> throttle_;

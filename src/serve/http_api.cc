@@ -233,7 +233,22 @@ HttpResponse Daemon::Impl::Ready() {
   for (const CatalogModel& m : catalog()->models()) {
     if (!m.pinned) continue;
     const auto entry = store_->Entry(m.id);
-    if (!entry || entry->state != EntryState::kResident || !entry->pinned) {
+    if (entry && entry->state == EntryState::kResident && entry->pinned) {
+      continue;
+    }
+    // The real reason: its load runs, or failed (and why).
+    std::string last_error;
+    {
+      base::MutexLock lock(&stats_mu_);
+      const auto s = model_stats_.find(m.id);
+      if (s != model_stats_.end()) last_error = s->second.last_error;
+    }
+    if (entry && entry->state == EntryState::kLoading) {
+      reasons.push_back("pinned model '" + m.id + "' is loading");
+    } else if (!last_error.empty()) {
+      reasons.push_back("pinned model '" + m.id +
+                        "' is not resident: load failed: " + last_error);
+    } else {
       reasons.push_back("pinned model '" + m.id + "' is not resident yet");
     }
   }
@@ -417,16 +432,11 @@ HttpResponse Daemon::Impl::BudgetEndpoint(const HttpRequest& request) {
     if (capacity == 0) return Problem(400, "capacity_bytes must be above 0");
     base::MutexLock lock(&capacity_mu_);
     configured_ = capacity;
-    ApplyCapacity();
+    ApplyCapacity(orphaned_.load());
   }
   const ModelCache& store = *store_;
-  uint64_t configured;
-  uint64_t orphaned;
-  {
-    base::MutexLock lock(&capacity_mu_);
-    configured = configured_;
-    orphaned = orphaned_;
-  }
+  const uint64_t configured = configured_.load();
+  const uint64_t orphaned = orphaned_.load();
   const uint64_t used = store.budget().used();
   const uint64_t capacity = store.budget().capacity();
   return Json(200, json{{"capacity_bytes", configured},
@@ -468,13 +478,8 @@ HttpResponse Daemon::Impl::Copies() {
 
 HttpResponse Daemon::Impl::Metrics() {
   const CacheStats stats = store_->Stats();
-  uint64_t configured;
-  uint64_t orphaned;
-  {
-    base::MutexLock lock(&capacity_mu_);
-    configured = configured_;
-    orphaned = orphaned_;
-  }
+  const uint64_t configured = configured_.load();
+  const uint64_t orphaned = orphaned_.load();
   int leases;
   {
     base::MutexLock lock(&leases_mu_);
@@ -552,6 +557,11 @@ HttpResponse Daemon::Impl::Metrics() {
   Metric(&out, "modelcache_acquire_wait_seconds", "histogram",
          "How long acquires waited for their copy.");
   acquire_wait_seconds_.Render("modelcache_acquire_wait_seconds", &out);
+  Metric(&out, "modelcache_loop_iteration_seconds", "histogram",
+         "How long the event loop worked between two waits for events (from "
+         "epoll_wait returning to the next call): every client waits this "
+         "long at worst.");
+  loop_iteration_seconds_.Render("modelcache_loop_iteration_seconds", &out);
   if (throttle_) {
     // A testing and sizing knob: its settings, and what it cost.
     if (std::isfinite(throttle_->bytes_per_second())) {

@@ -247,8 +247,8 @@ void AddServeOptions(CLI::App& c, ServeFlags& f) {
   c.add_option("--ready-grace", f.ready_grace,
                "/readyz stays 503 this long after start (2s)");
   c.add_option("--orphan-rescan", f.orphan_rescan,
-               "How often a predecessor's orphaned copies are looked for "
-               "while any remain (1s)");
+               "How often the processes mapping orphaned copies have their "
+               "/proc/PID/maps read again while any remain (1s)");
   c.add_flag("--per-model-metrics", f.per_model_metrics,
              "Per-model series in /metrics");
   c.add_flag("--check-catalog", f.check_catalog,
@@ -273,6 +273,7 @@ void AddServeOptions(CLI::App& c, ServeFlags& f) {
                "20ms; default 0)");
   // For tests: a gate on loads.
   c.add_option("--test-load-gate-fd", f.test_load_gate_fd)->group("");
+  c.add_option("--test-pause-reads-fd", f.test_pause_reads_fd)->group("");
   c.add_flag("--test-per-component-open", f.test_per_component_open)->group("");
 }
 
@@ -384,6 +385,7 @@ int RunServe(const ServeFlags& flags, std::ostream& out, std::ostream& err) {
           LongDuration("--throttle-load-latency", flags.throttle_load_latency);
     }
     options.test_load_gate_fd = flags.test_load_gate_fd;
+    options.test_pause_reads_fd = flags.test_pause_reads_fd;
     options.test_per_component_open = flags.test_per_component_open;
 
     std::string http_host;

@@ -57,6 +57,7 @@ struct ServeFlags {
   std::string throttle_load_latency;
   // Tests only (hidden flags).
   int test_load_gate_fd = -1;
+  int test_pause_reads_fd = -1;
   bool test_per_component_open = false;
 };
 

@@ -114,6 +114,41 @@ TEST_F(ServeTest, AnotherProcessLeasesMapsAndReleasesACopy) {
   EXPECT_EQ(d.Metric("modelcache_acquires_total{result=\"loaded\"}"), 1);
 }
 
+// A release the client cannot send now (the daemon reads nothing, the
+// socket fills) is queued and sent once the socket is writable, in order,
+// never dropped, and without the daemon's answers piling up past its limit.
+TEST_F(ServeTest, ReleasesTheSocketHasNoRoomForAreQueuedAndAllReachTheDaemon) {
+  AddModel("tiny", 64 * kKiB, 3);
+  DaemonOptions options;
+  options.catalog = catalog_;
+  options.root = root_;
+  options.socket = socket_;
+  options.pause_hook = true;
+  daemon_ = std::make_unique<Daemon>(options);
+  Daemon& d = *daemon_;
+  // Far more releases than a socket's send buffer holds (a few hundred).
+  constexpr int kLeases = 2000;
+  {
+    Worker worker(d.socket());
+    EXPECT_EQ(worker.Ok("acquire-many tiny " + std::to_string(kLeases)),
+              std::vector<std::string>{std::to_string(kLeases)});
+    EXPECT_EQ(d.Metric("modelcache_leases"), kLeases);
+    d.PauseReads();
+    worker.Ok("release-all");  // every release made while nothing is read
+    EXPECT_EQ(d.Metric("modelcache_leases"), kLeases);
+    d.ResumeReads();
+    // A request made after the releases is sent after them: its answer
+    // means the daemon has had every one.
+    worker.Ok("ping");
+    EXPECT_EQ(d.Metric("modelcache_leases"), 0);
+    EXPECT_EQ(d.Model("tiny")["leases"].size(), 0u);
+    EXPECT_EQ(d.Metric("modelcache_clients"), 1) << "still connected";
+    EXPECT_EQ(
+        d.Metric("modelcache_client_disconnects_total{reason=\"slow_reader\"}"),
+        0);
+  }
+}
+
 TEST_F(ServeTest, TwoWorkersShareOneCopy) {
   AddModel("shared", 2 * kMiB, 2);
   Daemon& d = StartDaemon();
@@ -521,17 +556,31 @@ TEST_F(ServeTest, AReceivedCopyCannotBeWritten) {
   ASSERT_TRUE(raw.Reply());
 }
 
+// The daemon refuses a catalog with a symbolic link at start (see
+// TheDaemonRefusesWhatTheCatalogCheckRefuses); one that appears later is
+// refused at load.
 TEST_F(ServeTest, ASymlinkUnderTheRootIsNeverFollowed) {
   AddModel("fine", 64 * kKiB, 13);
   // Outside the root: a real model file and a folder holding one.
   const std::string outside = dir_ / "outside/model.safetensors";
   WriteModel(outside, 64 * kKiB, 14);
-  fs::create_directories(root_ + "/linked");
-  fs::create_symlink(outside, root_ + "/linked/model.safetensors");
-  fs::create_directory_symlink(dir_ / "outside", root_ + "/via");
   models_.push_back({"linked", {"linked/model.safetensors"}});
   models_.push_back({"via", {"via/model.safetensors"}});
   WriteCatalog(catalog_, models_);
+  // Real files while the daemon starts, symbolic links once it runs.
+  const auto real_files = [&] {
+    fs::remove_all(root_ + "/linked");
+    fs::remove_all(root_ + "/via");
+    WriteModel(root_ + "/linked/model.safetensors", 64 * kKiB, 14);
+    WriteModel(root_ + "/via/model.safetensors", 64 * kKiB, 14);
+  };
+  const auto symlinks = [&] {
+    fs::remove_all(root_ + "/linked");
+    fs::remove_all(root_ + "/via");
+    fs::create_directories(root_ + "/linked");
+    fs::create_symlink(outside, root_ + "/linked/model.safetensors");
+    fs::create_directory_symlink(dir_ / "outside", root_ + "/via");
+  };
   // Any open of the outside file shows here.
   const int watch = ::inotify_init1(IN_NONBLOCK | IN_CLOEXEC);
   ASSERT_GE(watch, 0);
@@ -541,7 +590,9 @@ TEST_F(ServeTest, ASymlinkUnderTheRootIsNeverFollowed) {
     SCOPED_TRACE(per_component ? "one component at a time" : "openat2");
     std::vector<std::string> args;
     if (per_component) args.push_back("--test-per-component-open");
+    real_files();
     Daemon& d = StartDaemon("1GiB", args);
+    symlinks();
     Client client = Client::Connect(d.socket());
     for (const char* id : {"linked", "via"}) {
       try {
@@ -590,6 +641,97 @@ TEST_F(ServeTest, ACatalogWithDotDotIsRefusedWithItsReason) {
                                 "has a '..' component"));
   }
   EXPECT_FALSE(fs::exists(socket_));
+}
+
+// `modelcache ARGS`: its exit status and what it printed (both streams).
+std::pair<int, std::string> RunCli(const TempDir& dir,
+                                   const std::string& args) {
+  const std::string out = dir / "cli.txt";
+  Process::Spec spec;
+  spec.argv = {"/bin/sh", "-c",
+               std::string(MODELCACHE_CLI) + " " + args + " >" + out + " 2>&1"};
+  Process p(spec);
+  const int status = p.Wait();
+  std::ifstream in(out);
+  std::string text((std::istreambuf_iterator<char>(in)),
+                   std::istreambuf_iterator<char>());
+  return {WIFEXITED(status) ? WEXITSTATUS(status) : -1, text};
+}
+
+TEST_F(ServeTest, TheDaemonRefusesWhatTheCatalogCheckRefusesWithItsMessage) {
+  AddModel("ok", 64 * kKiB, 42);
+  const std::string outside = dir_ / "outside/model.safetensors";
+  WriteModel(outside, 64 * kKiB, 43);
+  fs::create_directories(root_ + "/evil");
+  fs::create_symlink(outside, root_ + "/evil/model.safetensors");
+  const std::vector<ModelSpec> good = models_;
+  models_.push_back({"evil", {"evil/model.safetensors"}, /*pinned=*/true});
+  WriteCatalog(catalog_, models_);
+  const std::string where = "--catalog " + catalog_ + " --model-root " + root_;
+  const auto [check_status, check] =
+      RunCli(dir_, "serve " + where + " --check-catalog");
+  EXPECT_EQ(check_status, 1);
+  EXPECT_THAT(check, HasSubstr("symbolic link")) << check;
+  // At start: refused, with the check's words, and nothing listens.
+  const auto [start_status, start] =
+      RunCli(dir_, "serve " + where + " --socket " + socket_ + " --http off");
+  EXPECT_EQ(start_status, 1);
+  EXPECT_EQ(start.substr(start.find("error: ")), check);
+  EXPECT_FALSE(fs::exists(socket_));
+  // On reload: refused with the same words; the old catalog stays.
+  WriteCatalog(catalog_, good);
+  Daemon& d = StartDaemon();
+  WriteCatalog(catalog_, models_);
+  d.process().Signal(SIGHUP);
+  Eventually(
+      [&] { return d.GetJson("/readyz").contains("catalog_reload_error"); },
+      "the refused reload is reported");
+  EXPECT_EQ(
+      "error: " +
+          d.GetJson("/readyz")["catalog_reload_error"].get<std::string>() +
+          "\n",
+      check);
+  EXPECT_EQ(d.Get("/readyz").status, 200) << "the old catalog has no pin";
+  EXPECT_EQ(d.Get("/v1/models/evil").status, 404);
+  EXPECT_EQ(d.Get("/v1/models/ok").status, 200);
+  Worker worker(d.socket());
+  worker.Ok("acquire ok");
+  worker.Ok("release-all");
+}
+
+TEST_F(ServeTest, ReadyzGivesAPinnedModelsRealReason) {
+  AddModel("fits", 64 * kKiB, 44);
+  AddModel("big", 3 * kMiB, 45, /*pinned=*/true);
+  Daemon& d = StartDaemon("2MiB");
+  Eventually(
+      [&] {
+        return d.Get("/readyz").body.find("load failed") != std::string::npos;
+      },
+      "/readyz names the pinned model's load failure");
+  const HttpResult ready = d.Get("/readyz");
+  EXPECT_EQ(ready.status, 503);
+  const std::string reason = ready.Json()["reasons"][0].get<std::string>();
+  EXPECT_THAT(reason, HasSubstr("pinned model 'big' is not resident: load "
+                                "failed: "));
+  EXPECT_EQ(reason.find("not resident yet"), std::string::npos) << reason;
+  EXPECT_THAT(d.Model("big")["reason"].get<std::string>(),
+              HasSubstr("load failed: "));
+}
+
+TEST_F(ServeTest, ATimeoutWaitingForRoomSaysSoAndNamesWhatHoldsIt) {
+  AddModel("tiny", 3 * kMiB, 46);
+  AddModel("tiny2", 3 * kMiB, 47);
+  Daemon& d = StartDaemon("5MiB");
+  Worker holder(d.socket());
+  leases_.Add(holder.Ok("acquire tiny")[0]);
+  Worker other(d.socket());
+  const std::string reply = other.Do("acquire tiny2 300");
+  EXPECT_THAT(reply, HasSubstr("error TIMEOUT"));
+  EXPECT_THAT(reply, HasSubstr("within 300 ms: waiting for room"));
+  EXPECT_THAT(reply, HasSubstr("held by: 'tiny' ("));
+  EXPECT_THAT(reply, HasSubstr("1 lease"));
+  EXPECT_EQ(reply.find("still running"), std::string::npos) << reply;
+  holder.Ok("release-all");
 }
 
 TEST_F(ServeTest, ThePolicyIsTheRegistrysAndAnUnknownOneIsRefusedNamingThem) {
@@ -719,10 +861,13 @@ TEST_F(ServeTest, EveryLimitAnswersBusyNamingItAndLoadsWaitForASlot) {
 TEST_F(ServeTest, ErrorsNameTheirCause) {
   AddModel("small", 64 * kKiB, 16);
   AddModel("huge", 4 * kMiB, 17);
-  std::ofstream(root_ + "/broken.safetensors") << "not a safetensors file";
+  // Valid when the daemon starts (it refuses a catalog --check-catalog
+  // refuses), broken by its first load.
+  WriteModel(root_ + "/broken.safetensors", 4 * kKiB, 18);
   models_.push_back({"broken", {"broken.safetensors"}});
   WriteCatalog(catalog_, models_);
   Daemon& d = StartDaemon("2MiB", {}, /*gate=*/true);
+  std::ofstream(root_ + "/broken.safetensors") << "not a safetensors file";
   Client client = Client::Connect(d.socket());
   const auto code_of = [&](const std::string& model,
                            std::chrono::milliseconds timeout) {
@@ -863,10 +1008,19 @@ TEST_F(ServeTest, MetricsPassPromtool) {
   EXPECT_EQ(d.Metric("modelcache_load_duration_seconds_count"), 1);
 }
 
-TEST_F(ServeTest, SigtermAnswersWaitersAndExitsOnceTheLoadInFlightEnds) {
+// SIGTERM abandons a load in flight rather than finishing it (a copy is a
+// cache; a supervisor's stop timeout wants a prompt exit).
+TEST_F(ServeTest, SigtermAnswersWaitersAndAbandonsTheLoadInFlight) {
   AddModel("held", 256 * kKiB, 22);
   AddModel("slow", 256 * kKiB, 23);
   Daemon& d = StartDaemon("1GiB", {}, /*gate=*/true);
+  // Any read of the slow model's file from now on shows here (the start's
+  // catalog check has read its header already).
+  const int watch = ::inotify_init1(IN_NONBLOCK | IN_CLOEXEC);
+  ASSERT_GE(watch, 0);
+  ASSERT_GE(::inotify_add_watch(
+                watch, (root_ + "/slow/model.safetensors").c_str(), IN_ACCESS),
+            0);
   d.OpenGate();  // one load passes: 'held'
   Worker holder(d.socket());
   const auto got = holder.Ok("acquire held");
@@ -878,12 +1032,17 @@ TEST_F(ServeTest, SigtermAnswersWaitersAndExitsOnceTheLoadInFlightEnds) {
   const std::string answer = waiter.Receive();
   EXPECT_THAT(answer, HasSubstr("error UNAVAILABLE"));
   EXPECT_THAT(answer, HasSubstr("shutting down"));
-  // The load of 'slow' is still in flight: the daemon waits for it.
+  // The load of 'slow' is still in flight (held at the gate, before its
+  // read): the daemon waits for it to stop.
   EXPECT_FALSE(d.process().Exited());
   EXPECT_FALSE(fs::exists(d.socket())) << "still accepting";
   d.CloseGate();
   const int status = d.process().Wait();
   EXPECT_TRUE(WIFEXITED(status) && WEXITSTATUS(status) == 0) << status;
+  char events[4096];
+  EXPECT_EQ(::read(watch, events, sizeof(events)), -1)
+      << "the load went on to read its file after SIGTERM";
+  ::close(watch);
   // The holder's copy outlives the daemon.
   EXPECT_EQ(holder.Ok("checksum"), std::vector<std::string>{got[1]});
 }
@@ -893,21 +1052,6 @@ TEST_F(ServeTest, SigtermAnswersWaitersAndExitsOnceTheLoadInFlightEnds) {
 // A throttle promises "no earlier than": each check below is a lower bound
 // that the model implies and that a throttle without it (no latency per
 // load, or no sharing of the bandwidth) would break.
-
-// `modelcache ARGS`: its exit status and what it printed (both streams).
-std::pair<int, std::string> RunCli(const TempDir& dir,
-                                   const std::string& args) {
-  const std::string out = dir / "cli.txt";
-  Process::Spec spec;
-  spec.argv = {"/bin/sh", "-c",
-               std::string(MODELCACHE_CLI) + " " + args + " >" + out + " 2>&1"};
-  Process p(spec);
-  const int status = p.Wait();
-  std::ifstream in(out);
-  std::string text((std::istreambuf_iterator<char>(in)),
-                   std::istreambuf_iterator<char>());
-  return {WIFEXITED(status) ? WEXITSTATUS(status) : -1, text};
-}
 
 double Seconds(Clock::duration d) {
   return std::chrono::duration<double>(d).count();

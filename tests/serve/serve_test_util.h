@@ -304,6 +304,7 @@ struct DaemonOptions {
   std::string capacity = "1GiB";
   std::vector<std::string> args;  // more flags
   bool gate = false;              // --test-load-gate-fd
+  bool pause_hook = false;        // --test-pause-reads-fd
 };
 
 // `modelcache serve` started with a ready pipe; SIGTERM, then SIGKILL when
@@ -313,6 +314,7 @@ class Daemon {
   explicit Daemon(const DaemonOptions& options) : options_(options) { Start(); }
   ~Daemon() {
     CloseGate();
+    if (pause_hook_ >= 0) ::close(pause_hook_);
     if (process_ && !process_->Exited()) {
       process_->Signal(SIGTERM);
       process_->Wait();
@@ -347,6 +349,19 @@ class Daemon {
       spec.argv.push_back("4");
       gate_read_ = gate[0];
     }
+    int hook_there = -1;
+    if (options_.pause_hook) {
+      int pair[2];
+      if (::socketpair(AF_UNIX, SOCK_STREAM | SOCK_CLOEXEC, 0, pair) != 0) {
+        throw std::runtime_error("socketpair");
+      }
+      if (pause_hook_ >= 0) ::close(pause_hook_);
+      pause_hook_ = pair[0];
+      hook_there = High(pair[1]);
+      spec.fds.push_back({hook_there, 5});
+      spec.argv.push_back("--test-pause-reads-fd");
+      spec.argv.push_back("5");
+    }
     for (const std::string& a : options_.args) spec.argv.push_back(a);
     process_ = std::make_unique<Process>(spec);
     ::close(ready[1]);
@@ -354,6 +369,7 @@ class Daemon {
       ::close(gate_read_);
       gate_read_ = -1;
     }
+    if (hook_there >= 0) ::close(hook_there);
     std::string line;
     char buffer[1024];
     ssize_t n;
@@ -462,6 +478,10 @@ class Daemon {
     const std::string bytes(static_cast<size_t>(n), 'g');
     [[maybe_unused]] ssize_t w = ::write(gate_, bytes.data(), bytes.size());
   }
+  // Stops the daemon reading its clients' requests, or lets it read again;
+  // returns once it is in effect (the hook answers).
+  void PauseReads() { Hook('p'); }
+  void ResumeReads() { Hook('r'); }
   // Lets every load proceed from now on.
   void CloseGate() {
     if (gate_ >= 0) {
@@ -471,8 +491,20 @@ class Daemon {
   }
 
  private:
+  void Hook(char command) {
+    ASSERT_GE(pause_hook_, 0) << "started without pause_hook";
+    ASSERT_EQ(::write(pause_hook_, &command, 1), 1);
+    char answer = 0;
+    pollfd p{pause_hook_, POLLIN, 0};
+    ASSERT_GT(::poll(&p, 1, static_cast<int>(kBound.count() * 1000)), 0)
+        << "the daemon did not answer the pause hook";
+    ASSERT_EQ(::read(pause_hook_, &answer, 1), 1);
+    ASSERT_EQ(answer, command);
+  }
+
   DaemonOptions options_;
   std::unique_ptr<Process> process_;
+  int pause_hook_ = -1;
   int gate_ = -1;
   int gate_read_ = -1;
   int http_port_ = 0;

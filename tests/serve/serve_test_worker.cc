@@ -5,6 +5,8 @@
 //
 //   connect PATH                 a serve::Client
 //   acquire MODEL [MS] [fail]    -> ok LEASE CHECKSUM BYTES
+//   acquire-many MODEL N         N leases of MODEL, held -> ok N
+//   ping                         Client::Ping -> ok
 //   checksum                     -> ok CHECKSUM of every copy held, in order
 //   release-all                  unmaps and releases every copy held
 //   close                        Client::Close(): the socket goes, the
@@ -127,6 +129,17 @@ int main() {
                 std::to_string(Checksum(w)) + " " +
                 std::to_string(w.data_bytes());
         held.push_back(std::move(w));
+      } else if (command == "acquire-many") {
+        std::string model;
+        int n = 0;
+        in >> model >> n;
+        for (int i = 0; i < n; ++i) {
+          held.push_back(client->Acquire(model, std::chrono::seconds(60)));
+        }
+        reply = "ok " + std::to_string(n);
+      } else if (command == "ping") {
+        client->Ping(std::chrono::seconds(60));
+        reply = "ok";
       } else if (command == "checksum") {
         reply = "ok";
         for (const RemoteWeights& w : held) {

@@ -69,8 +69,14 @@ ACQUIRE_TIMEOUT = float(os.environ.get("ACQUIRE_TIMEOUT", "30"))
 # keeps answering while the daemon restarts, but the daemon cannot evict the
 # model meanwhile.
 KEEP_LEASE_SECONDS = float(os.environ.get("KEEP_LEASE_SECONDS", "10"))
-# How long a miss waits for an unreachable daemon before answering 503.
+# How long a miss waits for an unreachable daemon before answering 503:
+# every 503 comes within it, whether or not this worker ever reached the
+# daemon. After a failed connect the worker waits (from 50 ms, doubling up
+# to CONNECT_BACKOFF_MAX seconds) before it tries again, answering 503 at
+# once meanwhile, so that a node whose daemon is down is not asked to
+# connect on every request.
 CONNECT_TIMEOUT = float(os.environ.get("CONNECT_TIMEOUT", "0.5"))
+CONNECT_BACKOFF_MAX = float(os.environ.get("CONNECT_BACKOFF_MAX", "2"))
 RETRY_AFTER = os.environ.get("RETRY_AFTER", "1")
 # The daemon's HTTP address (its --http), for /readyz; unset: a ping.
 DAEMON_HTTP = os.environ.get("DAEMON_HTTP", "")
@@ -106,23 +112,77 @@ class _Held:
 
 
 _lock = threading.Lock()
+_connected = threading.Condition(_lock)  # a connect attempt ended
 _client: "modelcache.serve.Client | None" = None
+_connecting = False  # one attempt at a time
+_backoff = 0.0  # seconds; 0 until a connect fails
+_next_connect = 0.0  # time.monotonic() before which none is tried
+_connect_error = ""  # why the last attempt failed
 _held: Dict[str, _Held] = {}
 _sweeper: "threading.Thread | None" = None
 _store: Any = None  # WEIGHTS=inprocess
 
 
-def client() -> modelcache.serve.Client:
+def _unreachable(message: str) -> errors.DaemonUnavailableError:
+    e = errors.DaemonUnavailableError(message)
+    e.serve_code = "UNAVAILABLE"
+    return e
+
+
+def client(deadline: "float | None" = None) -> modelcache.serve.Client:
     """One connection per worker process, made on first use: in the worker,
-    after the server forked it."""
-    global _client, _sweeper
+    after the server forked it. Raises DaemonUnavailableError by `deadline`
+    (time.monotonic(); default CONNECT_TIMEOUT from now) when the daemon
+    cannot be reached, and at once while backing off after a failed
+    attempt."""
+    global _client, _sweeper, _connecting, _backoff, _next_connect
+    global _connect_error
+    if deadline is None:
+        deadline = time.monotonic() + CONNECT_TIMEOUT
     with _lock:
-        if _client is None and WEIGHTS != "inprocess":
-            _client = modelcache.serve.connect(SOCKET, connect_timeout=5)
         if _sweeper is None and KEEP_LEASE_SECONDS > 0:
             _sweeper = threading.Thread(target=_sweep, daemon=True,
                                         name="lease-sweeper")
             _sweeper.start()
+        while True:
+            if _client is not None or WEIGHTS == "inprocess":
+                return _client
+            now = time.monotonic()
+            if now < _next_connect:
+                raise _unreachable(
+                    f"{_connect_error} (next try in "
+                    f"{(_next_connect - now) * 1000:.0f} ms)")
+            if not _connecting:
+                _connecting = True
+                break
+            # Another request of this worker is connecting: its outcome is
+            # ours, if it comes in time.
+            if now >= deadline or not _connected.wait(deadline - now):
+                raise _unreachable(
+                    f"no connection to the daemon at {SOCKET} within "
+                    f"{CONNECT_TIMEOUT * 1000:.0f} ms")
+    made = None
+    try:
+        made = modelcache.serve.connect(
+            SOCKET, connect_timeout=max(0.0, deadline - time.monotonic()))
+    except errors.Error as e:
+        with _lock:
+            _connecting = False
+            _backoff = min(max(_backoff * 2, 0.05), CONNECT_BACKOFF_MAX)
+            _next_connect = time.monotonic() + _backoff
+            _connect_error = str(e)
+            _connected.notify_all()
+        raise
+    except BaseException:
+        with _lock:
+            _connecting = False
+            _connected.notify_all()
+        raise
+    with _lock:
+        _client = made
+        _connecting = False
+        _backoff = 0.0
+        _connected.notify_all()
         return _client
 
 
@@ -146,7 +206,8 @@ def _take(model_id: str) -> "tuple[_Held, float, str]":
     here, or resident in the daemon), "miss" (this request's acquire loaded
     it) or "joined" (it waited for a load already in flight)."""
     start = time.perf_counter()
-    c = client()
+    deadline = time.monotonic() + CONNECT_TIMEOUT
+    c = client(deadline)
     with _lock:
         h = _held.get(model_id)
         if h is not None:
@@ -156,7 +217,8 @@ def _take(model_id: str) -> "tuple[_Held, float, str]":
         lease = _store_lease(model_id)
         load = "miss"
     else:
-        c.ping(timeout=CONNECT_TIMEOUT)  # an unreachable daemon: 503 now
+        # An unreachable daemon: 503 within CONNECT_TIMEOUT of the start.
+        c.ping(timeout=max(0.0, deadline - time.monotonic()))
         lease = c.acquire(model_id, timeout=ACQUIRE_TIMEOUT, when_full="fail")
         load = lease.load
     fresh = _Held(model_id, lease)

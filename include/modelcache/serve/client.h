@@ -30,7 +30,16 @@
 // parent's leases; the parent's leases are untouched. The child's first
 // call on a Client connects afresh (the first call after fork() must not
 // race another call on the same Client). The parent's socket is closed in
-// the child at fork.
+// the child at fork when it is one of the first 256 connections alive in
+// the process (a table of that size, lock-free for the atfork handler);
+// past that, the child keeps the descriptor open, unused, so that the
+// daemon sees the parent's connection end only once both have closed it.
+//
+// Releases: ~RemoteWeights never waits for the daemon. A release the
+// socket has no room for now (the daemon is slow to read) is queued and
+// sent, in order, by a thread of the Client's own as the socket becomes
+// writable; it is never dropped while the connection lives, and a request
+// made after it is sent after it.
 //
 // Thread safety: a Client may be used from any number of threads at once;
 // replies are matched to requests by id, so a long acquire does not hold up

@@ -14,7 +14,8 @@
 // still lives its leases become *orphaned*: still counted and never evicted,
 // they end when the process's pidfd (opened from the peer's credentials at
 // accept) says it exited, or once the process neither maps their copy nor
-// holds a descriptor of it (looked up in /proc every orphan_rescan). A
+// holds a descriptor of it (its /proc/PID entries, read every orphan_rescan
+// off the event loop). A
 // connection also ends when its process exits while the socket stays open
 // (inherited by a child, say). So no copy a live process was given is freed
 // under it, and no dead process holds memory.
@@ -23,7 +24,9 @@
 // of its own instance name that processes still map (copies its predecessor
 // handed out), books them as orphaned bytes outside the store (the store's
 // capacity is the configured one minus those bytes, so used + orphaned never
-// exceeds it), and rescans until they are gone.
+// exceeds it), and from then on watches the processes that map them (their
+// pidfds, and their own /proc/PID/maps every orphan_rescan) until they are
+// gone; the whole machine is scanned only at start.
 //
 // Threads: Run() is the event loop (epoll over the listening socket, the
 // connections, their pidfds, a signalfd and an eventfd). A hit is served on
@@ -32,9 +35,12 @@
 // Limits::load_slots at a time, and the loop hands every request waiting on
 // that model a lease when it completes. A client is never waited for: its
 // replies are sent without blocking, queued when its socket is full, and the
-// connection is closed when the queue passes its limit. HandleHttp is
-// thread-safe: the HTTP API reads the store and the lease table under their
-// locks and asks the loop for loads.
+// connection is closed when the queue passes its limit. Nothing that scans,
+// frees, parses or waits on a lock held across evictions runs on the loop:
+// copies are freed, orphans' /proc entries and SIGHUP's catalog read, and
+// capacity changes applied on a background thread, whose results come back
+// through the eventfd. HandleHttp is thread-safe: the HTTP API reads the
+// store and the lease table under their locks and asks the loop for loads.
 #ifndef MODELCACHE_SERVE_DAEMON_H_
 #define MODELCACHE_SERVE_DAEMON_H_
 
@@ -86,9 +92,9 @@ struct DaemonOptions {
   // /readyz stays 503 this long after start, so that clients reconnecting
   // after a restart settle before a balancer sends traffic.
   std::chrono::milliseconds ready_grace{2000};
-  // How often orphaned copies of a predecessor, and the processes holding
-  // orphaned leases, are looked at again while any remain (also whenever a
-  // process that maps a predecessor's copy exits).
+  // How often the processes that map a predecessor's orphaned copies, and
+  // those holding orphaned leases, have their /proc/PID entries read again
+  // while any remain (an exit is seen at once, through its pidfd).
   std::chrono::milliseconds orphan_rescan{1000};
   // Per-model series in /metrics (a label per model: the operator's choice
   // of cardinality).
@@ -110,8 +116,11 @@ struct DaemonOptions {
   // bandwidth among the loads moving bytes at that moment: n at once move
   // at bandwidth / n each. Its bytes start moving at max(start + latency,
   // the end of its real read), so the model holds as long as a real read
-  // takes no longer than the latency. Loads of every kind share it (replay
-  // lets its prewarms move only while no demand load does). +inf
+  // takes no longer than the latency. Loads of every kind share it and the
+  // load slots: acquires' loads, HTTP loads and pins, pinned models at
+  // start, and a keep-alive policy's prewarms (replay lets its prewarms
+  // move only while no demand load does; the store's keep-alive thread
+  // starts one only then). +inf
   // bandwidth and 0 latency: no throttle.
   double throttle_load_bytes_per_second =
       std::numeric_limits<double>::infinity();
@@ -121,6 +130,12 @@ struct DaemonOptions {
   int test_load_gate_fd = -1;
   // Open files one component at a time with O_NOFOLLOW instead of openat2.
   bool test_per_component_open = false;
+  // A socket (-1: none) through which a test stops the loop reading its
+  // clients: each byte read from it, 'p' (pause) or 'r' (resume), is
+  // answered with one byte once in effect. While paused, requests stay
+  // unread in the sockets (replies already queued are still sent); end of
+  // file resumes.
+  int test_pause_reads_fd = -1;
 };
 
 struct HttpRequest {
@@ -139,12 +154,16 @@ struct HttpResponse {
 
 class Daemon {
  public:
-  // Validates the options and the catalog, opens the model root, creates
-  // and listens on the socket, books the orphaned copies of a predecessor
-  // and starts the load pool; then nothing happens until Run(). Throws
-  // modelcache::Error: CatalogError, weights::IoError (the root),
-  // kInvalidArgument (options, the socket's path or folder), kUnavailable
-  // (another daemon listens on the socket).
+  // Validates the options and the catalog (and its files, as
+  // CheckCatalog does), opens the model root, creates and listens on the
+  // socket, books the orphaned copies of a predecessor, and starts the load
+  // pool (and the expiry thread of a TTL policy): the pinned models' loads
+  // start now, before Run(), and a keep-alive policy's thread may prewarm.
+  // No client is answered (nor accepted) until Run(). Throws
+  // modelcache::Error: CatalogError, weights::IoError or
+  // weights::FormatError (the root, a catalog's file), kInvalidArgument
+  // (options, the socket's path or folder), kUnavailable (another daemon
+  // listens on the socket).
   explicit Daemon(DaemonOptions options);
   // Releases every lease and frees every copy; clients' mappings stay
   // valid. REQUIRES: Run() is not running.
@@ -153,8 +172,12 @@ class Daemon {
   Daemon& operator=(const Daemon&) = delete;
 
   // Serves until Shutdown() (or SIGTERM/SIGINT with handle_signals): then
-  // stops accepting, answers every waiting acquire with UNAVAILABLE, waits
-  // for the loads in flight, closes every connection and returns.
+  // stops accepting, answers every waiting acquire with UNAVAILABLE,
+  // abandons the loads in flight (each stops before its next file, or at
+  // once when it waits for room, a slot or the throttle; a file being read
+  // is read to its end), waits for them to have stopped, closes every
+  // connection and returns. A copy is a cache: nothing is lost, and a
+  // prompt exit is what a supervisor's stop timeout wants.
   void Run();
   // Thread-safe; async-signal-safe.
   void Shutdown();

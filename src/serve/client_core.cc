@@ -1,0 +1,471 @@
+// The client's multiplexer: one connection, requests matched to replies by
+// id, one reader at a time, releases never lost (design note:
+// client_internal.h).
+#include "client_internal.h"
+
+namespace modelcache::serve::detail {
+
+std::shared_ptr<Connection> ClientCore::Dial(Clock::time_point deadline) {
+  sockaddr_un address{};
+  if (path_.empty() || path_.size() >= sizeof(address.sun_path)) {
+    throw DaemonUnavailableError("socket path '" + path_ +
+                                 "' is empty or too long");
+  }
+  address.sun_family = AF_UNIX;
+  std::memcpy(address.sun_path, path_.c_str(), path_.size() + 1);
+  auto c = std::make_shared<Connection>();
+  c->generation = generation_;
+  c->fd.reset(::socket(AF_UNIX, SOCK_SEQPACKET | SOCK_CLOEXEC, 0));
+  if (!c->fd) {
+    const int e = errno;
+    throw DaemonUnavailableError("cannot make a socket: " + ErrnoText(e));
+  }
+  // A full backlog makes connect wait; bound that wait.
+  timeval tv{};
+  tv.tv_sec = 1;
+  ::setsockopt(c->fd.get(), SOL_SOCKET, SO_SNDTIMEO, &tv, sizeof(tv));
+  int r;
+  do {
+    r = ::connect(c->fd.get(), reinterpret_cast<sockaddr*>(&address),
+                  sizeof(address));
+  } while (r != 0 && errno == EINTR);
+  if (r != 0) {
+    const int e = errno;
+    throw DaemonUnavailableError("cannot reach the daemon at " + path_ + ": " +
+                                 ErrnoText(e));
+  }
+  ::fcntl(c->fd.get(), F_SETFL, ::fcntl(c->fd.get(), F_GETFL) | O_NONBLOCK);
+  InstallForkHandler();
+  c->slot = RegisterSocket(c->fd.get());
+
+  // hello, on a socket nobody else uses yet. A daemon that refuses the
+  // connection (too many clients) has already queued its reason: read it
+  // even when the send fails.
+  const Clock::time_point hello_deadline =
+      std::max(deadline, Clock::now() + std::chrono::seconds(5));
+  const bool sent = SendOn(*c, protocol::EncodeHello(1), hello_deadline);
+  Datagram datagram;
+  for (;;) {
+    const int got = ReceiveDatagram(c->fd.get(), protocol::kMaxMessageBytes, 0,
+                                    MSG_DONTWAIT, &datagram);
+    if (got == 0) {
+      throw DaemonUnavailableError("the daemon at " + path_ +
+                                   " closed the connection");
+    }
+    if (got > 0) {
+      const protocol::ParsedReply parsed = protocol::ParseReply(datagram.bytes);
+      if (!parsed.reply) {
+        throw ServeError(ServeCode::kInvalid,
+                         "malformed reply to hello: " + parsed.error);
+      }
+      if (!parsed.reply->ok) ThrowErrorOf(*parsed.reply);
+      if (parsed.reply->id != 1) continue;
+      c->info.server = parsed.reply->server;
+      c->info.version = parsed.reply->version;
+      c->info.limits = parsed.reply->limits;
+      if (const auto it = c->info.limits.find("max_queued_replies");
+          it != c->info.limits.end()) {
+        c->window =
+            static_cast<size_t>(std::clamp<uint64_t>(it->second / 2, 1, 1024));
+      }
+      return c;
+    }
+    // A peer that closed with our hello unread reports ECONNRESET once,
+    // before the messages it queued: read on.
+    if (errno == ECONNRESET) continue;
+    if (errno != EAGAIN && errno != EWOULDBLOCK) {
+      const int e = errno;
+      throw DaemonUnavailableError("lost the daemon at " + path_ + ": " +
+                                   ErrnoText(e));
+    }
+    if (!sent) {
+      throw DaemonUnavailableError("the daemon at " + path_ +
+                                   " closed the connection");
+    }
+    if (Clock::now() >= hello_deadline) {
+      throw DaemonUnavailableError("the daemon at " + path_ +
+                                   " did not answer hello");
+    }
+    pollfd p{c->fd.get(), POLLIN, 0};
+    ::poll(&p, 1, MillisUntil(hello_deadline));
+  }
+}
+
+bool ClientCore::SendOn(Connection& c, std::string_view message,
+                        Clock::time_point deadline) {
+  for (;;) {
+    {
+      base::MutexLock lock(&mu_);
+      if (!FlushUnsent(c)) return false;
+      if (!c.unsent.empty()) {
+        // Behind the releases: the flusher sends them and says when.
+        if (c.broken) return false;
+        StartFlusher();
+        if (!cv_.WaitUntil(&mu_, deadline) && Clock::now() >= deadline) {
+          return false;
+        }
+        continue;
+      }
+      if (SendDatagram(c.fd.get(), message, {}, MSG_DONTWAIT) == 0) {
+        return true;
+      }
+      if (errno != EAGAIN && errno != EWOULDBLOCK) return false;
+    }
+    if (Clock::now() >= deadline) return false;
+    pollfd p{c.fd.get(), POLLOUT, 0};
+    ::poll(&p, 1, MillisUntil(deadline));
+  }
+}
+
+std::shared_ptr<Connection> ClientCore::Connected(
+    Clock::time_point deadline, const WaitInterrupt* interrupt) {
+  mu_.Lock();
+  for (;;) {
+    if (conn_ && !conn_->broken) {
+      std::shared_ptr<Connection> c = conn_;
+      mu_.Unlock();
+      return c;
+    }
+    if (!connecting_) break;
+    if (!cv_.WaitUntil(&mu_, deadline) && Clock::now() >= deadline) {
+      mu_.Unlock();
+      throw DaemonUnavailableError("timed out waiting to reconnect to " +
+                                   path_);
+    }
+  }
+  connecting_ = true;
+  mu_.Unlock();
+
+  const auto done = [this](std::shared_ptr<Connection> c) {
+    base::MutexLock lock(&mu_);
+    if (c) {
+      c->serial = next_serial_++;
+      conn_ = c;
+    }
+    connecting_ = false;
+    cv_.NotifyAll();
+  };
+  auto backoff = options_.backoff_initial;
+  for (;;) {
+    try {
+      std::shared_ptr<Connection> c = Dial(deadline);
+      done(c);
+      return c;
+    } catch (const ServeError& e) {
+      const bool retry = e.serve_code() == ServeCode::kUnavailable ||
+                         e.serve_code() == ServeCode::kBusy;
+      if (!retry || Clock::now() + backoff >= deadline) {
+        done(nullptr);
+        throw;
+      }
+    } catch (...) {
+      done(nullptr);
+      throw;
+    }
+    // Back off, in slices so that an interrupt is seen.
+    const Clock::time_point until = Clock::now() + backoff;
+    while (Clock::now() < until) {
+      const auto slice = interrupt && interrupt->check
+                             ? std::min<Clock::duration>(interrupt->every,
+                                                         until - Clock::now())
+                             : until - Clock::now();
+      const auto ms = std::chrono::ceil<std::chrono::milliseconds>(slice);
+      ::poll(nullptr, 0, static_cast<int>(std::max<int64_t>(ms.count(), 0)));
+      if (interrupt && interrupt->check) {
+        try {
+          interrupt->check();
+        } catch (...) {
+          done(nullptr);
+          throw;
+        }
+      }
+    }
+    backoff = std::min(backoff * 2, options_.backoff_max);
+  }
+}
+
+void ClientCore::Broke(const std::shared_ptr<Connection>& c) {
+  if (c->broken) return;
+  c->broken = true;
+  // Wakes a reader elsewhere and tells the daemon at once.
+  ::shutdown(c->fd.get(), SHUT_RDWR);
+  if (conn_ == c) conn_.reset();
+  cv_.NotifyAll();
+}
+
+void ClientCore::ReadAndFile(const std::shared_ptr<Connection>& c,
+                             int wait_ms) {
+  std::vector<Datagram> got;
+  bool broken = false;
+  std::string why;
+  if (wait_ms > 0) {
+    pollfd p{c->fd.get(), POLLIN, 0};
+    ::poll(&p, 1, wait_ms);
+  }
+  for (int i = 0; i < 64; ++i) {
+    Datagram d;
+    const int r =
+        ReceiveDatagram(c->fd.get(), protocol::kMaxMessageBytes,
+                        2 * protocol::kMaxFilesPerModel, MSG_DONTWAIT, &d);
+    if (r > 0) {
+      got.push_back(std::move(d));
+      continue;
+    }
+    if (r == 0) {
+      broken = true;
+      why = "the daemon closed the connection";
+    } else if (errno == ECONNRESET) {
+      // Reported once, before what the daemon queued: read on.
+      broken = true;
+      why = "the daemon closed the connection";
+      continue;
+    } else if (errno != EAGAIN && errno != EWOULDBLOCK) {
+      broken = true;
+      why = "the connection failed: " + ErrnoText(errno);
+    }
+    break;
+  }
+  std::vector<uint64_t> stray_leases;
+  {
+    base::MutexLock lock(&mu_);
+    for (Datagram& d : got) {
+      protocol::ParsedReply parsed = protocol::ParseReply(d.bytes);
+      if (!parsed.reply) {
+        broken = true;
+        why = "the daemon sent a malformed reply: " + parsed.error;
+        break;
+      }
+      protocol::Reply& reply = *parsed.reply;
+      if (reply.id == 0) {  // the daemon's own: news, not the end
+        c->note = reply.message;
+        continue;
+      }
+      if (c->unanswered.erase(reply.id) != 0) continue;  // a release's
+      const auto it = pending_.find(reply.id);
+      if (it != pending_.end() && it->second.serial == c->serial &&
+          !it->second.done) {
+        it->second.done = true;
+        it->second.reply = std::move(reply);
+        it->second.fds = std::move(d.fds);
+      } else if (reply.ok && reply.lease != 0) {
+        stray_leases.push_back(reply.lease);  // its caller gave up
+      }
+    }
+    if (broken) {
+      last_break_ = c->note.empty() ? why : why + ": " + c->note;
+      Broke(c);
+    }
+    for (const uint64_t lease : stray_leases) SendRelease(c, lease);
+    cv_.NotifyAll();
+  }
+}
+
+void ClientCore::SendRelease(const std::shared_ptr<Connection>& c,
+                             uint64_t lease) {
+  if (c->broken) return;  // the lease died with the connection
+  const uint64_t id = next_id_++;
+  c->unsent.emplace_back(id, protocol::EncodeRelease(id, lease));
+  if (!FlushUnsent(*c)) {
+    last_break_ = "the connection failed: " + ErrnoText(errno);
+    Broke(c);
+    return;
+  }
+  if (!c->unsent.empty()) StartFlusher();
+}
+
+bool ClientCore::FlushUnsent(Connection& c) {
+  bool sent = false;
+  while (!c.unsent.empty() && c.unanswered.size() < c.window) {
+    if (SendDatagram(c.fd.get(), c.unsent.front().second, {}, MSG_DONTWAIT) !=
+        0) {
+      if (errno != EAGAIN && errno != EWOULDBLOCK) return false;
+      break;
+    }
+    c.unanswered.insert(c.unsent.front().first);
+    c.unsent.pop_front();
+    sent = true;
+  }
+  if (sent && c.unsent.empty()) cv_.NotifyAll();  // for SendOn
+  return true;
+}
+
+void ClientCore::StartFlusher() {
+  if (flushing_ || stop_) return;
+  if (!wake_fd_) {
+    wake_fd_.reset(::eventfd(0, EFD_NONBLOCK | EFD_CLOEXEC));
+    if (!wake_fd_) return;  // the next release or request sends the queue
+  }
+  if (flusher_.joinable()) flusher_.join();  // it has let go of mu_
+  try {
+    flusher_ = std::thread([this] { Flusher(); });
+    flushing_ = true;
+  } catch (const std::system_error&) {
+    // No thread now: the next release or request sends the queue.
+  }
+}
+
+void ClientCore::Flusher() {
+  mu_.Lock();
+  for (;;) {
+    const std::shared_ptr<Connection> c = conn_;
+    if (stop_ || !c || c->broken ||
+        (c->unsent.empty() && c->unanswered.empty())) {
+      break;
+    }
+    if (!FlushUnsent(*c)) {
+      last_break_ = "the connection failed: " + ErrnoText(errno);
+      Broke(c);
+      continue;
+    }
+    const bool want_out =
+        !c->unsent.empty() && c->unanswered.size() < c->window;
+    const bool read = !reading_;
+    if (!want_out && !read) {
+      // Another thread reads: it files the answers and wakes us.
+      cv_.WaitUntil(&mu_, Clock::now() + std::chrono::seconds(1));
+      continue;
+    }
+    if (read) reading_ = true;
+    const int wake = wake_fd_.get();
+    mu_.Unlock();
+    pollfd p[2] = {
+        {c->fd.get(),
+         static_cast<short>((want_out ? POLLOUT : 0) | (read ? POLLIN : 0)), 0},
+        {wake, POLLIN, 0}};
+    ::poll(p, 2, 1000);
+    if (read) ReadAndFile(c, 0);
+    mu_.Lock();
+    if (read) {
+      reading_ = false;
+      cv_.NotifyAll();
+    }
+  }
+  flushing_ = false;
+  mu_.Unlock();
+}
+
+ClientCore::~ClientCore() {
+  std::thread flusher;
+  {
+    base::MutexLock lock(&mu_);
+    stop_ = true;
+    cv_.NotifyAll();
+    if (wake_fd_) {
+      const uint64_t one = 1;
+      [[maybe_unused]] const ssize_t n =
+          ::write(wake_fd_.get(), &one, sizeof(one));
+    }
+    flusher.swap(flusher_);
+  }
+  if (flusher.joinable()) flusher.join();
+}
+
+ClientCore::Exchanged ClientCore::Exchange(
+    const std::function<std::string(uint64_t)>& encode,
+    Clock::time_point deadline, const WaitInterrupt* interrupt) {
+  for (;;) {
+    std::shared_ptr<Connection> c = Connected(deadline, interrupt);
+    uint64_t id;
+    {
+      base::MutexLock lock(&mu_);
+      id = next_id_++;
+      pending_[id].serial = c->serial;
+    }
+    if (!SendOn(*c, encode(id), deadline)) {
+      base::MutexLock lock(&mu_);
+      pending_.erase(id);
+      if (Clock::now() >= deadline) {
+        throw ServeError(ServeCode::kTimeout, "the daemon at " + path_ +
+                                                  " did not take the request "
+                                                  "in time");
+      }
+      last_break_ = "the connection failed";
+      Broke(c);
+      continue;  // again on a new connection
+    }
+    mu_.Lock();
+    for (;;) {
+      Slot& slot = pending_[id];
+      if (slot.done) {
+        Exchanged out{std::move(slot.reply), std::move(slot.fds), c};
+        pending_.erase(id);
+        mu_.Unlock();
+        return out;
+      }
+      if (c->broken) {
+        pending_.erase(id);
+        break;  // retried below
+      }
+      const Clock::time_point now = Clock::now();
+      if (now >= deadline) {
+        pending_.erase(id);
+        mu_.Unlock();
+        throw ServeError(ServeCode::kTimeout,
+                         "no reply from the daemon at " + path_ + " in time");
+      }
+      Clock::time_point slice_end = deadline;
+      if (interrupt && interrupt->check) {
+        slice_end = std::min(slice_end, now + interrupt->every);
+      }
+      if (!reading_) {
+        reading_ = true;
+        mu_.Unlock();
+        ReadAndFile(c, std::max(1, MillisUntil(slice_end)));
+        mu_.Lock();
+        reading_ = false;
+        cv_.NotifyAll();
+      } else {
+        cv_.WaitUntil(&mu_, slice_end);
+      }
+      if (interrupt && interrupt->check) {
+        mu_.Unlock();
+        try {
+          interrupt->check();
+        } catch (...) {
+          base::MutexLock lock(&mu_);
+          pending_.erase(id);  // a lease it brings is released on arrival
+          throw;
+        }
+        mu_.Lock();
+      }
+    }
+    mu_.Unlock();
+  }
+}
+
+void ClientCore::Ping(std::chrono::milliseconds timeout) {
+  Exchanged ex = Exchange([](uint64_t id) { return protocol::EncodePing(id); },
+                          After(timeout), nullptr);
+  if (!ex.reply.ok) ThrowErrorOf(ex.reply);
+}
+
+void ClientCore::Close() {
+  base::MutexLock lock(&mu_);
+  if (conn_) {
+    last_break_ = "closed by the client";
+    Broke(conn_);
+  }
+}
+
+void ClientCore::Release(uint64_t serial, uint64_t lease) noexcept {
+  std::shared_ptr<Connection> c;
+  bool read;
+  {
+    base::MutexLock lock(&mu_);
+    if (!conn_ || conn_->broken || conn_->serial != serial) return;
+    c = conn_;
+    SendRelease(c, lease);  // sent, or queued for the flusher
+    read = !reading_ && !c->broken;
+    if (read) reading_ = true;
+  }
+  if (read) {
+    // Drain what is waiting, without blocking, so that replies to releases
+    // never pile up in a client that only releases.
+    ReadAndFile(c, 0);
+    base::MutexLock lock(&mu_);
+    reading_ = false;
+    cv_.NotifyAll();
+  }
+}
+
+}  // namespace modelcache::serve::detail

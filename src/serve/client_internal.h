@@ -1,0 +1,284 @@
+// The client's internals, shared by its files:
+//   client_core.cc     the multiplexer: connecting with backoff, request and
+//                      reply matching, the reader, releases and the flusher
+//   client_mapping.cc  mapping a granted copy (memfds to WeightSets)
+//   client_fork.cc     fork safety: the generation and the socket table
+//   client.cc          the public facades (Client, RemoteWeights, ...)
+//
+// Design note.
+//
+// ClientCore holds at most one connection at a time (a Connection: the
+// socket, a serial number, whether it broke, what hello said). A call takes
+// a request id, sends its datagram (under mu_, never blocking there; see
+// the releases below) and waits for the reply with its id. One
+// waiting thread at a time reads the socket (the *reader*, chosen under mu_),
+// with no lock held while it polls; it files each reply under its id and
+// wakes the others, who wait on cv_. A reply nobody waits for any more (its
+// caller timed out or was interrupted) that grants a lease is released at
+// once, so an abandoned acquire never holds a copy.
+//
+// A connection breaks on EOF or a socket error. A message of the daemon's
+// own (id 0) does not break it (protocol.h): its text becomes the reason
+// given if the connection then ends. Callers waiting on it then retry on a new
+// connection (acquires and pings; a lease dies with its connection, so retrying
+// is safe) or fail with DaemonUnavailableError. Connecting is done by one
+// thread at a time (connecting_), with exponential backoff, until the
+// caller's deadline.
+//
+// Releases do not wait for their reply: RemoteWeights sends the release
+// and drains, without blocking, whatever replies are waiting, so a client
+// that only releases never lets the daemon's reply queue grow. A release
+// the socket has no room for (the daemon is slow to read) is never dropped:
+// it joins the connection's queue of unsent releases, which the *flusher*
+// thread (started when the queue first fills, gone when it is empty and
+// every release it sent is answered) sends, in order, as the socket becomes
+// writable, reading the replies meanwhile when no other thread reads. Every
+// other request of that connection is sent after the queued releases, so a
+// reply to it means the daemon has had them all. All sends on a connection
+// happen under mu_ (without blocking), which keeps that order.
+//
+// fork(): a child must not touch its parent's ClientCore, whose mutex may
+// be held by a thread that does not exist in the child. An atfork handler
+#ifndef MODELCACHE_SRC_SERVE_CLIENT_INTERNAL_H_
+#define MODELCACHE_SRC_SERVE_CLIENT_INTERNAL_H_
+
+// bumps a global generation and closes every socket of every core (they are
+// kept in a lock-free table for it). A Client whose core is of an older
+// generation leaves it alone, leaked on purpose, and makes a new one. Grants
+// and connections of an older generation do nothing when destroyed: the
+// child has no mapping at their addresses (MADV_DONTFORK) and must not
+// close descriptor numbers it may have reused.
+#include <fcntl.h>
+#include <poll.h>
+#include <pthread.h>
+#include <sys/eventfd.h>
+#include <sys/mman.h>
+#include <sys/socket.h>
+#include <sys/stat.h>
+#include <sys/un.h>
+#include <unistd.h>
+
+#include <algorithm>
+#include <array>
+#include <atomic>
+#include <cerrno>
+#include <cstring>
+#include <deque>
+#include <map>
+#include <mutex>
+#include <system_error>
+#include <thread>
+#include <unordered_map>
+#include <unordered_set>
+
+#include "modelcache/base/mutex.h"
+#include "modelcache/base/unique_fd.h"
+#include "modelcache/serve/client.h"
+#include "modelcache/weights/memfd.h"
+#include "protocol.h"
+#include "socket.h"
+
+namespace modelcache::serve::detail {
+
+using Clock = std::chrono::steady_clock;
+
+// Bumped in a forked child (client_fork.cc): what is of an older
+// generation belongs to the parent.
+extern std::atomic<uint64_t> g_fork_generation;
+// Installs the atfork handler, once.
+void InstallForkHandler();
+// Files `fd` in the table the child handler closes; its slot, or -1 when
+// the table is full (then the socket stays open in children).
+int RegisterSocket(int fd);
+
+inline std::string ErrnoText(int error) {
+  char buffer[256];
+  return ::strerror_r(error, buffer, sizeof(buffer));
+}
+
+// Milliseconds to `deadline` for poll, at most 1000 (so that a waiter looks
+// at the clock again), 0 when it has passed.
+inline int MillisUntil(Clock::time_point deadline) {
+  if (deadline == Clock::time_point::max()) return 1000;
+  const auto left =
+      std::chrono::ceil<std::chrono::milliseconds>(deadline - Clock::now());
+  return static_cast<int>(std::clamp<int64_t>(left.count(), 0, 1000));
+}
+
+inline Clock::time_point After(std::chrono::milliseconds d) {
+  if (d.count() < 0) d = std::chrono::milliseconds(0);
+  const auto now = Clock::now();
+  if (d >= std::chrono::duration_cast<std::chrono::milliseconds>(
+               Clock::time_point::max() - now)) {
+    return Clock::time_point::max();
+  }
+  return now + d;
+}
+
+[[noreturn]] inline void ThrowErrorOf(const protocol::Reply& reply) {
+  if (reply.code == ServeCode::kUnavailable) {
+    throw DaemonUnavailableError(reply.message);
+  }
+  ErrorCode core = CoreCodeOf(reply.code);
+  if (reply.code == ServeCode::kLoadFailed && reply.cause == "invalid_data") {
+    core = ErrorCode::kInvalidData;
+  }
+  throw ServeError(reply.code, core, reply.message);
+}
+
+struct Connection {
+  base::UniqueFd fd;
+  int slot = -1;
+  uint64_t serial = 0;
+  uint64_t generation = 0;
+  bool broken = false;  // guarded by the core's mu_
+  ServerInfo info;
+  // Guarded by the core's mu_: releases not sent yet, in the order they
+  // were made (id, datagram), and the ids of releases sent but not answered.
+  // At most `window` releases are unanswered at once, so that the daemon's
+  // answers never pile up past its max_queued_replies while we send.
+  std::deque<std::pair<uint64_t, std::string>> unsent;
+  std::unordered_set<uint64_t> unanswered;
+  size_t window = 64;
+  std::string note;  // the daemon's last id-0 message (core's mu_)
+
+  // Frees its socket's slot in the fork table (client_fork.cc).
+  ~Connection();
+};
+
+struct Grant {
+  std::shared_ptr<ClientCore> core;
+  uint64_t serial = 0;
+  uint64_t lease = 0;
+  uint64_t generation = 0;
+  std::string model;
+  std::string load;  // the reply's "load"
+  struct Mapping {
+    void* base = nullptr;
+    size_t bytes = 0;
+  };
+  std::vector<Mapping> mappings;
+  std::vector<weights::WeightSet> files;
+  std::vector<RemoteTensor> tensors;
+  std::vector<size_t> first_tensor;  // of each file, in `tensors`
+  uint64_t data_bytes = 0;
+
+  ~Grant();
+};
+
+class ClientCore : public std::enable_shared_from_this<ClientCore> {
+ public:
+  ClientCore(std::string path, ClientOptions options)
+      : path_(std::move(path)),
+        options_(options),
+        generation_(g_fork_generation.load()) {}
+  // Stops the flusher: releases still queued die with the connection
+  // (which closes now), as the daemon's books of it do.
+  ~ClientCore() MC_EXCLUDES(mu_);
+
+  uint64_t generation() const { return generation_; }
+  const std::string& path() const { return path_; }
+  const ClientOptions& options() const { return options_; }
+
+  // Connects unless connected; throws as Client::Connect says.
+  std::shared_ptr<Connection> Connected(Clock::time_point deadline,
+                                        const WaitInterrupt* interrupt)
+      MC_EXCLUDES(mu_);
+
+  RemoteWeights Acquire(std::string_view model,
+                        const RemoteAcquireOptions& options);
+  void Ping(std::chrono::milliseconds timeout);
+  void Close() MC_EXCLUDES(mu_);
+  // Ends a lease of connection `serial`: nothing if that connection is gone.
+  void Release(uint64_t serial, uint64_t lease) noexcept MC_EXCLUDES(mu_);
+
+ private:
+  struct Slot {
+    uint64_t serial = 0;
+    bool done = false;
+    protocol::Reply reply;
+    std::vector<base::UniqueFd> fds;
+  };
+  struct Exchanged {
+    protocol::Reply reply;
+    std::vector<base::UniqueFd> fds;
+    std::shared_ptr<Connection> connection;
+  };
+
+  std::shared_ptr<Connection> Dial(Clock::time_point deadline);
+  // Sends the request `encode(id)` and waits for its reply, reconnecting
+  // and sending again when the connection breaks, until `deadline`.
+  Exchanged Exchange(const std::function<std::string(uint64_t)>& encode,
+                     Clock::time_point deadline, const WaitInterrupt* interrupt)
+      MC_EXCLUDES(mu_);
+  // Sends `message` after the releases queued on `c`, waiting for room
+  // until `deadline`; false when it could not.
+  bool SendOn(Connection& c, std::string_view message,
+              Clock::time_point deadline) MC_EXCLUDES(mu_);
+  // Sends a release of `lease` on `c`, or queues it when the socket is full.
+  void SendRelease(const std::shared_ptr<Connection>& c, uint64_t lease)
+      MC_REQUIRES(mu_);
+  // Sends what `c` has queued until the socket is full; false on a socket
+  // error.
+  bool FlushUnsent(Connection& c) MC_REQUIRES(mu_);
+  void StartFlusher() MC_REQUIRES(mu_);
+  void Flusher() MC_EXCLUDES(mu_);
+  // Reads what the socket holds (waiting up to `wait_ms`) and files it.
+  // Called by the reader, without mu_.
+  void ReadAndFile(const std::shared_ptr<Connection>& c, int wait_ms)
+      MC_EXCLUDES(mu_);
+  void Broke(const std::shared_ptr<Connection>& c) MC_REQUIRES(mu_);
+
+  const std::string path_;
+  const ClientOptions options_;
+  const uint64_t generation_;
+
+  base::Mutex mu_;
+  base::CondVar cv_;
+  std::shared_ptr<Connection> conn_ MC_GUARDED_BY(mu_);
+  bool connecting_ MC_GUARDED_BY(mu_) = false;
+  bool reading_ MC_GUARDED_BY(mu_) = false;
+  uint64_t next_id_ MC_GUARDED_BY(mu_) = 1;
+  uint64_t next_serial_ MC_GUARDED_BY(mu_) = 1;
+  std::unordered_map<uint64_t, Slot> pending_ MC_GUARDED_BY(mu_);
+  std::string last_break_ MC_GUARDED_BY(mu_);
+
+  // The flusher (see the design note); wake_fd_ interrupts its poll.
+  bool flushing_ MC_GUARDED_BY(mu_) = false;
+  bool stop_ MC_GUARDED_BY(mu_) = false;
+  std::thread flusher_ MC_GUARDED_BY(mu_);
+  base::UniqueFd wake_fd_ MC_GUARDED_BY(mu_);
+
+  // Headers already parsed, so that a copy acquired again is not parsed
+  // again. Keyed by what fstat says of the header memfd: a memfd's inode
+  // number comes round again only after 2^32 others, and never with the
+  // same change time to the nanosecond.
+  struct HeaderKey {
+    uint64_t dev;
+    uint64_t inode;
+    uint64_t size;
+    int64_t ctime_ns;
+    auto operator<=>(const HeaderKey&) const = default;
+  };
+  static constexpr size_t kMaxHeaders = 1024;
+  std::map<HeaderKey, std::shared_ptr<const weights::SafetensorsHeader>>
+      headers_ MC_GUARDED_BY(mu_);
+
+  std::shared_ptr<const weights::SafetensorsHeader> CachedHeader(
+      const HeaderKey& key) MC_EXCLUDES(mu_) {
+    base::MutexLock lock(&mu_);
+    const auto it = headers_.find(key);
+    return it == headers_.end() ? nullptr : it->second;
+  }
+  void CacheHeader(const HeaderKey& key,
+                   std::shared_ptr<const weights::SafetensorsHeader> header)
+      MC_EXCLUDES(mu_) {
+    base::MutexLock lock(&mu_);
+    if (headers_.size() >= kMaxHeaders) headers_.clear();
+    headers_.emplace(key, std::move(header));
+  }
+};
+
+}  // namespace modelcache::serve::detail
+
+#endif  // MODELCACHE_SRC_SERVE_CLIENT_INTERNAL_H_

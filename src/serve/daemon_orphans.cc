@@ -1,0 +1,239 @@
+// A predecessor's copies (restart orphans) and the store's capacity: the
+// whole machine scanned once at start, then each holder watched by its pid
+// (design note: daemon_internal.h).
+#include <fcntl.h>
+#include <poll.h>
+#include <signal.h>
+#include <sys/epoll.h>
+#include <sys/eventfd.h>
+#include <sys/resource.h>
+#include <sys/signalfd.h>
+#include <sys/socket.h>
+#include <sys/stat.h>
+#include <sys/syscall.h>
+#include <sys/sysmacros.h>
+#include <sys/un.h>
+#include <unistd.h>
+
+#include <algorithm>
+#include <cerrno>
+#include <cmath>
+#include <cstring>
+#include <filesystem>
+#include <iostream>
+#include <utility>
+
+#include "daemon_internal.h"
+#include "event_loop.h"
+#include "files.h"
+#include "modelcache/base/bytes.h"
+#include "modelcache/core/policy.h"
+#include "modelcache/weights/memfd.h"
+#include "modelcache/weights/safetensors.h"
+#include "proc_maps.h"
+#include "socket.h"
+
+namespace modelcache::serve {
+
+using detail::Connection;
+using detail::Disconnect;
+using detail::Result;
+using detail::Task;
+
+void Daemon::Impl::RescanOrphans() {
+  int unreadable = 0;
+  const std::vector<detail::MemfdMapping> maps =
+      detail::ScanMemfdMappings(memfd_prefix_, ::getpid(), &unreadable);
+  std::map<detail::MemfdId, detail::RestartOrphan> found;
+  {
+    base::MutexLock lock(&live_mu_);
+    for (const detail::MemfdMapping& m : maps) {
+      const detail::MemfdId id{
+          static_cast<uint64_t>(makedev(m.dev_major, m.dev_minor)), m.inode};
+      if (live_.count(id) != 0) continue;
+      detail::RestartOrphan& o = found[id];
+      o.bytes = std::max(o.bytes, weights::PageRoundedBytes(m.reach()));
+      o.name = m.name;
+      o.pids.insert(m.pid);
+    }
+  }
+  BookRestartOrphans(std::move(found), unreadable, /*now=*/true);
+}
+
+void Daemon::Impl::BookRestartOrphans(
+    std::map<detail::MemfdId, detail::RestartOrphan> found, int unreadable,
+    bool now) {
+  uint64_t total = 0;
+  std::set<pid_t> pids;
+  for (const auto& [id, o] : found) {
+    total += o.bytes;
+    pids.insert(o.pids.begin(), o.pids.end());
+  }
+  for (auto it = restart_pids_.begin(); it != restart_pids_.end();) {
+    if (pids.count(it->first) == 0) {
+      EpollDel(epoll_fd_.get(), it->second.get());
+      it = restart_pids_.erase(it);
+    } else {
+      ++it;
+    }
+  }
+  for (const pid_t pid : pids) WatchPid(pid);
+  const uint64_t before = booked_orphaned_;
+  booked_orphaned_ = total;
+  if (before != total) {
+    if (now) {
+      base::MutexLock lock(&capacity_mu_);
+      ApplyCapacity(total);
+    } else {
+      // Off the loop: it may wait for PUT /v1/budget's evictions. The
+      // orphaned bytes only shrink after start, and /v1/budget shows the
+      // new figure only once the store's capacity has grown by it, so
+      // used + orphaned stays within the capacity, and room the books show
+      // is room an acquire finds.
+      Later([this, total] {
+        {
+          base::MutexLock lock(&capacity_mu_);
+          ApplyCapacity(total);
+        }
+        capacity_applied_ = true;  // the loop retries what orphans held up
+        Wake();
+      });
+    }
+  }
+  if (total < before && now) RetryBlockedByOrphans();
+  if (before != total) {
+    Log("orphaned copies of a predecessor: " + FormatBytes(total) + " in " +
+        std::to_string(found.size()) + " memfds mapped by " +
+        std::to_string(pids.size()) + " processes");
+  }
+  {
+    base::MutexLock lock(&orphans_mu_);
+    restart_orphans_ = std::move(found);
+    unreadable_maps_ = unreadable;
+  }
+  if (total > 0) ScheduleRescan();
+}
+
+void Daemon::Impl::RetryBlockedByOrphans() {
+  // Room came back: loads held up by orphans try again.
+  std::vector<std::string> blocked;
+  for (auto& [model, q] : queues_) {
+    if (q.blocked_by_orphans) {
+      q.blocked_by_orphans = false;
+      if (!q.waiters.empty()) blocked.push_back(model);
+    }
+  }
+  for (const std::string& model : blocked) Dispatch(model);
+}
+
+void Daemon::Impl::RestartPidExited(pid_t pid) {
+  std::map<detail::MemfdId, detail::RestartOrphan> orphans;
+  int unreadable;
+  {
+    base::MutexLock lock(&orphans_mu_);
+    orphans = restart_orphans_;
+    unreadable = unreadable_maps_;
+  }
+  for (auto it = orphans.begin(); it != orphans.end();) {
+    it->second.pids.erase(pid);
+    it = it->second.pids.empty() ? orphans.erase(it) : std::next(it);
+  }
+  BookRestartOrphans(std::move(orphans), unreadable, /*now=*/false);
+}
+
+void Daemon::Impl::StartRecheck() {
+  if (recheck_in_flight_) return;  // ApplyRecheck schedules the next
+  std::set<pid_t> pids;
+  for (const auto& [id, group] : orphan_groups_) pids.insert(group.pid);
+  {
+    base::MutexLock lock(&orphans_mu_);
+    for (const auto& [id, o] : restart_orphans_) {
+      pids.insert(o.pids.begin(), o.pids.end());
+    }
+  }
+  if (pids.empty()) return;
+  recheck_in_flight_ = true;
+  Later([this, pids] {
+    std::vector<detail::PidMemfds> found;
+    for (const pid_t pid : pids) {
+      std::vector<std::pair<uint64_t, uint64_t>> held;
+      detail::PidMemfds f;
+      f.pid = pid;
+      f.known = detail::ProcessMemfds(pid, memfd_prefix_, &held);
+      f.held.insert(held.begin(), held.end());
+      found.push_back(std::move(f));
+    }
+    {
+      base::MutexLock lock(&inbox_mu_);
+      rechecked_.push_back(std::move(found));
+    }
+    Wake();
+  });
+}
+
+void Daemon::Impl::ApplyRecheck(const std::vector<detail::PidMemfds>& found) {
+  recheck_in_flight_ = false;
+  CheckOrphanGroups(found);
+  std::map<pid_t, const detail::PidMemfds*> by_pid;
+  for (const detail::PidMemfds& f : found) {
+    if (f.known) by_pid[f.pid] = &f;
+  }
+  std::map<detail::MemfdId, detail::RestartOrphan> orphans;
+  int unreadable;
+  {
+    base::MutexLock lock(&orphans_mu_);
+    orphans = restart_orphans_;
+    unreadable = unreadable_maps_;
+  }
+  bool changed = false;
+  for (auto it = orphans.begin(); it != orphans.end();) {
+    for (auto p = it->second.pids.begin(); p != it->second.pids.end();) {
+      const auto f = by_pid.find(*p);
+      if (f != by_pid.end() &&
+          f->second->held.count({it->first.dev, it->first.inode}) == 0) {
+        p = it->second.pids.erase(p);  // it maps that copy no more
+        changed = true;
+      } else {
+        ++p;
+      }
+    }
+    it = it->second.pids.empty() ? orphans.erase(it) : std::next(it);
+  }
+  if (changed) {
+    BookRestartOrphans(std::move(orphans), unreadable, /*now=*/false);
+  } else if (!orphans.empty()) {
+    ScheduleRescan();
+  }
+  if (!orphan_groups_.empty()) ScheduleRescan();
+}
+
+void Daemon::Impl::WatchPid(pid_t pid) {
+  if (restart_pids_.count(pid) != 0) return;
+  base::UniqueFd fd(PidfdOpen(pid));
+  if (!fd) return;  // gone already: the next rescan sees it
+  ::fcntl(fd.get(), F_SETFD, FD_CLOEXEC);
+  EpollAdd(epoll_fd_.get(), fd.get(), EPOLLIN,
+           Tagged(kRestartPidTag, static_cast<uint64_t>(pid)));
+  restart_pids_.emplace(pid, std::move(fd));
+}
+
+void Daemon::Impl::ApplyCapacity(uint64_t orphaned) {
+  const uint64_t configured = configured_.load();
+  const uint64_t capacity = configured > orphaned ? configured - orphaned : 0;
+  if (store_->budget().capacity() != capacity) store_->SetCapacity(capacity);
+  orphaned_ = orphaned;
+}
+
+bool Daemon::Impl::TooLargeForOrphansOnly(uint64_t bytes) const {
+  return orphaned_.load() > 0 && bytes <= configured_.load();
+}
+
+std::string Daemon::Impl::OrphanNote() const {
+  const uint64_t orphaned = orphaned_.load();
+  if (orphaned == 0) return "";
+  return "; " + FormatBytes(orphaned) +
+         " more are held by copies of a previous daemon that processes still "
+         "map (orphaned)";
+}
+
+}  // namespace modelcache::serve

@@ -1,0 +1,182 @@
+// The wire protocol's parsers and encoders (src/serve/protocol.h): untrusted
+// bytes in, a reply or a reason out, never a throw.
+#include <fcntl.h>
+#include <gmock/gmock.h>
+#include <gtest/gtest.h>
+#include <sys/mman.h>
+#include <unistd.h>
+
+#include <filesystem>
+#include <fstream>
+#include <limits>
+#include <string>
+
+#include "files.h"
+#include "modelcache/serve/catalog.h"
+#include "modelcache/serve/errors.h"
+#include "modelcache/weights/memfd.h"
+#include "modelcache/weights/safetensors.h"
+#include "proc_maps.h"
+#include "protocol.h"
+#include "throttle.h"
+
+namespace modelcache::serve {
+namespace {
+
+namespace fs = std::filesystem;
+using ::testing::HasSubstr;
+
+TEST(Protocol, ParsesEveryOpWithItsFields) {
+  auto p = protocol::ParseRequest(
+      R"({"op":"acquire","id":7,"model":"sdxl-1.0_b","timeout_ms":250,"when_full":"fail"})");
+  ASSERT_TRUE(p.request) << p.error;
+  EXPECT_EQ(p.request->op, protocol::Op::kAcquire);
+  EXPECT_EQ(p.request->id, 7u);
+  EXPECT_EQ(p.request->model, "sdxl-1.0_b");
+  EXPECT_EQ(p.request->timeout_ms, 250u);
+  EXPECT_TRUE(p.request->fail_when_full);
+
+  p = protocol::ParseRequest(R"({"id":1,"op":"acquire","model":"m"})");
+  ASSERT_TRUE(p.request);
+  EXPECT_EQ(p.request->timeout_ms, protocol::kDefaultTimeoutMs);
+  EXPECT_FALSE(p.request->fail_when_full);
+
+  p = protocol::ParseRequest(
+      R"({"op":"release","id":18446744073709551615,"lease":3})");
+  ASSERT_TRUE(p.request) << p.error;
+  EXPECT_EQ(p.request->id, UINT64_MAX);
+  EXPECT_EQ(p.request->lease, 3u);
+
+  p = protocol::ParseRequest(R"({"op":"hello","id":2,"version":1})");
+  ASSERT_TRUE(p.request);
+  EXPECT_EQ(p.request->op, protocol::Op::kHello);
+  p = protocol::ParseRequest(R"( {"op" : "ping" , "id" : 3} )");
+  ASSERT_TRUE(p.request) << p.error;
+}
+
+TEST(Protocol, RefusesWithAReasonAndTheIdWhenItWasRead) {
+  const struct {
+    std::string message;
+    std::string says;
+    uint64_t id;
+  } cases[] = {
+      {"", "not valid JSON", 0},
+      {"{", "not valid JSON", 0},
+      {"null", "must be a JSON object", 0},
+      {R"({"id":5,"op":"ping"} {})", "not valid JSON", 5},
+      {R"({"id":5,"op":"ping","x":[1]})", "must be a string or a non-negative",
+       5},
+      {R"({"id":5,"op":"ping","x":true})", "must be a string or a non-negative",
+       5},
+      {R"({"id":-1,"op":"ping"})", "must be a string or a non-negative", 0},
+      {R"({"id":1.5,"op":"ping"})", "must be a string or a non-negative", 0},
+      {R"({"id":0,"op":"ping"})", "from 1 to 2^64 - 1", 0},
+      {R"({"id":"9","op":"ping"})", "from 1 to 2^64 - 1", 0},
+      {R"({"id":18446744073709551616,"op":"ping"})", "must be a string", 0},
+      {R"({"id":5})", "missing field 'op'", 5},
+      {R"({"id":5,"op":7})", "'op' must be a string", 5},
+      {R"({"id":5,"op":"PING"})", "unknown op 'PING'", 5},
+      {R"({"id":5,"op":"ping","lease":1})", "does not belong to op 'ping'", 5},
+      {R"({"id":5,"op":"ping","z":1})", "unknown field 'z'", 5},
+      {R"({"id":5,"op":"ping","op":"ping"})", "duplicate field 'op'", 5},
+      {R"({"id":5,"op":"acquire"})", "missing field 'model'", 5},
+      {R"({"id":5,"op":"acquire","model":3})", "'model' must be a string", 5},
+      {R"({"id":5,"op":"acquire","model":"a/b"})", "is not valid", 5},
+      {R"({"id":5,"op":"acquire","model":"a..b"})", "is not valid", 5},
+      {R"({"id":5,"op":"acquire","model":".hidden"})", "is not valid", 5},
+      {R"({"id":5,"op":"acquire","model":""})", "is not valid", 5},
+      {R"({"id":5,"op":"acquire","model":"m","timeout_ms":"1"})",
+       "non-negative integer", 5},
+      {R"({"id":5,"op":"acquire","model":"m","timeout_ms":86400001})",
+       "exceeds", 5},
+      {R"({"id":5,"op":"acquire","model":"m","when_full":"never"})",
+       "\"wait\" or \"fail\"", 5},
+      {R"({"id":5,"op":"release","lease":"x"})", "non-negative integer", 5},
+      {R"({"a":1,"b":2,"c":3,"d":4,"e":5,"f":6,"g":7,"h":8,"i":9})",
+       "more than 8", 0},
+      {std::string("{\"id\":5,\"op\":\"ping\"}\0", 21), "NUL", 0},
+      {std::string(protocol::kMaxMessageBytes + 1, ' '), "exceeds the limit",
+       0},
+  };
+  for (const auto& c : cases) {
+    SCOPED_TRACE(c.message.substr(0, 80));
+    const protocol::ParsedRequest p = protocol::ParseRequest(c.message);
+    EXPECT_FALSE(p.request);
+    EXPECT_THAT(p.error, HasSubstr(c.says));
+    EXPECT_EQ(p.id, c.id);
+  }
+  // A name longer than the limit, shown cut.
+  const auto long_op = protocol::ParseRequest("{\"id\":5,\"op\":\"" +
+                                              std::string(10000, 'x') + "\"}");
+  EXPECT_LT(long_op.error.size(), 200u);
+}
+
+TEST(Protocol, ModelIdsAreNeverPaths) {
+  for (const char* ok : {"a", "A9", "sdxl-base_1.0", "x.y.z", "0"}) {
+    EXPECT_TRUE(protocol::IsValidModelId(ok)) << ok;
+  }
+  for (const char* bad : {"", ".", "..", "-a", "_a", "a/b", "/a", "a\\b",
+                          "a..b", "a b", "a\n", "é"}) {
+    EXPECT_FALSE(protocol::IsValidModelId(bad)) << bad;
+  }
+  EXPECT_TRUE(protocol::IsValidModelId(std::string(128, 'a')));
+  EXPECT_FALSE(protocol::IsValidModelId(std::string(129, 'a')));
+}
+
+TEST(Protocol, RepliesRoundTrip) {
+  auto r = protocol::ParseReply(protocol::EncodeAcquireReply(
+      3, 99, "m", "joined", {{"a/x.safetensors", 10, 20}, {"b", 0, 2}}));
+  ASSERT_TRUE(r.reply) << r.error;
+  EXPECT_TRUE(r.reply->ok);
+  EXPECT_EQ(r.reply->id, 3u);
+  EXPECT_EQ(r.reply->lease, 99u);
+  EXPECT_EQ(r.reply->load, "joined");
+  ASSERT_EQ(r.reply->files.size(), 2u);
+  EXPECT_EQ(r.reply->files[0].name, "a/x.safetensors");
+  EXPECT_EQ(r.reply->files[1].header_bytes, 2u);
+
+  r = protocol::ParseReply(protocol::EncodeError(4, ServeCode::kLoadFailed,
+                                                 std::string("bad \xff bytes"),
+                                                 "invalid_data"));
+  ASSERT_TRUE(r.reply) << r.error;
+  EXPECT_FALSE(r.reply->ok);
+  EXPECT_EQ(r.reply->code, ServeCode::kLoadFailed);
+  EXPECT_EQ(r.reply->cause, "invalid_data");
+
+  r = protocol::ParseReply(
+      protocol::EncodeHelloReply(1, "modelcache", {{"max_leases", 8}}));
+  ASSERT_TRUE(r.reply);
+  EXPECT_EQ(r.reply->limits.at("max_leases"), 8u);
+  EXPECT_EQ(r.reply->version, protocol::kVersion);
+
+  for (const char* bad :
+       {"", "[]", R"({"ok":true})", R"({"id":1})", R"({"id":1,"ok":false})",
+        R"({"id":1,"ok":false,"error":{"code":"WHAT","message":""}})",
+        R"({"id":1,"ok":true,"files":[1]})", R"({"id":1,"ok":true,"lease":-1})",
+        R"({"id":1,"ok":true,"files":[[[[[[[]]]]]]]})",
+        R"({"id":1,"ok":true,"lease":2,"load":"maybe"})",
+        R"({"id":1,"ok":true,"lease":2,"load":1})"}) {
+    EXPECT_FALSE(protocol::ParseReply(bad).reply) << bad;
+  }
+  // Unknown fields of a reply are a newer daemon's: ignored.
+  EXPECT_TRUE(
+      protocol::ParseReply(R"({"id":1,"ok":true,"new":{"x":1}})").reply);
+}
+
+TEST(Protocol, CodesMapToTheCoresAndBack) {
+  for (const ServeCode code :
+       {ServeCode::kNotFound, ServeCode::kTooLarge, ServeCode::kCapacity,
+        ServeCode::kTimeout, ServeCode::kLoadFailed, ServeCode::kBusy,
+        ServeCode::kInvalid, ServeCode::kUnavailable}) {
+    EXPECT_EQ(ParseServeCode(ServeCodeName(code)), code);
+  }
+  EXPECT_EQ(CoreCodeOf(ServeCode::kCapacity), ErrorCode::kCapacity);
+  EXPECT_EQ(CoreCodeOf(ServeCode::kBusy), ErrorCode::kUnavailable);
+  EXPECT_FALSE(ParseServeCode("busy"));
+  const DaemonUnavailableError e("gone");
+  EXPECT_EQ(e.code(), ErrorCode::kUnavailable);
+  EXPECT_EQ(e.serve_code(), ServeCode::kUnavailable);
+}
+
+}  // namespace
+}  // namespace modelcache::serve

@@ -480,17 +480,26 @@ bool CacheCore::KeepAlivePrewarm(const std::string& key,
     base::MutexLock lock(&shard.mu);
     if (shard.map.find(key) != shard.map.end()) return false;  // not absent
   }
+  std::optional<PrewarmSource> source;
   try {
-    std::optional<PrewarmSource> source = options_.prewarm_source(key);
-    if (!source || !source->loader) return false;
+    source = options_.prewarm_source(key);
+  } catch (...) {
+    // User code, like an event callback: caught and counted, and the
+    // prewarm is dropped; the request, when it comes, loads.
+    callback_errors_.fetch_add(1, std::memory_order_relaxed);
+    return false;
+  }
+  if (!source || !source->loader) return false;
+  try {
     AcquireOptions options;
     options.when_full = WhenFull::kFail;
     options.evict = evict_lower_ranked;
     options.evict_only_lower_ranked = evict_lower_ranked;
     Prefetch(key, source->expected_bytes, source->loader, options);
   } catch (...) {
-    // No room, a failing loader (counted as a load failure), or a source
-    // that threw: the prewarm is dropped; the request, when it comes, loads.
+    // No room (the prewarm never waits for it, by design), or a failing
+    // loader, counted as a load failure and reported as kLoadFailed: the
+    // prewarm is dropped; the request, when it comes, loads.
     return false;
   }
   prewarms_.fetch_add(1, std::memory_order_relaxed);

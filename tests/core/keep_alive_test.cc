@@ -14,7 +14,9 @@
 #include <cmath>
 #include <latch>
 #include <mutex>
+#include <optional>
 #include <random>
+#include <stdexcept>
 #include <string>
 #include <thread>
 #include <tuple>
@@ -279,6 +281,35 @@ TEST(KeepAliveCacheTest, APrewarmIntoAFullCacheEvictsNothing) {
   EXPECT_EQ(cache.RunKeepAlive(), 0u);
   EXPECT_THAT(testing::ResidentKeys(cache), ElementsAre("x", "y"));
   EXPECT_EQ(cache.Stats().evictions, 0u);
+}
+
+// A prewarm source that throws is user code failing, as an event callback
+// can: counted in callback_errors, the prewarm skipped, the books unchanged,
+// and the request, when it comes, loads.
+TEST(KeepAliveCacheTest, APrewarmSourceThatThrowsIsCountedAndSkipped) {
+  Models models;
+  Clocked clock;
+  int calls = 0;
+  CacheOptions options = clock.Options("hybrid-histogram", 1000);
+  options.prewarm_source =
+      [&](std::string_view) -> std::optional<PrewarmSource> {
+    ++calls;
+    throw std::runtime_error("catalog unreachable");
+  };
+  ModelCache cache(std::move(options));
+  std::vector<std::pair<double, std::string>> requests;
+  for (int i = 0; i < 6; ++i) requests.push_back({i * 30.5 * kMinuteMs, "p"});
+  RunRequests(cache, clock, models, requests, kMinuteMs, 100);
+  ASSERT_FALSE(cache.Entry("p").has_value());  // unloaded at its end
+  clock.now_ms += 28 * kMinuteMs;
+  EXPECT_EQ(cache.RunKeepAlive(), 0u);
+  EXPECT_EQ(calls, 1);
+  const CacheStats stats = cache.Stats();
+  EXPECT_EQ(stats.callback_errors, 1u);
+  EXPECT_EQ(stats.prewarms, 0u);
+  EXPECT_EQ(stats.load_failures, 0u);
+  EXPECT_FALSE(cache.Entry("p").has_value());
+  EXPECT_EQ(cache.CheckInvariants(), 0u);
 }
 
 // A request after the plan voids it: no unload at keep-until, no prewarm.

@@ -202,7 +202,9 @@ struct CacheOptions {
   std::shared_ptr<const KeepAlivePolicy> keep_alive;
   // How to load `key` for a prewarm: its expected size and a loader, or
   // nullopt to skip that prewarm. Called with no lock held, on the thread
-  // running the plans. Empty: no prewarms (unloads still happen).
+  // running the plans. Empty: no prewarms (unloads still happen). If it
+  // throws, the exception is caught and counted (CacheStats::
+  // callback_errors) and that prewarm is skipped.
   std::function<std::optional<PrewarmSource>(std::string_view key)>
       prewarm_source;
   int max_prewarms = 1;
@@ -250,7 +252,8 @@ struct CacheOptions {
     "of the budget: evictions made for reservations that then failed anyway "  \
     "(Budget::wasted_evictions; only a race or a failing unloader causes "     \
     "one)")                                                                    \
-  X(uint64_t, callback_errors, "event callbacks that threw (and were caught)") \
+  X(uint64_t, callback_errors,                                                 \
+    "event callbacks and prewarm sources that threw (and were caught)")        \
   X(uint64_t, prewarms,                                                        \
     "loads the keep-alive policy made ahead of demand (CacheOptions::"         \
     "keep_alive); each is also counted in loads and misses")

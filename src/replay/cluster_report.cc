@@ -252,30 +252,37 @@ std::string ClusterTable(const Trace& trace,
                          const ClusterInfo& info) {
   std::ostringstream out;
   for (const std::string& line : SetUp(trace, info)) out << line << "\n";
+  out << "waits are over the requests served; unserved: too large or "
+         "rejected, % of all requests (a row with any says UNSERVED)\n";
   out << "\n";
   char line[640];
   std::snprintf(line, sizeof(line),
-                "%-14s %-18s %10s %6s %7s %7s %7s %8s %7s %7s %9s %11s %7s "
-                "%6s %13s\n",
-                "route", "policy", "capacity", "cold%", "p50", "p99", "p99.9",
-                "max_wait", "reject", "refused", "idle_GiBh", "loaded", "loads",
-                "spills", "copies m/h/md");
+                "%-14s %-18s %10s %8s %6s %7s %7s %7s %8s %7s %7s %9s %11s "
+                "%7s %6s %13s\n",
+                "route", "policy", "capacity", "unserved", "cold%", "p50",
+                "p99", "p99.9", "max_wait", "reject", "refused", "idle_GiBh",
+                "loaded", "loads", "spills", "copies m/h/md");
   out << line;
   for (const ClusterResult& r : results) {
     const RunResult& t = r.total;
     std::snprintf(
         line, sizeof(line),
-        "%-14s %-18s %10s %6.2f %7s %7s %7s %8s %7llu %7llu %9.1f %11s %7llu "
-        "%6llu %13s%s\n",
+        "%-14s %-18s %10s %7.2f%% %6.2f %7s %7s %7s %8s %7llu %7llu %9.1f "
+        "%11s %7llu %6llu %13s%s%s\n",
         r.route.name().c_str(), t.policy.c_str(),
-        FormatBytes(t.capacity_bytes).c_str(), 100 * t.cold_start_ratio,
-        FormatMs(t.wait_ms.p50).c_str(), FormatMs(t.wait_ms.p99).c_str(),
-        FormatMs(t.wait_ms.p999).c_str(), FormatMs(t.wait_ms.max).c_str(),
+        FormatBytes(t.capacity_bytes).c_str(),
+        t.requests == 0 ? 0.0
+                        : 100.0 * static_cast<double>(UnservedRequests(t)) /
+                              static_cast<double>(t.requests),
+        100 * t.cold_start_ratio, FormatMs(t.wait_ms.p50).c_str(),
+        FormatMs(t.wait_ms.p99).c_str(), FormatMs(t.wait_ms.p999).c_str(),
+        FormatMs(t.wait_ms.max).c_str(),
         static_cast<unsigned long long>(t.rejected),
         static_cast<unsigned long long>(r.refused), t.idle_gib_hours,
         FormatBytes(t.bytes_loaded).c_str(),
         static_cast<unsigned long long>(r.loads),
         static_cast<unsigned long long>(r.spills), Copies(r).c_str(),
+        UnservedRequests(t) > 0 ? "  UNSERVED" : "",
         t.overloaded ? "  OVERLOADED" : "");
     out << line;
   }
@@ -423,6 +430,11 @@ std::string ClusterJson(const Trace& trace,
          {"cold_start_ratio", t.cold_start_ratio},
          {"wait_ms", WaitsJson(t.wait_ms)},
          {"rejected", t.rejected},
+         {"unserved", UnservedRequests(t)},
+         {"unserved_ratio", t.requests == 0
+                                ? 0.0
+                                : static_cast<double>(UnservedRequests(t)) /
+                                      static_cast<double>(t.requests)},
          {"refused", r.refused},
          {"bytes_loaded", t.bytes_loaded},
          {"evictions", t.evictions},

@@ -667,6 +667,28 @@ TEST(ClusterCli, JsonCarriesWhatALiveClusterIsComparedWith) {
   }
 }
 
+// A request too large for a node is unserved: the row says so in its
+// `unserved` column and its flag, and the JSON keeps the count, so a cluster
+// row never reads as a perfect result while it served nothing.
+TEST(ClusterCli, ARequestNoNodeCanServeIsFlaggedUnserved) {
+  TraceFile trace("t_ms,model,size_bytes\n0,big,5000\n10,a,100\n");
+  const std::string run =
+      "replay " + trace.path() + " --capacity 1KiB --nodes 2 --route chash";
+  const Command table = RunCli(run);
+  ASSERT_EQ(table.status, 0) << table.err;
+  EXPECT_THAT(table.out, HasSubstr("unserved"));
+  EXPECT_THAT(table.out, HasSubstr("waits are over the requests served"));
+  EXPECT_THAT(table.out, HasSubstr("50.00%"));
+  EXPECT_THAT(table.out, HasSubstr("  UNSERVED"));
+  const Command json = RunCli(run + " --json");
+  ASSERT_EQ(json.status, 0) << json.err;
+  const auto doc = nlohmann::json::parse(json.out);
+  ASSERT_EQ(doc["results"].size(), 1u);
+  EXPECT_EQ(doc["results"][0]["too_large"], 1);
+  EXPECT_EQ(doc["results"][0]["unserved"], 1);
+  EXPECT_DOUBLE_EQ(doc["results"][0]["unserved_ratio"].get<double>(), 0.5);
+}
+
 TEST(ClusterCli, TableAndReportShowEveryRoute) {
   TraceFile trace("t_ms,model,size_bytes\n0,a,100\n10,b,100\n20,a,100\n");
   const std::string report = ::testing::TempDir() + "/cluster_report." +

@@ -10,14 +10,8 @@
 #include <limits>
 #include <string>
 
-#include "files.h"
-#include "modelcache/serve/catalog.h"
-#include "modelcache/serve/errors.h"
 #include "modelcache/weights/memfd.h"
-#include "modelcache/weights/safetensors.h"
 #include "proc_maps.h"
-#include "protocol.h"
-#include "throttle.h"
 
 namespace modelcache::serve {
 namespace {

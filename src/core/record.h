@@ -61,7 +61,7 @@ struct alignas(64) Record {
   const std::string key;
   const uint64_t id;
   const uint32_t shard;
-  int waiters = 0;         // acquires waiting for this record's load
+  int waiters = 0;  // acquires waiting for this record's load
   // Its load was started by a request (the owner's AcquireOptions::request),
   // not a Prefetch: a demand load.
   bool for_request = false;

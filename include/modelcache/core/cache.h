@@ -222,40 +222,40 @@ struct CacheOptions {
 // The fields of CacheStats, X(type, name, what it counts): the one list the
 // struct, the test printers, the Python package's dict and dataclass, and the
 // daemon's JSON and metrics read. Adding a counter is one line here.
-#define MODELCACHE_CACHE_STATS_FIELDS(X)                                       \
-  X(uint64_t, hits, "acquires and lookups that found the key resident")        \
-  X(uint64_t, misses,                                                          \
-    "acquires that started or joined a load, and lookups that did not find "   \
-    "the key resident")                                                        \
-  X(uint64_t, refused,                                                         \
-    "misses whose load never ran or was not admitted: too large, no "          \
-    "capacity, timed out waiting for room")                                    \
-  X(uint64_t, loads, "loads that completed")                                   \
-  X(uint64_t, load_failures, "loads whose loader threw")                       \
-  X(uint64_t, evictions,                                                       \
-    "records evicted to make room, by SetCapacity or "                         \
-    "by Prune")                                                                \
-  X(uint64_t, expirations,                                                     \
-    "idle records unloaded past the idle TTL or their keep-alive")             \
-  X(uint64_t, failed_unloads, "unloaders that threw")                          \
-  X(uint64_t, removals, "records unloaded or retired by Remove/Invalidate")    \
-  X(uint64_t, bytes_loaded, "bytes of the loads that completed")               \
-  X(double, load_seconds, "time the completed loads took")                     \
-  X(uint64_t, resident_entries, "records resident now")                        \
-  X(uint64_t, resident_bytes, "their bytes")                                   \
-  X(uint64_t, retired_entries, "records retired and still leased")             \
-  X(uint64_t, retired_bytes, "their bytes")                                    \
-  X(uint64_t, capacity_bytes, "of the budget")                                 \
-  X(uint64_t, budget_used_bytes, "of the budget, every cache on it together")  \
-  X(uint64_t, high_water_bytes, "of the budget: the most ever in use")         \
-  X(uint64_t, wasted_evictions,                                                \
-    "of the budget: evictions made for reservations that then failed anyway "  \
-    "(Budget::wasted_evictions; only a race or a failing unloader causes "     \
-    "one)")                                                                    \
-  X(uint64_t, callback_errors,                                                 \
-    "event callbacks and prewarm sources that threw (and were caught)")        \
-  X(uint64_t, prewarms,                                                        \
-    "loads the keep-alive policy made ahead of demand (CacheOptions::"         \
+#define MODELCACHE_CACHE_STATS_FIELDS(X)                                      \
+  X(uint64_t, hits, "acquires and lookups that found the key resident")       \
+  X(uint64_t, misses,                                                         \
+    "acquires that started or joined a load, and lookups that did not find "  \
+    "the key resident")                                                       \
+  X(uint64_t, refused,                                                        \
+    "misses whose load never ran or was not admitted: too large, no "         \
+    "capacity, timed out waiting for room")                                   \
+  X(uint64_t, loads, "loads that completed")                                  \
+  X(uint64_t, load_failures, "loads whose loader threw")                      \
+  X(uint64_t, evictions,                                                      \
+    "records evicted to make room, by SetCapacity or "                        \
+    "by Prune")                                                               \
+  X(uint64_t, expirations,                                                    \
+    "idle records unloaded past the idle TTL or their keep-alive")            \
+  X(uint64_t, failed_unloads, "unloaders that threw")                         \
+  X(uint64_t, removals, "records unloaded or retired by Remove/Invalidate")   \
+  X(uint64_t, bytes_loaded, "bytes of the loads that completed")              \
+  X(double, load_seconds, "time the completed loads took")                    \
+  X(uint64_t, resident_entries, "records resident now")                       \
+  X(uint64_t, resident_bytes, "their bytes")                                  \
+  X(uint64_t, retired_entries, "records retired and still leased")            \
+  X(uint64_t, retired_bytes, "their bytes")                                   \
+  X(uint64_t, capacity_bytes, "of the budget")                                \
+  X(uint64_t, budget_used_bytes, "of the budget, every cache on it together") \
+  X(uint64_t, high_water_bytes, "of the budget: the most ever in use")        \
+  X(uint64_t, wasted_evictions,                                               \
+    "of the budget: evictions made for reservations that then failed anyway " \
+    "(Budget::wasted_evictions; only a race or a failing unloader causes "    \
+    "one)")                                                                   \
+  X(uint64_t, callback_errors,                                                \
+    "event callbacks and prewarm sources that threw (and were caught)")       \
+  X(uint64_t, prewarms,                                                       \
+    "loads the keep-alive policy made ahead of demand (CacheOptions::"        \
     "keep_alive); each is also counted in loads and misses")
 
 struct CacheStats {

@@ -34,6 +34,11 @@ packages=(
   chromium
   # bench/stream_billion.sh: the zstd command and GNU time (peak RSS).
   zstd time
+  # Profiling and benchmark tooling docs/benchmarks.md uses: perf (perf
+  # record) and valgrind (callgrind's instruction counts, which a noisy
+  # machine does not change); ccache, which setup.py's CMake build of the
+  # Python extension uses when it is installed.
+  linux-perf valgrind ccache
 )
 
 missing=()

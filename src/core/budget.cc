@@ -262,6 +262,9 @@ void Budget::Reserve(uint64_t bytes, const ReserveOptions& options) {
                       " in budget '" + name_ +
                       "'; held by: " + HoldersMessage(options.for_record));
     }
+    // Something changed: a victim whose unloader refused may unload now (a
+    // store whose unloader first asks the model's holders to let go).
+    skip.clear();
   }
 }
 

@@ -15,23 +15,23 @@ RemoteWeights& RemoteWeights::operator=(RemoteWeights&& other) noexcept {
   return *this;
 }
 
-const std::string& RemoteWeights::model() const { return grant_->model; }
-uint64_t RemoteWeights::lease() const { return grant_->lease; }
+const std::string& RemoteWeights::model() const { return grant_->copy->model; }
+uint64_t RemoteWeights::lease() const { return grant_->copy->lease; }
 const std::string& RemoteWeights::load() const { return grant_->load; }
 const std::vector<weights::WeightSet>& RemoteWeights::files() const {
-  return grant_->files;
+  return grant_->copy->files;
 }
 const std::vector<RemoteTensor>& RemoteWeights::tensors() const {
-  return grant_->tensors;
+  return grant_->copy->tensors;
 }
-uint64_t RemoteWeights::data_bytes() const { return grant_->data_bytes; }
+uint64_t RemoteWeights::data_bytes() const { return grant_->copy->data_bytes; }
 
 const RemoteTensor* RemoteWeights::Find(std::string_view name) const {
   // Each file's header has an index of its own.
-  for (size_t i = 0; i < grant_->files.size(); ++i) {
-    const weights::WeightSet& file = grant_->files[i];
+  for (size_t i = 0; i < grant_->copy->files.size(); ++i) {
+    const weights::WeightSet& file = grant_->copy->files[i];
     if (const weights::TensorInfo* t = file.header().Find(name)) {
-      return &grant_->tensors[grant_->first_tensor[i] +
+      return &grant_->copy->tensors[grant_->copy->first_tensor[i] +
                               static_cast<size_t>(t - file.tensors().data())];
     }
   }
@@ -41,7 +41,7 @@ const RemoteTensor* RemoteWeights::Find(std::string_view name) const {
 std::span<const std::byte> RemoteWeights::data(std::string_view name) const {
   const RemoteTensor* t = Find(name);
   if (t == nullptr) {
-    throw Error(ErrorCode::kNotFound, "model '" + grant_->model +
+    throw Error(ErrorCode::kNotFound, "model '" + grant_->copy->model +
                                           "' has no tensor named '" +
                                           weights::Printable(name) + "'");
   }
@@ -52,8 +52,8 @@ void RemoteWeights::Release() { grant_.reset(); }
 
 std::vector<weights::HostWeights> RemoteWeights::ShareAsHostWeights() const {
   std::vector<weights::HostWeights> out;
-  out.reserve(grant_->files.size());
-  for (const weights::WeightSet& file : grant_->files) {
+  out.reserve(grant_->copy->files.size());
+  for (const weights::WeightSet& file : grant_->copy->files) {
     out.emplace_back(std::shared_ptr<const weights::WeightSet>(grant_, &file));
   }
   return out;
@@ -109,6 +109,8 @@ ServerInfo Client::Info() {
 void Client::Close() { Core().Close(); }
 
 const std::string& Client::socket_path() const { return core_->path(); }
+
+size_t Client::IdleLeases() { return Core().IdleLeases(); }
 
 // ---------------------------------------------------- RemoteHostWeights ----
 

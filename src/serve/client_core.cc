@@ -63,6 +63,7 @@ std::shared_ptr<Connection> ClientCore::Dial(Clock::time_point deadline) {
       c->info.server = parsed.reply->server;
       c->info.version = parsed.reply->version;
       c->info.limits = parsed.reply->limits;
+      c->delegation = c->info.limits.count("recall_timeout_ms") != 0;
       if (const auto it = c->info.limits.find("max_queued_replies");
           it != c->info.limits.end()) {
         c->window =
@@ -190,7 +191,217 @@ void ClientCore::Broke(const std::shared_ptr<Connection>& c) {
   // Wakes a reader elsewhere and tells the daemon at once.
   ::shutdown(c->fd.get(), SHUT_RDWR);
   if (conn_ == c) conn_.reset();
+  // Its leases died with it: idle ones are unmapped now; references in use
+  // keep their mapping, and their end releases nothing.
+  std::vector<uint64_t> gone;
+  for (const auto& [lease, held] : held_) {
+    if (held.copy->serial == c->serial) gone.push_back(lease);
+  }
+  for (const uint64_t lease : gone) Forget(lease);
   cv_.NotifyAll();
+}
+
+std::shared_ptr<MappedCopy> ClientCore::Forget(uint64_t lease) {
+  const auto it = held_.find(lease);
+  if (it == held_.end()) return nullptr;
+  Held& held = it->second;
+  std::shared_ptr<MappedCopy> copy = std::move(held.copy);
+  if (held.refs == 0) --idle_;
+  for (const std::string& name : held.names) {
+    const auto n = by_name_.find(name);
+    if (n != by_name_.end() && n->second == lease) by_name_.erase(n);
+  }
+  held_.erase(it);
+  return copy;
+}
+
+std::shared_ptr<Grant> ClientCore::LocalAcquire(const std::string& name) {
+  if (!options_.local_reuse) return nullptr;
+  base::MutexLock lock(&mu_);
+  const auto n = by_name_.find(name);
+  if (n == by_name_.end()) return nullptr;
+  Held& held = held_.at(n->second);
+  if (!conn_ || conn_->broken || held.copy->serial != conn_->serial) {
+    return nullptr;
+  }
+  if (held.refs++ == 0) {
+    --idle_;
+    // The daemon may count it as evictable: say it is used again before
+    // returning. (Its recall is answered "use" meanwhile either way.)
+    if (held.told_idle) {
+      held.told_idle = false;
+      SendNotice(conn_, protocol::Op::kUse, n->second);
+    }
+  }
+  auto grant = std::make_shared<Grant>();
+  grant->core = shared_from_this();
+  grant->copy = held.copy;
+  grant->load = "local";
+  grant->generation = generation_;
+  return grant;
+}
+
+void ClientCore::Keep(const std::shared_ptr<MappedCopy>& copy,
+                      const std::vector<std::string>& names) {
+  std::vector<std::shared_ptr<MappedCopy>> replaced;
+  std::vector<uint64_t> release;
+  uint64_t serial = copy->serial;
+  if (!options_.local_reuse) return;  // ~Grant releases it
+  {
+    base::MutexLock lock(&mu_);
+    if (!conn_ || conn_->broken || conn_->serial != copy->serial) return;
+    Held& held = held_[copy->lease];
+    held.copy = copy;
+    held.refs = 1;
+    for (const std::string& name : names) {
+      const auto n = by_name_.find(name);
+      if (n != by_name_.end() && n->second != copy->lease) {
+        // Two acquires of one name raced: the older lease stays reachable
+        // by its references only, and goes when they end (or now, idle).
+        const uint64_t older = n->second;
+        by_name_.erase(n);
+        Held& old = held_.at(older);
+        bool reachable = false;
+        for (const std::string& other : old.names) {
+          const auto o = by_name_.find(other);
+          reachable = reachable || (o != by_name_.end() && o->second == older);
+        }
+        if (!reachable && old.refs == 0) {
+          replaced.push_back(Forget(older));
+          release.push_back(older);
+        }
+      }
+      by_name_[name] = copy->lease;
+      held.names.push_back(name);
+    }
+  }
+  replaced.clear();  // unmapped before the releases
+  for (const uint64_t lease : release) Release(serial, lease);
+}
+
+void ClientCore::Unref(std::shared_ptr<MappedCopy> copy) noexcept {
+  const uint64_t serial = copy->serial;
+  const uint64_t lease = copy->lease;
+  std::shared_ptr<MappedCopy> drop;
+  bool release = false;
+  {
+    base::MutexLock lock(&mu_);
+    const auto it = held_.find(lease);
+    if (it == held_.end() || it->second.copy != copy) {
+      drop = std::move(copy);  // not kept: its connection is gone, say
+      release = true;
+    } else if (--it->second.refs == 0) {
+      Held& held = it->second;
+      bool reachable = false;
+      for (const std::string& name : held.names) {
+        const auto n = by_name_.find(name);
+        reachable = reachable || (n != by_name_.end() && n->second == lease);
+      }
+      const bool keep = options_.keep_idle.count() > 0 && conn_ &&
+                        !conn_->broken && conn_->serial == serial &&
+                        conn_->delegation && reachable && !stop_;
+      ++idle_;
+      if (keep) {
+        held.idle_since = Clock::now();
+        held.told_idle = false;
+        if (options_.idle_notice_delay.count() <= 0) {
+          held.told_idle = true;
+          SendNotice(conn_, protocol::Op::kIdle, lease);
+        }
+        StartFlusher();
+        WakeKeeper();
+      } else {
+        drop = Forget(lease);
+        release = true;
+      }
+    }
+  }
+  copy.reset();
+  drop.reset();  // unmapped before the release
+  if (release) Release(serial, lease);
+}
+
+size_t ClientCore::IdleLeases() const {
+  base::MutexLock lock(&mu_);
+  return idle_;
+}
+
+void ClientCore::SendNotice(const std::shared_ptr<Connection>& c,
+                            protocol::Op op, uint64_t lease) {
+  if (c->broken) return;
+  const uint64_t id = next_id_++;
+  c->unsent.emplace_back(id, op == protocol::Op::kIdle
+                                 ? protocol::EncodeIdle(id, lease)
+                                 : protocol::EncodeUse(id, lease));
+  if (!FlushUnsent(*c)) {
+    last_break_ = "the connection failed: " + ErrnoText(errno);
+    Broke(c);
+    return;
+  }
+  if (!c->unsent.empty()) StartFlusher();
+}
+
+void ClientCore::WakeKeeper() {
+  if (!wake_fd_) return;
+  const uint64_t one = 1;
+  [[maybe_unused]] const ssize_t n = ::write(wake_fd_.get(), &one, sizeof(one));
+}
+
+Clock::time_point ClientCore::IdleChores(
+    const std::shared_ptr<Connection>& c,
+    std::vector<std::shared_ptr<MappedCopy>>* expired) {
+  Clock::time_point next = Clock::time_point::max();
+  if (idle_ == 0) return next;
+  const Clock::time_point now = Clock::now();
+  std::vector<uint64_t> ended;
+  for (auto& [lease, held] : held_) {
+    if (held.refs != 0 || held.copy->serial != c->serial) continue;
+    if (!held.told_idle) {
+      const Clock::time_point due = held.idle_since + options_.idle_notice_delay;
+      if (now >= due) {
+        held.told_idle = true;
+        SendNotice(c, protocol::Op::kIdle, lease);
+      } else {
+        next = std::min(next, due);
+      }
+    }
+    const Clock::time_point end = held.idle_since + options_.keep_idle;
+    if (now >= end) {
+      ended.push_back(lease);
+    } else {
+      next = std::min(next, end);
+    }
+  }
+  for (const uint64_t lease : ended) expired->push_back(Forget(lease));
+  return next;
+}
+
+void ClientCore::AnswerRecalls(const std::shared_ptr<Connection>& c,
+                               const std::vector<uint64_t>& recalls) {
+  if (options_.test_on_recall) {
+    for (const uint64_t lease : recalls) options_.test_on_recall(lease);
+  }
+  std::vector<std::shared_ptr<MappedCopy>> drop;
+  std::vector<uint64_t> release;
+  {
+    base::MutexLock lock(&mu_);
+    for (const uint64_t lease : recalls) {
+      const auto it = held_.find(lease);
+      // Unknown: released already (its release is on its way).
+      if (it == held_.end() || it->second.copy->serial != c->serial) continue;
+      if (it->second.refs == 0) {
+        drop.push_back(Forget(lease));
+        release.push_back(lease);
+      } else {
+        it->second.told_idle = false;
+        SendNotice(c, protocol::Op::kUse, lease);  // busy
+      }
+    }
+  }
+  drop.clear();  // unmapped before the releases
+  if (release.empty()) return;
+  base::MutexLock lock(&mu_);
+  for (const uint64_t lease : release) SendRelease(c, lease);
 }
 
 void ClientCore::ReadAndFile(const std::shared_ptr<Connection>& c,
@@ -226,6 +437,7 @@ void ClientCore::ReadAndFile(const std::shared_ptr<Connection>& c,
     break;
   }
   std::vector<uint64_t> stray_leases;
+  std::vector<uint64_t> recalls;
   {
     base::MutexLock lock(&mu_);
     for (Datagram& d : got) {
@@ -237,7 +449,11 @@ void ClientCore::ReadAndFile(const std::shared_ptr<Connection>& c,
       }
       protocol::Reply& reply = *parsed.reply;
       if (reply.id == 0) {  // the daemon's own: news, not the end
-        c->note = reply.message;
+        if (reply.ok && reply.recall != 0) {
+          recalls.push_back(reply.recall);
+        } else {
+          c->note = reply.message;
+        }
         continue;
       }
       if (c->unanswered.erase(reply.id) != 0) continue;  // a release's
@@ -258,6 +474,7 @@ void ClientCore::ReadAndFile(const std::shared_ptr<Connection>& c,
     for (const uint64_t lease : stray_leases) SendRelease(c, lease);
     cv_.NotifyAll();
   }
+  if (!recalls.empty()) AnswerRecalls(c, recalls);
 }
 
 void ClientCore::SendRelease(const std::shared_ptr<Connection>& c,
@@ -309,8 +526,19 @@ void ClientCore::Flusher() {
   for (;;) {
     const std::shared_ptr<Connection> c = conn_;
     if (stop_ || !c || c->broken ||
-        (c->unsent.empty() && c->unanswered.empty())) {
+        (c->unsent.empty() && c->unanswered.empty() && idle_ == 0)) {
       break;
+    }
+    std::vector<std::shared_ptr<MappedCopy>> expired;
+    const Clock::time_point next = IdleChores(c, &expired);
+    if (!expired.empty()) {
+      std::vector<uint64_t> leases;
+      for (const auto& copy : expired) leases.push_back(copy->lease);
+      mu_.Unlock();
+      expired.clear();  // unmapped before the releases
+      mu_.Lock();
+      for (const uint64_t lease : leases) SendRelease(c, lease);
+      continue;
     }
     if (!FlushUnsent(*c)) {
       last_break_ = "the connection failed: " + ErrnoText(errno);
@@ -320,9 +548,12 @@ void ClientCore::Flusher() {
     const bool want_out =
         !c->unsent.empty() && c->unanswered.size() < c->window;
     const bool read = !reading_;
+    const Clock::time_point until =
+        std::min(next, Clock::now() + std::chrono::seconds(1));
     if (!want_out && !read) {
-      // Another thread reads: it files the answers and wakes us.
-      cv_.WaitUntil(&mu_, Clock::now() + std::chrono::seconds(1));
+      // Another thread reads: it files the answers (and recalls) and wakes
+      // us.
+      cv_.WaitUntil(&mu_, until);
       continue;
     }
     if (read) reading_ = true;
@@ -332,7 +563,11 @@ void ClientCore::Flusher() {
         {c->fd.get(),
          static_cast<short>((want_out ? POLLOUT : 0) | (read ? POLLIN : 0)), 0},
         {wake, POLLIN, 0}};
-    ::poll(p, 2, 1000);
+    ::poll(p, 2, MillisUntil(until));
+    if ((p[1].revents & POLLIN) != 0) {
+      uint64_t count;
+      [[maybe_unused]] const ssize_t n = ::read(wake, &count, sizeof(count));
+    }
     if (read) ReadAndFile(c, 0);
     mu_.Lock();
     if (read) {

@@ -141,18 +141,20 @@ struct Connection {
   std::unordered_set<uint64_t> unanswered;
   size_t window = 64;
   std::string note;  // the daemon's last id-0 message (core's mu_)
+  // The daemon recalls idle leases (hello's limits had recall_timeout_ms).
+  bool delegation = false;
 
   // Frees its socket's slot in the fork table (client_fork.cc).
   ~Connection();
 };
 
-struct Grant {
-  std::shared_ptr<ClientCore> core;
-  uint64_t serial = 0;
+// A lease's copy as this process maps it: one per lease, shared by every
+// local reference (Grant) and, while the lease is kept, the core's table.
+struct MappedCopy {
+  uint64_t serial = 0;  // of the connection that holds the lease
   uint64_t lease = 0;
   uint64_t generation = 0;
   std::string model;
-  std::string load;  // the reply's "load"
   struct Mapping {
     void* base = nullptr;
     size_t bytes = 0;
@@ -162,6 +164,18 @@ struct Grant {
   std::vector<RemoteTensor> tensors;
   std::vector<size_t> first_tensor;  // of each file, in `tensors`
   uint64_t data_bytes = 0;
+
+  // Unmaps (not in a forked child: it has no mapping there).
+  ~MappedCopy();
+};
+
+// One local reference: what a RemoteWeights holds. Its end is the core's
+// Unref, which keeps the lease idle or releases it.
+struct Grant {
+  std::shared_ptr<ClientCore> core;
+  std::shared_ptr<MappedCopy> copy;
+  std::string load;  // "local", or the reply's "load"
+  uint64_t generation = 0;
 
   ~Grant();
 };
@@ -191,6 +205,11 @@ class ClientCore : public std::enable_shared_from_this<ClientCore> {
   void Close() MC_EXCLUDES(mu_);
   // Ends a lease of connection `serial`: nothing if that connection is gone.
   void Release(uint64_t serial, uint64_t lease) noexcept MC_EXCLUDES(mu_);
+  // A local reference to `copy` ended (~Grant).
+  void Unref(std::shared_ptr<MappedCopy> copy) noexcept MC_EXCLUDES(mu_);
+  // Leases kept idle now, and local references alive (for tests and the
+  // bindings' introspection).
+  size_t IdleLeases() const MC_EXCLUDES(mu_);
 
  private:
   struct Slot {
@@ -222,18 +241,41 @@ class ClientCore : public std::enable_shared_from_this<ClientCore> {
   // error.
   bool FlushUnsent(Connection& c) MC_REQUIRES(mu_);
   void StartFlusher() MC_REQUIRES(mu_);
+  // Interrupts the keeper's poll (a new idle lease has chores due sooner).
+  void WakeKeeper() MC_REQUIRES(mu_);
   void Flusher() MC_EXCLUDES(mu_);
   // Reads what the socket holds (waiting up to `wait_ms`) and files it.
   // Called by the reader, without mu_.
   void ReadAndFile(const std::shared_ptr<Connection>& c, int wait_ms)
       MC_EXCLUDES(mu_);
   void Broke(const std::shared_ptr<Connection>& c) MC_REQUIRES(mu_);
+  // Sends `op` ("idle", "use") of `lease` on `c` without awaiting the reply,
+  // after the queued releases (as SendRelease).
+  void SendNotice(const std::shared_ptr<Connection>& c, protocol::Op op,
+                  uint64_t lease) MC_REQUIRES(mu_);
+  // A local acquire: a new reference to a lease held as `name`, or null.
+  std::shared_ptr<Grant> LocalAcquire(const std::string& name)
+      MC_EXCLUDES(mu_);
+  // Files a new lease's copy in the table, under `names`.
+  void Keep(const std::shared_ptr<MappedCopy>& copy,
+            const std::vector<std::string>& names) MC_EXCLUDES(mu_);
+  // Takes `lease` out of the table; its copy, for the caller to drop
+  // (unmapping) outside mu_.
+  std::shared_ptr<MappedCopy> Forget(uint64_t lease) MC_REQUIRES(mu_);
+  // The keeper's chores: idle notices due, idle leases past keep_idle
+  // (forgotten into `expired`). Returns when the next one is due.
+  Clock::time_point IdleChores(
+      const std::shared_ptr<Connection>& c,
+      std::vector<std::shared_ptr<MappedCopy>>* expired) MC_REQUIRES(mu_);
+  // Answers the recalls read: releases (after unmapping) or "use".
+  void AnswerRecalls(const std::shared_ptr<Connection>& c,
+                     const std::vector<uint64_t>& recalls) MC_EXCLUDES(mu_);
 
   const std::string path_;
   const ClientOptions options_;
   const uint64_t generation_;
 
-  base::Mutex mu_;
+  mutable base::Mutex mu_;
   base::CondVar cv_;
   std::shared_ptr<Connection> conn_ MC_GUARDED_BY(mu_);
   bool connecting_ MC_GUARDED_BY(mu_) = false;
@@ -248,6 +290,20 @@ class ClientCore : public std::enable_shared_from_this<ClientCore> {
   bool stop_ MC_GUARDED_BY(mu_) = false;
   std::thread flusher_ MC_GUARDED_BY(mu_);
   base::UniqueFd wake_fd_ MC_GUARDED_BY(mu_);
+
+  // The leases this process holds, by lease id: their copy, the local
+  // references alive, and whether the daemon was told they are idle; and
+  // the names they were acquired as (a name may also be the model's id).
+  struct Held {
+    std::shared_ptr<MappedCopy> copy;
+    int refs = 0;
+    bool told_idle = false;
+    Clock::time_point idle_since;
+    std::vector<std::string> names;
+  };
+  std::unordered_map<uint64_t, Held> held_ MC_GUARDED_BY(mu_);
+  std::unordered_map<std::string, uint64_t> by_name_ MC_GUARDED_BY(mu_);
+  size_t idle_ MC_GUARDED_BY(mu_) = 0;  // entries of held_ with refs == 0
 
   // Headers already parsed, so that a copy acquired again is not parsed
   // again. Keyed by what fstat says of the header memfd: a memfd's inode

@@ -5,16 +5,23 @@
 
 namespace modelcache::serve::detail {
 
-Grant::~Grant() {
+MappedCopy::~MappedCopy() {
   if (generation != g_fork_generation.load()) return;  // a forked child's
   files.clear();
   for (const Mapping& m : mappings) ::munmap(m.base, m.bytes);
   mappings.clear();
-  if (core && lease != 0) core->Release(serial, lease);
+}
+
+Grant::~Grant() {
+  if (generation != g_fork_generation.load()) return;  // a forked child's
+  if (core && copy) core->Unref(std::move(copy));
 }
 
 RemoteWeights ClientCore::Acquire(std::string_view model,
                                   const RemoteAcquireOptions& options) {
+  if (std::shared_ptr<Grant> local = LocalAcquire(std::string(model))) {
+    return RemoteWeights(std::move(local));
+  }
   const Clock::time_point daemon_deadline = After(options.timeout);
   const Clock::time_point deadline =
       daemon_deadline == Clock::time_point::max()
@@ -39,26 +46,30 @@ RemoteWeights ClientCore::Acquire(std::string_view model,
 
   auto grant = std::make_shared<Grant>();
   grant->core = shared_from_this();
-  grant->serial = ex.connection->serial;
-  grant->lease = ex.reply.lease;
   grant->generation = generation_;
   grant->load = ex.reply.load;
-  grant->model = ex.reply.model;
-  // From here on a failure releases the lease (through ~Grant).
+  grant->copy = std::make_shared<MappedCopy>();
+  MappedCopy* copy = grant->copy.get();
+  copy->serial = ex.connection->serial;
+  copy->lease = ex.reply.lease;
+  copy->generation = generation_;
+  copy->model = ex.reply.model;
+  // From here on a failure releases the lease (through ~Grant: not filed in
+  // the table yet, it is released at once).
   const auto bad = [&](const std::string& why) {
     return ServeError(ServeCode::kInvalid,
-                      "the daemon's copy of '" + grant->model + "': " + why);
+                      "the daemon's copy of '" + copy->model + "': " + why);
   };
   if (ex.fds.size() != 2 * ex.reply.files.size()) {
     throw bad(std::to_string(ex.fds.size()) + " descriptors for " +
               std::to_string(ex.reply.files.size()) + " files");
   }
-  grant->files.reserve(ex.reply.files.size());
+  copy->files.reserve(ex.reply.files.size());
   for (size_t i = 0; i < ex.reply.files.size(); ++i) {
     const protocol::FileReply& f = ex.reply.files[i];
     const int header_fd = ex.fds[2 * i].get();
     const int data_fd = ex.fds[2 * i + 1].get();
-    const std::string source = grant->model + "/" + f.name;
+    const std::string source = copy->model + "/" + f.name;
     for (const int fd : {header_fd, data_fd}) {
       const int seals = ::fcntl(fd, F_GET_SEALS);
       if (seals < 0 ||
@@ -116,32 +127,35 @@ RemoteWeights ClientCore::Acquire(std::string_view model,
             ServeCode::kLoadFailed, ErrorCode::kIo,
             "cannot map the copy of " + source + ": " + ErrnoText(e));
       }
-      grant->mappings.push_back({base, bytes});
+      copy->mappings.push_back({base, bytes});
       // A forked child must not share it: it holds no lease.
       ::madvise(base, bytes, MADV_DONTFORK);
       data = std::span<const std::byte>(static_cast<const std::byte*>(base),
                                         f.data_bytes);
     }
-    grant->files.push_back(weights::WeightSet::FromMemory(
+    copy->files.push_back(weights::WeightSet::FromMemory(
         source,
         weights::FileIdentity{static_cast<uint64_t>(data_st.st_dev),
                               static_cast<uint64_t>(data_st.st_ino),
                               static_cast<uint64_t>(data_st.st_size), 0},
         std::move(header), data, nullptr));
-    grant->data_bytes += f.data_bytes;
+    copy->data_bytes += f.data_bytes;
   }
   ex.fds.clear();  // mapped: the descriptors are not needed
   size_t count = 0;
-  for (const weights::WeightSet& file : grant->files) {
+  for (const weights::WeightSet& file : copy->files) {
     count += file.tensors().size();
   }
-  grant->tensors.reserve(count);
-  for (size_t i = 0; i < grant->files.size(); ++i) {
-    grant->first_tensor.push_back(grant->tensors.size());
-    for (const weights::TensorInfo& t : grant->files[i].tensors()) {
-      grant->tensors.push_back({&t, grant->files[i].data(t), i});
+  copy->tensors.reserve(count);
+  for (size_t i = 0; i < copy->files.size(); ++i) {
+    copy->first_tensor.push_back(copy->tensors.size());
+    for (const weights::TensorInfo& t : copy->files[i].tensors()) {
+      copy->tensors.push_back({&t, copy->files[i].data(t), i});
     }
   }
+  std::vector<std::string> names{name};
+  if (copy->model != name) names.push_back(copy->model);
+  Keep(grant->copy, names);
   return RemoteWeights(std::move(grant));
 }
 

@@ -95,6 +95,10 @@ void Daemon::Impl::Run() {
     const Clock::time_point now = Clock::now();
     Clock::time_point next = next_rescan_;
     if (!deadlines_.empty()) next = std::min(next, deadlines_.begin()->first);
+    if (!recall_deadlines_.empty()) {
+      next = std::min(next, recall_deadlines_.begin()->first);
+    }
+    next = std::min(next, next_cover_);
     if (next != Clock::time_point::max()) {
       const auto ms = std::chrono::ceil<std::chrono::milliseconds>(next - now);
       timeout = static_cast<int>(std::clamp<int64_t>(ms.count(), 0, 60'000));
@@ -171,6 +175,11 @@ void Daemon::Impl::Run() {
     }
     const Clock::time_point after = Clock::now();
     ExpireWaiters(after);
+    ExpireRecalls(after);
+    if (after >= next_cover_) {
+      next_cover_ = Clock::time_point::max();
+      CoverUncovered();
+    }
     if (after >= next_rescan_) {
       next_rescan_ = Clock::time_point::max();
       StartRecheck();
@@ -212,6 +221,7 @@ void Daemon::Impl::DrainEvents() {
       health_cv_.NotifyAll();
     }
   }
+  ProcessRecalls();
   for (auto& task : completed) Complete(std::move(task));
   for (const auto& found : rechecked) ApplyRecheck(found);
   for (detail::Reloaded& r : reloaded) ApplyReload(std::move(r));
@@ -311,8 +321,20 @@ void Daemon::Impl::ApplyReload(detail::Reloaded result) {
   for (const CatalogModel& m : old->models()) {
     const CatalogModel* now = fresh->Find(m.id);
     if (now == nullptr || now->id != m.id || now->files != m.files) {
-      // Retired: current leases keep their copy.
-      store_->Invalidate(m.id);
+      // Retired: current leases keep their copy; idle ones are recalled.
+      RecallRetired(m.id);
+      try {
+        store_->Invalidate(m.id);
+      } catch (const Error& e) {
+        // Its unloader refused: a lease of it had no store lease for a
+        // moment (being covered). Once more, covered now.
+        CoverUncovered();
+        try {
+          store_->Invalidate(m.id);
+        } catch (const Error& again) {
+          Log("reload: retiring '" + m.id + "' failed: " + again.what());
+        }
+      }
     } else if (m.pinned && !now->pinned) {
       try {
         store_->Unpin(m.id);

@@ -191,6 +191,9 @@ void Daemon::Impl::HandleDatagram(Connection& c, std::string_view bytes,
           {"max_leases", static_cast<uint64_t>(l.max_leases_per_client)},
           {"max_queued_replies", static_cast<uint64_t>(l.max_queued_replies)},
           {"max_message_bytes", protocol::kMaxMessageBytes},
+          // Says that this daemon takes idle delegations and recalls them.
+          {"recall_timeout_ms",
+           static_cast<uint64_t>(options_.recall_timeout.count())},
       };
       Send(c, {protocol::EncodeHelloReply(r.id, "modelcache 0.1.0", limits),
                {},
@@ -202,14 +205,30 @@ void Daemon::Impl::HandleDatagram(Connection& c, std::string_view bytes,
       Send(c, {protocol::EncodeOk(r.id), {}, nullptr, 0});
       return;
     case protocol::Op::kRelease:
-      if (c.leases.erase(r.lease) == 0) {
+    case protocol::Op::kIdle:
+    case protocol::Op::kUse:
+      if (c.leases.count(r.lease) == 0) {
         SendError(c, r.id, ServeCode::kNotFound,
                   "lease " + std::to_string(r.lease) +
                       " is not held by this connection");
         return;
       }
-      ReleaseLease(r.lease);
-      Send(c, {protocol::EncodeOk(r.id), {}, nullptr, 0});
+      if (r.op == protocol::Op::kIdle) {
+        HandleIdle(c, r);
+      } else if (r.op == protocol::Op::kUse) {
+        HandleUse(c, r);
+      } else {
+        c.leases.erase(r.lease);
+        {
+          base::MutexLock lock(&leases_mu_);
+          const auto it = leases_.find(r.lease);
+          if (it != leases_.end() && it->second.use == detail::Use::kRecalled) {
+            ++recalls_released_;
+          }
+        }
+        ReleaseLease(r.lease);
+        Send(c, {protocol::EncodeOk(r.id), {}, nullptr, 0});
+      }
       return;
     case protocol::Op::kAcquire:
       HandleAcquire(c, r);
@@ -382,6 +401,7 @@ void Daemon::Impl::Close(uint64_t id, Disconnect reason) {
                     reason == Disconnect::kShutdown || PeerGone(c->pidfd.get());
   std::vector<uint64_t> release;
   std::vector<uint64_t> orphan;
+  bool recalled = false;
   {
     base::MutexLock lock(&leases_mu_);
     for (const uint64_t lease : c->leases) {
@@ -392,11 +412,19 @@ void Daemon::Impl::Close(uint64_t id, Disconnect reason) {
       } else {
         l->second.connection = 0;
         l->second.orphaned = true;
+        // No one is left to recall: an orphan is in use until its process
+        // lets go, and takes its store lease again (CoverUncovered).
+        if (l->second.use != detail::Use::kInUse) {
+          SetUse(l->second, detail::Use::kInUse);
+          recalled = true;
+        }
         orphan.push_back(lease);
       }
     }
   }
+  if (recalled) RecallEnded();
   for (const uint64_t lease : release) ReleaseLease(lease);
+  if (!orphan.empty()) CoverUncovered();
   if (!orphan.empty()) {
     const uint64_t group = next_group_++;
     detail::OrphanGroup g;

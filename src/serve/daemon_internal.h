@@ -154,8 +154,23 @@ enum class Disconnect {
 };
 const char* DisconnectName(Disconnect reason);
 
+// A lease's use as its client last told it (delegation, protocol.h).
+enum class Use {
+  kInUse,     // granted, or said "use" (or a recall went unanswered)
+  kIdle,      // said "idle": the store may evict its copy, after a recall
+  kRecalled,  // idle, and recalled: awaiting "release" or "use"
+};
+
 struct LeaseEntry {
+  // The store's lease: held unless the lease is idle (then the store counts
+  // the copy as evictable). An entry without one is *uncovered* and listed
+  // in uncovered_ under its copy, whose unloader then refuses.
   Lease lease;
+  const void* copy = nullptr;  // its ModelCopy: an identity, never read
+  Use use = Use::kInUse;
+  // Its model was retired by a reload: it keeps the store's lease while
+  // idle (a retired record is unloaded when its last store lease ends).
+  bool retired = false;
   uint64_t connection = 0;  // 0 once orphaned
   std::string model;
   pid_t pid = 0;
@@ -310,6 +325,41 @@ class Daemon::Impl {
              const std::string& model, Lease lease, detail::Result result,
              const char* load, Clock::time_point start);
   void ReleaseLease(uint64_t lease) MC_EXCLUDES(leases_mu_);
+  // Delegation (daemon_leases.cc; design note above).
+  void HandleIdle(detail::Connection& c, const protocol::Request& r)
+      MC_EXCLUDES(leases_mu_);
+  void HandleUse(detail::Connection& c, const protocol::Request& r)
+      MC_EXCLUDES(leases_mu_);
+  // The unloader of every copy in the store: returns when no lease of the
+  // copy is uncovered; otherwise marks its idle ones recalled, wakes the
+  // loop to send the recalls, and throws (the store keeps the copy and
+  // moves on to its next victim). Any thread; never waits.
+  void GateUnload(const void* copy) MC_EXCLUDES(leases_mu_);
+  // On the loop: sends the recalls GateUnload asked for, and gives uncovered
+  // leases that are in use (or orphaned) their store lease again.
+  void ProcessRecalls() MC_EXCLUDES(leases_mu_);
+  void CoverUncovered() MC_EXCLUDES(leases_mu_);
+  // One pass of it, on any thread: true when some lease stayed uncovered.
+  bool CoverOnce() MC_EXCLUDES(leases_mu_);
+  // Takes the recalls unanswered by `now` as "use".
+  void ExpireRecalls(Clock::time_point now) MC_EXCLUDES(leases_mu_);
+  // Moves `id` into or out of uncovered_ after its store lease changed.
+  void IndexCoverage(uint64_t id, detail::LeaseEntry& e)
+      MC_REQUIRES(leases_mu_);
+  // A recall ended (answered or not): wakes WaitForRecalls and the store's
+  // waiters for room.
+  void RecallEnded() MC_EXCLUDES(leases_mu_);
+  // Keeps recalls_outstanding_ (the leases in kRecalled) exact.
+  void SetUse(detail::LeaseEntry& e, detail::Use use) MC_REQUIRES(leases_mu_);
+  // Sends the recall of `lease` to `c` and starts its clock.
+  void SendRecall(detail::Connection& c, uint64_t lease);
+  // Off the loop: waits until no recall is outstanding, or `deadline`;
+  // true when some were outstanding at the call.
+  bool WaitForRecalls(Clock::time_point deadline) MC_EXCLUDES(leases_mu_);
+  // Before a reload or an HTTP unload retires `model`: its leases are
+  // marked retired, its idle ones take a store lease again and are
+  // recalled. Any thread.
+  void RecallRetired(const std::string& model) MC_EXCLUDES(leases_mu_);
   void ReleaseOrphanGroup(uint64_t group);
 
   void AddWaiter(detail::Connection& c, const protocol::Request& r,
@@ -433,6 +483,19 @@ class Daemon::Impl {
 
   mutable base::Mutex leases_mu_;
   std::map<uint64_t, detail::LeaseEntry> leases_ MC_GUARDED_BY(leases_mu_);
+  // Uncovered leases by copy (LeaseEntry::lease), the recalls GateUnload
+  // asked the loop to send, and whether some uncovered lease in use needs
+  // its store lease again.
+  std::unordered_map<const void*, std::set<uint64_t>> uncovered_
+      MC_GUARDED_BY(leases_mu_);
+  std::vector<uint64_t> to_recall_ MC_GUARDED_BY(leases_mu_);
+  bool cover_again_ MC_GUARDED_BY(leases_mu_) = false;
+  int recalls_outstanding_ MC_GUARDED_BY(leases_mu_) = 0;
+  base::CondVar recalls_cv_;
+  // Loop-only: recalls sent, by deadline.
+  std::multimap<Clock::time_point, uint64_t> recall_deadlines_;
+  // Loop-only: when CoverUncovered runs again (a copy was being unloaded).
+  Clock::time_point next_cover_ = Clock::time_point::max();
   // Lease ids start from the wall clock in microseconds, so that a
   // restarted daemon never hands out an id its predecessor did.
   uint64_t next_lease_ = 0;
@@ -472,6 +535,11 @@ class Daemon::Impl {
              static_cast<size_t>(detail::Disconnect::kCount)>
       disconnects_{};
   std::atomic<uint64_t> protocol_errors_{0};
+  std::atomic<uint64_t> recalls_sent_{0};
+  std::atomic<uint64_t> recalls_released_{0};
+  std::atomic<uint64_t> recalls_busy_{0};
+  std::atomic<uint64_t> recalls_unanswered_{0};
+  std::atomic<uint64_t> refused_unloads_{0};  // by GateUnload
   detail::Histogram load_seconds_;
   detail::Histogram acquire_wait_seconds_;
   detail::Histogram loop_iteration_seconds_;

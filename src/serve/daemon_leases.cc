@@ -38,6 +38,7 @@ using detail::Connection;
 using detail::Disconnect;
 using detail::Result;
 using detail::Task;
+using detail::Use;
 
 void Daemon::Impl::ScheduleRescan() {
   next_rescan_ = std::min(next_rescan_, Clock::now() + options_.orphan_rescan);
@@ -104,6 +105,7 @@ void Daemon::Impl::Grant(Connection& c, uint64_t request_id,
   entry.pid = c.pid;
   entry.uid = c.uid;
   entry.bytes = lease.bytes();
+  entry.copy = copy;
   entry.lease = std::move(lease);
   for (const detail::FileCopy& f : keep->files()) {
     entry.memfds.push_back(f.data_id);
@@ -131,14 +133,250 @@ void Daemon::Impl::Grant(Connection& c, uint64_t request_id,
 
 void Daemon::Impl::ReleaseLease(uint64_t lease) {
   Lease core;
+  bool uncovered = false;
+  bool recalled = false;
   {
     base::MutexLock lock(&leases_mu_);
     const auto it = leases_.find(lease);
     if (it == leases_.end()) return;
-    core = std::move(it->second.lease);
+    detail::LeaseEntry& e = it->second;
+    recalled = e.use == Use::kRecalled;
+    if (recalled) --recalls_outstanding_;
+    core = std::move(e.lease);
+    uncovered = !core;
+    if (uncovered) {
+      const auto u = uncovered_.find(e.copy);
+      if (u != uncovered_.end()) {
+        u->second.erase(lease);
+        if (u->second.empty()) uncovered_.erase(u);
+      }
+    }
     leases_.erase(it);
   }
   core.Release();  // outside the lock: may free a retired copy
+  // An uncovered lease held no store lease: its copy's unloader may pass
+  // now, which no store event says.
+  if (recalled) {
+    RecallEnded();
+  } else if (uncovered) {
+    store_->budget().NotifyEvictable();
+  }
+}
+
+// ---- delegation ----
+
+void Daemon::Impl::IndexCoverage(uint64_t id, detail::LeaseEntry& e) {
+  if (!e.lease) {
+    uncovered_[e.copy].insert(id);
+    return;
+  }
+  const auto u = uncovered_.find(e.copy);
+  if (u == uncovered_.end()) return;
+  u->second.erase(id);
+  if (u->second.empty()) uncovered_.erase(u);
+}
+
+void Daemon::Impl::SetUse(detail::LeaseEntry& e, Use use) {
+  if (e.use == Use::kRecalled) --recalls_outstanding_;
+  if (use == Use::kRecalled) ++recalls_outstanding_;
+  e.use = use;
+}
+
+void Daemon::Impl::SendRecall(Connection& c, uint64_t lease) {
+  Send(c, {protocol::EncodeRecall(lease), {}, nullptr, 0});
+  ++recalls_sent_;
+  recall_deadlines_.emplace(Clock::now() + options_.recall_timeout, lease);
+}
+
+void Daemon::Impl::HandleIdle(Connection& c, const protocol::Request& r) {
+  Lease core;
+  bool recall = false;
+  {
+    base::MutexLock lock(&leases_mu_);
+    const auto it = leases_.find(r.lease);
+    detail::LeaseEntry& e = it->second;
+    if (e.use == Use::kInUse) {
+      if (e.retired) {
+        // No one new gets a retired copy: it goes once its holders let go.
+        SetUse(e, Use::kRecalled);
+        recall = true;
+      } else {
+        SetUse(e, Use::kIdle);
+        core = std::move(e.lease);
+        IndexCoverage(r.lease, e);
+      }
+    }
+  }
+  Send(c, {protocol::EncodeOk(r.id), {}, nullptr, 0});
+  if (recall) SendRecall(c, r.lease);
+  core.Release();  // the store may evict the copy now (after a recall)
+}
+
+void Daemon::Impl::HandleUse(Connection& c, const protocol::Request& r) {
+  bool recalled = false;
+  bool uncovered = false;
+  {
+    base::MutexLock lock(&leases_mu_);
+    detail::LeaseEntry& e = leases_.find(r.lease)->second;
+    recalled = e.use == Use::kRecalled;
+    SetUse(e, Use::kInUse);
+    uncovered = !e.lease;
+  }
+  Send(c, {protocol::EncodeOk(r.id), {}, nullptr, 0});
+  if (recalled) {
+    ++recalls_busy_;
+    RecallEnded();
+  }
+  if (uncovered) CoverUncovered();
+}
+
+void Daemon::Impl::GateUnload(const void* copy) {
+  size_t held = 0;
+  {
+    base::MutexLock lock(&leases_mu_);
+    const auto u = uncovered_.find(copy);
+    if (u == uncovered_.end()) return;
+    for (const uint64_t id : u->second) {
+      detail::LeaseEntry& e = leases_.at(id);
+      if (e.use == Use::kIdle && e.connection != 0) {
+        SetUse(e, Use::kRecalled);
+        to_recall_.push_back(id);
+      }
+    }
+    // One in use that is still uncovered takes its store lease once the
+    // store has the copy back.
+    cover_again_ = true;
+    held = u->second.size();
+  }
+  ++refused_unloads_;
+  Wake();
+  throw Error(ErrorCode::kFailedPrecondition,
+              "its copy is mapped by " + std::to_string(held) +
+                  " delegated leases: recalled");
+}
+
+void Daemon::Impl::ProcessRecalls() {
+  std::vector<uint64_t> recall;
+  bool cover;
+  {
+    base::MutexLock lock(&leases_mu_);
+    recall.swap(to_recall_);
+    cover = cover_again_;
+    cover_again_ = false;
+  }
+  for (const uint64_t id : recall) {
+    uint64_t connection = 0;
+    {
+      base::MutexLock lock(&leases_mu_);
+      const auto it = leases_.find(id);
+      if (it == leases_.end() || it->second.use != Use::kRecalled) continue;
+      connection = it->second.connection;
+    }
+    const auto c = conns_.find(connection);
+    if (c != conns_.end()) SendRecall(*c->second, id);
+  }
+  if (cover) CoverUncovered();
+}
+
+void Daemon::Impl::CoverUncovered() {
+  if (CoverOnce()) next_cover_ = Clock::now() + std::chrono::milliseconds(1);
+}
+
+bool Daemon::Impl::CoverOnce() {
+  // The uncovered leases that are in use, orphaned (no one to recall) or
+  // retired (their copy must be retired, not unloaded).
+  std::vector<std::pair<uint64_t, std::string>> wanted;
+  {
+    base::MutexLock lock(&leases_mu_);
+    for (const auto& [copy, ids] : uncovered_) {
+      for (const uint64_t id : ids) {
+        const detail::LeaseEntry& e = leases_.at(id);
+        if (e.use == Use::kInUse || e.connection == 0 || e.retired) {
+          wanted.emplace_back(id, e.model);
+        }
+      }
+    }
+  }
+  bool missed = false;
+  for (const auto& [id, model] : wanted) {
+    // Never waits: a copy being unloaded now (its unloader is refusing)
+    // is not resident for a moment; the next pass covers it.
+    std::optional<Lease> hit = store_->TryAcquire(model);
+    base::MutexLock lock(&leases_mu_);
+    const auto it = leases_.find(id);
+    if (it == leases_.end() || it->second.lease) continue;  // hit released
+    if (hit && hit->get<detail::ModelCopy>() == it->second.copy) {
+      it->second.lease = std::move(*hit);
+      IndexCoverage(id, it->second);
+    } else if (!it->second.retired) {
+      // Its copy is being unloaded (the unloader refusing) at this moment.
+      // (A retired copy is not the store's to lease any more: it stays
+      // uncovered, and its unloader refuses until the lease ends.)
+      missed = true;
+    }
+  }
+  return missed;
+}
+
+void Daemon::Impl::ExpireRecalls(Clock::time_point now) {
+  bool any = false;
+  while (!recall_deadlines_.empty() &&
+         recall_deadlines_.begin()->first <= now) {
+    const uint64_t id = recall_deadlines_.begin()->second;
+    recall_deadlines_.erase(recall_deadlines_.begin());
+    base::MutexLock lock(&leases_mu_);
+    const auto it = leases_.find(id);
+    if (it == leases_.end() || it->second.use != Use::kRecalled) continue;
+    // Taken as "use": the daemon waits on no client.
+    SetUse(it->second, Use::kInUse);
+    ++recalls_unanswered_;
+    any = true;
+  }
+  if (any) {
+    RecallEnded();
+    CoverUncovered();
+  }
+}
+
+void Daemon::Impl::RecallEnded() {
+  {
+    base::MutexLock lock(&leases_mu_);
+    recalls_cv_.NotifyAll();
+  }
+  store_->budget().NotifyEvictable();
+}
+
+bool Daemon::Impl::WaitForRecalls(Clock::time_point deadline) {
+  base::MutexLock lock(&leases_mu_);
+  if (recalls_outstanding_ == 0) return false;
+  while (recalls_outstanding_ > 0) {
+    if (!recalls_cv_.WaitUntil(&leases_mu_, deadline) &&
+        Clock::now() >= deadline) {
+      break;
+    }
+  }
+  return true;
+}
+
+void Daemon::Impl::RecallRetired(const std::string& model) {
+  {
+    base::MutexLock lock(&leases_mu_);
+    for (auto& [id, e] : leases_) {
+      if (e.model != model) continue;
+      e.retired = true;
+      if (e.use == Use::kIdle && e.connection != 0) {
+        SetUse(e, Use::kRecalled);
+        to_recall_.push_back(id);
+      }
+    }
+  }
+  // They keep the retired copy with store leases: its unload then waits
+  // for their release, not for an unloader that refuses.
+  if (CoverOnce()) {
+    base::MutexLock lock(&leases_mu_);
+    cover_again_ = true;
+  }
+  Wake();  // the loop sends the recalls
 }
 
 }  // namespace modelcache::serve

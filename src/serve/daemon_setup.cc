@@ -250,7 +250,8 @@ void Daemon::Impl::CreateStore() {
           detail::LoadCopy(copy_options_, spec);
       const uint64_t bytes = copy->bytes();
       if (throttle_) throttle_->Hold(start, bytes);
-      return Loaded{std::move(copy), bytes, {}};
+      const void* id = copy.get();
+      return Loaded{std::move(copy), bytes, [this, id] { GateUnload(id); }};
     };
     return source;
   };

@@ -71,19 +71,31 @@ void Daemon::Impl::RunTask(Task& task) {
   try {
     const uint64_t expected = detail::ExpectedCopyBytes(copy_options_, model);
     task.expected_bytes = expected;
-    task.lease = store_->Acquire(
-        model.id, expected,
-        [&] {
-          const ReadingMark reading(this, model.id);
-          const Clock::time_point start = Clock::now();
-          std::shared_ptr<detail::ModelCopy> copy =
-              detail::LoadCopy(copy_options_, model);
-          const uint64_t bytes = copy->bytes();
-          // Off every lock: only this load (and those joining it) waits.
-          if (throttle_) throttle_->Hold(start, bytes);
-          return Loaded{std::move(copy), bytes, {}};
-        },
-        options);
+    const Loader loader = [&] {
+      const ReadingMark reading(this, model.id);
+      const Clock::time_point start = Clock::now();
+      std::shared_ptr<detail::ModelCopy> copy =
+          detail::LoadCopy(copy_options_, model);
+      const uint64_t bytes = copy->bytes();
+      // Off every lock: only this load (and those joining it) waits.
+      if (throttle_) throttle_->Hold(start, bytes);
+      const void* id = copy.get();
+      return Loaded{std::move(copy), bytes, [this, id] { GateUnload(id); }};
+    };
+    for (int attempt = 0;; ++attempt) {
+      try {
+        task.lease = store_->Acquire(model.id, expected, loader, options);
+        break;
+      } catch (const Error& e) {
+        // Under "fail", room that recalls in flight are making is not
+        // "nothing evictable": wait for their answers (bounded by the
+        // recall timeout), then look again.
+        if (e.code() != ErrorCode::kCapacity || attempt >= 3 ||
+            !WaitForRecalls(Clock::now() + 2 * options_.recall_timeout)) {
+          throw;
+        }
+      }
+    }
     if (task.pin) store_->Pin(model.id);
   } catch (...) {
     task.lease.Release();

@@ -95,6 +95,18 @@ std::string LabelValue(std::string_view value) {
   return out;
 }
 
+const char* UseName(detail::Use use) {
+  switch (use) {
+    case detail::Use::kInUse:
+      return "in_use";
+    case detail::Use::kIdle:
+      return "idle";
+    case detail::Use::kRecalled:
+      return "recalled";
+  }
+  return "in_use";
+}
+
 void Metric(std::string* out, const std::string& name, const char* type,
             const std::string& help) {
   *out +=
@@ -276,7 +288,8 @@ HttpResponse Daemon::Impl::Models(const std::string& only) {
       leases[lease.model].push_back({{"lease", id},
                                      {"pid", lease.pid},
                                      {"uid", lease.uid},
-                                     {"orphaned", lease.orphaned}});
+                                     {"orphaned", lease.orphaned},
+                                     {"use", UseName(lease.use)}});
     }
   }
   std::map<std::string, detail::ModelStats> stats;
@@ -389,8 +402,21 @@ HttpResponse Daemon::Impl::ModelAction(const std::string& id,
   // unload
   int leases = 0;
   if (const auto entry = store_->Entry(key)) leases = entry->leases;
-  const RemoveOutcome outcome =
-      store_->Remove(key, Clock::now() + std::chrono::seconds(60));
+  RemoveOutcome outcome = RemoveOutcome::kNotFound;
+  RecallRetired(key);
+  for (int attempt = 0;; ++attempt) {
+    try {
+      outcome = store_->Remove(key, Clock::now() + std::chrono::seconds(60));
+      break;
+    } catch (const Error& e) {
+      // Its unloader refused: idle delegations of it were recalled. Wait for
+      // their answers (bounded by the recall timeout) and try again.
+      if (e.code() != ErrorCode::kFailedPrecondition || attempt >= 2) {
+        return Problem(409, "'" + key + "' stays: " + e.what());
+      }
+      WaitForRecalls(Clock::now() + 2 * options_.recall_timeout);
+    }
+  }
   switch (outcome) {
     case RemoveOutcome::kRemoved:
       return Json(200, json{{"model", key}, {"outcome", "removed"}});
@@ -481,9 +507,13 @@ HttpResponse Daemon::Impl::Metrics() {
   const uint64_t configured = configured_.load();
   const uint64_t orphaned = orphaned_.load();
   int leases;
+  std::array<int, 3> by_use{};  // in use, idle, recalled
   {
     base::MutexLock lock(&leases_mu_);
     leases = static_cast<int>(leases_.size());
+    for (const auto& [id, lease] : leases_) {
+      ++by_use[static_cast<size_t>(lease.use)];
+    }
   }
   std::string out;
   const auto gauge = [&](const std::string& name, const std::string& help,
@@ -517,6 +547,31 @@ HttpResponse Daemon::Impl::Metrics() {
         static_cast<double>(stats.resident_entries));
   gauge("modelcache_leases", "Leases held, orphaned ones included.",
         static_cast<double>(leases));
+  Metric(&out, "modelcache_delegated_leases", "gauge",
+         "Leases by their use as the client last told it: in_use, idle "
+         "(the copy counts as evictable) or recalled (awaiting the answer).");
+  for (size_t i = 0; i < by_use.size(); ++i) {
+    Sample(&out, "modelcache_delegated_leases", by_use[i],
+           std::string("use=\"") + UseName(static_cast<detail::Use>(i)) +
+               "\"");
+  }
+  counter("modelcache_recalls_sent_total",
+          "Recalls of idle leases sent to their clients.",
+          static_cast<double>(recalls_sent_.load()));
+  Metric(&out, "modelcache_recalls_total", "counter",
+         "Recalls ended, by answer: release, busy (the client uses the lease "
+         "again) or unanswered (taken as busy after the recall timeout).");
+  Sample(&out, "modelcache_recalls_total",
+         static_cast<double>(recalls_released_.load()), "answer=\"release\"");
+  Sample(&out, "modelcache_recalls_total",
+         static_cast<double>(recalls_busy_.load()), "answer=\"busy\"");
+  Sample(&out, "modelcache_recalls_total",
+         static_cast<double>(recalls_unanswered_.load()),
+         "answer=\"unanswered\"");
+  counter("modelcache_refused_unloads_total",
+          "Evictions of a copy that delegated leases still map, refused (the "
+          "store moved on to its next victim).",
+          static_cast<double>(refused_unloads_.load()));
   gauge("modelcache_orphaned_leases",
         "Leases of closed connections whose processes still live.",
         orphaned_leases_.load());

@@ -147,6 +147,8 @@ const std::vector<OpSpec>& Ops() {
       {Op::kAcquire, "acquire", {"model", "timeout_ms", "when_full"}},
       {Op::kRelease, "release", {"lease"}},
       {Op::kPing, "ping", {}},
+      {Op::kIdle, "idle", {"lease"}},
+      {Op::kUse, "use", {"lease"}},
   };
   return ops;
 }
@@ -251,7 +253,7 @@ ParsedRequest ParseRequest(std::string_view message) {
   }
   if (spec == nullptr) {
     out.error = "unknown op " + Shown(op->second.text) +
-                " (known: hello, acquire, release, ping)";
+                " (known: hello, acquire, release, ping, idle, use)";
     return out;
   }
   for (const auto& [name, value] : fields) {
@@ -326,6 +328,8 @@ ParsedRequest ParseRequest(std::string_view message) {
       break;
     }
     case Op::kRelease:
+    case Op::kIdle:
+    case Op::kUse:
       if (!number("lease", &request.lease, true)) return out;
       break;
     case Op::kPing:
@@ -400,7 +404,8 @@ ParsedReply ParseReply(std::string_view message) {
       !string_field(doc, "server", &reply.server, false) ||
       !unsigned_field(doc, "lease", &reply.lease, false) ||
       !string_field(doc, "model", &reply.model, false) ||
-      !string_field(doc, "load", &reply.load, false)) {
+      !string_field(doc, "load", &reply.load, false) ||
+      !unsigned_field(doc, "recall", &reply.recall, false)) {
     return fail("reply has a field of the wrong type");
   }
   if (!reply.load.empty() && reply.load != "hit" && reply.load != "miss" &&
@@ -455,6 +460,20 @@ std::string EncodeAcquire(uint64_t id, std::string_view model,
 std::string EncodeRelease(uint64_t id, uint64_t lease) {
   return "{\"op\":\"release\",\"id\":" + std::to_string(id) +
          ",\"lease\":" + std::to_string(lease) + "}";
+}
+
+std::string EncodeIdle(uint64_t id, uint64_t lease) {
+  return "{\"op\":\"idle\",\"id\":" + std::to_string(id) +
+         ",\"lease\":" + std::to_string(lease) + "}";
+}
+
+std::string EncodeUse(uint64_t id, uint64_t lease) {
+  return "{\"op\":\"use\",\"id\":" + std::to_string(id) +
+         ",\"lease\":" + std::to_string(lease) + "}";
+}
+
+std::string EncodeRecall(uint64_t lease) {
+  return "{\"id\":0,\"ok\":true,\"recall\":" + std::to_string(lease) + "}";
 }
 
 std::string EncodePing(uint64_t id) {

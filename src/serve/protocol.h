@@ -9,6 +9,8 @@
 //   {"op":"acquire","id":2,"model":"sdxl","timeout_ms":30000,"when_full":"wait"}
 //   {"op":"release","id":3,"lease":17}
 //   {"op":"ping","id":4}
+//   {"op":"idle","id":5,"lease":17}
+//   {"op":"use","id":6,"lease":17}
 //
 // `id` is the client's, >= 1, echoed in the reply; replies may come in any
 // order. `timeout_ms` (default kDefaultTimeoutMs) bounds the whole acquire:
@@ -30,6 +32,21 @@
 //   {"id":3,"ok":true}
 //   {"id":4,"ok":true}
 //   {"id":5,"ok":false,"error":{"code":"NOT_FOUND","message":"..."}}
+//
+// Delegation (a daemon whose hello limits list "recall_timeout_ms"):
+// "idle" tells the daemon that no reference of this process uses the lease
+// any more, though the process keeps it mapped: the daemon may then count
+// the copy as evictable and, when it wants the room, sends the daemon's own
+// message
+//
+//   {"id":0,"ok":true,"recall":17}
+//
+// which the client answers with "release" (it unmapped the copy first) or
+// "use" (busy: a reference came back; the lease is in use again). "use"
+// sent unasked says the same of an idle lease revived locally. A recall not
+// answered within recall_timeout_ms is taken as "use". Both ops are
+// answered {"id":N,"ok":true} (NOT_FOUND for a lease this connection does
+// not hold), and a client need not wait for that answer.
 //
 // An acquire reply's "load" says how the copy was found: "hit" (resident),
 // "miss" (this acquire started its load) or "joined" (it waited for a load
@@ -76,7 +93,7 @@ inline constexpr uint64_t kMaxTimeoutMs = 86'400'000;
 // starting with a letter or digit, without "..". Never a path: no '/'.
 bool IsValidModelId(std::string_view id);
 
-enum class Op { kHello, kAcquire, kRelease, kPing };
+enum class Op { kHello, kAcquire, kRelease, kPing, kIdle, kUse };
 const char* OpName(Op op);
 
 struct Request {
@@ -86,7 +103,7 @@ struct Request {
   std::string model;            // acquire
   uint64_t timeout_ms = kDefaultTimeoutMs;
   bool fail_when_full = false;  // acquire: when_full "fail"
-  uint64_t lease = 0;           // release
+  uint64_t lease = 0;           // release, idle, use
 };
 
 struct ParsedRequest {
@@ -123,6 +140,8 @@ struct Reply {
   std::string model;
   std::string load;  // "hit", "miss", "joined"; empty when not given
   std::vector<FileReply> files;
+  // The daemon's own message (id 0): recall this lease; 0 when absent.
+  uint64_t recall = 0;
 };
 
 struct ParsedReply {
@@ -140,6 +159,10 @@ std::string EncodeAcquire(uint64_t id, std::string_view model,
                           uint64_t timeout_ms, bool fail_when_full);
 std::string EncodeRelease(uint64_t id, uint64_t lease);
 std::string EncodePing(uint64_t id);
+std::string EncodeIdle(uint64_t id, uint64_t lease);
+std::string EncodeUse(uint64_t id, uint64_t lease);
+// The daemon's recall of `lease` (an id-0 message).
+std::string EncodeRecall(uint64_t lease);
 
 std::string EncodeOk(uint64_t id);
 std::string EncodeHelloReply(uint64_t id, std::string_view server,

@@ -249,6 +249,9 @@ void AddServeOptions(CLI::App& c, ServeFlags& f) {
   c.add_option("--orphan-rescan", f.orphan_rescan,
                "How often the processes mapping orphaned copies have their "
                "/proc/PID/maps read again while any remain (1s)");
+  c.add_option("--recall-timeout", f.recall_timeout,
+               "How long a client has to answer the recall of an idle "
+               "delegated lease before it is taken to use it (100ms)");
   c.add_flag("--per-model-metrics", f.per_model_metrics,
              "Per-model series in /metrics");
   c.add_flag("--check-catalog", f.check_catalog,
@@ -373,6 +376,10 @@ int RunServe(const ServeFlags& flags, std::ostream& out, std::ostream& err) {
     options.orphan_rescan = Duration("--orphan-rescan", flags.orphan_rescan);
     if (options.orphan_rescan.count() <= 0) {
       Invalid("--orphan-rescan must be above 0");
+    }
+    options.recall_timeout = Duration("--recall-timeout", flags.recall_timeout);
+    if (options.recall_timeout.count() <= 0) {
+      Invalid("--recall-timeout must be above 0");
     }
     options.per_model_metrics = flags.per_model_metrics;
     options.handle_signals = true;

@@ -48,6 +48,7 @@ struct ServeFlags {
   std::vector<uint32_t> allow_gids;
   std::string ready_grace = "2s";
   std::string orphan_rescan = "1s";
+  std::string recall_timeout = "100ms";
   bool per_model_metrics = false;
   bool check_catalog = false;
   bool json = false;  // --check-catalog's output

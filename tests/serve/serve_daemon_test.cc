@@ -436,8 +436,13 @@ TEST_F(ServeTest, AcquiresSayWhetherTheyHitStartedTheLoadOrJoinedIt) {
   joiner.join();
   EXPECT_EQ(first.load(), "miss");
   EXPECT_EQ(second.load(), "joined");
+  // A process that holds a lease on the model reuses it locally.
   RemoteWeights third = client.Acquire("m", std::chrono::seconds(60));
-  EXPECT_EQ(third.load(), "hit");
+  EXPECT_EQ(third.load(), "local");
+  EXPECT_TRUE(third.lease() == first.lease() || third.lease() == second.lease());
+  Client other = Client::Connect(d.socket());
+  RemoteWeights fourth = other.Acquire("m", std::chrono::seconds(60));
+  EXPECT_EQ(fourth.load(), "hit");
   EXPECT_EQ(d.Metric("modelcache_loads_total"), 1);
 }
 

@@ -3,7 +3,16 @@
 // "error CODE message"), so that a test drives real processes step by step
 // through pipes.
 //
-//   connect PATH                 a serve::Client
+//   connect PATH [KEY=VALUE...]  a serve::Client; by default each acquire
+//                                a lease of its own, released at its end
+//                                (reuse=0 keep_idle_ms=0); keys: reuse,
+//                                keep_idle_ms, notice_us (ClientOptions),
+//                                recall_gate=1 (the test_on_recall hook
+//                                waits for recall-go)
+//   recall-wait                  -> ok LEASE once a recall reached the hook
+//   recall-go                    lets the waiting recall be handled
+//   idle                         -> ok N: leases kept idle (IdleLeases)
+//   release MODEL                ends the oldest reference held of MODEL
 //   acquire MODEL [MS] [fail]    -> ok LEASE CHECKSUM BYTES
 //   acquire-many MODEL N         N leases of MODEL, held -> ok N
 //   ping                         Client::Ping -> ok
@@ -32,10 +41,12 @@
 #include <sys/wait.h>
 #include <unistd.h>
 
+#include <condition_variable>
 #include <cstdio>
 #include <cstring>
 #include <fstream>
 #include <iostream>
+#include <mutex>
 #include <optional>
 #include <sstream>
 #include <string>
@@ -46,6 +57,16 @@
 #include "socket.h"
 
 namespace {
+
+// The recall gate (connect recall_gate=1): the hook says a recall arrived
+// and waits for recall-go.
+struct RecallGate {
+  std::mutex mu;
+  std::condition_variable cv;
+  bool arrived = false;
+  bool go = false;
+  uint64_t lease = 0;
+} g_recall;
 
 using modelcache::serve::Client;
 using modelcache::serve::RemoteWeights;
@@ -114,8 +135,57 @@ int main() {
         in >> path;
         modelcache::serve::ClientOptions options;
         options.connect_timeout = std::chrono::seconds(30);
+        options.local_reuse = false;
+        options.keep_idle = std::chrono::milliseconds(0);
+        std::string setting;
+        while (in >> setting) {
+          const size_t eq = setting.find('=');
+          const std::string key = setting.substr(0, eq);
+          const int64_t value = std::stoll(setting.substr(eq + 1));
+          if (key == "reuse") {
+            options.local_reuse = value != 0;
+          } else if (key == "keep_idle_ms") {
+            options.keep_idle = std::chrono::milliseconds(value);
+          } else if (key == "notice_us") {
+            options.idle_notice_delay = std::chrono::microseconds(value);
+          } else if (key == "recall_gate" && value != 0) {
+            options.test_on_recall = [](uint64_t lease) {
+              std::unique_lock lock(g_recall.mu);
+              g_recall.lease = lease;
+              g_recall.arrived = true;
+              g_recall.cv.notify_all();
+              g_recall.cv.wait(lock, [] { return g_recall.go; });
+              g_recall.go = false;
+              g_recall.arrived = false;
+            };
+          } else {
+            throw std::runtime_error("unknown setting " + setting);
+          }
+        }
         client.emplace(Client::Connect(path, options));
         reply = "ok";
+      } else if (command == "recall-wait") {
+        std::unique_lock lock(g_recall.mu);
+        g_recall.cv.wait(lock, [] { return g_recall.arrived; });
+        reply = "ok " + std::to_string(g_recall.lease);
+      } else if (command == "recall-go") {
+        std::lock_guard lock(g_recall.mu);
+        g_recall.go = true;
+        g_recall.cv.notify_all();
+        reply = "ok";
+      } else if (command == "idle") {
+        reply = "ok " + std::to_string(client->IdleLeases());
+      } else if (command == "release") {
+        std::string model;
+        in >> model;
+        reply = "error NOT_FOUND no reference of " + model;
+        for (auto it = held.begin(); it != held.end(); ++it) {
+          if (it->model() == model) {
+            held.erase(it);
+            reply = "ok";
+            break;
+          }
+        }
       } else if (command == "acquire") {
         std::string model;
         int64_t ms = 60000;

@@ -170,7 +170,9 @@ class Budget {
   //     memory (never the reservation's own record, `options.for_record`);
   //   * with WhenFull::kWait waits, evicting nothing, until enough becomes
   //     evictable or free (a lease ends, an unpin, a release, a capacity
-  //     change) and looks again, or throws kTimeout at the deadline.
+  //     change, NotifyEvictable) and looks again, or throws kTimeout at the
+  //     deadline. A victim whose unloader threw is passed over until such a
+  //     change, and then tried again.
   //
   // The check and the evictions cannot be one atomic step: each member's
   // records are guarded by that member's locks, and a member's unloader runs

@@ -35,6 +35,26 @@
 // past that, the child keeps the descriptor open, unused, so that the
 // daemon sees the parent's connection end only once both have closed it.
 //
+// Local reuse and delegation: a process maps a copy once. An Acquire of a
+// model this process already holds a lease on (as the same name) takes
+// another local reference to that mapping, with no round trip (load() is
+// "local"); the daemon sees one lease. When the last reference ends the
+// lease is kept, mapped, for ClientOptions::keep_idle, and the daemon is
+// told it is idle (after idle_notice_delay), so that its copy counts as
+// evictable: the node's budget stays honest while the process keeps what it
+// uses. An Acquire revives it locally (telling the daemon "use" before it
+// returns, when it had been told "idle"). When the daemon wants the room it
+// recalls the lease: a thread of the Client answers "release" (after
+// unmapping) when no reference came back, else "use". So a copy is never
+// unmapped under a reference, and the daemon frees none that this process
+// maps. A Client keeps idle leases only with a daemon that recalls them
+// (hello's limits list recall_timeout_ms); with another, the last
+// reference's end releases the lease as before. A lost connection drops
+// every idle lease (they are unmapped); references in use keep their
+// mapping. A model retired by a SIGHUP reload is recalled from idle
+// holders; references in use keep it, and the next Acquire after they all
+// end loads the new one.
+//
 // Releases: ~RemoteWeights never waits for the daemon. A release the
 // socket has no room for now (the daemon is slow to read) is queued and
 // sent, in order, by a thread of the Client's own as the socket becomes
@@ -51,6 +71,7 @@
 #include <chrono>
 #include <cstddef>
 #include <cstdint>
+#include <functional>
 #include <map>
 #include <memory>
 #include <span>
@@ -81,6 +102,20 @@ struct ClientOptions {
   // How much longer than its timeout a call waits for the daemon's answer
   // (which is TIMEOUT when the daemon's clock ran out first).
   std::chrono::milliseconds reply_margin{2000};
+  // Delegated leases (see "Local reuse and delegation" above): how long a
+  // lease no reference uses any more is kept, mapped, for a local acquire
+  // to revive; 0 releases it when its last reference ends.
+  std::chrono::milliseconds keep_idle{60'000};
+  // False: every Acquire is a round trip and a lease of its own, and the
+  // last reference's end releases it (no table, no delegation).
+  bool local_reuse = true;
+  // How soon after its last reference ends the daemon is told the lease is
+  // idle (and may recall it). Until then the daemon counts it as in use; an
+  // acquire within the delay revives it with no message at all.
+  std::chrono::microseconds idle_notice_delay{1000};
+  // For tests: runs on the thread that read a recall of `lease`, before the
+  // client handles it (a test blocks here to order a recall and a revival).
+  std::function<void(uint64_t lease)> test_on_recall;
 };
 
 struct RemoteAcquireOptions {
@@ -106,8 +141,10 @@ struct RemoteTensor {
   const std::vector<uint64_t>& shape() const { return info->shape; }
 };
 
-// A lease on a model's copy, mapped read-only. Move-only. Release() (or
-// destruction) unmaps the copy, then tells the daemon the lease ended.
+// A reference to a lease on a model's copy, mapped read-only. Move-only.
+// Release() (or destruction) ends the reference; when it was the last, the
+// lease is kept idle (delegated) or unmapped and released (see the note on
+// local reuse and delegation above).
 class RemoteWeights {
  public:
   RemoteWeights() = default;
@@ -119,10 +156,12 @@ class RemoteWeights {
   // The model's id (an alias given to Acquire resolves to it).
   const std::string& model() const;
   // The daemon's lease id: never reused by the daemon or a successor.
+  // Local references to one mapping share it.
   uint64_t lease() const;
-  // How the daemon found the copy: "hit" (it was resident), "miss" (this
-  // acquire started its load) or "joined" (it waited for a load already
-  // under way); empty from a daemon that does not say.
+  // How the copy was found: "local" (this process held a lease on it: no
+  // round trip), or as the daemon says: "hit" (it was resident), "miss"
+  // (this acquire started its load) or "joined" (it waited for a load
+  // already under way); empty from a daemon that does not say.
   const std::string& load() const;
   // One set per file of the catalog's model, in the catalog's order; each
   // views the shared mapping (path(): "<model>/<file>").
@@ -196,6 +235,10 @@ class Client {
   void Close();
 
   const std::string& socket_path() const;
+
+  // Leases this process keeps idle (delegated) now: mapped, with no
+  // reference, revived by the next Acquire of their model.
+  size_t IdleLeases();
 
  private:
   explicit Client(std::shared_ptr<detail::ClientCore> core);

@@ -96,6 +96,15 @@ struct DaemonOptions {
   // those holding orphaned leases, have their /proc/PID entries read again
   // while any remain (an exit is seen at once, through its pidfd).
   std::chrono::milliseconds orphan_rescan{1000};
+  // Delegated leases: a client tells the daemon when a lease it keeps
+  // mapped is idle (protocol.h); the store then counts the copy as
+  // evictable. When the store picks it as a victim, the daemon recalls it
+  // from its holders instead of unloading it, and moves on to the next
+  // victim; the copy goes once every holder answered "release". A holder
+  // that does not answer within recall_timeout is taken to use the lease
+  // again (the daemon waits on nobody). A copy a live process maps is never
+  // freed: its unloader refuses while any such lease is outstanding.
+  std::chrono::milliseconds recall_timeout{100};
   // Per-model series in /metrics (a label per model: the operator's choice
   // of cardinality).
   bool per_model_metrics = false;

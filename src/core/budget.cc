@@ -147,6 +147,10 @@ void Budget::Reserve(uint64_t bytes, const ReserveOptions& options) {
   const WaitInterrupt* interrupt = options.interrupt;
   const bool interruptible = interrupt != nullptr && interrupt->check;
   std::unordered_set<uint64_t> skip;  // victims whose unload failed
+  // change_count_ when the last of them failed: after any later change
+  // (NotifyEvictable, say), they are tried again, since an unloader may
+  // refuse until the model's holders let go (a store that recalls them).
+  uint64_t skipped_at = 0;
   bool registered = false;
   uint64_t evicted = 0;  // by this call
   // Leaves the waiters; on failure, the victims this call evicted were for
@@ -185,6 +189,7 @@ void Budget::Reserve(uint64_t bytes, const ReserveOptions& options) {
         registered = true;
       }
       seen_changes = change_count_;
+      if (!skip.empty() && skipped_at != seen_changes) skip.clear();
       capacity = capacity_;
       used = used_;
       shortfall = used_ - (capacity_ - bytes);  // > 0: checked above
@@ -198,6 +203,7 @@ void Budget::Reserve(uint64_t bytes, const ReserveOptions& options) {
           ++evicted;
           continue;
         case EvictStep::kUnloadFailed:
+          skipped_at = seen_changes;
           continue;  // look again without it
         case EvictStep::kNone:
           // What was counted was leased, pinned or evicted meanwhile.
@@ -262,9 +268,6 @@ void Budget::Reserve(uint64_t bytes, const ReserveOptions& options) {
                       " in budget '" + name_ +
                       "'; held by: " + HoldersMessage(options.for_record));
     }
-    // Something changed: a victim whose unloader refused may unload now (a
-    // store whose unloader first asks the model's holders to let go).
-    skip.clear();
   }
 }
 

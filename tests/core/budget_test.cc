@@ -1,6 +1,7 @@
 // Budgets: reservation before load, shared budgets with cross-cache
 // eviction, waiting for capacity, and the exact return of every byte (seed
 // 000's phantom memory).
+#include <atomic>
 #include <latch>
 #include <stdexcept>
 #include <string>
@@ -476,6 +477,34 @@ TEST(CacheBudget, EvictLowestRankedTakesTheGlobalVictimAndSparesLeases) {
   EXPECT_EQ(ResidentKeys(first), std::vector<std::string>{"oldest"});
   EXPECT_EQ(budget->used(), first.CheckInvariants() + second.CheckInvariants());
   EXPECT_EQ(budget->used(), 10u);
+}
+
+// An unloader may refuse until the model's holders let go (the daemon's,
+// which first recalls delegated leases): a reservation waiting for room
+// passes over the refused victim, and tries it again after the next change
+// (NotifyEvictable), whether that comes before or after it began to wait.
+TEST(CacheBudget, AVictimWhoseUnloaderRefusedIsTriedAgainAfterNotifyEvictable) {
+  auto budget = std::make_shared<Budget>(100, "host");
+  ModelCache cache(On(budget, "models"));
+  std::atomic<bool> refuse{true};
+  std::atomic<int> refusals{0};
+  cache.Prefetch("held", 80, SimpleLoader("held", 80, nullptr, [&] {
+                   if (refuse.load()) {
+                     ++refusals;
+                     throw std::runtime_error("its holders are asked to let go");
+                   }
+                 }));
+  std::thread waiter([&] {
+    Lease x = cache.Acquire("x", 50, SimpleLoader("x", 50),
+                            WaitForRoom(Clock::now() + std::chrono::seconds(60)));
+    EXPECT_EQ(x.bytes(), 50u);
+  });
+  SpinUntil([&] { return refusals.load() >= 1; }, "the unloader refuses");
+  refuse = false;  // the holders let go
+  budget->NotifyEvictable();
+  waiter.join();
+  EXPECT_FALSE(cache.Entry("held").has_value());
+  EXPECT_EQ(budget->used(), 50u);
 }
 
 }  // namespace

@@ -29,62 +29,6 @@ namespace {
 
 using ::testing::HasSubstr;
 
-constexpr uint64_t kKiB = 1024;
-constexpr uint64_t kMiB = 1024 * 1024;
-
-class ServeTest : public ::testing::Test {
- protected:
-  // A model of about `bytes` bytes in one file under the root.
-  void AddModel(const std::string& id, uint64_t bytes, uint64_t seed,
-                bool pinned = false, std::vector<std::string> aliases = {}) {
-    const std::string file = id + "/model.safetensors";
-    checksums_[id] = WriteModel(root_ + "/" + file, bytes, seed);
-    ModelSpec spec;
-    spec.id = id;
-    spec.files = {file};
-    spec.pinned = pinned;
-    spec.aliases = std::move(aliases);
-    models_.push_back(spec);
-    WriteCatalog(catalog_, models_);
-  }
-
-  Daemon& StartDaemon(const std::string& capacity = "1GiB",
-                      std::vector<std::string> args = {}, bool gate = false) {
-    DaemonOptions options;
-    options.catalog = catalog_;
-    options.root = root_;
-    options.socket = socket_;
-    options.capacity = capacity;
-    options.args = std::move(args);
-    options.gate = gate;
-    daemon_ = std::make_unique<Daemon>(options);
-    return *daemon_;
-  }
-
-  // The Never checks, on a daemon still running with every client gone.
-  void TearDown() override {
-    if (!daemon_ || daemon_->process().Exited()) return;
-    ExpectBooksCoverMaps(*daemon_);
-    ExpectWithinBudget(*daemon_);
-    if (!skip_fd_check_) ExpectNoFdLeak(*daemon_);
-  }
-
-  // A copy's bytes in the budget: data and header memfds, in pages.
-  uint64_t CopyBytes(const std::string& id) {
-    return daemon_->Model(id)["bytes"].get<uint64_t>();
-  }
-
-  TempDir dir_;
-  const std::string root_ = dir_ / "models";
-  const std::string catalog_ = dir_ / "catalog.json";
-  const std::string socket_ = dir_ / "run/serve.sock";
-  std::vector<ModelSpec> models_;
-  std::map<std::string, uint64_t> checksums_;
-  std::unique_ptr<Daemon> daemon_;
-  LeaseIds leases_;
-  bool skip_fd_check_ = false;
-};
-
 TEST_F(ServeTest, AnotherProcessLeasesMapsAndReleasesACopy) {
   AddModel("tiny", 300 * kKiB, 1, false, {"small"});
   Daemon& d = StartDaemon();

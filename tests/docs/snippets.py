@@ -176,8 +176,11 @@ def check_output(b, root, build):
              for w in words]
     key = tuple(words)
     if key not in OUTPUTS:  # blocks that show one command's output run it once
-        OUTPUTS[key] = subprocess.run(words, cwd=root, capture_output=True, text=True,
-                                      timeout=300)
+        # A temporary folder of its own: what the command writes there (the
+        # embedded default's report) meets no other test's files.
+        with tempfile.TemporaryDirectory(prefix="modelcache-snippet-") as tmp:
+            OUTPUTS[key] = subprocess.run(words, cwd=root, capture_output=True, text=True,
+                                          timeout=300, env=dict(os.environ, TMPDIR=tmp))
     run = OUTPUTS[key]
     if run.returncode != 0:
         return [f"{b.where()}: `{' '.join(words)}` exited {run.returncode}: "

@@ -27,7 +27,7 @@
 //       PUT /v1/budget evicts 100 copies. Each phase pings for a fixed
 //       window from the moment its action starts.
 //
-// Not a test: nothing here asserts a time. The figures go to the README
+// Not a test: nothing here asserts a time. The figures go to docs/benchmarks.md
 // with the command that produced them.
 #include <fcntl.h>
 #include <poll.h>

@@ -28,8 +28,8 @@ packages=(
   # tests: FastAPI on uvicorn, run with --workers N under gunicorn, whose
   # arbiter restarts a worker that dies.
   python3-fastapi python3-uvicorn gunicorn
-  # Headless Chromium, to look at replay's HTML report as the README's
-  # replay section describes it (chromium --headless --screenshot=FILE.png
+  # Headless Chromium, to look at replay's HTML report as docs/replay.md
+  # describes it (chromium --headless --no-sandbox --screenshot=FILE.png
   # file://REPORT.html).
   chromium
   # bench/stream_billion.sh: the zstd command and GNU time (peak RSS).

@@ -4,7 +4,7 @@
 //   modelcache inspect FILE [--json]      list a safetensors file's tensors
 //   modelcache ring --nodes N --models F  each model's HAProxy node
 //   modelcache serve --catalog F --model-root D --socket S [options]
-//                                         the node daemon (README, "serve")
+//                                         the node daemon (docs/serve.md)
 //
 // With no TRACE, replay runs an embedded default: a generated model zoo and
 // an eight-hour request trace, several policies and capacities. This file is

@@ -19,7 +19,7 @@ caches a failed load::
 Threads: blocking calls release the GIL (so loads of different models run in
 parallel), loaders, unloaders and event callbacks run with the GIL on the
 calling thread and outside the cache's locks, and Ctrl-C interrupts a blocked
-wait on the main thread. See the README's Python section.
+wait on the main thread. See docs/python.md.
 """
 
 from __future__ import annotations

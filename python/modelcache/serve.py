@@ -1,6 +1,6 @@
 """Workers of ``modelcache serve``: leases of a node daemon's shared copies.
 
-The daemon (``modelcache serve``, see the README) holds one read-only copy of
+The daemon (``modelcache serve``, see docs/serve.md) holds one read-only copy of
 each model for every process on the node. A worker connects to its socket and
 acquires leases; a lease maps the daemon's copy read-only, so N workers read
 one copy::

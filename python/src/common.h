@@ -2,7 +2,7 @@
 // for Python references held by C++ objects, and for exceptions crossing
 // between Python and the core.
 //
-// The GIL rules (the package's threading contract, README "Python"):
+// The GIL rules (the package's threading contract, docs/python.md):
 //
 //  * Every call into the core that can block (waiting for another thread's
 //    load, for capacity, for an unload) runs under WithoutGil, so no thread

@@ -3,7 +3,7 @@ eviction, exact budgets, failures not cached, errors, and the threading rules
 (GIL released while blocked, re-entry, values released with the GIL,
 KeyboardInterrupt ends a blocked wait).
 
-Written from the docstrings and the README, not from the bindings' code.
+Written from the docstrings and docs/python.md, not from the bindings' code.
 """
 
 from __future__ import annotations

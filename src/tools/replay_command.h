@@ -58,7 +58,7 @@ struct ReplayFlags {
 };
 
 // The policies replayed on a trace file when --policy is not given: the
-// baseline, the classic size-aware policy, and the one the README
+// baseline, the classic size-aware policy, and the one docs/replay.md
 // recommends.
 inline const std::vector<std::string> kDefaultPolicies = {"lru", "gdsf",
                                                           "next-use"};

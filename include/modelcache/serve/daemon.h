@@ -193,7 +193,7 @@ class Daemon {
   // Reloads the catalog (as SIGHUP does). Thread-safe.
   void Reload();
 
-  // The HTTP control API (docs in README.md, "serve"). Thread-safe.
+  // The HTTP control API (docs/serve.md). Thread-safe.
   HttpResponse HandleHttp(const HttpRequest& request);
 
   // "modelcache:<instance>:", the start of every memfd name of this daemon.

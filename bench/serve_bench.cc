@@ -2,10 +2,17 @@
 // Each mode writes one JSON file (--out) and prints a table.
 //
 //   modelcache_serve_bench acquire [--iterations N] [--bytes B] --out F
-//       Acquire + map + release of a resident model from a second process
-//       (this one; the daemon is another), p50 and p99, beside the
-//       in-process hit path of a HostWeightStore (acquire + release of a
-//       resident copy) in the same run.
+//       Acquire + release of a resident model from a second process (this
+//       one; the daemon is another), p50 and p99: a first acquire (a round
+//       trip, mapping the copy), a copy the process holds, an idle
+//       delegation revived (silently, and telling the daemon), beside a
+//       ping and the in-process hit path of a HostWeightStore (acquire +
+//       release of a resident copy), interleaved in the same run.
+//   modelcache_serve_bench recall [--counts 1,100] [--runs 10] --out F
+//       A load that needs the room of N idle delegations of another process
+//       (recalled, then evicted) beside the same load when those N models
+//       are resident with no lease (evicted only); the difference is what
+//       the recalls cost, from the reservation's need to the room.
 //   modelcache_serve_bench memory [--bytes 2GiB] [--workers 1,2,4,8] --out F
 //       Host RAM for N worker processes using one file: through the daemon,
 //       each loading its own copy with kPread, each mapping it with kMmap.
@@ -234,65 +241,168 @@ void Write(const std::string& out, const json& result) {
 int Acquire(uint64_t bytes, int iterations, const std::string& out) {
   Setup s(bytes);
   auto daemon = StartDaemon(s, bytes * 4);
-  auto client = modelcache::serve::Client::Connect(s.socket);
-  { auto warm = client.Acquire("model", std::chrono::seconds(60)); }
+  namespace serve = modelcache::serve;
+  // Each path on a client of its own:
+  //   round trip: every acquire a lease of its own (no local reuse), so
+  //     acquire + map + release as a first acquire does it;
+  //   held: a reference stays alive, so each acquire is a local reference;
+  //   revived: each release leaves the lease idle and the next acquire
+  //     revives it within the idle-notice delay (no message at all);
+  //   told: the daemon is told "idle" at each release and "use" at each
+  //     revival (idle_notice_delay 0): the most a warm acquire sends.
+  serve::ClientOptions round_trip_options;
+  round_trip_options.local_reuse = false;
+  auto round_trip = serve::Client::Connect(s.socket, round_trip_options);
+  auto held_client = serve::Client::Connect(s.socket);
+  serve::ClientOptions revived_options;
+  revived_options.idle_notice_delay = std::chrono::seconds(3600);
+  auto revived = serve::Client::Connect(s.socket, revived_options);
+  serve::ClientOptions told_options;
+  told_options.idle_notice_delay = std::chrono::microseconds(0);
+  auto told = serve::Client::Connect(s.socket, told_options);
+  { auto warm = round_trip.Acquire("model", std::chrono::seconds(60)); }
+  serve::RemoteWeights kept = held_client.Acquire("model", std::chrono::seconds(60));
+  { auto warm = revived.Acquire("model", std::chrono::seconds(60)); }
+  { auto warm = told.Acquire("model", std::chrono::seconds(60)); }
   w::HostStoreOptions options;
   options.capacity_bytes = bytes * 4;
   options.load.mode = w::LoadMode::kPread;
   w::HostWeightStore store(options);
   { auto warm = store.Acquire(s.file); }
 
-  std::vector<double> remote;
-  std::vector<double> local;
-  std::vector<double> ping;
-  ping.reserve(static_cast<size_t>(iterations));
-  remote.reserve(static_cast<size_t>(iterations));
-  local.reserve(static_cast<size_t>(iterations));
-  // Interleaved, so that all three see the same phases of the machine.
-  for (int i = 0; i < iterations; ++i) {
-    const auto tp = Clock::now();
-    client.Ping();
-    ping.push_back(
-        std::chrono::duration<double, std::micro>(Clock::now() - tp).count());
-    auto t0 = Clock::now();
-    {
+  struct Path {
+    const char* key;
+    const char* label;
+    std::function<void()> run;
+    std::vector<double> us;
+  };
+  const auto remote = [](serve::Client& client) {
+    return [&client] {
       auto copy = client.Acquire("model", std::chrono::seconds(60));
       if (copy.tensors().size() != 64) Die("wrong tensors");
+    };
+  };
+  std::vector<Path> paths;
+  paths.push_back({"ping_round_trip_us", "one ping round trip to the daemon",
+                   [&] { round_trip.Ping(); }, {}});
+  paths.push_back({"remote_acquire_map_release_us",
+                   "first acquire + map + release (a round trip)",
+                   remote(round_trip), {}});
+  paths.push_back({"held_acquire_release_us",
+                   "acquire + release of a copy the process holds",
+                   remote(held_client), {}});
+  paths.push_back({"idle_revival_acquire_release_us",
+                   "acquire + release of an idle delegation",
+                   remote(revived), {}});
+  paths.push_back({"told_idle_revival_acquire_release_us",
+                   "the same, telling the daemon idle and use",
+                   remote(told), {}});
+  paths.push_back({"in_process_host_store_hit_us",
+                   "in-process HostWeightStore hit + release",
+                   [&] {
+                     auto copy = store.Acquire(s.file);
+                     if (copy.weights().tensors().size() != 64) {
+                       Die("wrong tensors");
+                     }
+                   },
+                   {}});
+  for (Path& path : paths) path.us.reserve(static_cast<size_t>(iterations));
+  // Interleaved, so that every path sees the same phases of the machine.
+  for (int i = 0; i < iterations; ++i) {
+    for (Path& path : paths) {
+      const auto t0 = Clock::now();
+      path.run();
+      path.us.push_back(
+          std::chrono::duration<double, std::micro>(Clock::now() - t0).count());
     }
-    auto t1 = Clock::now();
-    {
-      auto copy = store.Acquire(s.file);
-      if (copy.weights().tensors().size() != 64) Die("wrong tensors");
-    }
-    auto t2 = Clock::now();
-    remote.push_back(
-        std::chrono::duration<double, std::micro>(t1 - t0).count());
-    local.push_back(std::chrono::duration<double, std::micro>(t2 - t1).count());
   }
-  const json result = {
-      {"benchmark", "serve_acquire"},
-      {"model_bytes", bytes},
-      {"tensors", 64},
-      {"iterations", iterations},
-      {"remote_acquire_map_release_us",
-       {{"p50", Percentile(remote, 0.5)}, {"p99", Percentile(remote, 0.99)}}},
-      {"in_process_host_store_hit_us",
-       {{"p50", Percentile(local, 0.5)}, {"p99", Percentile(local, 0.99)}}},
-      {"ping_round_trip_us",
-       {{"p50", Percentile(ping, 0.5)}, {"p99", Percentile(ping, 0.99)}}}};
-  std::printf(
-      "acquire + map + release from a second process: p50 %.1f us, "
-      "p99 %.1f us\n",
-      Percentile(remote, 0.5), Percentile(remote, 0.99));
-  std::printf(
-      "in-process HostWeightStore hit + release:      p50 %.2f us, "
-      "p99 %.2f us\n",
-      Percentile(local, 0.5), Percentile(local, 0.99));
-  std::printf(
-      "one ping round trip to the daemon:             p50 %.1f us, "
-      "p99 %.1f us\n",
-      Percentile(ping, 0.5), Percentile(ping, 0.99));
+  json result = {{"benchmark", "serve_acquire"},
+                 {"model_bytes", bytes},
+                 {"tensors", 64},
+                 {"iterations", iterations}};
+  const double hit = Percentile(paths.back().us, 0.5);
+  const double ping = Percentile(paths.front().us, 0.5);
+  for (const Path& path : paths) {
+    const double p50 = Percentile(path.us, 0.5);
+    result[path.key] = {{"p50", p50}, {"p99", Percentile(path.us, 0.99)}};
+    std::printf("%-48s p50 %8.2f us  p99 %8.2f us  %6.2fx hit  %5.2fx ping\n",
+                path.label, p50, Percentile(path.us, 0.99), p50 / hit,
+                p50 / ping);
+  }
   Write(out, result);
+  return kept ? 0 : 1;
+}
+
+// ---- recall ----
+
+// The time from a reservation's need to its room being free when the room
+// is held by N idle delegations of another process, beside the same load
+// when those models are resident with no lease (plain evictions), in one
+// run: N small models held idle, then one model that needs all their room.
+int Recall(const std::vector<int>& counts, int runs, const std::string& out) {
+  json rows = json::array();
+  std::printf("%5s %14s %14s %14s\n", "N", "recall p50 ms", "evict p50 ms",
+              "difference ms");
+  for (const int n : counts) {
+    const uint64_t small_bytes = 256 << 10;
+    Setup s(uint64_t{1} << 20);  // "model": unused here
+    json models = json::array();
+    for (int i = 0; i < n; ++i) {
+      const std::string id = "small" + std::to_string(i);
+      w::SafetensorsWriter writer;
+      writer.AddTensor("t", w::Dtype::kF32, {small_bytes / 4},
+                       w::PatternFill(static_cast<uint64_t>(i)));
+      writer.Write(s.root + "/" + id + ".safetensors");
+      models.push_back({{"id", id}, {"files", {id + ".safetensors"}}});
+    }
+    // Room for the N small copies (each a little more than small_bytes: its
+    // pages and its header's); the big one needs the room of all N.
+    const uint64_t capacity =
+        static_cast<uint64_t>(n) * (small_bytes + (16 << 10)) + (64 << 10);
+    const uint64_t big_bytes =
+        static_cast<uint64_t>(n) * (small_bytes + (16 << 10)) - small_bytes / 2;
+    {
+      w::SafetensorsWriter writer;
+      writer.AddTensor("t", w::Dtype::kF32, {big_bytes / 4},
+                       w::PatternFill(7));
+      writer.Write(s.root + "/big.safetensors");
+    }
+    models.push_back({{"id", "big"}, {"files", {"big.safetensors"}}});
+    std::ofstream(s.catalog) << json{{"models", models}}.dump();
+    std::vector<double> recall_ms;
+    std::vector<double> evict_ms;
+    for (int run = 0; run < runs; ++run) {
+      for (const bool delegated : {true, false}) {
+        auto daemon = StartDaemon(s, capacity);
+        // The holder: another process, which acquires the N models and
+        // either keeps them idle (delegated) or releases them.
+        Child holder({Self(), "worker", delegated ? "hold" : "touch", s.socket,
+                      std::to_string(n)},
+                     -1, -1, /*pipes=*/true);
+        if (holder.ReadLine() != "ready") Die("the holder failed");
+        auto client = modelcache::serve::Client::Connect(s.socket);
+        const auto t0 = Clock::now();
+        {
+          auto big = client.Acquire("big", std::chrono::seconds(60));
+          if (big.tensors().size() != 1) Die("wrong tensors");
+        }
+        const double ms =
+            std::chrono::duration<double, std::milli>(Clock::now() - t0)
+                .count();
+        (delegated ? recall_ms : evict_ms).push_back(ms);
+        holder.Finish();
+      }
+    }
+    const double recall = Percentile(recall_ms, 0.5);
+    const double evict = Percentile(evict_ms, 0.5);
+    rows.push_back({{"idle_delegations", n},
+                    {"runs", runs},
+                    {"load_with_recall_ms_p50", recall},
+                    {"load_with_plain_evictions_ms_p50", evict},
+                    {"recall_ms_p50", recall - evict}});
+    std::printf("%5d %14.3f %14.3f %14.3f\n", n, recall, evict, recall - evict);
+  }
+  Write(out, {{"benchmark", "serve_recall"}, {"rows", rows}});
   return 0;
 }
 
@@ -303,7 +413,27 @@ int Acquire(uint64_t bytes, int iterations, const std::string& out) {
 // worker orphan PATH: acquires "small0", closes its connection while it
 // still maps the copy (an orphan group in the daemon), says "ready", and
 // holds it until stdin closes.
-int WorkerMain(const std::string& mode, const std::string& path) {
+int WorkerMain(const std::string& mode, const std::string& path,
+               int count) {
+  if (mode == "hold" || mode == "touch") {
+    // hold: acquires small0..small<count-1> and keeps them idle (its
+    // client's delegation answers the recalls); touch: the same, released.
+    modelcache::serve::ClientOptions options;
+    if (mode == "touch") options.keep_idle = std::chrono::milliseconds(0);
+    options.idle_notice_delay = std::chrono::microseconds(0);
+    auto client = modelcache::serve::Client::Connect(path, options);
+    for (int i = 0; i < count; ++i) {
+      auto lease = client.Acquire("small" + std::to_string(i),
+                                  std::chrono::seconds(600));
+    }
+    client.Ping();  // after the idle notices: the daemon has them all
+    std::printf("ready\n");
+    std::fflush(stdout);
+    char c;
+    while (::read(0, &c, 1) > 0) {
+    }
+    return 0;
+  }
   if (mode == "orphan") {
     auto client = modelcache::serve::Client::Connect(path);
     modelcache::serve::RemoteWeights held =
@@ -683,12 +813,13 @@ int Loop(uint64_t bytes, int idle_processes, const std::string& out) {
 
 int main(int argc, char** argv) {
   if (argc >= 4 && std::string(argv[1]) == "worker") {
-    return WorkerMain(argv[2], argv[3]);
+    return WorkerMain(argv[2], argv[3], argc >= 5 ? std::stoi(argv[4]) : 0);
   }
   if (argc < 2) {
     std::fprintf(stderr,
-                 "usage: %s acquire|memory|first-tensor|loop [--bytes B] "
-                 "[--iterations N] [--workers 1,2,4,8] [--runs N] [--out F]\n",
+                 "usage: %s acquire|memory|first-tensor|loop|recall [--bytes B] "
+                 "[--iterations N] [--workers 1,2,4,8] [--counts 1,100] "
+                 "[--runs N] [--out F]\n",
                  argv[0]);
     return 2;
   }
@@ -698,6 +829,7 @@ int main(int argc, char** argv) {
   int runs = 10;
   int idle_processes = 500;
   std::vector<int> workers = {1, 2, 4, 8};
+  std::vector<int> counts = {1, 100};
   std::string out;
   for (int i = 2; i + 1 < argc; i += 2) {
     const std::string flag = argv[i];
@@ -712,6 +844,11 @@ int main(int argc, char** argv) {
       runs = std::stoi(value);
     } else if (flag == "--out") {
       out = value;
+    } else if (flag == "--counts") {
+      counts.clear();
+      std::istringstream in(value);
+      std::string n;
+      while (std::getline(in, n, ',')) counts.push_back(std::stoi(n));
     } else if (flag == "--workers") {
       workers.clear();
       std::istringstream in(value);
@@ -726,5 +863,6 @@ int main(int argc, char** argv) {
   if (mode == "memory") return Memory(bytes, workers, out);
   if (mode == "first-tensor") return FirstTensor(bytes, runs, out);
   if (mode == "loop") return Loop(bytes, idle_processes, out);
+  if (mode == "recall") return Recall(counts, runs, out);
   Die("unknown mode " + mode);
 }

@@ -308,8 +308,14 @@ void ClientCore::Unref(std::shared_ptr<MappedCopy> copy) noexcept {
           held.told_idle = true;
           SendNotice(conn_, protocol::Op::kIdle, lease);
         }
+        // The keeper sends the notice: woken only when it would sleep past
+        // the notice's time by more than the delay itself (a late notice
+        // errs on the safe side: the daemon counts the lease as in use).
+        const bool running = flushing_;
         StartFlusher();
-        WakeKeeper();
+        const Clock::time_point due =
+            held.idle_since + 2 * options_.idle_notice_delay;
+        if (running && keeper_wakes_ > due) WakeKeeper();
       } else {
         drop = Forget(lease);
         release = true;
@@ -342,6 +348,7 @@ void ClientCore::SendNotice(const std::shared_ptr<Connection>& c,
 }
 
 void ClientCore::WakeKeeper() {
+  cv_.NotifyAll();
   if (!wake_fd_) return;
   const uint64_t one = 1;
   [[maybe_unused]] const ssize_t n = ::write(wake_fd_.get(), &one, sizeof(one));
@@ -550,6 +557,7 @@ void ClientCore::Flusher() {
     const bool read = !reading_;
     const Clock::time_point until =
         std::min(next, Clock::now() + std::chrono::seconds(1));
+    keeper_wakes_ = until;
     if (!want_out && !read) {
       // Another thread reads: it files the answers (and recalls) and wakes
       // us.

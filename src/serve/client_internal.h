@@ -37,6 +37,22 @@
 // reply to it means the daemon has had them all. All sends on a connection
 // happen under mu_ (without blocking), which keeps that order.
 //
+// Local reuse and delegation: held_ maps each lease this process holds to
+// its MappedCopy (mapped once), its count of local references (Grants) and
+// whether the daemon was told it is idle; by_name_ finds it by the names it
+// was acquired as. An acquire of a held name is a new Grant (no round trip;
+// "use" is sent first when the daemon was told "idle"). The last Grant's
+// end (Unref) keeps the lease idle when the connection delegates
+// (Connection::delegation) and keep_idle > 0, else forgets, unmaps and
+// releases it. The flusher thread is also the *keeper*: while any lease is
+// idle it sends the idle notices due (idle_notice_delay), ends leases idle
+// past keep_idle, and reads the socket when no other thread does, so that a
+// recall is answered even by a process making no calls. A recall is
+// answered by whichever thread reads it (AnswerRecalls), under mu_: a lease
+// with no reference is forgotten, unmapped, then released; one with
+// references answers "use". Everything a connection holds is forgotten
+// when it breaks (Broke).
+//
 // fork(): a child must not touch its parent's ClientCore, whose mutex may
 // be held by a thread that does not exist in the child. An atfork handler
 #ifndef MODELCACHE_SRC_SERVE_CLIENT_INTERNAL_H_
@@ -304,6 +320,8 @@ class ClientCore : public std::enable_shared_from_this<ClientCore> {
   std::unordered_map<uint64_t, Held> held_ MC_GUARDED_BY(mu_);
   std::unordered_map<std::string, uint64_t> by_name_ MC_GUARDED_BY(mu_);
   size_t idle_ MC_GUARDED_BY(mu_) = 0;  // entries of held_ with refs == 0
+  // When the keeper wakes next, as it last went to sleep.
+  Clock::time_point keeper_wakes_ MC_GUARDED_BY(mu_) = Clock::time_point::max();
 
   // Headers already parsed, so that a copy acquired again is not parsed
   // again. Keyed by what fstat says of the header memfd: a memfd's inode

@@ -185,6 +185,7 @@ void Daemon::Impl::Run() {
       StartRecheck();
     }
     CloseDoomed();
+    FlushRoomChanged();
   }
   // Every load is over: close what is left.
   std::vector<uint64_t> ids;

@@ -38,6 +38,27 @@
 //                                            maps and holds none of its
 //                                            memfds--> released
 //
+// Delegation (a lease's use, detail::Use; docs/design.md draws it):
+//
+//   in use --"idle"--> idle --store picks the copy--> recalled
+//     ^                 |     (GateUnload refuses,      |  |
+//     +------"use"------+      marks, loop sends)       |  +--"release"--> released
+//     +----------"use" (busy), or --recall-timeout------+
+//
+// An idle lease drops its store lease (the copy counts as evictable) and is
+// *uncovered*: listed in uncovered_ under its copy. Every copy's unloader is
+// GateUnload: it passes only when no lease of the copy is uncovered, so no
+// copy is freed while a client may map it; otherwise it throws (the store
+// keeps the record and moves on) after marking the idle ones recalled for
+// the loop to send (to_recall_). It never waits, so it may run on any thread,
+// the loop's included. An uncovered lease in use (revived while its copy was
+// being refused), orphaned or retired takes a store lease again on the loop
+// (CoverUncovered, TryAcquire); one that cannot for now is tried again
+// (next_cover_). Every end of a recall wakes the store's waiters for room
+// (Budget::NotifyEvictable) and WaitForRecalls (a "fail" load, an HTTP
+// unload). Leases of a model being retired (reload, HTTP unload) keep their
+// store lease while idle and are recalled at once (RecallRetired).
+//
 // Copies a predecessor handed out (restart orphans) are not in the store:
 // they are bytes taken off the store's capacity (capacity_ = configured_ -
 // orphaned_), recomputed from /proc/*/maps at start, when a process that
@@ -346,16 +367,21 @@ class Daemon::Impl {
   // Moves `id` into or out of uncovered_ after its store lease changed.
   void IndexCoverage(uint64_t id, detail::LeaseEntry& e)
       MC_REQUIRES(leases_mu_);
-  // A recall ended (answered or not): wakes WaitForRecalls and the store's
-  // waiters for room.
+  // A recall ended (answered or not), or an uncovered lease was released:
+  // at the end of this loop iteration (FlushRoomChanged), WaitForRecalls
+  // and the store's waiters for room wake.
   void RecallEnded() MC_EXCLUDES(leases_mu_);
+  void FlushRoomChanged() MC_EXCLUDES(leases_mu_);
+  bool room_changed_ = false;  // loop-only
   // Keeps recalls_outstanding_ (the leases in kRecalled) exact.
   void SetUse(detail::LeaseEntry& e, detail::Use use) MC_REQUIRES(leases_mu_);
   // Sends the recall of `lease` to `c` and starts its clock.
   void SendRecall(detail::Connection& c, uint64_t lease);
-  // Off the loop: waits until no recall is outstanding, or `deadline`;
-  // true when some were outstanding at the call.
-  bool WaitForRecalls(Clock::time_point deadline) MC_EXCLUDES(leases_mu_);
+  // Off the loop: when recalls started after RecallsStarted() said `since`,
+  // waits until none is outstanding, or `deadline`, and returns true.
+  uint64_t RecallsStarted() const MC_EXCLUDES(leases_mu_);
+  bool WaitForRecalls(uint64_t since, Clock::time_point deadline)
+      MC_EXCLUDES(leases_mu_);
   // Before a reload or an HTTP unload retires `model`: its leases are
   // marked retired, its idle ones take a store lease again and are
   // recalled. Any thread.
@@ -491,6 +517,7 @@ class Daemon::Impl {
   std::vector<uint64_t> to_recall_ MC_GUARDED_BY(leases_mu_);
   bool cover_again_ MC_GUARDED_BY(leases_mu_) = false;
   int recalls_outstanding_ MC_GUARDED_BY(leases_mu_) = 0;
+  uint64_t recalls_started_ MC_GUARDED_BY(leases_mu_) = 0;
   base::CondVar recalls_cv_;
   // Loop-only: recalls sent, by deadline.
   std::multimap<Clock::time_point, uint64_t> recall_deadlines_;

@@ -156,11 +156,7 @@ void Daemon::Impl::ReleaseLease(uint64_t lease) {
   core.Release();  // outside the lock: may free a retired copy
   // An uncovered lease held no store lease: its copy's unloader may pass
   // now, which no store event says.
-  if (recalled) {
-    RecallEnded();
-  } else if (uncovered) {
-    store_->budget().NotifyEvictable();
-  }
+  if (recalled || uncovered) RecallEnded();
 }
 
 // ---- delegation ----
@@ -178,7 +174,10 @@ void Daemon::Impl::IndexCoverage(uint64_t id, detail::LeaseEntry& e) {
 
 void Daemon::Impl::SetUse(detail::LeaseEntry& e, Use use) {
   if (e.use == Use::kRecalled) --recalls_outstanding_;
-  if (use == Use::kRecalled) ++recalls_outstanding_;
+  if (use == Use::kRecalled && e.use != Use::kRecalled) {
+    ++recalls_outstanding_;
+    ++recalls_started_;
+  }
   e.use = use;
 }
 
@@ -338,7 +337,13 @@ void Daemon::Impl::ExpireRecalls(Clock::time_point now) {
   }
 }
 
-void Daemon::Impl::RecallEnded() {
+void Daemon::Impl::RecallEnded() { room_changed_ = true; }
+
+void Daemon::Impl::FlushRoomChanged() {
+  // Once per loop iteration, however many answers it read: each wakes every
+  // reservation waiting for room, which then looks at every victim again.
+  if (!room_changed_) return;
+  room_changed_ = false;
   {
     base::MutexLock lock(&leases_mu_);
     recalls_cv_.NotifyAll();
@@ -346,9 +351,16 @@ void Daemon::Impl::RecallEnded() {
   store_->budget().NotifyEvictable();
 }
 
-bool Daemon::Impl::WaitForRecalls(Clock::time_point deadline) {
+uint64_t Daemon::Impl::RecallsStarted() const {
   base::MutexLock lock(&leases_mu_);
-  if (recalls_outstanding_ == 0) return false;
+  return recalls_started_;
+}
+
+bool Daemon::Impl::WaitForRecalls(uint64_t since, Clock::time_point deadline) {
+  base::MutexLock lock(&leases_mu_);
+  // None started since: waiting would change nothing. (Those that did may
+  // all be answered already.)
+  if (recalls_started_ == since) return false;
   while (recalls_outstanding_ > 0) {
     if (!recalls_cv_.WaitUntil(&leases_mu_, deadline) &&
         Clock::now() >= deadline) {

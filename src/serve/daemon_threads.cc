@@ -83,15 +83,17 @@ void Daemon::Impl::RunTask(Task& task) {
       return Loaded{std::move(copy), bytes, [this, id] { GateUnload(id); }};
     };
     for (int attempt = 0;; ++attempt) {
+      const uint64_t recalls = RecallsStarted();
       try {
         task.lease = store_->Acquire(model.id, expected, loader, options);
         break;
       } catch (const Error& e) {
-        // Under "fail", room that recalls in flight are making is not
-        // "nothing evictable": wait for their answers (bounded by the
-        // recall timeout), then look again.
+        // Under "fail", room that the recalls this attempt started are
+        // making is not "nothing evictable": wait for their answers
+        // (bounded by the recall timeout), then look again.
         if (e.code() != ErrorCode::kCapacity || attempt >= 3 ||
-            !WaitForRecalls(Clock::now() + 2 * options_.recall_timeout)) {
+            !WaitForRecalls(recalls,
+                            Clock::now() + 2 * options_.recall_timeout)) {
           throw;
         }
       }

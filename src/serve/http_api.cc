@@ -403,6 +403,7 @@ HttpResponse Daemon::Impl::ModelAction(const std::string& id,
   int leases = 0;
   if (const auto entry = store_->Entry(key)) leases = entry->leases;
   RemoveOutcome outcome = RemoveOutcome::kNotFound;
+  uint64_t recalls = RecallsStarted();
   RecallRetired(key);
   for (int attempt = 0;; ++attempt) {
     try {
@@ -414,7 +415,9 @@ HttpResponse Daemon::Impl::ModelAction(const std::string& id,
       if (e.code() != ErrorCode::kFailedPrecondition || attempt >= 2) {
         return Problem(409, "'" + key + "' stays: " + e.what());
       }
-      WaitForRecalls(Clock::now() + 2 * options_.recall_timeout);
+      const uint64_t since = recalls;
+      recalls = RecallsStarted();
+      WaitForRecalls(since, Clock::now() + 2 * options_.recall_timeout);
     }
   }
   switch (outcome) {

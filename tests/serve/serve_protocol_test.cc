@@ -42,6 +42,21 @@ TEST(Protocol, ParsesEveryOpWithItsFields) {
   EXPECT_EQ(p.request->id, UINT64_MAX);
   EXPECT_EQ(p.request->lease, 3u);
 
+  for (const auto& [text, op] :
+       {std::pair{protocol::EncodeIdle(8, 17), protocol::Op::kIdle},
+        std::pair{protocol::EncodeUse(9, 17), protocol::Op::kUse}}) {
+    p = protocol::ParseRequest(text);
+    ASSERT_TRUE(p.request) << p.error;
+    EXPECT_EQ(p.request->op, op);
+    EXPECT_EQ(p.request->lease, 17u);
+  }
+  p = protocol::ParseRequest(R"({"op":"idle","id":10})");
+  EXPECT_FALSE(p.request);
+  EXPECT_EQ(p.error, "missing field 'lease'");
+  p = protocol::ParseRequest(R"({"op":"use","id":11,"lease":1,"model":"m"})");
+  EXPECT_FALSE(p.request);
+  EXPECT_EQ(p.error, "field 'model' does not belong to op 'use'");
+
   p = protocol::ParseRequest(R"({"op":"hello","id":2,"version":1})");
   ASSERT_TRUE(p.request);
   EXPECT_EQ(p.request->op, protocol::Op::kHello);
@@ -144,8 +159,16 @@ TEST(Protocol, RepliesRoundTrip) {
   EXPECT_EQ(r.reply->limits.at("max_leases"), 8u);
   EXPECT_EQ(r.reply->version, protocol::kVersion);
 
+  // The daemon's recall: an id-0 message with the lease.
+  r = protocol::ParseReply(protocol::EncodeRecall(42));
+  ASSERT_TRUE(r.reply) << r.error;
+  EXPECT_EQ(r.reply->id, 0u);
+  EXPECT_TRUE(r.reply->ok);
+  EXPECT_EQ(r.reply->recall, 42u);
+  EXPECT_EQ(protocol::ParseReply(protocol::EncodeOk(5)).reply->recall, 0u);
+
   for (const char* bad :
-       {"", "[]", R"({"ok":true})", R"({"id":1})", R"({"id":1,"ok":false})",
+       {"", "[]", R"({"ok":true})", R"({"id":0,"ok":true,"recall":"x"})", R"({"id":1})", R"({"id":1,"ok":false})",
         R"({"id":1,"ok":false,"error":{"code":"WHAT","message":""}})",
         R"({"id":1,"ok":true,"files":[1]})", R"({"id":1,"ok":true,"lease":-1})",
         R"({"id":1,"ok":true,"files":[[[[[[[]]]]]]]})",

@@ -7,7 +7,8 @@
 //       client.Acquire("sdxl-unet", std::chrono::seconds(30));
 //   for (const auto& t : unet.tensors()) Use(t.name(), t.dtype(), t.shape(),
 //   t.data);
-//   // ~RemoteWeights unmaps the copy, then ends the lease.
+//   // ~RemoteWeights ends the reference; the lease is kept idle, mapped,
+//   // until the daemon recalls it or keep_idle passes.
 //
 // A lease's copy is mapped read-only and shared: N processes on the node map
 // one copy, which stays valid while this process maps it, even if the

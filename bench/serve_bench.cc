@@ -261,7 +261,8 @@ int Acquire(uint64_t bytes, int iterations, const std::string& out) {
   told_options.idle_notice_delay = std::chrono::microseconds(0);
   auto told = serve::Client::Connect(s.socket, told_options);
   { auto warm = round_trip.Acquire("model", std::chrono::seconds(60)); }
-  serve::RemoteWeights kept = held_client.Acquire("model", std::chrono::seconds(60));
+  serve::RemoteWeights kept =
+      held_client.Acquire("model", std::chrono::seconds(60));
   { auto warm = revived.Acquire("model", std::chrono::seconds(60)); }
   { auto warm = told.Acquire("model", std::chrono::seconds(60)); }
   w::HostStoreOptions options;
@@ -283,20 +284,26 @@ int Acquire(uint64_t bytes, int iterations, const std::string& out) {
     };
   };
   std::vector<Path> paths;
-  paths.push_back({"ping_round_trip_us", "one ping round trip to the daemon",
-                   [&] { round_trip.Ping(); }, {}});
+  paths.push_back({"ping_round_trip_us",
+                   "one ping round trip to the daemon",
+                   [&] { round_trip.Ping(); },
+                   {}});
   paths.push_back({"remote_acquire_map_release_us",
                    "first acquire + map + release (a round trip)",
-                   remote(round_trip), {}});
+                   remote(round_trip),
+                   {}});
   paths.push_back({"held_acquire_release_us",
                    "acquire + release of a copy the process holds",
-                   remote(held_client), {}});
+                   remote(held_client),
+                   {}});
   paths.push_back({"idle_revival_acquire_release_us",
                    "acquire + release of an idle delegation",
-                   remote(revived), {}});
+                   remote(revived),
+                   {}});
   paths.push_back({"told_idle_revival_acquire_release_us",
                    "the same, telling the daemon idle and use",
-                   remote(told), {}});
+                   remote(told),
+                   {}});
   paths.push_back({"in_process_host_store_hit_us",
                    "in-process HostWeightStore hit + release",
                    [&] {
@@ -363,8 +370,7 @@ int Recall(const std::vector<int>& counts, int runs, const std::string& out) {
         static_cast<uint64_t>(n) * (small_bytes + (16 << 10)) - small_bytes / 2;
     {
       w::SafetensorsWriter writer;
-      writer.AddTensor("t", w::Dtype::kF32, {big_bytes / 4},
-                       w::PatternFill(7));
+      writer.AddTensor("t", w::Dtype::kF32, {big_bytes / 4}, w::PatternFill(7));
       writer.Write(s.root + "/big.safetensors");
     }
     models.push_back({{"id", "big"}, {"files", {"big.safetensors"}}});
@@ -413,8 +419,7 @@ int Recall(const std::vector<int>& counts, int runs, const std::string& out) {
 // worker orphan PATH: acquires "small0", closes its connection while it
 // still maps the copy (an orphan group in the daemon), says "ready", and
 // holds it until stdin closes.
-int WorkerMain(const std::string& mode, const std::string& path,
-               int count) {
+int WorkerMain(const std::string& mode, const std::string& path, int count) {
   if (mode == "hold" || mode == "touch") {
     // hold: acquires small0..small<count-1> and keeps them idle (its
     // client's delegation answers the recalls); touch: the same, released.
@@ -816,11 +821,12 @@ int main(int argc, char** argv) {
     return WorkerMain(argv[2], argv[3], argc >= 5 ? std::stoi(argv[4]) : 0);
   }
   if (argc < 2) {
-    std::fprintf(stderr,
-                 "usage: %s acquire|memory|first-tensor|loop|recall [--bytes B] "
-                 "[--iterations N] [--workers 1,2,4,8] [--counts 1,100] "
-                 "[--runs N] [--out F]\n",
-                 argv[0]);
+    std::fprintf(
+        stderr,
+        "usage: %s acquire|memory|first-tensor|loop|recall [--bytes B] "
+        "[--iterations N] [--workers 1,2,4,8] [--counts 1,100] "
+        "[--runs N] [--out F]\n",
+        argv[0]);
     return 2;
   }
   const std::string mode = argv[1];

@@ -31,8 +31,9 @@ const RemoteTensor* RemoteWeights::Find(std::string_view name) const {
   for (size_t i = 0; i < grant_->copy->files.size(); ++i) {
     const weights::WeightSet& file = grant_->copy->files[i];
     if (const weights::TensorInfo* t = file.header().Find(name)) {
-      return &grant_->copy->tensors[grant_->copy->first_tensor[i] +
-                              static_cast<size_t>(t - file.tensors().data())];
+      return &grant_->copy
+                  ->tensors[grant_->copy->first_tensor[i] +
+                            static_cast<size_t>(t - file.tensors().data())];
     }
   }
   return nullptr;

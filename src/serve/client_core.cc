@@ -364,7 +364,8 @@ Clock::time_point ClientCore::IdleChores(
   for (auto& [lease, held] : held_) {
     if (held.refs != 0 || held.copy->serial != c->serial) continue;
     if (!held.told_idle) {
-      const Clock::time_point due = held.idle_since + options_.idle_notice_delay;
+      const Clock::time_point due =
+          held.idle_since + options_.idle_notice_delay;
       if (now >= due) {
         held.told_idle = true;
         SendNotice(c, protocol::Op::kIdle, lease);

@@ -270,8 +270,7 @@ class ClientCore : public std::enable_shared_from_this<ClientCore> {
   void SendNotice(const std::shared_ptr<Connection>& c, protocol::Op op,
                   uint64_t lease) MC_REQUIRES(mu_);
   // A local acquire: a new reference to a lease held as `name`, or null.
-  std::shared_ptr<Grant> LocalAcquire(const std::string& name)
-      MC_EXCLUDES(mu_);
+  std::shared_ptr<Grant> LocalAcquire(const std::string& name) MC_EXCLUDES(mu_);
   // Files a new lease's copy in the table, under `names`.
   void Keep(const std::shared_ptr<MappedCopy>& copy,
             const std::vector<std::string>& names) MC_EXCLUDES(mu_);

@@ -42,7 +42,8 @@
 //
 //   in use --"idle"--> idle --store picks the copy--> recalled
 //     ^                 |     (GateUnload refuses,      |  |
-//     +------"use"------+      marks, loop sends)       |  +--"release"--> released
+//     +------"use"------+      marks, loop sends)       |  +--"release"-->
+//     released
 //     +----------"use" (busy), or --recall-timeout------+
 //
 // An idle lease drops its store lease (the copy counts as evictable) and is
@@ -453,6 +454,10 @@ class Daemon::Impl {
   // ---- the pool (daemon_threads.cc) ----
   void PoolThread();
   void RunTask(detail::Task& task);
+  // The store's loader of every load (a task's, a prewarm's): reads the
+  // copy (marked as reading), holds the throttle, and gives the copy its
+  // unloader, GateUnload.
+  Loaded LoadForStore(const CatalogModel& model);
   // The test gate (DaemonOptions::test_load_gate_fd), before each file.
   void BeforeRead();
 

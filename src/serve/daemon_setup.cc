@@ -244,14 +244,7 @@ void Daemon::Impl::CreateStore() {
           impl->Wake();  // the loop starts what waited for the slot
         }
       } slot_back{this};
-      const ReadingMark reading(this, spec.id);
-      const Clock::time_point start = Clock::now();
-      std::shared_ptr<detail::ModelCopy> copy =
-          detail::LoadCopy(copy_options_, spec);
-      const uint64_t bytes = copy->bytes();
-      if (throttle_) throttle_->Hold(start, bytes);
-      const void* id = copy.get();
-      return Loaded{std::move(copy), bytes, [this, id] { GateUnload(id); }};
+      return LoadForStore(spec);
     };
     return source;
   };

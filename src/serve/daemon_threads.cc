@@ -71,17 +71,7 @@ void Daemon::Impl::RunTask(Task& task) {
   try {
     const uint64_t expected = detail::ExpectedCopyBytes(copy_options_, model);
     task.expected_bytes = expected;
-    const Loader loader = [&] {
-      const ReadingMark reading(this, model.id);
-      const Clock::time_point start = Clock::now();
-      std::shared_ptr<detail::ModelCopy> copy =
-          detail::LoadCopy(copy_options_, model);
-      const uint64_t bytes = copy->bytes();
-      // Off every lock: only this load (and those joining it) waits.
-      if (throttle_) throttle_->Hold(start, bytes);
-      const void* id = copy.get();
-      return Loaded{std::move(copy), bytes, [this, id] { GateUnload(id); }};
-    };
+    const Loader loader = [&] { return LoadForStore(model); };
     for (int attempt = 0;; ++attempt) {
       const uint64_t recalls = RecallsStarted();
       try {
@@ -103,6 +93,18 @@ void Daemon::Impl::RunTask(Task& task) {
     task.lease.Release();
     task.error = std::current_exception();
   }
+}
+
+Loaded Daemon::Impl::LoadForStore(const CatalogModel& model) {
+  const ReadingMark reading(this, model.id);
+  const Clock::time_point start = Clock::now();
+  std::shared_ptr<detail::ModelCopy> copy =
+      detail::LoadCopy(copy_options_, model);
+  const uint64_t bytes = copy->bytes();
+  // Off every lock: only this load (and those joining it) waits.
+  if (throttle_) throttle_->Hold(start, bytes);
+  const void* id = copy.get();
+  return Loaded{std::move(copy), bytes, [this, id] { GateUnload(id); }};
 }
 
 void Daemon::Impl::ExpiryThread() {

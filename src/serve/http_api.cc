@@ -555,8 +555,7 @@ HttpResponse Daemon::Impl::Metrics() {
          "(the copy counts as evictable) or recalled (awaiting the answer).");
   for (size_t i = 0; i < by_use.size(); ++i) {
     Sample(&out, "modelcache_delegated_leases", by_use[i],
-           std::string("use=\"") + UseName(static_cast<detail::Use>(i)) +
-               "\"");
+           std::string("use=\"") + UseName(static_cast<detail::Use>(i)) + "\"");
   }
   counter("modelcache_recalls_sent_total",
           "Recalls of idle leases sent to their clients.",

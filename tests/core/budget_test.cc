@@ -488,15 +488,17 @@ TEST(CacheBudget, AVictimWhoseUnloaderRefusedIsTriedAgainAfterNotifyEvictable) {
   ModelCache cache(On(budget, "models"));
   std::atomic<bool> refuse{true};
   std::atomic<int> refusals{0};
-  cache.Prefetch("held", 80, SimpleLoader("held", 80, nullptr, [&] {
-                   if (refuse.load()) {
-                     ++refusals;
-                     throw std::runtime_error("its holders are asked to let go");
-                   }
-                 }));
+  cache.Prefetch(
+      "held", 80, SimpleLoader("held", 80, nullptr, [&] {
+        if (refuse.load()) {
+          ++refusals;
+          throw std::runtime_error("its holders are asked to let go");
+        }
+      }));
   std::thread waiter([&] {
-    Lease x = cache.Acquire("x", 50, SimpleLoader("x", 50),
-                            WaitForRoom(Clock::now() + std::chrono::seconds(60)));
+    Lease x =
+        cache.Acquire("x", 50, SimpleLoader("x", 50),
+                      WaitForRoom(Clock::now() + std::chrono::seconds(60)));
     EXPECT_EQ(x.bytes(), 50u);
   });
   SpinUntil([&] { return refusals.load() >= 1; }, "the unloader refuses");

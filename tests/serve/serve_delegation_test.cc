@@ -30,13 +30,24 @@ constexpr const char* kDelegating = " reuse=1 keep_idle_ms=600000 notice_us=0";
 
 class DelegationTest : public ServeTest {
  protected:
-  double Idle() { return daemon_->Metric("modelcache_delegated_leases{use=\"idle\"}"); }
+  double Idle() {
+    return daemon_->Metric("modelcache_delegated_leases{use=\"idle\"}");
+  }
   double InUse() {
     return daemon_->Metric("modelcache_delegated_leases{use=\"in_use\"}");
   }
   double Recalls(const std::string& answer) {
     return daemon_->Metric("modelcache_recalls_total{answer=\"" + answer +
                            "\"}");
+  }
+  // Makes `worker` hold an idle delegation of `model`, the daemon told;
+  // returns its lease.
+  std::string HoldIdle(Worker& worker, const std::string& model) {
+    const std::string lease = worker.Ok("acquire " + model)[0];
+    leases_.Add(lease);
+    worker.Ok("release " + model);
+    Eventually([&] { return Idle() >= 1; }, "an idle delegation");
+    return lease;
   }
   // A worker connected with `settings` (serve_test_worker's connect).
   std::unique_ptr<Worker> Connected(const std::string& settings = kDelegating) {
@@ -127,9 +138,7 @@ TEST_F(DelegationTest, AFailAtOnceRequestIsServedByARecall) {
   AddModel("n", 1 * kMiB, 4);
   Daemon& d = StartDaemon("1500KiB");
   auto worker = Connected();
-  leases_.Add(worker->Ok("acquire m")[0]);
-  worker->Ok("release m");
-  Eventually([&] { return Idle() == 1; }, "an idle delegation");
+  HoldIdle(*worker, "m");
   Client client = Client::Connect(d.socket());
   RemoteAcquireOptions fail;
   fail.when_full = WhenFull::kFail;
@@ -148,10 +157,7 @@ TEST_F(DelegationTest, ARecallThatMeetsALocalRevivalIsAnsweredBusy) {
   // A long recall timeout: the order of events, not the clock, decides.
   Daemon& d = StartDaemon("1500KiB", {"--recall-timeout", "120s"});
   auto worker = Connected(std::string(kDelegating) + " recall_gate=1");
-  const std::string lease = worker->Ok("acquire m")[0];
-  leases_.Add(lease);
-  worker->Ok("release m");
-  Eventually([&] { return Idle() == 1; }, "an idle delegation");
+  const std::string lease = HoldIdle(*worker, "m");
   Client client = Client::Connect(d.socket());
   auto wanted = std::async(std::launch::async, [&] {
     RemoteAcquireOptions fail;
@@ -179,15 +185,13 @@ TEST_F(DelegationTest, ARecallThatMeetsALocalRevivalIsAnsweredBusy) {
 
 // The other order: the worker handles the recall first (no reference: it
 // unmaps and releases), and its next acquire is a round trip for a new lease.
-TEST_F(DelegationTest, ARecallHandledBeforeTheRevivalReleasesAndTheRevivalAcquiresAfresh) {
+TEST_F(DelegationTest,
+       ARecallHandledBeforeTheRevivalReleasesAndTheRevivalAcquiresAfresh) {
   AddModel("m", 1 * kMiB, 7);
   AddModel("n", 1 * kMiB, 8);
   Daemon& d = StartDaemon("1500KiB", {"--recall-timeout", "120s"});
   auto worker = Connected(std::string(kDelegating) + " recall_gate=1");
-  const std::string lease = worker->Ok("acquire m")[0];
-  leases_.Add(lease);
-  worker->Ok("release m");
-  Eventually([&] { return Idle() == 1; }, "an idle delegation");
+  const std::string lease = HoldIdle(*worker, "m");
   Client client = Client::Connect(d.socket());
   auto wanted = std::async(std::launch::async, [&] {
     return client.Acquire("n", std::chrono::seconds(60));
@@ -229,7 +233,8 @@ TEST_F(DelegationTest, AClientThatIgnoresRecallsIsTakenToUseItsLease) {
   fail.when_full = WhenFull::kFail;
   try {
     client.Acquire("n", fail);
-    ADD_FAILURE() << "served while 'm' is held by a client that ignores recalls";
+    ADD_FAILURE()
+        << "served while 'm' is held by a client that ignores recalls";
   } catch (const ServeError& e) {
     EXPECT_EQ(e.serve_code(), ServeCode::kCapacity) << e.what();
   }
@@ -251,9 +256,7 @@ TEST_F(DelegationTest, ASigkilledClientsDelegationsAreFreedAtOnce) {
   AddModel("n", 1 * kMiB, 13);
   Daemon& d = StartDaemon("1500KiB");
   auto worker = Connected();
-  leases_.Add(worker->Ok("acquire m")[0]);
-  worker->Ok("release m");
-  Eventually([&] { return Idle() == 1; }, "an idle delegation");
+  HoldIdle(*worker, "m");
   worker->process().Signal(SIGKILL);
   worker->process().Wait();
   Eventually([&] { return d.Metric("modelcache_leases") == 0; },
@@ -285,18 +288,17 @@ TEST_F(DelegationTest, AForkedChildGetsNoDelegation) {
   EXPECT_EQ(parent[0], lease) << "the parent's delegation is untouched";
 }
 
-TEST_F(DelegationTest, ADaemonRestartDropsDelegationsAndTheNextAcquireReconnects) {
+TEST_F(DelegationTest,
+       ADaemonRestartDropsDelegationsAndTheNextAcquireReconnects) {
   AddModel("m", 256 * kKiB, 15);
   Daemon& d = StartDaemon();
   auto worker = Connected();
-  const std::string lease = worker->Ok("acquire m")[0];
-  leases_.Add(lease);
-  worker->Ok("release m");
-  Eventually([&] { return Idle() == 1; }, "an idle delegation");
+  const std::string lease = HoldIdle(*worker, "m");
   d.process().Signal(SIGTERM);
   d.process().Wait();
-  Eventually([&] { return worker->Ok("idle") == std::vector<std::string>{"0"}; },
-             "the lost connection drops the idle lease");
+  Eventually(
+      [&] { return worker->Ok("idle") == std::vector<std::string>{"0"}; },
+      "the lost connection drops the idle lease");
   EXPECT_EQ(worker->Ok("maps " + d.memfd_prefix()),
             std::vector<std::string>{"0"});
   d.Start();
@@ -313,7 +315,8 @@ TEST_F(DelegationTest, ADaemonRestartDropsDelegationsAndTheNextAcquireReconnects
 // model's bytes.
 TEST_F(DelegationTest, RandomAcquiresReleasesRecallsAndKillsKeepEveryPromise) {
   const std::vector<std::string> models = {"a", "b", "c", "d"};
-  for (size_t i = 0; i < models.size(); ++i) AddModel(models[i], 1 * kMiB, 20 + i);
+  for (size_t i = 0; i < models.size(); ++i)
+    AddModel(models[i], 1 * kMiB, 20 + i);
   Daemon& d = StartDaemon("2600KiB");
   std::mt19937 random(20261202);
   constexpr int kWorkers = 3;

@@ -168,7 +168,8 @@ TEST(Protocol, RepliesRoundTrip) {
   EXPECT_EQ(protocol::ParseReply(protocol::EncodeOk(5)).reply->recall, 0u);
 
   for (const char* bad :
-       {"", "[]", R"({"ok":true})", R"({"id":0,"ok":true,"recall":"x"})", R"({"id":1})", R"({"id":1,"ok":false})",
+       {"", "[]", R"({"ok":true})", R"({"id":0,"ok":true,"recall":"x"})",
+        R"({"id":1})", R"({"id":1,"ok":false})",
         R"({"id":1,"ok":false,"error":{"code":"WHAT","message":""}})",
         R"({"id":1,"ok":true,"files":[1]})", R"({"id":1,"ok":true,"lease":-1})",
         R"({"id":1,"ok":true,"files":[[[[[[[]]]]]]]})",

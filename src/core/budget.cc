@@ -147,8 +147,9 @@ void Budget::Reserve(uint64_t bytes, const ReserveOptions& options) {
   const WaitInterrupt* interrupt = options.interrupt;
   const bool interruptible = interrupt != nullptr && interrupt->check;
   std::unordered_set<uint64_t> skip;  // victims whose unload failed
-  // change_count_ when the last of them failed: after any later change
-  // (NotifyEvictable, say), they are tried again, since an unloader may
+  // change_count_ when the first of them failed: a wait for room ends at
+  // any change since (NotifyEvictable, say, even one that came before the
+  // wait began), and then they are tried again, since an unloader may
   // refuse until the model's holders let go (a store that recalls them).
   uint64_t skipped_at = 0;
   bool registered = false;
@@ -189,7 +190,6 @@ void Budget::Reserve(uint64_t bytes, const ReserveOptions& options) {
         registered = true;
       }
       seen_changes = change_count_;
-      if (!skip.empty() && skipped_at != seen_changes) skip.clear();
       capacity = capacity_;
       used = used_;
       shortfall = used_ - (capacity_ - bytes);  // > 0: checked above
@@ -203,7 +203,7 @@ void Budget::Reserve(uint64_t bytes, const ReserveOptions& options) {
           ++evicted;
           continue;
         case EvictStep::kUnloadFailed:
-          skipped_at = seen_changes;
+          if (skip.size() == 1) skipped_at = seen_changes;
           continue;  // look again without it
         case EvictStep::kNone:
           // What was counted was leased, pinned or evicted meanwhile.
@@ -234,7 +234,8 @@ void Budget::Reserve(uint64_t bytes, const ReserveOptions& options) {
     bool check_interrupt = false;
     {
       base::MutexLock lock(&mu_);
-      while (change_count_ == seen_changes) {
+      const uint64_t since = skip.empty() ? seen_changes : skipped_at;
+      while (change_count_ == since) {
         // An interruptible wait wakes every `every` to run the check, which
         // must run without the budget's lock.
         const auto wake =
@@ -242,7 +243,7 @@ void Budget::Reserve(uint64_t bytes, const ReserveOptions& options) {
                 ? std::min(options.deadline,
                            std::chrono::steady_clock::now() + interrupt->every)
                 : options.deadline;
-        if (!changed_.WaitUntil(&mu_, wake) && change_count_ == seen_changes) {
+        if (!changed_.WaitUntil(&mu_, wake) && change_count_ == since) {
           if (wake < options.deadline) {
             check_interrupt = true;
           } else {
@@ -268,6 +269,7 @@ void Budget::Reserve(uint64_t bytes, const ReserveOptions& options) {
                       " in budget '" + name_ +
                       "'; held by: " + HoldersMessage(options.for_record));
     }
+    skip.clear();  // something changed: the refused victims may go now
   }
 }
 

@@ -75,6 +75,12 @@ std::vector<std::string> Routes(const std::vector<ClusterResult>& results) {
   return routes;
 }
 
+// The first cells of a run's rows in the page: route, policy, capacity.
+std::vector<std::string> RunCells(const ClusterResult& r) {
+  return {Escape(r.route.name()), Escape(r.total.policy),
+          Escape(FormatBytes(r.total.capacity_bytes))};
+}
+
 std::string RunLabel(const ClusterResult& r) {
   return r.total.policy + " " + FormatBytes(r.total.capacity_bytes);
 }
@@ -328,17 +334,17 @@ std::string ClusterHtmlReport(const Trace& trace, const std::string& title,
           "median</th></tr>\n";
   for (const ClusterResult& r : results) {
     const RunResult& t = r.total;
-    html << "<tr><td>" << Escape(r.route.name()) << "</td><td>"
-         << Escape(t.policy) << "</td><td>"
-         << Escape(FormatBytes(t.capacity_bytes)) << "</td><td>"
-         << Fixed(100 * t.cold_start_ratio, 2) << "%</td><td>"
-         << FormatMs(t.wait_ms.p50) << "</td><td>" << FormatMs(t.wait_ms.p99)
-         << "</td><td>" << FormatMs(t.wait_ms.p999) << "</td><td>"
-         << FormatMs(t.wait_ms.max) << "</td><td>" << t.rejected << "</td><td>"
-         << r.refused << "</td><td>" << Fixed(t.idle_gib_hours, 1)
-         << "</td><td>" << Escape(FormatBytes(t.bytes_loaded)) << "</td><td>"
-         << r.loads << "</td><td>" << r.spills << "</td><td>"
-         << Escape(Copies(r)) << "</td></tr>\n";
+    std::vector<std::string> cells = RunCells(r);
+    for (std::string cell :
+         {Fixed(100 * t.cold_start_ratio, 2) + "%", FormatMs(t.wait_ms.p50),
+          FormatMs(t.wait_ms.p99), FormatMs(t.wait_ms.p999),
+          FormatMs(t.wait_ms.max), std::to_string(t.rejected),
+          std::to_string(r.refused), Fixed(t.idle_gib_hours, 1),
+          Escape(FormatBytes(t.bytes_loaded)), std::to_string(r.loads),
+          std::to_string(r.spills), Escape(Copies(r))}) {
+      cells.push_back(std::move(cell));
+    }
+    html << HtmlRow(cells);
   }
   html << "</table>\n";
 
@@ -361,14 +367,15 @@ std::string ClusterHtmlReport(const Trace& trace, const std::string& title,
           "<th>503s</th><th>peak in flight</th></tr>\n";
   for (const ClusterResult& r : results) {
     for (const NodeResult& n : r.nodes) {
-      html << "<tr><td>" << Escape(r.route.name()) << "</td><td>"
-           << Escape(r.total.policy) << "</td><td>"
-           << Escape(FormatBytes(r.total.capacity_bytes)) << "</td><td>"
-           << Escape(n.name) << "</td><td>" << Fixed(100 * n.request_share, 1)
-           << "%</td><td>" << n.loads << "</td><td>"
-           << Escape(FormatBytes(n.bytes_loaded)) << "</td><td>"
-           << FormatMs(n.wait_ms.p99) << "</td><td>" << n.refused << "</td><td>"
-           << n.peak_in_flight << "</td></tr>\n";
+      std::vector<std::string> cells = RunCells(r);
+      for (std::string cell :
+           {Escape(n.name), Fixed(100 * n.request_share, 1) + "%",
+            std::to_string(n.loads), Escape(FormatBytes(n.bytes_loaded)),
+            FormatMs(n.wait_ms.p99), std::to_string(n.refused),
+            std::to_string(n.peak_in_flight)}) {
+        cells.push_back(std::move(cell));
+      }
+      html << HtmlRow(cells);
     }
   }
   html << "</table>\n";
@@ -381,14 +388,16 @@ std::string ClusterHtmlReport(const Trace& trace, const std::string& title,
             "</tr>\n";
     for (const ClusterResult& r : results) {
       for (const ClusterEventResult& e : r.events) {
-        html << "<tr><td>" << Escape(r.route.name()) << "</td><td>"
-             << Escape(r.total.policy) << "</td><td>"
-             << Escape(FormatBytes(r.total.capacity_bytes)) << "</td><td>"
-             << Escape(EventName(e.event)) << "</td><td>"
-             << (r.route.hashed() ? std::to_string(e.moved.size()) : "-")
-             << "</td><td>" << e.loads_after << "</td><td>"
-             << e.models_loaded_after << "</td><td>" << e.requests_retried
-             << "</td></tr>\n";
+        std::vector<std::string> cells = RunCells(r);
+        for (std::string cell :
+             {Escape(EventName(e.event)),
+              r.route.hashed() ? std::to_string(e.moved.size()) : "-",
+              std::to_string(e.loads_after),
+              std::to_string(e.models_loaded_after),
+              std::to_string(e.requests_retried)}) {
+          cells.push_back(std::move(cell));
+        }
+        html << HtmlRow(cells);
       }
     }
     html << "</table>\n";

@@ -62,6 +62,12 @@ std::string LoadPathText(const TimeModel& time) {
          FormatMs(time.latency_ms) + " latency each";
 }
 
+std::string HtmlRow(const std::vector<std::string>& cells) {
+  std::string row = "<tr>";
+  for (const std::string& cell : cells) row += "<td>" + cell + "</td>";
+  return row + "</tr>\n";
+}
+
 double UnservedRatio(const RunResult& r) {
   return r.requests ? static_cast<double>(UnservedRequests(r)) /
                           static_cast<double>(r.requests)

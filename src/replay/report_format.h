@@ -39,6 +39,9 @@ std::string TraceLine(uint64_t requests, size_t models, uint64_t model_bytes);
 // loads, 100ms latency each".
 std::string LoadPathText(const TimeModel& time);
 
+// A table row of `cells`, HTML already: "<tr><td>a</td><td>b</td></tr>\n".
+std::string HtmlRow(const std::vector<std::string>& cells);
+
 // The share of all requests a run did not serve: as a ratio, and in percent
 // (0 for a run of no requests).
 double UnservedRatio(const RunResult& r);

@@ -142,11 +142,9 @@ std::string SloTable(const ReportContext& c) {
 
 std::string SloChart(const ReportContext& c) {
   const SloSearchOptions& slo = c.info.slo;
-  Chart chart;
-  chart.id = "slo-capacity";
-  chart.title = "Memory needed against the SLO";
-  chart.x_label = PercentileName(slo.percentile) + " wait SLO (log scale)";
-  chart.y_label = "capacity needed (GiB)";
+  Chart chart("slo-capacity", "Memory needed against the SLO",
+              PercentileName(slo.percentile) + " wait SLO (log scale)",
+              "capacity needed (GiB)");
   double lo = slo.slo_ms, hi = slo.slo_ms, most = 0;
   for (double ms : slo.curve_slo_ms)
     lo = std::min(lo, ms), hi = std::max(hi, ms);
@@ -206,11 +204,10 @@ std::string SloChart(const ReportContext& c) {
 std::string WaitCharts(const ReportContext& c) {
   std::string out;
   // The tail at the middle capacity.
-  Chart tail;
-  tail.id = "wait-tail";
-  tail.title = "Requests waiting longer than t, at " + FormatBytes(c.middle);
-  tail.x_label = "wait t (log scale)";
-  tail.y_label = "requests waiting longer than t (log scale)";
+  Chart tail("wait-tail",
+             "Requests waiting longer than t, at " + FormatBytes(c.middle),
+             "wait t (log scale)",
+             "requests waiting longer than t (log scale)");
   double w_lo = 1e300, w_hi = 0;
   for (const RunResult& r : c.results) {
     if (r.capacity_bytes != c.middle) continue;
@@ -240,15 +237,11 @@ std::string WaitCharts(const ReportContext& c) {
     out += RenderChart(tail);
   }
 
-  Chart by_capacity, by_idle;
-  by_capacity.id = "p99-capacity";
-  by_capacity.title = "p99 wait by capacity";
-  by_capacity.x_label = "capacity";
-  by_capacity.y_label = "p99 wait (log scale)";
-  by_idle.id = "p99-idle";
-  by_idle.title = "p99 wait against idle memory-time";
-  by_idle.x_label = "idle GiB\u00b7h (memory resident with no lease)";
-  by_idle.y_label = "p99 wait (log scale)";
+  Chart by_capacity("p99-capacity", "p99 wait by capacity", "capacity",
+                    "p99 wait (log scale)");
+  Chart by_idle("p99-idle", "p99 wait against idle memory-time",
+                "idle GiB\u00b7h (memory resident with no lease)",
+                "p99 wait (log scale)");
   by_idle.caption =
       "One point per capacity; down and to the left is better. A ringed "
       "point is a run that was overloaded or left requests unserved.";
@@ -328,13 +321,11 @@ std::string WaitCharts(const ReportContext& c) {
 // Load queue and resident bytes over trace time, one panel per policy.
 std::string TimeSeries(const ReportContext& c) {
   const std::vector<const RunResult*> picked = c.Picked();
-  Panels queue, resident;
-  queue.id = "load-queue";
-  queue.title = "Loads queued (the most in each bin)";
-  queue.x_label = "trace time (hours)";
-  resident.id = "resident";
-  resident.title = "Resident GiB (band: least to most in each bin; line: mean)";
-  resident.x_label = "trace time (hours)";
+  Panels queue("load-queue", "Loads queued (the most in each bin)",
+               "trace time (hours)");
+  Panels resident("resident",
+                  "Resident GiB (band: least to most in each bin; line: mean)",
+                  "trace time (hours)");
   double t_lo = 1e300, t_hi = 0, q_max = 0, bytes_max = 0;
   for (const RunResult* r : picked) {
     Series q{PolicyLabel(*r), c.Color(*r), {}};
@@ -478,19 +469,15 @@ std::string HtmlReport(const TraceHeader& trace, const std::string& title,
             "<th>idle GiB&middot;h</th><th>disk busy</th><th>queue peak</th>"
             "<th>load</th></tr>\n";
     for (const RunResult& r : results) {
-      html << "<tr><td>" << Escape(PolicyLabel(r)) << "</td><td>"
-           << Escape(FormatBytes(r.capacity_bytes)) << "</td><td>"
-           << Fixed(UnservedPercent(r), 2) << "%</td><td>"
-           << Fixed(100 * r.cold_start_ratio, 2) << "%</td><td>"
-           << WaitText(r, r.wait_ms.p50) << "</td><td>"
-           << WaitText(r, r.wait_ms.p99) << "</td><td>"
-           << WaitText(r, r.wait_ms.p999) << "</td><td>"
-           << WaitText(r, r.wait_ms.max) << "</td><td>" << r.rejected
-           << "</td><td>" << Fixed(r.idle_gib_hours, 1) << "</td><td>"
-           << Fixed(100 * r.disk_busy_ratio, 1) << "%</td><td>"
-           << r.load_queue_peak << "</td><td>"
-           << (r.overloaded ? "<b class=\"bad\">overloaded</b>" : "ok")
-           << "</td></tr>\n";
+      html << HtmlRow(
+          {Escape(PolicyLabel(r)), Escape(FormatBytes(r.capacity_bytes)),
+           Fixed(UnservedPercent(r), 2) + "%",
+           Fixed(100 * r.cold_start_ratio, 2) + "%", WaitText(r, r.wait_ms.p50),
+           WaitText(r, r.wait_ms.p99), WaitText(r, r.wait_ms.p999),
+           WaitText(r, r.wait_ms.max), std::to_string(r.rejected),
+           Fixed(r.idle_gib_hours, 1), Fixed(100 * r.disk_busy_ratio, 1) + "%",
+           std::to_string(r.load_queue_peak),
+           r.overloaded ? "<b class=\"bad\">overloaded</b>" : "ok"});
     }
     html << "</table>\n</details>\n";
     if (!results.empty()) html << WaitCharts(c);
@@ -515,13 +502,12 @@ std::string HtmlReport(const TraceHeader& trace, const std::string& title,
           "<th>byte miss ratio</th><th>evictions</th><th>too large</th>"
           "<th>requests/s</th></tr>\n";
   for (const RunResult& r : results) {
-    html << "<tr><td>" << Escape(PolicyLabel(r)) << "</td><td>"
-         << Escape(FormatBytes(r.capacity_bytes)) << "</td><td>"
-         << Fixed(100 * r.hit_ratio, 2) << "%</td><td>"
-         << Escape(FormatBytes(r.bytes_loaded)) << "</td><td>"
-         << Fixed(100 * r.byte_miss_ratio, 2) << "%</td><td>" << r.evictions
-         << "</td><td>" << r.too_large << "</td><td>"
-         << Fixed(r.requests_per_second / 1e6, 2) << " M</td></tr>\n";
+    html << HtmlRow(
+        {Escape(PolicyLabel(r)), Escape(FormatBytes(r.capacity_bytes)),
+         Fixed(100 * r.hit_ratio, 2) + "%", Escape(FormatBytes(r.bytes_loaded)),
+         Fixed(100 * r.byte_miss_ratio, 2) + "%", std::to_string(r.evictions),
+         std::to_string(r.too_large),
+         Fixed(r.requests_per_second / 1e6, 2) + " M"});
   }
   html << "</table>\n</details>\n";
   if (!results.empty()) {
@@ -534,15 +520,10 @@ std::string HtmlReport(const TraceHeader& trace, const std::string& title,
     }
     const bool in_tib = most_loaded >= (uint64_t{1} << 40);
     const double unit = in_tib ? kGiB * 1024 : kGiB;
-    Chart hit, loaded;
-    hit.id = "hit-ratio";
-    hit.title = "Hit ratio by capacity";
-    hit.x_label = "capacity";
-    hit.y_label = "hit ratio (%)";
-    loaded.id = "bytes-loaded";
-    loaded.title = "Bytes loaded by capacity";
-    loaded.x_label = "capacity";
-    loaded.y_label = in_tib ? "TiB loaded" : "GiB loaded";
+    Chart hit("hit-ratio", "Hit ratio by capacity", "capacity",
+              "hit ratio (%)");
+    Chart loaded("bytes-loaded", "Bytes loaded by capacity", "capacity",
+                 in_tib ? "TiB loaded" : "GiB loaded");
     loaded.caption = "Every load, the first of each model included.";
     for (const std::string& policy : c.policies) {
       Series h{policy, "", {}}, l{policy, "", {}};

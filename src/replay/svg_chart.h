@@ -42,6 +42,14 @@ struct Mark {
 // those of an earlier one are drawn dashed over it, so that both show, and
 // the legend says so.
 struct Chart {
+  // `id` names the figure in the page (id="chart-<id>", data-chart).
+  Chart(std::string id, std::string title, std::string x_label,
+        std::string y_label)
+      : id(std::move(id)),
+        title(std::move(title)),
+        x_label(std::move(x_label)),
+        y_label(std::move(y_label)) {}
+
   std::string id, title, caption, x_label, y_label;
   Axis x, y;
   std::vector<Series> series;  // in the table's order: the legend's
@@ -55,6 +63,11 @@ std::string RenderChart(const Chart& c);
 // Small multiples: one panel per series, all on the same axes, four to a
 // row; each panel is titled with its series' name.
 struct Panels {
+  Panels(std::string id, std::string title, std::string x_label)
+      : id(std::move(id)),
+        title(std::move(title)),
+        x_label(std::move(x_label)) {}
+
   std::string id, title, caption, x_label;
   Axis x, y;
   std::vector<Series> panels;

@@ -27,6 +27,13 @@ std::vector<uint64_t> StepToTheEnd(LoadLink& link, int steps) {
   return ended;
 }
 
+// The next transfer to end is `id`, at `t`: Advance(t) ends it alone.
+void ExpectEndsNext(LoadLink& link, uint64_t id, double t) {
+  EXPECT_DOUBLE_EQ(link.RunOut(), t);
+  EXPECT_EQ(link.Advance(t), 1u);
+  EXPECT_TRUE(link.Done(id));
+}
+
 TEST(LoadLinkTest, ALoneTransferTakesItsBytesOverTheBandwidth) {
   LoadLink link(100);  // bytes per second
   ASSERT_TRUE(link.Add(1, 100));
@@ -49,9 +56,7 @@ TEST(LoadLinkTest, TransfersAtOnceShareTheBandwidthEqually) {
   EXPECT_EQ(link.Advance(2.0), 1u);
   EXPECT_TRUE(link.Done(1));
   EXPECT_FALSE(link.Done(2));
-  EXPECT_DOUBLE_EQ(link.RunOut(), 4.0);
-  EXPECT_EQ(link.Advance(4.0), 1u);
-  EXPECT_TRUE(link.Done(2));
+  ExpectEndsNext(link, 2, 4.0);
 }
 
 TEST(LoadLinkTest, OneStepOverAnEndSpeedsTheRestUpFromThen) {
@@ -70,9 +75,7 @@ TEST(LoadLinkTest, ALaterTransferSlowsTheFirstFromItsArrival) {
   EXPECT_EQ(link.Advance(0.5), 0u);  // 50 bytes moved alone
   link.Add(2, 100);
   // 50 B/s each: 1 ends at 1.5 s; 2 has 50 bytes left, alone: 2 s.
-  EXPECT_DOUBLE_EQ(link.RunOut(), 1.5);
-  EXPECT_EQ(link.Advance(1.5), 1u);
-  EXPECT_TRUE(link.Done(1));
+  ExpectEndsNext(link, 1, 1.5);
   EXPECT_DOUBLE_EQ(link.RunOut(), 2.0);
   EXPECT_EQ(link.Advance(2.0), 1u);
 }
@@ -160,12 +163,8 @@ TEST(LoadLinkTest, BackgroundTransfersMoveOnlyWhileNoForegroundOneDoes) {
   EXPECT_EQ(link.moving(Class::kBackground), 1u);
   // The foreground one has the whole bandwidth: it ends at 1.5 s, and the
   // background one, stopped meanwhile, ends 0.5 s later.
-  EXPECT_DOUBLE_EQ(link.RunOut(), 1.5);
-  EXPECT_EQ(link.Advance(1.5), 1u);
-  EXPECT_TRUE(link.Done(2));
-  EXPECT_DOUBLE_EQ(link.RunOut(), 2.0);
-  EXPECT_EQ(link.Advance(2.0), 1u);
-  EXPECT_TRUE(link.Done(1));
+  ExpectEndsNext(link, 2, 1.5);
+  ExpectEndsNext(link, 1, 2.0);
 }
 
 TEST(LoadLinkTest, APromotedTransferKeepsItsBytesAndSharesTheForeground) {

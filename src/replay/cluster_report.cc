@@ -8,46 +8,11 @@
 
 #include "modelcache/replay/cluster.h"
 #include "nlohmann/json.hpp"
+#include "report_format.h"
+#include "svg_chart.h"
 
 namespace modelcache::replay {
 namespace {
-
-std::string Fixed(double value, int digits) {
-  char buf[64];
-  std::snprintf(buf, sizeof(buf), "%.*f", digits, value);
-  return buf;
-}
-
-// "850ms", "12.3s", "4.5min", "2.1h" (as the one-node table writes them).
-std::string FormatMs(double ms) {
-  if (ms < 1000) return Fixed(ms, 0) + "ms";
-  if (ms < 60000) return Fixed(ms / 1000, ms < 10000 ? 2 : 1) + "s";
-  if (ms < 3600000) return Fixed(ms / 60000, 1) + "min";
-  return Fixed(ms / 3600000, 1) + "h";
-}
-
-std::string Escape(const std::string& text) {
-  std::string out;
-  for (const char c : text) {
-    switch (c) {
-      case '&':
-        out += "&amp;";
-        break;
-      case '<':
-        out += "&lt;";
-        break;
-      case '>':
-        out += "&gt;";
-        break;
-      case '"':
-        out += "&quot;";
-        break;
-      default:
-        out += c;
-    }
-  }
-  return out;
-}
 
 std::string EventName(const ClusterEvent& e) {
   return std::string(e.kind == ClusterEvent::Kind::kKill ? "kill:" : "join:") +
@@ -62,11 +27,8 @@ std::string Copies(const ClusterResult& r) {
 // The run's set-up, in words: nodes, load path, events, clients.
 std::vector<std::string> SetUp(const Trace& trace, const ClusterInfo& info) {
   std::vector<std::string> lines;
-  const uint64_t model_bytes =
-      std::accumulate(trace.sizes.begin(), trace.sizes.end(), uint64_t{0});
-  lines.push_back("trace: " + std::to_string(trace.requests.size()) +
-                  " requests, " + std::to_string(trace.models.size()) +
-                  " models, " + FormatBytes(model_bytes) + " of models in all");
+  lines.push_back(TraceLine(trace.requests.size(), trace.models.size(),
+                            TotalModelBytes(trace.sizes)));
   std::string nodes = "nodes (name:id:weight): ";
   for (size_t i = 0; i < info.options.nodes.size(); ++i) {
     const RingServer& s = info.options.nodes[i];
@@ -74,12 +36,8 @@ std::vector<std::string> SetUp(const Trace& trace, const ClusterInfo& info) {
              std::to_string(s.weight);
   }
   lines.push_back(nodes);
-  lines.push_back(
-      "each node: the capacity of its row and its own load path, " +
-      Fixed(info.time.bandwidth_bytes_per_second / 1e9, 2) +
-      " GB/s shared by at most " +
-      (info.time.slots ? std::to_string(info.time.slots) : "unlimited") +
-      " loads, " + FormatMs(info.time.latency_ms) + " latency each");
+  lines.push_back("each node: the capacity of its row and its own load path, " +
+                  LoadPathText(info.time));
   std::string clients =
       info.options.concurrency
           ? "clients: at most " + std::to_string(info.options.concurrency) +
@@ -105,109 +63,6 @@ std::vector<std::string> SetUp(const Trace& trace, const ClusterInfo& info) {
   return lines;
 }
 
-nlohmann::json WaitsJson(const WaitSummary& w) {
-  return {{"p50", w.p50},
-          {"p95", w.p95},
-          {"p99", w.p99},
-          {"p999", w.p999},
-          {"max", w.max}};
-}
-
-// ---- bar charts ----
-
-const char* const kColors[] = {"#1f77b4", "#d62728", "#2ca02c", "#9467bd",
-                               "#ff7f0e", "#8c564b", "#e377c2", "#17becf"};
-
-struct BarSeries {
-  std::string name;
-  std::vector<double> values;  // one per group
-};
-
-// A round step for about five ticks up to `hi`: 1, 2, 2.5 or 5 times a
-// power of ten (of the unit the values are in).
-double RoundStep(double hi) {
-  const double raw = hi / 5;
-  const double power = std::pow(10.0, std::floor(std::log10(raw)));
-  for (const double f : {1.0, 2.0, 2.5, 5.0}) {
-    if (f * power >= raw) return f * power;
-  }
-  return 10 * power;
-}
-
-// Groups along x, one bar per series in each group. Sized by its viewBox
-// alone, so that it takes the page's width; the y axis ends on a round
-// tick; group labels too long for their group are slanted so that they
-// never run into each other.
-std::string BarChart(const std::string& title, const std::string& y_label,
-                     const std::vector<std::string>& groups,
-                     const std::vector<BarSeries>& series,
-                     const std::function<std::string(double)>& y_tick) {
-  const double width = 1080, height = 340, left = 80, right = 200, top = 36,
-               bottom = 80;
-  const double plot_w = width - left - right, plot_h = height - top - bottom;
-  double most = 0;
-  for (const BarSeries& s : series) {
-    for (const double v : s.values) most = std::max(most, v);
-  }
-  if (most <= 0) most = 1;
-  const double step = RoundStep(most);
-  const int ticks = static_cast<int>(std::ceil(most / step - 1e-9));
-  const double hi = step * ticks;
-  std::ostringstream svg;
-  svg << "<svg xmlns=\"http://www.w3.org/2000/svg\" viewBox=\"0 0 " << width
-      << " " << height << "\">\n";
-  svg << "<text x=\"" << left << "\" y=\"22\" class=\"title\">" << Escape(title)
-      << "</text>\n";
-  for (int i = 0; i <= ticks; ++i) {
-    const double v = step * i;
-    const double y = top + plot_h - plot_h * i / ticks;
-    svg << "<line x1=\"" << left << "\" y1=\"" << y << "\" x2=\""
-        << left + plot_w << "\" y2=\"" << y << "\" class=\"grid\"/>\n";
-    svg << "<text x=\"" << left - 6 << "\" y=\"" << y + 4
-        << "\" text-anchor=\"end\" class=\"tick\">" << Escape(y_tick(v))
-        << "</text>\n";
-  }
-  const double group_w =
-      plot_w / static_cast<double>(std::max<size_t>(groups.size(), 1));
-  const double bar_w =
-      group_w * 0.8 / static_cast<double>(std::max<size_t>(series.size(), 1));
-  // 11 px labels: about 6.5 px a character.
-  size_t longest = 0;
-  for (const std::string& g : groups) longest = std::max(longest, g.size());
-  const bool slant = static_cast<double>(longest) * 6.5 > group_w * 0.95;
-  for (size_t g = 0; g < groups.size(); ++g) {
-    const double x0 = left + group_w * static_cast<double>(g) + group_w * 0.1;
-    for (size_t s = 0; s < series.size(); ++s) {
-      const double v = g < series[s].values.size() ? series[s].values[g] : 0;
-      const double h = plot_h * v / hi;
-      svg << "<rect x=\"" << x0 + bar_w * static_cast<double>(s) << "\" y=\""
-          << top + plot_h - h << "\" width=\"" << bar_w * 0.92 << "\" height=\""
-          << h << "\" fill=\"" << kColors[s % 8] << "\"><title>"
-          << Escape(groups[g] + ", " + series[s].name + ": " + y_tick(v))
-          << "</title></rect>\n";
-    }
-    const double lx = x0 + group_w * 0.4, ly = top + plot_h + 18;
-    svg << "<text x=\"" << lx << "\" y=\"" << ly << "\" text-anchor=\""
-        << (slant ? "end" : "middle") << "\" class=\"tick\"";
-    if (slant) svg << " transform=\"rotate(-30 " << lx << " " << ly << ")\"";
-    svg << ">" << Escape(groups[g]) << "</text>\n";
-  }
-  svg << "<line x1=\"" << left << "\" y1=\"" << top + plot_h << "\" x2=\""
-      << left + plot_w << "\" y2=\"" << top + plot_h << "\" class=\"axis\"/>\n";
-  svg << "<text transform=\"translate(18," << top + plot_h / 2
-      << ") rotate(-90)\" text-anchor=\"middle\" class=\"label\">"
-      << Escape(y_label) << "</text>\n";
-  for (size_t s = 0; s < series.size(); ++s) {
-    const double ly = top + 14 + 18 * static_cast<double>(s);
-    svg << "<rect x=\"" << left + plot_w + 16 << "\" y=\"" << ly - 10
-        << "\" width=\"12\" height=\"12\" fill=\"" << kColors[s % 8]
-        << "\"/>\n<text x=\"" << left + plot_w + 34 << "\" y=\"" << ly
-        << "\" class=\"legend\">" << Escape(series[s].name) << "</text>\n";
-  }
-  svg << "</svg>\n";
-  return svg.str();
-}
-
 // The routes in order of first appearance, and the (policy, capacity) runs.
 std::vector<std::string> Routes(const std::vector<ClusterResult>& results) {
   std::vector<std::string> routes;
@@ -218,6 +73,12 @@ std::vector<std::string> Routes(const std::vector<ClusterResult>& results) {
     }
   }
   return routes;
+}
+
+// The first cells of a run's rows in the page: route, policy, capacity.
+std::vector<std::string> RunCells(const ClusterResult& r) {
+  return {Escape(r.route.name()), Escape(r.total.policy),
+          Escape(FormatBytes(r.total.capacity_bytes))};
 }
 
 std::string RunLabel(const ClusterResult& r) {
@@ -268,12 +129,9 @@ std::string ClusterTable(const Trace& trace,
     std::snprintf(
         line, sizeof(line),
         "%-14s %-18s %10s %7.2f%% %6.2f %7s %7s %7s %8s %7llu %7llu %9.1f "
-        "%11s %7llu %6llu %13s%s%s\n",
+        "%11s %7llu %6llu %13s%s\n",
         r.route.name().c_str(), t.policy.c_str(),
-        FormatBytes(t.capacity_bytes).c_str(),
-        t.requests == 0 ? 0.0
-                        : 100.0 * static_cast<double>(UnservedRequests(t)) /
-                              static_cast<double>(t.requests),
+        FormatBytes(t.capacity_bytes).c_str(), UnservedPercent(t),
         100 * t.cold_start_ratio, FormatMs(t.wait_ms.p50).c_str(),
         FormatMs(t.wait_ms.p99).c_str(), FormatMs(t.wait_ms.p999).c_str(),
         FormatMs(t.wait_ms.max).c_str(),
@@ -282,8 +140,7 @@ std::string ClusterTable(const Trace& trace,
         FormatBytes(t.bytes_loaded).c_str(),
         static_cast<unsigned long long>(r.loads),
         static_cast<unsigned long long>(r.spills), Copies(r).c_str(),
-        UnservedRequests(t) > 0 ? "  UNSERVED" : "",
-        t.overloaded ? "  OVERLOADED" : "");
+        RowFlags(t).c_str());
     out << line;
   }
   out << "\ncopies: per model, the nodes that loaded it; the mean over "
@@ -344,12 +201,8 @@ std::string ClusterJson(const Trace& trace,
   nlohmann::json doc;
   doc["requests"] = trace.requests.size();
   doc["models"] = trace.models.size();
-  doc["model_bytes"] =
-      std::accumulate(trace.sizes.begin(), trace.sizes.end(), uint64_t{0});
-  doc["time_model"] = {
-      {"bandwidth_bytes_per_second", info.time.bandwidth_bytes_per_second},
-      {"latency_ms", info.time.latency_ms},
-      {"slots", info.time.slots}};
+  doc["model_bytes"] = TotalModelBytes(trace.sizes);
+  doc["time_model"] = TimeModelJson(info.time);
   nlohmann::json nodes = nlohmann::json::array();
   for (const RingServer& s : info.options.nodes) {
     nodes.push_back({{"name", s.name}, {"id", s.id}, {"weight", s.weight}});
@@ -416,51 +269,25 @@ std::string ClusterJson(const Trace& trace,
           {"model", m < trace.models.size() ? trace.models[m] : ""},
           {"copies", copies}};
     };
-    doc["results"].push_back(
-        {{"route", r.route.name()},
-         {"policy", t.policy},
-         {"capacity_bytes", t.capacity_bytes},
-         {"requests", t.requests},
-         {"hits", t.hits},
-         {"misses", t.misses},
-         {"too_large", t.too_large},
-         {"hit_ratio", t.hit_ratio},
-         {"byte_miss_ratio", t.byte_miss_ratio},
-         {"cold_starts", t.cold_starts},
-         {"cold_start_ratio", t.cold_start_ratio},
-         {"wait_ms", WaitsJson(t.wait_ms)},
-         {"rejected", t.rejected},
-         {"unserved", UnservedRequests(t)},
-         {"unserved_ratio", t.requests == 0
-                                ? 0.0
-                                : static_cast<double>(UnservedRequests(t)) /
-                                      static_cast<double>(t.requests)},
-         {"refused", r.refused},
-         {"bytes_loaded", t.bytes_loaded},
-         {"evictions", t.evictions},
-         {"prewarms", t.prewarms},
-         {"load_seconds", t.load_seconds},
-         {"disk_busy_ratio", t.disk_busy_ratio},
-         {"load_queue_peak", t.load_queue_peak},
-         {"load_queue_mean", t.load_queue_mean},
-         {"idle_gib_hours", t.idle_gib_hours},
-         {"peak_resident_bytes", t.peak_resident_bytes},
-         {"p75_model_cold_start_ratio", t.p75_model_cold_start_ratio},
-         {"overloaded", t.overloaded},
-         {"requests_per_second", t.requests_per_second},
-         {"loads", r.loads},
-         {"spills", r.spills},
-         {"retries", r.retries},
-         {"peak_in_flight", r.peak_in_flight},
-         {"copies",
-          {{"mean", r.copies_mean},
-           {"hottest", model_json(r.hottest_model, r.copies_hottest)},
-           {"median", model_json(r.median_model, r.copies_median)}}},
-         {"client_wait_ms", WaitsJson(r.client_wait_ms)},
-         {"client_waited", r.client_waited},
-         {"nodes", per_node},
-         {"events", per_event},
-         {"owners", owners}});
+    // The total's counters, as the one-node JSON writes a run's, and the
+    // cluster's own.
+    nlohmann::json run = RunJson(t);
+    run["route"] = r.route.name();
+    run["requests"] = t.requests;
+    run["refused"] = r.refused;
+    run["loads"] = r.loads;
+    run["spills"] = r.spills;
+    run["retries"] = r.retries;
+    run["peak_in_flight"] = r.peak_in_flight;
+    run["copies"] = {{"mean", r.copies_mean},
+                     {"hottest", model_json(r.hottest_model, r.copies_hottest)},
+                     {"median", model_json(r.median_model, r.copies_median)}};
+    run["client_wait_ms"] = WaitsJson(r.client_wait_ms);
+    run["client_waited"] = r.client_waited;
+    run["nodes"] = per_node;
+    run["events"] = per_event;
+    run["owners"] = owners;
+    doc["results"].push_back(std::move(run));
   }
   return doc.dump(2) + "\n";
 }
@@ -507,17 +334,17 @@ std::string ClusterHtmlReport(const Trace& trace, const std::string& title,
           "median</th></tr>\n";
   for (const ClusterResult& r : results) {
     const RunResult& t = r.total;
-    html << "<tr><td>" << Escape(r.route.name()) << "</td><td>"
-         << Escape(t.policy) << "</td><td>"
-         << Escape(FormatBytes(t.capacity_bytes)) << "</td><td>"
-         << Fixed(100 * t.cold_start_ratio, 2) << "%</td><td>"
-         << FormatMs(t.wait_ms.p50) << "</td><td>" << FormatMs(t.wait_ms.p99)
-         << "</td><td>" << FormatMs(t.wait_ms.p999) << "</td><td>"
-         << FormatMs(t.wait_ms.max) << "</td><td>" << t.rejected << "</td><td>"
-         << r.refused << "</td><td>" << Fixed(t.idle_gib_hours, 1)
-         << "</td><td>" << Escape(FormatBytes(t.bytes_loaded)) << "</td><td>"
-         << r.loads << "</td><td>" << r.spills << "</td><td>"
-         << Escape(Copies(r)) << "</td></tr>\n";
+    std::vector<std::string> cells = RunCells(r);
+    for (std::string cell :
+         {Fixed(100 * t.cold_start_ratio, 2) + "%", FormatMs(t.wait_ms.p50),
+          FormatMs(t.wait_ms.p99), FormatMs(t.wait_ms.p999),
+          FormatMs(t.wait_ms.max), std::to_string(t.rejected),
+          std::to_string(r.refused), Fixed(t.idle_gib_hours, 1),
+          Escape(FormatBytes(t.bytes_loaded)), std::to_string(r.loads),
+          std::to_string(r.spills), Escape(Copies(r))}) {
+      cells.push_back(std::move(cell));
+    }
+    html << HtmlRow(cells);
   }
   html << "</table>\n";
 
@@ -540,14 +367,15 @@ std::string ClusterHtmlReport(const Trace& trace, const std::string& title,
           "<th>503s</th><th>peak in flight</th></tr>\n";
   for (const ClusterResult& r : results) {
     for (const NodeResult& n : r.nodes) {
-      html << "<tr><td>" << Escape(r.route.name()) << "</td><td>"
-           << Escape(r.total.policy) << "</td><td>"
-           << Escape(FormatBytes(r.total.capacity_bytes)) << "</td><td>"
-           << Escape(n.name) << "</td><td>" << Fixed(100 * n.request_share, 1)
-           << "%</td><td>" << n.loads << "</td><td>"
-           << Escape(FormatBytes(n.bytes_loaded)) << "</td><td>"
-           << FormatMs(n.wait_ms.p99) << "</td><td>" << n.refused << "</td><td>"
-           << n.peak_in_flight << "</td></tr>\n";
+      std::vector<std::string> cells = RunCells(r);
+      for (std::string cell :
+           {Escape(n.name), Fixed(100 * n.request_share, 1) + "%",
+            std::to_string(n.loads), Escape(FormatBytes(n.bytes_loaded)),
+            FormatMs(n.wait_ms.p99), std::to_string(n.refused),
+            std::to_string(n.peak_in_flight)}) {
+        cells.push_back(std::move(cell));
+      }
+      html << HtmlRow(cells);
     }
   }
   html << "</table>\n";
@@ -560,14 +388,16 @@ std::string ClusterHtmlReport(const Trace& trace, const std::string& title,
             "</tr>\n";
     for (const ClusterResult& r : results) {
       for (const ClusterEventResult& e : r.events) {
-        html << "<tr><td>" << Escape(r.route.name()) << "</td><td>"
-             << Escape(r.total.policy) << "</td><td>"
-             << Escape(FormatBytes(r.total.capacity_bytes)) << "</td><td>"
-             << Escape(EventName(e.event)) << "</td><td>"
-             << (r.route.hashed() ? std::to_string(e.moved.size()) : "-")
-             << "</td><td>" << e.loads_after << "</td><td>"
-             << e.models_loaded_after << "</td><td>" << e.requests_retried
-             << "</td></tr>\n";
+        std::vector<std::string> cells = RunCells(r);
+        for (std::string cell :
+             {Escape(EventName(e.event)),
+              r.route.hashed() ? std::to_string(e.moved.size()) : "-",
+              std::to_string(e.loads_after),
+              std::to_string(e.models_loaded_after),
+              std::to_string(e.requests_retried)}) {
+          cells.push_back(std::move(cell));
+        }
+        html << HtmlRow(cells);
       }
     }
     html << "</table>\n";

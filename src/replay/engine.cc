@@ -50,7 +50,8 @@ Node::Node(const TraceHeader& trace, const NamedPolicy& spec, uint64_t capacity,
       models_(trace.models.size()),
       t_first_(t_first),
       t_last_(t_last),
-      books_(trace, t_first_, t_last_, options.max_exact_waits) {
+      books_(trace, t_first_, t_last_, options.max_exact_waits),
+      link_(time_.bandwidth_bytes_per_second, /*ticks_per_second=*/1000) {
   for (uint32_t m = 0; m < trace.models.size(); ++m)
     index_.emplace(trace.models[m], m);
   NewCache();
@@ -84,51 +85,14 @@ void Node::AdvanceTo(double t) {
                    static_cast<uint32_t>(demand_queue_.size()),
                    cache_ ? cache_->budget().used() : 0});
   // Transfers progress at their share of the bandwidth.
-  const auto& served =
-      demand_transfers_.empty() ? prewarm_transfers_ : demand_transfers_;
-  if (!served.empty() && std::isfinite(time_.bandwidth_bytes_per_second)) {
-    const double moved = (t - now_) * time_.bandwidth_bytes_per_second /
-                         1000.0 / static_cast<double>(served.size());
-    for (uint32_t m : served) models_[m].remaining -= moved;
-  }
+  link_.AdvanceTo(t);
   now_ = t;
 }
 
-bool Node::TransferDone(double remaining, size_t sharing) const {
-  // Less than half a byte left is rounding: done. So is what the clock
-  // cannot move: late in a long trace (from 2^32 ms, 50 days, at 2 GB/s) a
-  // double's step of time moves more than a byte, and a transfer could be
-  // left with bytes no representable step reaches.
-  return remaining <= 0.5 || now_ + remaining * static_cast<double>(sharing) *
-                                         1000.0 /
-                                         time_.bandwidth_bytes_per_second <=
-                                 now_;
-}
-
-double Node::NextTransferEnd() const {
-  const auto& served =
-      demand_transfers_.empty() ? prewarm_transfers_ : demand_transfers_;
-  if (served.empty()) return kInf;
-  double least = kInf;
-  for (uint32_t m : served) least = std::min(least, models_[m].remaining);
-  if (TransferDone(least, served.size())) return now_;
-  return now_ + least * static_cast<double>(served.size()) * 1000.0 /
-                    time_.bandwidth_bytes_per_second;
-}
-
 void Node::FinishTransfers() {
-  auto& served =
-      demand_transfers_.empty() ? prewarm_transfers_ : demand_transfers_;
-  const size_t sharing = served.size();
   std::vector<uint32_t> done;
-  for (size_t k = 0; k < served.size();) {
-    if (TransferDone(models_[served[k]].remaining, sharing)) {
-      done.push_back(served[k]);
-      served[k] = served.back();
-      served.pop_back();
-    } else {
-      ++k;
-    }
+  for (const uint64_t m : link_.TakeDone()) {
+    done.push_back(static_cast<uint32_t>(m));
   }
   // Loads that end at the same instant complete in the order of their
   // requests: the load whose earliest waiting request came first completes
@@ -150,12 +114,12 @@ void Node::FinishTransfers() {
 
 double Node::NextTime() const {
   const double next_event = events_.empty() ? kInf : events_.top().t;
-  return std::min(next_event, NextTransferEnd());
+  return std::min(next_event, link_.NextEnd());
 }
 
 void Node::Step() {
   const double next_event = events_.empty() ? kInf : events_.top().t;
-  const double next_transfer = NextTransferEnd();
+  const double next_transfer = link_.NextEnd();
   const double next = std::min(next_event, next_transfer);
   assert(next != kInf);
   AdvanceTo(next);
@@ -386,11 +350,7 @@ Node::Admission Node::Arrive(const NodeRequest& r, bool refuse_if_full) {
         s.prewarm_class = false;
         --prewarm_in_flight_;
         ++demand_in_flight_;
-        if (s.state == State::kTransfer) {
-          prewarm_transfers_.erase(std::find(prewarm_transfers_.begin(),
-                                             prewarm_transfers_.end(), m));
-          demand_transfers_.push_back(m);
-        }
+        link_.Promote(m);  // a transfer now, or when it enters one
       }
       break;
     case State::kResident:
@@ -423,10 +383,7 @@ bool Node::CancelOnePrewarm() {
         (s.state != State::kLatency && s.state != State::kTransfer)) {
       continue;
     }
-    if (s.state == State::kTransfer) {
-      prewarm_transfers_.erase(
-          std::find(prewarm_transfers_.begin(), prewarm_transfers_.end(), m));
-    }
+    link_.Remove(m);  // on the link only in its transfer
     // A latency-end event may still come: the load id makes it a no-op.
     --prewarm_in_flight_;
     s.prewarm_class = false;
@@ -475,7 +432,6 @@ bool Node::StartLoad(uint32_t m, bool prewarm) {
   ++s.load_id;
   s.leases = 1;
   s.load_start = now_;
-  s.remaining = static_cast<double>(Size(m));
   (prewarm ? prewarm_in_flight_ : demand_in_flight_)++;
   books_.LoadStarted(m);
   if (listener_) listener_->LoadStarted(m, now_);
@@ -491,11 +447,10 @@ void Node::EnterTransfer(uint32_t m) {
   ModelState& s = models_[m];
   if (s.state != State::kLatency) return;  // cancelled meanwhile
   s.state = State::kTransfer;
-  if (!std::isfinite(time_.bandwidth_bytes_per_second) || s.remaining <= 0.5) {
-    CompleteLoad(m);
-    return;
-  }
-  (s.prewarm_class ? prewarm_transfers_ : demand_transfers_).push_back(m);
+  const LoadLink::Class c = s.prewarm_class ? LoadLink::Class::kBackground
+                                            : LoadLink::Class::kForeground;
+  // Nothing to move, or no bandwidth limit: done at once.
+  if (!link_.Add(m, Size(m), c)) CompleteLoad(m);
 }
 
 void Node::CompleteLoad(uint32_t m) {
@@ -574,8 +529,9 @@ double Node::ExpectedLoadMs(uint32_t m) const {
   // Its own transfer at the share it would get now, behind the queue.
   double queued = 0;
   for (uint32_t q : demand_queue_) queued += static_cast<double>(Size(q));
-  const double share = time_.bandwidth_bytes_per_second / 1000.0 /
-                       static_cast<double>(1 + demand_transfers_.size());
+  const double share =
+      time_.bandwidth_bytes_per_second / 1000.0 /
+      static_cast<double>(1 + link_.moving(LoadLink::Class::kForeground));
   return time_.latency_ms + (static_cast<double>(Size(m)) + queued) / share;
 }
 
@@ -638,8 +594,7 @@ std::vector<size_t> Node::Kill() {
   demand_queue_.clear();
   prewarm_queue_.clear();
   demand_in_flight_ = prewarm_in_flight_ = 0;
-  demand_transfers_.clear();
-  prewarm_transfers_.clear();
+  link_.Clear();
   room_changed_ = true;
   idle_bytes_ = 0;
   alive_ = false;

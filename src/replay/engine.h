@@ -27,9 +27,10 @@
 // at the same time:
 //   hold end       a request's lease ends (its service time is over)
 //   latency end    a load starts moving bytes
-//   transfer end   computed, not queued: demand transfers share the bandwidth
-//                  equally (processor sharing), prewarm transfers share it
-//                  only while no demand transfer runs; the earliest to finish
+//   transfer end   computed, not queued (LoadLink, core/load_link.h): demand
+//                  transfers share the bandwidth equally (processor
+//                  sharing), prewarm transfers share it only while no
+//                  demand transfer runs; the earliest to finish
 //                  ends next, and loads that finish at the same instant
 //                  complete in request order (the load whose earliest
 //                  waiting request came first completes first; then those
@@ -97,6 +98,7 @@
 
 #include "books.h"
 #include "modelcache/core/cache.h"
+#include "modelcache/core/load_link.h"
 #include "modelcache/replay/replay.h"
 #include "replay_internal.h"
 
@@ -225,7 +227,6 @@ class Node {
     bool prewarm_class = false;
     uint64_t load_id = 0;  // stale latency-end events
     int leases = 0;        // load lease + request leases the simulation holds
-    double remaining = 0;  // bytes left to transfer
     double load_start = 0;
     Lease load_lease;
     std::vector<Waiter> waiters;
@@ -256,10 +257,6 @@ class Node {
   void NewCache();
 
   // ---- time ----
-  double NextTransferEnd() const;
-  // Whether a transfer with `remaining` bytes, one of `sharing` moving at
-  // once, is done: under half a byte, or less than the clock can move.
-  bool TransferDone(double remaining, size_t sharing) const;
   // Completes the transfers that are done now; loads that end together
   // complete in the order of their earliest waiting request.
   void FinishTransfers();
@@ -324,7 +321,9 @@ class Node {
   std::deque<uint32_t> demand_queue_;
   std::deque<uint32_t> prewarm_queue_;
   uint32_t demand_in_flight_ = 0, prewarm_in_flight_ = 0;
-  std::vector<uint32_t> demand_transfers_, prewarm_transfers_;
+  // The transfers, by model: demand loads in the foreground, prewarms in
+  // the background (they move only while no demand transfer does).
+  LoadLink link_;
   bool room_changed_ = true;  // worth retrying a head blocked on room
   uint64_t next_waiter_id_ = 0;
   uint64_t idle_bytes_ = 0;  // resident, no lease, not loading

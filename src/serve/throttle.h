@@ -2,61 +2,33 @@
 // sizing knob that makes each load take the time `modelcache replay`'s time
 // model gives it, so that a live daemon's load times can be predicted.
 //
-// Design note. Replay's disk (src/replay/engine.cc) gives each load a fixed
-// latency once it starts, then moves its bytes at an equal share of the
-// bandwidth among the loads moving bytes at that moment (processor sharing:
-// with n transfers each moves at bandwidth / n; one that ends speeds up the
-// others). SharedDisk is that fluid model, alone and clock-free, so that its
-// arithmetic is tested exactly. LoadThrottle runs it on the steady clock:
-// a load's transfer joins the disk at max(its start + latency, the end of
-// its real read), and the load is held until the disk has moved all of its
-// bytes. A transfer is marked done only once the clock has passed the time
-// the model gives it, so a load never ends earlier than the model says.
+// Design note. Replay's disk gives each load a fixed latency once it starts,
+// then moves its bytes at an equal share of the bandwidth among the loads
+// moving bytes at that moment (processor sharing: with n transfers each
+// moves at bandwidth / n; one that ends speeds up the others). That fluid
+// model is core's LoadLink (modelcache/core/load_link.h), the one the replay
+// runs; LoadThrottle runs it on the steady clock, in seconds: a load's
+// transfer joins the link at max(its start + latency, the end of its real
+// read), and the load is held until the link has moved all of its bytes. A
+// transfer is marked done only once the clock has passed the time the model
+// gives it, so a load never ends earlier than the model says.
 //
-// States of a transfer: waiting out its latency (not on the disk) ->
-// moving (on the disk, sharing) -> done (off the disk). Every waiter
-// sleeps until the next departure the disk foresees; a departure wakes all
-// (the others speed up), an arrival wakes none (the others only slow down,
-// so they wake early, look again and sleep on).
+// States of a transfer: waiting out its latency (not on the link) ->
+// moving (on the link, sharing) -> done (off the link). Every waiter
+// sleeps until the next end the link foresees; an end wakes all (the
+// others speed up), an arrival wakes none (the others only slow down, so
+// they wake early, look again and sleep on).
 #ifndef MODELCACHE_SRC_SERVE_THROTTLE_H_
 #define MODELCACHE_SRC_SERVE_THROTTLE_H_
 
 #include <atomic>
 #include <chrono>
 #include <cstdint>
-#include <map>
 
 #include "modelcache/base/mutex.h"
+#include "modelcache/core/load_link.h"
 
 namespace modelcache::serve::detail {
-
-// Transfers sharing one bandwidth equally, in seconds from any origin.
-// Not thread-safe.
-class SharedDisk {
- public:
-  // REQUIRES: bytes_per_second > 0; +inf: every transfer is done at once.
-  explicit SharedDisk(double bytes_per_second);
-
-  // Moves every transfer on to `now` (earlier times are ignored): piecewise,
-  // so that one ending in between speeds up the rest from then on. Returns
-  // how many ended.
-  int Advance(double now);
-  // A transfer of `bytes` joins at the current time (that of the last
-  // Advance). One ends when its last byte moves; those within half a byte
-  // of it then end with it (rounding, as in replay).
-  void Add(uint64_t id, uint64_t bytes);
-  bool Done(uint64_t id) const { return remaining_.count(id) == 0; }
-  // Forgets a transfer (a load abandoned).
-  void Remove(uint64_t id) { remaining_.erase(id); }
-  // When the next transfer ends if none joins; +inf when none moves.
-  double NextDeparture() const;
-  size_t moving() const { return remaining_.size(); }
-
- private:
-  const double bytes_per_second_;
-  double now_ = 0;
-  std::map<uint64_t, double> remaining_;  // id -> bytes left
-};
 
 class LoadThrottle {
  public:
@@ -66,7 +38,7 @@ class LoadThrottle {
   LoadThrottle(double bytes_per_second, Clock::duration latency);
 
   // Holds a load that started at `start` and whose real read is done (now)
-  // until the model's end for its `bytes`: the bytes join the shared disk at
+  // until the model's end for its `bytes`: the bytes join the shared link at
   // max(start + latency, now). Returns how long it held the load. Throws
   // Error kUnavailable when Stop() is called meanwhile.
   Clock::duration Hold(Clock::time_point start, uint64_t bytes)
@@ -87,7 +59,7 @@ class LoadThrottle {
   const Clock::time_point origin_ = Clock::now();
   base::Mutex mu_;
   base::CondVar cv_;
-  SharedDisk disk_ MC_GUARDED_BY(mu_);
+  LoadLink link_ MC_GUARDED_BY(mu_);
   uint64_t next_id_ MC_GUARDED_BY(mu_) = 1;
   bool stopped_ MC_GUARDED_BY(mu_) = false;
   std::atomic<double> held_seconds_{0};

@@ -1,94 +1,81 @@
-// The load throttle's disk (src/serve/throttle.h): replay's processor
-// sharing, exactly.
-#include <fcntl.h>
-#include <gmock/gmock.h>
+// The daemon's load throttle (src/serve/throttle.h) on the steady clock. The
+// fluid model it runs is core's LoadLink, tested exactly on its own in
+// tests/core/load_link_test.cc; here, what the throttle adds: the latency
+// before a transfer joins, a hold that never ends before the model's time,
+// and Stop().
 #include <gtest/gtest.h>
-#include <sys/mman.h>
-#include <unistd.h>
 
-#include <filesystem>
-#include <fstream>
+#include <chrono>
+#include <cstdint>
 #include <limits>
-#include <string>
+#include <optional>
+#include <thread>
 
+#include "modelcache/base/errors.h"
 #include "throttle.h"
 
 namespace modelcache::serve {
 namespace {
 
-namespace fs = std::filesystem;
-using ::testing::HasSubstr;
+using detail::LoadThrottle;
+using Clock = LoadThrottle::Clock;
+using std::chrono::milliseconds;
 
-// ---- the load throttle's disk: replay's processor sharing, exactly ----
-
-using detail::SharedDisk;
-
-TEST(ServeThrottleDisk, ALoneTransferTakesItsBytesOverTheBandwidth) {
-  SharedDisk disk(100);  // bytes per second
-  disk.Add(1, 100);
-  EXPECT_DOUBLE_EQ(disk.NextDeparture(), 1.0);
-  EXPECT_EQ(disk.Advance(0.999), 0);
-  EXPECT_FALSE(disk.Done(1));
-  EXPECT_EQ(disk.Advance(1.0), 1);
-  EXPECT_TRUE(disk.Done(1));
-  EXPECT_EQ(disk.NextDeparture(), std::numeric_limits<double>::infinity());
+// The error a hold ends with; none when it ends by itself.
+std::optional<ErrorCode> CodeOf(LoadThrottle& throttle, Clock::time_point start,
+                                uint64_t bytes) {
+  try {
+    throttle.Hold(start, bytes);
+  } catch (const Error& e) {
+    return e.code();
+  }
+  return std::nullopt;
 }
 
-TEST(ServeThrottleDisk, TransfersAtOnceShareTheBandwidthEqually) {
-  SharedDisk disk(100);
-  disk.Add(1, 100);
-  disk.Add(2, 300);
-  // 50 B/s each: the shorter ends at 2 s; the other, alone from then, has
-  // 200 bytes left at 100 B/s: 4 s, the sum of both over the bandwidth.
-  EXPECT_DOUBLE_EQ(disk.NextDeparture(), 2.0);
-  EXPECT_EQ(disk.Advance(1.999), 0);
-  EXPECT_EQ(disk.Advance(2.0), 1);
-  EXPECT_TRUE(disk.Done(1));
-  EXPECT_FALSE(disk.Done(2));
-  EXPECT_DOUBLE_EQ(disk.NextDeparture(), 4.0);
-  EXPECT_EQ(disk.Advance(4.0), 1);
-  EXPECT_TRUE(disk.Done(2));
+TEST(ServeThrottle, AHoldEndsNoEarlierThanItsLatencyAndItsBytesAtTheBandwidth) {
+  // 2 ms of latency, then 3000 bytes at 1 MB/s alone: 3 ms.
+  LoadThrottle throttle(1e6, milliseconds(2));
+  const Clock::time_point start = Clock::now();
+  const Clock::duration held = throttle.Hold(start, 3000);
+  const Clock::time_point end = Clock::now();
+  EXPECT_GE(end - start, milliseconds(5));
+  EXPECT_LE(held, end - start);
+  EXPECT_DOUBLE_EQ(throttle.held_seconds(),
+                   std::chrono::duration<double>(held).count());
 }
 
-TEST(ServeThrottleDisk, OneStepOverADepartureSpeedsTheRestUpFromThen) {
-  SharedDisk disk(100);
-  disk.Add(1, 100);
-  disk.Add(2, 300);
-  // One step from 0 to 3 s: 1 ends at 2 s, then 2 moves alone for 1 s.
-  EXPECT_EQ(disk.Advance(3.0), 1);
-  EXPECT_DOUBLE_EQ(disk.NextDeparture(), 4.0);
+TEST(ServeThrottle, ALatencyAlreadyPastAndNoBytesHoldNothingMore) {
+  LoadThrottle throttle(1e6, milliseconds(5));
+  const Clock::time_point start = Clock::now() - milliseconds(10);
+  const Clock::duration held = throttle.Hold(start, 0);
+  EXPECT_GE(held, Clock::duration::zero());
+  EXPECT_EQ(throttle.bytes_per_second(), 1e6);
+  EXPECT_EQ(throttle.latency(), milliseconds(5));
 }
 
-TEST(ServeThrottleDisk, ALaterTransferSlowsTheFirstFromItsArrival) {
-  SharedDisk disk(100);
-  disk.Add(1, 100);
-  EXPECT_EQ(disk.Advance(0.5), 0);  // 50 bytes moved alone
-  disk.Add(2, 100);
-  // 50 B/s each: 1 ends at 1.5 s; 2 has 50 bytes left, alone: 2 s.
-  EXPECT_DOUBLE_EQ(disk.NextDeparture(), 1.5);
-  EXPECT_EQ(disk.Advance(1.5), 1);
-  EXPECT_TRUE(disk.Done(1));
-  EXPECT_DOUBLE_EQ(disk.NextDeparture(), 2.0);
-  EXPECT_EQ(disk.Advance(2.0), 1);
+TEST(ServeThrottle, WithoutABandwidthLimitOnlyTheLatencyHolds) {
+  LoadThrottle throttle(std::numeric_limits<double>::infinity(),
+                        milliseconds(3));
+  const Clock::time_point start = Clock::now();
+  throttle.Hold(start, uint64_t{1} << 40);
+  EXPECT_GE(Clock::now() - start, milliseconds(3));
 }
 
-TEST(ServeThrottleDisk, ARemovedTransferLeavesTheBandwidthToTheOthers) {
-  SharedDisk disk(100);
-  disk.Add(1, 100);
-  disk.Add(2, 100);
-  EXPECT_DOUBLE_EQ(disk.NextDeparture(), 2.0);
-  disk.Remove(2);
-  EXPECT_DOUBLE_EQ(disk.NextDeparture(), 1.0);
-}
-
-TEST(ServeThrottleDisk, NothingToMoveOrNoBandwidthLimitIsDoneAtOnce) {
-  SharedDisk disk(100);
-  disk.Add(1, 0);
-  EXPECT_TRUE(disk.Done(1));
-  SharedDisk unlimited(std::numeric_limits<double>::infinity());
-  unlimited.Add(1, uint64_t{1} << 40);
-  EXPECT_TRUE(unlimited.Done(1));
-  EXPECT_EQ(unlimited.moving(), 0u);
+TEST(ServeThrottle, StopEndsEveryHoldNowAndFromNowOn) {
+  // 1 byte a second: a hold of a terabyte would never end by itself. Stop()
+  // comes while the other thread holds or before it starts to: either way
+  // its hold ends with kUnavailable.
+  LoadThrottle throttle(1, milliseconds(0));
+  std::optional<ErrorCode> during;
+  std::thread holder(
+      [&] { during = CodeOf(throttle, Clock::now(), uint64_t{1} << 40); });
+  throttle.Stop();
+  holder.join();
+  EXPECT_EQ(during, ErrorCode::kUnavailable);
+  // From now on, at once, latency or not.
+  LoadThrottle waiting(1e6, std::chrono::hours(1));
+  waiting.Stop();
+  EXPECT_EQ(CodeOf(waiting, Clock::now(), 1), ErrorCode::kUnavailable);
 }
 
 }  // namespace

@@ -474,8 +474,8 @@ struct SloProgress {
 // (see above), each probe a Simulate of `trace` with `options`, on up to
 // `threads` threads. `known` are Simulate runs of the same trace and
 // options (the table's, say); those of a searched policy count as probes.
-// `progress` (may be empty) is called as each round starts and as each of
-// its probes ends, from one thread at a time. Throws Error kInvalidArgument for
+// `progress` (may be empty) is called from the calling thread as each round
+// starts and once for each of its probes that ends. Throws Error kInvalidArgument for
 // bad options or an unknown policy, before replaying anything.
 std::vector<SloAnswer> FindSloCapacities(
     const Trace& trace, const std::vector<std::string>& policies,

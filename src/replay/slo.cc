@@ -16,11 +16,11 @@
 // capacities filling every gap of more than kSloSweepRatio between the
 // largest model and the top). Each later round bisects every bracket wider
 // than the resolution of some SLO that has it, for every policy and every
-// SLO at once; SLOs with the same bracket share its probe. The round's
-// probes run together, on up to the threads asked for. Bisection, one probe per
-// bracket, rather than a wider split when threads are idle: the answers then
-// depend on the trace, the options and the SLOs only, never on the number of
-// threads.
+// SLO at once; SLOs with the same bracket share its probe. A round's probes
+// run together on up to the threads asked for (RunParallel). Bisection, one
+// probe per bracket, rather than a wider split when threads are idle: the
+// answers then depend on the trace, the options and the SLOs only, never on
+// the number of threads.
 #include <algorithm>
 #include <cmath>
 #include <cstdio>

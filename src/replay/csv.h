@@ -21,6 +21,27 @@ void SplitCsv(std::string_view line, std::vector<std::string>* fields);
 // views point into `line`); false, and nothing split, if it has a '"'.
 bool SplitPlain(std::string_view line, std::vector<std::string_view>* fields);
 
+// A line's fields as views: into the line itself when it has no quotes,
+// else into SplitCsv's unquoted copies.
+class FieldSplitter {
+ public:
+  const std::vector<std::string_view>& Split(std::string_view line) {
+    if (!SplitPlain(line, &views_)) {
+      SplitCsv(line, &storage_);
+      views_.assign(storage_.begin(), storage_.end());
+    }
+    return views_;
+  }
+
+ private:
+  std::vector<std::string_view> views_;
+  std::vector<std::string> storage_;
+};
+
+// The models' names and their numbers, looked up once per request in every
+// pass: an open-addressing table (linear probing, a power-of-two size at
+// most half full) of 32-bit hash tags and numbers, the names side by side in
+
 // Without leading blanks and tabs, nor trailing blanks, tabs and '\r'.
 inline std::string_view Trim(std::string_view s) {
   while (!s.empty() && (s.front() == ' ' || s.front() == '\t'))

@@ -137,7 +137,7 @@ struct DefaultTracePopularity {
 };
 DefaultTracePopularity DefaultTracePopularityOf(uint64_t seed);
 
-// ---- Traces read as a stream (trace_stream.cc) ----
+// ---- Traces read as a stream (csv_trace.cc, azure_trace.cc) ----
 //
 // Every file replay reads (traces, sizes, memory and durations files) may be
 // compressed: gzip and zstd are recognised by their first bytes, and data

@@ -1,7 +1,6 @@
 // The sizes file of a CSV trace, and the embedded default trace. (The trace
 // formats: csv_trace.cc, azure_trace.cc.)
 #include <algorithm>
-#include <charconv>
 #include <cmath>
 #include <random>
 
@@ -28,25 +27,6 @@ double Zipf(size_t rank) {
 }
 
 }  // namespace
-double ParseDurationMs(std::string_view text) {
-  const std::string_view s = Trim(text);
-  double value = 0;
-  auto [end, ec] = std::from_chars(s.data(), s.data() + s.size(), value);
-  if (ec == std::errc() && end != s.data() && value >= 0 &&
-      std::isfinite(value)) {
-    const std::string_view unit =
-        Trim(s.substr(static_cast<size_t>(end - s.data())));
-    static const std::pair<std::string_view, double> kUnits[] = {
-        {"", 1},      {"ms", 1},      {"s", 1000},
-        {"m", 60000}, {"min", 60000}, {"h", 3600000}};
-    for (const auto& [name, factor] : kUnits) {
-      if (unit == name) return value * factor;
-    }
-  }
-  throw Error(ErrorCode::kInvalidArgument,
-              "not a duration: '" + std::string(text) +
-                  "' (use a number with ms, s, m or h)");
-}
 
 SizeTable ReadSizes(const std::string& path) {
   LineReader in(path);

@@ -84,17 +84,6 @@ TEST(ParseBytes, AcceptsBinaryAndDecimalUnits) {
   EXPECT_THROW(ParseBytes(""), Error);
 }
 
-TEST(ParseDurationMs, AcceptsMillisecondsSecondsMinutesAndHours) {
-  EXPECT_EQ(ParseDurationMs("100ms"), 100);
-  EXPECT_EQ(ParseDurationMs("1.5s"), 1500);
-  EXPECT_EQ(ParseDurationMs("10m"), 600000);
-  EXPECT_EQ(ParseDurationMs("2h"), 7200000);
-  EXPECT_EQ(ParseDurationMs("250"), 250);
-  EXPECT_THROW(ParseDurationMs("-1s"), Error);
-  EXPECT_THROW(ParseDurationMs("xm"), Error);
-  EXPECT_THROW(ParseDurationMs("5 days"), Error);
-}
-
 TEST(CsvTrace, ReadsRequestsSizesAndIgnoresOtherColumns) {
   TempFile file(
       "region,t_ms,model,size_bytes\n"

@@ -30,6 +30,7 @@
 #include <vector>
 
 #include "modelcache/base/bytes.h"
+#include "modelcache/base/duration.h"
 #include "modelcache/base/errors.h"
 #include "modelcache/core/cache.h"
 
@@ -64,9 +65,7 @@ using ::modelcache::ParseBytes;  // throws Error kInvalidArgument
 // A `model,size_bytes` CSV with that header.
 SizeTable ReadSizes(const std::string& path);
 
-// "100ms", "2s", "10m", "1.5h", or a bare number of milliseconds. Throws
-// Error kInvalidArgument on anything else, negative values included.
-double ParseDurationMs(std::string_view text);
+using ::modelcache::ParseDurationMs;  // throws Error kInvalidArgument
 
 // A CSV whose header names at least `t_ms` and `model`, optionally
 // `size_bytes` and `duration_ms` (the request's service time); other columns
@@ -475,8 +474,9 @@ struct SloProgress {
 // `threads` threads. `known` are Simulate runs of the same trace and
 // options (the table's, say); those of a searched policy count as probes.
 // `progress` (may be empty) is called from the calling thread as each round
-// starts and once for each of its probes that ends. Throws Error kInvalidArgument for
-// bad options or an unknown policy, before replaying anything.
+// starts and once for each of its probes that ends. Throws Error
+// kInvalidArgument for bad options or an unknown policy, before replaying
+// anything.
 std::vector<SloAnswer> FindSloCapacities(
     const Trace& trace, const std::vector<std::string>& policies,
     const SimulateOptions& options, const SloSearchOptions& slo,

@@ -290,6 +290,36 @@ inline std::vector<std::byte> ReadFile(const std::filesystem::path& path) {
   return bytes;
 }
 
+// A file in the temporary directory holding `contents`, named uniquely in
+// the process (ending in `suffix`), removed when the object goes away.
+class TempFile {
+ public:
+  explicit TempFile(const std::string& contents,
+                    const std::string& suffix = ".csv")
+      : path_((std::filesystem::temp_directory_path() /
+               ("modelcache_test_" + std::to_string(::getpid()) + "_" +
+                std::to_string(counter_.fetch_add(1)) + suffix))
+                  .string()) {
+    Write(contents);
+  }
+  ~TempFile() {
+    std::error_code ignored;
+    std::filesystem::remove(path_, ignored);
+  }
+  TempFile(const TempFile&) = delete;
+  TempFile& operator=(const TempFile&) = delete;
+
+  // Replaces the file's contents.
+  void Write(const std::string& contents) const {
+    std::ofstream(path_, std::ios::binary | std::ios::trunc) << contents;
+  }
+  const std::string& path() const { return path_; }
+
+ private:
+  static inline std::atomic<uint64_t> counter_{0};
+  const std::string path_;
+};
+
 // A fresh directory for the running test's files, removed with everything in
 // it when the object goes away.
 class TestDirectory {

@@ -17,6 +17,7 @@
 #include <string>
 #include <vector>
 
+#include "../test_util.h"
 #include "gmock/gmock.h"
 #include "gtest/gtest.h"
 #include "modelcache/base/errors.h"
@@ -585,19 +586,7 @@ Command RunCli(const std::string& args) {
                  slurp(base + ".err")};
 }
 
-class TraceFile {
- public:
-  explicit TraceFile(const std::string& contents)
-      : path_(::testing::TempDir() + "/cluster_trace." +
-              std::to_string(getpid()) + ".csv") {
-    std::ofstream(path_) << contents;
-  }
-  ~TraceFile() { std::remove(path_.c_str()); }
-  const std::string& path() const { return path_; }
-
- private:
-  std::string path_;
-};
+using TraceFile = ::modelcache::testing::TempFile;
 
 TEST(ClusterCli, BadInputExitsOneWithOneErrorLine) {
   TraceFile trace("t_ms,model,size_bytes\n0,a,100\n60000,b,100\n");

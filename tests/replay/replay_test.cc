@@ -19,6 +19,7 @@
 #include <string>
 #include <unordered_map>
 
+#include "../test_util.h"
 #include "gmock/gmock.h"
 #include "gtest/gtest.h"
 #include "nlohmann/json.hpp"
@@ -41,23 +42,7 @@ const std::string kAzureMemory =
     std::string(MODELCACHE_SHARED_DATA) +
     "/traces/azure-functions-2019-100fn-memory.csv";
 
-class TempFile {
- public:
-  explicit TempFile(const std::string& contents,
-                    const std::string& suffix = ".csv") {
-    static int counter = 0;
-    path_ = (std::filesystem::temp_directory_path() /
-             ("modelcache_replay_test_" + std::to_string(::getpid()) + "_" +
-              std::to_string(counter++) + suffix))
-                .string();
-    std::ofstream(path_) << contents;
-  }
-  ~TempFile() { std::filesystem::remove(path_); }
-  const std::string& path() const { return path_; }
-
- private:
-  std::string path_;
-};
+using ::modelcache::testing::TempFile;
 
 std::string TraceErrorOf(const std::string& contents,
                          const SizeTable* sizes = nullptr) {

@@ -18,6 +18,7 @@
 #include <string>
 #include <vector>
 
+#include "../test_util.h"
 #include "gmock/gmock.h"
 #include "gtest/gtest.h"
 #include "modelcache/replay/replay.h"
@@ -432,23 +433,7 @@ TEST(HtmlReport, AWaitlessPolicyIsNamedInTheTailsLegendNotDrawnEmpty) {
 
 // ---- the command
 
-class TempFile {
- public:
-  explicit TempFile(const std::string& contents,
-                    const std::string& suffix = ".csv") {
-    static int counter = 0;
-    path_ = (std::filesystem::temp_directory_path() /
-             ("modelcache_report_test_" + std::to_string(::getpid()) + "_" +
-              std::to_string(counter++) + suffix))
-                .string();
-    std::ofstream(path_) << contents;
-  }
-  ~TempFile() { std::filesystem::remove(path_); }
-  const std::string& path() const { return path_; }
-
- private:
-  std::string path_;
-};
+using ::modelcache::testing::TempFile;
 
 struct Command {
   int status;

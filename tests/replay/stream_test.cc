@@ -16,6 +16,7 @@
 #include <string>
 #include <vector>
 
+#include "../test_util.h"
 #include "gmock/gmock.h"
 #include "gtest/gtest.h"
 #include "modelcache/replay/replay.h"
@@ -39,26 +40,7 @@ std::string Slurp(const std::string& path) {
   return std::string(std::istreambuf_iterator<char>(in), {});
 }
 
-class TempFile {
- public:
-  explicit TempFile(const std::string& contents,
-                    const std::string& suffix = ".csv") {
-    static int counter = 0;
-    path_ = (std::filesystem::temp_directory_path() /
-             ("modelcache_stream_test_" + std::to_string(::getpid()) + "_" +
-              std::to_string(counter++) + suffix))
-                .string();
-    Write(contents);
-  }
-  ~TempFile() { std::filesystem::remove(path_); }
-  void Write(const std::string& contents) const {
-    std::ofstream(path_, std::ios::binary | std::ios::trunc) << contents;
-  }
-  const std::string& path() const { return path_; }
-
- private:
-  std::string path_;
-};
+using ::modelcache::testing::TempFile;
 
 std::string Gzip(const std::string& data) {
   z_stream z{};

@@ -74,8 +74,11 @@ def write_catalog(path: Path, models: Sequence[Dict[str, Any]]) -> None:
     path.write_text(json.dumps({"models": list(models)}))
 
 
-class _UnixHTTPConnection(http.client.HTTPConnection):
-    def __init__(self, path: str, timeout: float) -> None:
+class UnixHTTPConnection(http.client.HTTPConnection):
+    """HTTP/1.1 over the UNIX socket at `path` (the daemon's admin socket, a
+    node server's socket)."""
+
+    def __init__(self, path: str, timeout: float = 60.0) -> None:
         super().__init__("localhost", timeout=timeout)
         self._path = path
 
@@ -87,7 +90,7 @@ class _UnixHTTPConnection(http.client.HTTPConnection):
 
 def unix_http(path: str, method: str, url: str, body: Optional[bytes] = None,
               timeout: float = 30.0) -> "tuple[int, Any]":
-    conn = _UnixHTTPConnection(path, timeout)
+    conn = UnixHTTPConnection(path, timeout)
     try:
         conn.request(method, url, body=body)
         r = conn.getresponse()

@@ -192,7 +192,7 @@ void Daemon::Impl::HandleDatagram(Connection& c, std::string_view bytes,
           {"max_queued_replies", static_cast<uint64_t>(l.max_queued_replies)},
           {"max_message_bytes", protocol::kMaxMessageBytes},
       };
-      Send(c, {protocol::EncodeHelloReply(r.id, "modelcache 0.1.0", limits),
+      Send(c, {protocol::EncodeHelloReply(r.id, "modelcache " MODELCACHE_VERSION, limits),
                {},
                nullptr,
                0});

@@ -5,6 +5,7 @@
 #ifndef MODELCACHE_TESTS_TEST_UTIL_H_
 #define MODELCACHE_TESTS_TEST_UTIL_H_
 
+#include <sys/wait.h>
 #include <unistd.h>
 
 #include <algorithm>
@@ -12,6 +13,7 @@
 #include <chrono>
 #include <cstddef>
 #include <cstdint>
+#include <cstdlib>
 #include <cstring>
 #include <filesystem>
 #include <fstream>
@@ -319,6 +321,26 @@ class TempFile {
   static inline std::atomic<uint64_t> counter_{0};
   const std::string path_;
 };
+
+// How a shell command exited (its status; -1 when a signal ended it) and
+// what it wrote to stdout and stderr.
+struct CommandResult {
+  int status;
+  std::string out, err;
+};
+
+// Runs `command` with /bin/sh, its stdout and stderr sent to files.
+inline CommandResult RunShell(const std::string& command) {
+  TempFile out("", ".out"), err("", ".err");
+  const std::string line = command + " >" + out.path() + " 2>" + err.path();
+  const int raw = std::system(line.c_str());
+  auto slurp = [](const std::string& path) {
+    std::ifstream in(path, std::ios::binary);
+    return std::string(std::istreambuf_iterator<char>(in), {});
+  };
+  return CommandResult{WIFEXITED(raw) ? WEXITSTATUS(raw) : -1,
+                       slurp(out.path()), slurp(err.path())};
+}
 
 // A fresh directory for the running test's files, removed with everything in
 // it when the object goes away.

@@ -565,25 +565,11 @@ TEST(ClusterReplay, BadOptionsAreClearErrors) {
 
 // ---- the command line ----
 
-struct Command {
-  int status;
-  std::string out, err;
-};
+using Command = ::modelcache::testing::CommandResult;
 
 Command RunCli(const std::string& args) {
-  const std::string base =
-      ::testing::TempDir() + "/cluster_cli." + std::to_string(getpid());
-  const std::string command = std::string(MODELCACHE_CLI) + " " + args + " >" +
-                              base + ".out 2>" + base + ".err";
-  const int raw = std::system(command.c_str());
-  auto slurp = [](const std::string& path) {
-    std::ifstream in(path);
-    std::string text((std::istreambuf_iterator<char>(in)), {});
-    std::remove(path.c_str());
-    return text;
-  };
-  return Command{WIFEXITED(raw) ? WEXITSTATUS(raw) : -1, slurp(base + ".out"),
-                 slurp(base + ".err")};
+  return ::modelcache::testing::RunShell(std::string(MODELCACHE_CLI) + " " +
+                                         args);
 }
 
 using TraceFile = ::modelcache::testing::TempFile;

@@ -538,22 +538,11 @@ TEST(Replay, JsonAndHtmlCarryEveryRun) {
 
 // ---- the command line ----
 
-struct Command {
-  int status;
-  std::string out, err;
-};
+using Command = ::modelcache::testing::CommandResult;
 
 Command RunCli(const std::string& args) {
-  TempFile out("", ".out"), err("", ".err");
-  const std::string command = std::string(MODELCACHE_CLI) + " " + args + " >" +
-                              out.path() + " 2>" + err.path();
-  const int raw = std::system(command.c_str());
-  auto slurp = [](const std::string& path) {
-    std::ifstream in(path);
-    return std::string(std::istreambuf_iterator<char>(in), {});
-  };
-  return Command{WIFEXITED(raw) ? WEXITSTATUS(raw) : -1, slurp(out.path()),
-                 slurp(err.path())};
+  return ::modelcache::testing::RunShell(std::string(MODELCACHE_CLI) + " " +
+                                         args);
 }
 
 TEST(ReplayCli, NoTimeGivesANullTimeModel) {

@@ -435,22 +435,11 @@ TEST(HtmlReport, AWaitlessPolicyIsNamedInTheTailsLegendNotDrawnEmpty) {
 
 using ::modelcache::testing::TempFile;
 
-struct Command {
-  int status;
-  std::string out, err;
-};
+using Command = ::modelcache::testing::CommandResult;
 
 Command RunCli(const std::string& args) {
-  TempFile out("", ".out"), err("", ".err");
-  const std::string command = std::string(MODELCACHE_CLI) + " " + args + " >" +
-                              out.path() + " 2>" + err.path();
-  const int raw = std::system(command.c_str());
-  auto slurp = [](const std::string& path) {
-    std::ifstream in(path);
-    return std::string(std::istreambuf_iterator<char>(in), {});
-  };
-  return Command{WIFEXITED(raw) ? WEXITSTATUS(raw) : -1, slurp(out.path()),
-                 slurp(err.path())};
+  return ::modelcache::testing::RunShell(std::string(MODELCACHE_CLI) + " " +
+                                         args);
 }
 
 // c (50 B) once, then a (300 B) and b (400 B) alternating 500 times, 10 s

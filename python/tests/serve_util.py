@@ -104,6 +104,17 @@ def unix_http(path: str, method: str, url: str, body: Optional[bytes] = None,
         conn.close()
 
 
+def stop_process(proc: subprocess.Popen) -> None:
+    """Ends `proc` if it still runs: SIGTERM, then SIGKILL after 30 s."""
+    if proc.poll() is None:
+        proc.terminate()
+        try:
+            proc.wait(timeout=30)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait(timeout=30)
+
+
 class Daemon:
     """`modelcache serve` in a child process, started and waited for through
     --ready-fd; stop() ends it by pid."""
@@ -194,13 +205,7 @@ class Daemon:
         self.close_gate()
         if self.proc is None:
             return
-        if self.proc.poll() is None:
-            self.proc.terminate()
-            try:
-                self.proc.wait(timeout=30)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
-                self.proc.wait(timeout=30)
+        stop_process(self.proc)
 
 
 def memfd_maps(pid: int, needle: str = "modelcache") -> List[str]:

@@ -29,7 +29,7 @@ pytest.importorskip("uvicorn")
 
 from serve_util import (  # noqa: E402
     Daemon, UnixHTTPConnection, build_dir, die_with_parent, memfd_maps,
-    wait_until)
+    stop_process, wait_until)
 
 EXAMPLE = Path(__file__).resolve().parents[2] / "examples/python/node_server"
 sys.path.insert(0, str(EXAMPLE))
@@ -153,13 +153,7 @@ class Server:
 
     def stop(self) -> None:
         self.workers()
-        if self.proc.poll() is None:
-            self.proc.terminate()
-            try:
-                self.proc.wait(timeout=30)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
-                self.proc.wait(timeout=30)
+        stop_process(self.proc)
         for pid in self.seen:  # any worker its server left behind
             try:
                 os.kill(pid, signal.SIGKILL)

@@ -67,9 +67,12 @@ void RunParallel(size_t count, unsigned threads,
     }
   }
   {
+    // The last report comes once every worker has ended, so that the final
+    // count is always reported, even when the tasks end before this waits.
     std::unique_lock<std::mutex> lock(mu);
-    while (running > 0) {
-      changed.wait_for(lock, std::chrono::milliseconds(100));
+    for (bool last = false; !last;) {
+      if (running > 0) changed.wait_for(lock, std::chrono::milliseconds(100));
+      last = running == 0;
       if (!progress || error) continue;
       const size_t now = done;
       lock.unlock();

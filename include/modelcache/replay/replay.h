@@ -149,8 +149,10 @@ DefaultTracePopularity DefaultTracePopularityOf(uint64_t seed);
 // a replay holds memory in proportion to the models and to the requests in
 // flight, never to the trace. OpenCsvTrace and OpenAzureFunctionsTrace read
 // their file once when opened (to learn the header, with every check and
-// message of ReadCsvTrace and ReadAzureFunctionsTrace), and again for each
-// pass; the requests of a pass are exactly those the in-memory reader gives.
+// message of ReadCsvTrace and ReadAzureFunctionsTrace: each format has one
+// parser, which the in-memory reader uses too), and the CSV source reads it
+// again for each pass; the requests of a pass are exactly those the
+// in-memory reader gives.
 
 // A trace without its requests: what a replay needs to know before the
 // first request.

@@ -36,6 +36,15 @@ ROOT = Path(__file__).resolve().parent
 BUILD_BASE = Path("build") / "python-setuptools"
 
 
+def _project_version() -> str:
+    """The version in CMakeLists.txt's project(): the only place it is set."""
+    text = (ROOT / "CMakeLists.txt").read_text()
+    m = re.search(r"^project\(modelcache VERSION ([0-9.]+)\b", text, re.M)
+    if not m:
+        sys.exit("setup.py: CMakeLists.txt has no project(modelcache VERSION ...)")
+    return m.group(1)
+
+
 class CMakeExtension(Extension):
     """An extension CMake builds: no sources for setuptools to compile."""
 
@@ -117,6 +126,7 @@ class CMakeBuild(build_ext):
 
 BUILD_BASE.mkdir(parents=True, exist_ok=True)
 setup(
+    version=_project_version(),
     ext_modules=[CMakeExtension("modelcache._core", target="modelcache_python")],
     cmdclass={"build_ext": CMakeBuild},
     options={

@@ -5,6 +5,7 @@
 #ifndef MODELCACHE_TESTS_TEST_UTIL_H_
 #define MODELCACHE_TESTS_TEST_UTIL_H_
 
+#include <sys/wait.h>
 #include <unistd.h>
 
 #include <algorithm>
@@ -12,6 +13,7 @@
 #include <chrono>
 #include <cstddef>
 #include <cstdint>
+#include <cstdlib>
 #include <cstring>
 #include <filesystem>
 #include <fstream>
@@ -288,6 +290,56 @@ inline std::vector<std::byte> ReadFile(const std::filesystem::path& path) {
   std::vector<std::byte> bytes(chars.size());
   std::memcpy(bytes.data(), chars.data(), chars.size());
   return bytes;
+}
+
+// A file in the temporary directory holding `contents`, named uniquely in
+// the process (ending in `suffix`), removed when the object goes away.
+class TempFile {
+ public:
+  explicit TempFile(const std::string& contents,
+                    const std::string& suffix = ".csv")
+      : path_((std::filesystem::temp_directory_path() /
+               ("modelcache_test_" + std::to_string(::getpid()) + "_" +
+                std::to_string(counter_.fetch_add(1)) + suffix))
+                  .string()) {
+    Write(contents);
+  }
+  ~TempFile() {
+    std::error_code ignored;
+    std::filesystem::remove(path_, ignored);
+  }
+  TempFile(const TempFile&) = delete;
+  TempFile& operator=(const TempFile&) = delete;
+
+  // Replaces the file's contents.
+  void Write(const std::string& contents) const {
+    std::ofstream(path_, std::ios::binary | std::ios::trunc) << contents;
+  }
+  const std::string& path() const { return path_; }
+
+ private:
+  static inline std::atomic<uint64_t> counter_{0};
+  const std::string path_;
+};
+
+// How a shell command exited (its status; -1 when a signal ended it) and
+// what it wrote to stdout and stderr.
+struct CommandResult {
+  int status;
+  std::string out, err;
+};
+
+// Runs `command` with /bin/sh, its stdout and stderr sent to files.
+inline CommandResult RunShell(const std::string& command) {
+  TempFile out("", ".out"), err("", ".err");
+  const std::string line = command + " >" + out.path() + " 2>" + err.path();
+  const int raw = std::system(line.c_str());
+  auto slurp = [](const std::string& path) {
+    std::ifstream in(path, std::ios::binary);
+    return std::string(std::istreambuf_iterator<char>(in), {});
+  };
+  return CommandResult{WIFEXITED(raw) ? WEXITSTATUS(raw) : -1,
+                       slurp(out.path()), slurp(err.path())};
 }
 
 // A fresh directory for the running test's files, removed with everything in

@@ -71,7 +71,8 @@ __all__ = [
     "weights",
 ]
 
-__version__ = "0.1.0"
+# The project's version, from CMakeLists.txt (compiled into the extension).
+__version__: str = _core.__version__
 
 
 class Cache(_core.Cache):

@@ -6,6 +6,7 @@
 PYBIND11_MODULE(_core, m) {
   namespace mp = modelcache::python;
   m.doc() = "modelcache's C++ core; import modelcache instead.";
+  m.attr("__version__") = MODELCACHE_VERSION;
   mp::RememberMainThread();
   mp::RegisterExceptionTranslators();
   mp::BindCache(m);

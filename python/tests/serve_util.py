@@ -74,8 +74,11 @@ def write_catalog(path: Path, models: Sequence[Dict[str, Any]]) -> None:
     path.write_text(json.dumps({"models": list(models)}))
 
 
-class _UnixHTTPConnection(http.client.HTTPConnection):
-    def __init__(self, path: str, timeout: float) -> None:
+class UnixHTTPConnection(http.client.HTTPConnection):
+    """HTTP/1.1 over the UNIX socket at `path` (the daemon's admin socket, a
+    node server's socket)."""
+
+    def __init__(self, path: str, timeout: float = 60.0) -> None:
         super().__init__("localhost", timeout=timeout)
         self._path = path
 
@@ -87,7 +90,7 @@ class _UnixHTTPConnection(http.client.HTTPConnection):
 
 def unix_http(path: str, method: str, url: str, body: Optional[bytes] = None,
               timeout: float = 30.0) -> "tuple[int, Any]":
-    conn = _UnixHTTPConnection(path, timeout)
+    conn = UnixHTTPConnection(path, timeout)
     try:
         conn.request(method, url, body=body)
         r = conn.getresponse()
@@ -99,6 +102,17 @@ def unix_http(path: str, method: str, url: str, body: Optional[bytes] = None,
         return r.status, parsed
     finally:
         conn.close()
+
+
+def stop_process(proc: subprocess.Popen) -> None:
+    """Ends `proc` if it still runs: SIGTERM, then SIGKILL after 30 s."""
+    if proc.poll() is None:
+        proc.terminate()
+        try:
+            proc.wait(timeout=30)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait(timeout=30)
 
 
 class Daemon:
@@ -191,13 +205,7 @@ class Daemon:
         self.close_gate()
         if self.proc is None:
             return
-        if self.proc.poll() is None:
-            self.proc.terminate()
-            try:
-                self.proc.wait(timeout=30)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
-                self.proc.wait(timeout=30)
+        stop_process(self.proc)
 
 
 def memfd_maps(pid: int, needle: str = "modelcache") -> List[str]:

@@ -12,11 +12,9 @@ from __future__ import annotations
 
 import concurrent.futures
 import gc
-import http.client
 import json
 import os
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -29,7 +27,9 @@ torch = pytest.importorskip("torch")
 pytest.importorskip("fastapi")
 pytest.importorskip("uvicorn")
 
-from serve_util import Daemon, build_dir, die_with_parent, memfd_maps, wait_until  # noqa: E402
+from serve_util import (  # noqa: E402
+    Daemon, UnixHTTPConnection, build_dir, die_with_parent, memfd_maps,
+    stop_process, wait_until)
 
 EXAMPLE = Path(__file__).resolve().parents[2] / "examples/python/node_server"
 sys.path.insert(0, str(EXAMPLE))
@@ -41,21 +41,10 @@ REQUESTS_PER_CLIENT = 20
 BATCH = 3
 
 
-class _UnixHTTP(http.client.HTTPConnection):
-    def __init__(self, path: str, timeout: float = 60) -> None:
-        super().__init__("localhost", timeout=timeout)
-        self._path = path
-
-    def connect(self) -> None:
-        self.sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-        self.sock.settimeout(self.timeout)
-        self.sock.connect(self._path)
-
-
 def request(path: str, method: str, url: str, body: Any = None
             ) -> Tuple[int, Any, Any]:
     """(status, headers (case-insensitive), body)."""
-    conn = _UnixHTTP(path)
+    conn = UnixHTTPConnection(path)
     try:
         data = None if body is None else json.dumps(body).encode()
         conn.request(method, url, body=data,
@@ -164,13 +153,7 @@ class Server:
 
     def stop(self) -> None:
         self.workers()
-        if self.proc.poll() is None:
-            self.proc.terminate()
-            try:
-                self.proc.wait(timeout=30)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
-                self.proc.wait(timeout=30)
+        stop_process(self.proc)
         for pid in self.seen:  # any worker its server left behind
             try:
                 os.kill(pid, signal.SIGKILL)

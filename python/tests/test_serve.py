@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import gc
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -63,6 +64,15 @@ def node(tmp_path):
     yield start
     for d in daemons:
         d.stop()
+
+
+def test_the_daemon_and_the_package_name_the_projects_version(node):
+    cmake = (Path(__file__).resolve().parents[2] / "CMakeLists.txt").read_text()
+    project = re.search(r"^project\(modelcache VERSION ([0-9.]+)\b", cmake,
+                        re.M).group(1)
+    assert modelcache.__version__ == project
+    with modelcache.serve.connect(node().socket) as client:
+        assert client.info()["server"] == "modelcache " + project
 
 
 def test_acquire_views_equal_the_files_and_are_read_only(node):

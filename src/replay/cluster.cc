@@ -36,38 +36,26 @@
 #include "modelcache/replay/cluster.h"
 
 #include <algorithm>
-#include <atomic>
 #include <cassert>
 #include <chrono>
 #include <cmath>
-#include <condition_variable>
 #include <deque>
 #include <functional>
 #include <memory>
-#include <mutex>
 #include <numeric>
 #include <queue>
-#include <thread>
 #include <unordered_map>
 
 #include "engine.h"
 #include "modelcache/base/errors.h"
 #include "modelcache/core/policy.h"
+#include "parallel.h"
 
 namespace modelcache::replay {
 namespace {
 
 constexpr size_t kNone = Router::kNone;
 constexpr double kInf = std::numeric_limits<double>::infinity();
-
-[[noreturn]] void Invalid(const std::string& message) {
-  throw Error(ErrorCode::kInvalidArgument, message);
-}
-
-// A duration in whole milliseconds, for messages.
-std::string Ms(double ms) {
-  return std::to_string(static_cast<int64_t>(std::llround(ms))) + "ms";
-}
 
 WaitSummary Summarize(std::vector<double>* waits) {
   std::sort(waits->begin(), waits->end());
@@ -640,108 +628,15 @@ NamedPolicy ClusterPolicy(const std::string& name, const TimeModel& time) {
       name,
       LoadCostModel{time.latency_ms / 1000, time.bandwidth_bytes_per_second});
   if (policy.offline) {
-    Invalid("policy '" + name +
-            "' needs each node's future requests, which the routing "
-            "decides: it cannot run with several nodes");
+    throw Error(ErrorCode::kInvalidArgument,
+                "policy '" + name +
+                    "' needs each node's future requests, which the routing "
+                    "decides: it cannot run with several nodes");
   }
   return policy;
 }
 
 }  // namespace
-
-std::vector<RingServer> NumberedNodes(uint32_t count) {
-  std::vector<RingServer> nodes;
-  for (uint32_t i = 1; i <= count; ++i) {
-    nodes.push_back(RingServer{"n" + std::to_string(i), i, 1, false});
-  }
-  return nodes;
-}
-
-ClusterEvent ParseClusterEvent(std::string_view text) {
-  const auto bad = [&](const std::string& why) {
-    Invalid("event '" + std::string(text) + "': " + why +
-            " (events are kill:NODE@TIME and join:NODE@TIME, TIME after the "
-            "trace's first request, as in 30m)");
-  };
-  ClusterEvent event;
-  const size_t colon = text.find(':');
-  const size_t at = text.rfind('@');
-  if (colon == std::string_view::npos || at == std::string_view::npos ||
-      at < colon) {
-    bad("not kind:node@time");
-  }
-  const std::string_view kind = text.substr(0, colon);
-  if (kind == "kill") {
-    event.kind = ClusterEvent::Kind::kKill;
-  } else if (kind == "join") {
-    event.kind = ClusterEvent::Kind::kJoin;
-  } else {
-    bad("unknown kind '" + std::string(kind) + "'");
-  }
-  event.node = std::string(text.substr(colon + 1, at - colon - 1));
-  if (event.node.empty()) bad("no node");
-  try {
-    event.at_ms = ParseDurationMs(text.substr(at + 1));
-  } catch (const Error& e) {
-    bad(e.what());
-  }
-  return event;
-}
-
-void ValidateClusterOptions(const ClusterOptions& options, double span_ms) {
-  if (options.nodes.empty()) Invalid("--nodes: no nodes");
-  try {
-    ValidateRingServers(options.nodes);
-  } catch (const Error& e) {
-    Invalid(std::string("--nodes: ") + e.what());
-  }
-  ValidateBalanceFactor(options.route.balance_factor);
-  for (const double d : {options.detect_ms, options.retry_delay_ms}) {
-    if (!(d >= 0) || !std::isfinite(d)) {
-      Invalid("a delay must be a finite duration of 0 or more");
-    }
-  }
-  // Each node's state through its events, in time order: a node whose
-  // first event is a join starts down.
-  std::vector<const ClusterEvent*> events;
-  for (const ClusterEvent& e : options.events) events.push_back(&e);
-  std::stable_sort(events.begin(), events.end(),
-                   [](const ClusterEvent* a, const ClusterEvent* b) {
-                     return a->at_ms < b->at_ms;
-                   });
-  std::vector<int> state(options.nodes.size(), -1);  // -1: no event yet
-  for (const ClusterEvent* e : events) {
-    const std::string what =
-        std::string(e->kind == ClusterEvent::Kind::kKill ? "kill" : "join") +
-        ":" + e->node;
-    size_t node = kNone;
-    for (size_t i = 0; i < options.nodes.size(); ++i) {
-      if (options.nodes[i].name == e->node) node = i;
-    }
-    if (node == kNone) {
-      Invalid("--event " + what + ": no node named '" + e->node +
-              "' in --nodes");
-    }
-    if (!(e->at_ms >= 0) || e->at_ms > span_ms) {
-      Invalid("--event " + what + "@" + Ms(e->at_ms) +
-              ": outside the trace, whose last request comes " + Ms(span_ms) +
-              " after its first");
-    }
-    const bool kill = e->kind == ClusterEvent::Kind::kKill;
-    // Before its first event a node is up, unless it is declared down at
-    // the start or that event is a join (then it is down from the start).
-    const bool up_before = state[node] == -1
-                               ? kill && !options.nodes[node].down_at_start
-                               : static_cast<bool>(state[node]);
-    if (kill && !up_before) {
-      Invalid("--event " + what + ": the node is already down then");
-    }
-    if (!kill && up_before) {
-      Invalid("--event " + what + ": the node is already up then");
-    }
-    state[node] = kill ? 0 : 1;
-  }
-}
 
 ClusterResult SimulateCluster(const Trace& trace, const std::string& policy,
                               uint64_t capacity_bytes,
@@ -787,47 +682,18 @@ std::vector<ClusterResult> ReplayClusterAll(
   const size_t per_route = policies.size() * capacities.size();
   const size_t total = routes.size() * per_route;
   std::vector<ClusterResult> results(total);
-  std::atomic<size_t> next{0};
-  std::mutex mu;
-  std::condition_variable finished;
-  size_t done = 0;
-  std::exception_ptr error;
-  auto work = [&] {
-    for (size_t task; (task = next.fetch_add(1)) < total;) {
-      try {
+  RunParallel(
+      total, threads,
+      [&](size_t task) {
         ClusterOptions run = options;
         run.route = routes[task / per_route];
         const size_t rest = task % per_route;
         results[task] = SimulateCluster(
             trace, policies[rest / capacities.size()],
             capacities[rest % capacities.size()], run, simulate);
-      } catch (...) {
-        std::lock_guard<std::mutex> lock(mu);
-        if (!error) error = std::current_exception();
-      }
-      std::lock_guard<std::mutex> lock(mu);
-      ++done;
-      finished.notify_all();
-    }
-  };
-  const unsigned workers =
-      std::max(1u, std::min<unsigned>(threads, static_cast<unsigned>(total)));
-  std::vector<std::thread> pool;
-  for (unsigned i = 0; i < workers; ++i) pool.emplace_back(work);
-  {
-    std::unique_lock<std::mutex> lock(mu);
-    while (done < total) {
-      finished.wait_for(lock, std::chrono::milliseconds(100));
-      if (progress) {
-        const size_t now = done;
-        lock.unlock();
-        progress(now, total);
-        lock.lock();
-      }
-    }
-  }
-  for (auto& t : pool) t.join();
-  if (error) std::rethrow_exception(error);
+      },
+      progress ? [&](size_t done) { progress(done, total); }
+               : std::function<void(size_t)>());
   return results;
 }
 

@@ -1,5 +1,5 @@
-// What the trace readers share: splitting and trimming CSV fields, the
-// numbers they hold, and the errors that name a file and a line.
+// What the trace readers share: CSV fields (split as base/csv.h splits
+// them), the numbers they hold, and the errors that name a file and a line.
 #ifndef MODELCACHE_SRC_REPLAY_CSV_H_
 #define MODELCACHE_SRC_REPLAY_CSV_H_
 
@@ -11,26 +11,34 @@
 #include <string_view>
 #include <vector>
 
+#include "modelcache/base/csv.h"
+
 namespace modelcache::replay::csv {
 
-// Splits one CSV line into `fields` (reused across lines); double-quoted
-// fields may contain commas and doubled quotes.
-void SplitCsv(std::string_view line, std::vector<std::string>* fields);
+using ::modelcache::csv::SplitCsv;
+using ::modelcache::csv::SplitPlain;
+using ::modelcache::csv::Trim;
 
-// `line` split at its commas, as SplitCsv splits a line with no '"' (the
-// views point into `line`); false, and nothing split, if it has a '"'.
-bool SplitPlain(std::string_view line, std::vector<std::string_view>* fields);
-
-// Without leading blanks and tabs, nor trailing blanks, tabs and '\r'.
-inline std::string_view Trim(std::string_view s) {
-  while (!s.empty() && (s.front() == ' ' || s.front() == '\t'))
-    s.remove_prefix(1);
-  while (!s.empty() &&
-         (s.back() == ' ' || s.back() == '\t' || s.back() == '\r')) {
-    s.remove_suffix(1);
+// A line's fields as views: into the line itself when it has no quotes,
+// else into SplitCsv's unquoted copies.
+class FieldSplitter {
+ public:
+  const std::vector<std::string_view>& Split(std::string_view line) {
+    if (!SplitPlain(line, &views_)) {
+      SplitCsv(line, &storage_);
+      views_.assign(storage_.begin(), storage_.end());
+    }
+    return views_;
   }
-  return s;
-}
+
+ private:
+  std::vector<std::string_view> views_;
+  std::vector<std::string> storage_;
+};
+
+// The models' names and their numbers, looked up once per request in every
+// pass: an open-addressing table (linear probing, a power-of-two size at
+// most half full) of 32-bit hash tags and numbers, the names side by side in
 
 // Throws TraceError "PATH:LINE: PROBLEM".
 [[noreturn]] void Fail(const std::string& path, size_t line,

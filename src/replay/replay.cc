@@ -9,17 +9,14 @@
 #include "modelcache/replay/replay.h"
 
 #include <algorithm>
-#include <atomic>
 #include <chrono>
-#include <condition_variable>
 #include <limits>
-#include <mutex>
 #include <optional>
 #include <queue>
-#include <thread>
 
 #include "modelcache/core/cache.h"
 #include "modelcache/core/policy.h"
+#include "parallel.h"
 #include "replay_internal.h"
 
 namespace modelcache::replay {
@@ -213,43 +210,14 @@ std::vector<RunResult> ReplayAll(
   };
   const size_t total = policies.size() * capacities.size();
   std::vector<RunResult> results(total);
-  std::atomic<size_t> next{0};
-  std::mutex mu;
-  std::condition_variable finished;
-  size_t done = 0;
-  std::exception_ptr error;
-  auto work = [&] {
-    for (size_t task; (task = next.fetch_add(1)) < total;) {
-      try {
+  RunParallel(
+      total, threads,
+      [&](size_t task) {
         results[task] = run(policies[task / capacities.size()],
                             capacities[task % capacities.size()]);
-      } catch (...) {
-        std::lock_guard<std::mutex> lock(mu);
-        if (!error) error = std::current_exception();
-      }
-      std::lock_guard<std::mutex> lock(mu);
-      ++done;
-      finished.notify_all();
-    }
-  };
-  const unsigned workers =
-      std::max(1u, std::min<unsigned>(threads, static_cast<unsigned>(total)));
-  std::vector<std::thread> pool;
-  for (unsigned i = 0; i < workers; ++i) pool.emplace_back(work);
-  {
-    std::unique_lock<std::mutex> lock(mu);
-    while (done < total) {
-      finished.wait_for(lock, std::chrono::milliseconds(100));
-      if (progress) {
-        const size_t now = done;
-        lock.unlock();
-        progress(now, total);
-        lock.lock();
-      }
-    }
-  }
-  for (auto& t : pool) t.join();
-  if (error) std::rethrow_exception(error);
+      },
+      progress ? [&](size_t done) { progress(done, total); }
+               : std::function<void(size_t)>());
   return results;
 }
 

@@ -16,28 +16,26 @@
 // capacities filling every gap of more than kSloSweepRatio between the
 // largest model and the top). Each later round bisects every bracket wider
 // than the resolution of some SLO that has it, for every policy and every
-// SLO at once; SLOs with the same bracket share its probe. The round's
-// probes run on the thread pool. Bisection, one probe per bracket, rather
-// than a wider split when threads are idle: the answers then depend on the
-// trace, the options and the SLOs only, never on the number of threads.
+// SLO at once; SLOs with the same bracket share its probe. A round's probes
+// run together on up to the threads asked for (RunParallel). Bisection, one
+// probe per bracket, rather than a wider split when threads are idle: the
+// answers then depend on the trace, the options and the SLOs only, never on
+// the number of threads.
 #include <algorithm>
-#include <atomic>
 #include <cmath>
 #include <cstdio>
-#include <exception>
 #include <map>
 #include <memory>
-#include <mutex>
 #include <numeric>
 #include <optional>
 #include <set>
 #include <string>
-#include <thread>
 #include <utility>
 #include <vector>
 
 #include "modelcache/base/errors.h"
 #include "modelcache/replay/replay.h"
+#include "parallel.h"
 
 namespace modelcache::replay {
 namespace {
@@ -322,7 +320,7 @@ std::vector<SloAnswer> FindSloCapacities(
     }
     return most;
   };
-  // Runs a round's probes on the pool.
+  // Runs a round's probes (RunParallel).
   SloProgress state;
   auto run = [&](const std::vector<std::pair<size_t, uint64_t>>& plan,
                  size_t rounds_left) {
@@ -331,32 +329,21 @@ std::vector<SloAnswer> FindSloCapacities(
     state.rounds_left = rounds_left;
     if (progress) progress(state);
     std::vector<SloProbe> found(plan.size());
-    std::atomic<size_t> next{0};
-    std::mutex mu;
-    std::exception_ptr error;
-    auto work = [&] {
-      for (size_t i; (i = next.fetch_add(1)) < plan.size();) {
-        try {
+    RunParallel(
+        plan.size(), threads,
+        [&](size_t i) {
           const RunResult r = Simulate(source, policies[plan[i].first],
                                        plan[i].second, options);
           found[i] = ProbeOf(r, slo.percentile);
-        } catch (...) {
-          std::lock_guard<std::mutex> lock(mu);
-          if (!error) error = std::current_exception();
-        }
-        std::lock_guard<std::mutex> lock(mu);
-        ++state.probes_done;
-        ++state.round_done;
-        if (progress) progress(state);
-      }
-    };
-    const unsigned workers = std::max(
-        1u, std::min<unsigned>(threads, static_cast<unsigned>(plan.size())));
-    std::vector<std::thread> pool;
-    for (unsigned i = 1; i < workers; ++i) pool.emplace_back(work);
-    work();
-    for (auto& t : pool) t.join();
-    if (error) std::rethrow_exception(error);
+        },
+        // One call per probe ended, as RunParallel reports them.
+        progress ? [&](size_t done) {
+          while (state.round_done < done) {
+            ++state.probes_done;
+            ++state.round_done;
+            progress(state);
+          }
+        } : std::function<void(size_t)>());
     for (size_t i = 0; i < plan.size(); ++i) {
       probes[plan[i].first].emplace(plan[i].second, found[i]);
     }

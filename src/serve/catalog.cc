@@ -42,28 +42,6 @@ std::string Shown(std::string_view text) {
   return "'" + out + "'";
 }
 
-bool NestingAtMost(std::string_view text, int max_depth) {
-  int depth = 0;
-  bool in_string = false;
-  for (size_t i = 0; i < text.size(); ++i) {
-    const char c = text[i];
-    if (in_string) {
-      if (c == '\\') {
-        ++i;
-      } else if (c == '"') {
-        in_string = false;
-      }
-    } else if (c == '"') {
-      in_string = true;
-    } else if (c == '{' || c == '[') {
-      if (++depth > max_depth) return false;
-    } else if (c == '}' || c == ']') {
-      --depth;
-    }
-  }
-  return true;
-}
-
 // Why `path` may not name a file beneath the root, or "".
 std::string PathProblem(const std::string& path) {
   if (path.empty()) return "is empty";
@@ -99,7 +77,7 @@ Catalog Catalog::Parse(std::string_view text, const std::string& source) {
   if (text.size() > kMaxCatalogBytes) {
     throw error("larger than " + std::to_string(kMaxCatalogBytes) + " bytes");
   }
-  if (!NestingAtMost(text, 8)) throw error("nests too deeply");
+  if (!protocol::NestingAtMost(text, 8)) throw error("nests too deeply");
   // The lexer would take a NUL for the end of the input.
   if (text.find('\0') != std::string_view::npos) {
     throw error("not valid JSON: a NUL byte");

@@ -195,7 +195,7 @@ void Daemon::Impl::HandleDatagram(Connection& c, std::string_view bytes,
           {"recall_timeout_ms",
            static_cast<uint64_t>(options_.recall_timeout.count())},
       };
-      Send(c, {protocol::EncodeHelloReply(r.id, "modelcache 0.1.0", limits),
+      Send(c, {protocol::EncodeHelloReply(r.id, "modelcache " MODELCACHE_VERSION, limits),
                {},
                nullptr,
                0});

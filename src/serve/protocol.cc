@@ -153,6 +153,8 @@ const std::vector<OpSpec>& Ops() {
   return ops;
 }
 
+}  // namespace
+
 // Checks the nesting of a JSON text without parsing it: brackets outside
 // strings. Returns false past `max_depth`.
 bool NestingAtMost(std::string_view text, int max_depth) {
@@ -176,8 +178,6 @@ bool NestingAtMost(std::string_view text, int max_depth) {
   }
   return true;
 }
-
-}  // namespace
 
 bool IsValidModelId(std::string_view id) {
   if (id.empty() || id.size() > kMaxModelIdBytes) return false;

@@ -93,6 +93,11 @@ inline constexpr uint64_t kMaxTimeoutMs = 86'400'000;
 // starting with a letter or digit, without "..". Never a path: no '/'.
 bool IsValidModelId(std::string_view id);
 
+// Whether the JSON `text` nests brackets (outside strings) at most
+// `max_depth` deep; checked before parsing, so that no parser recurses
+// deeper. Does not check that `text` is JSON.
+bool NestingAtMost(std::string_view text, int max_depth);
+
 enum class Op { kHello, kAcquire, kRelease, kPing, kIdle, kUse };
 const char* OpName(Op op);
 

@@ -14,6 +14,7 @@
 #include <utility>
 #include <vector>
 
+#include "modelcache/base/csv.h"
 #include "modelcache/base/errors.h"
 #include "modelcache/weights/safetensors.h"
 
@@ -21,6 +22,7 @@ namespace modelcache::tools {
 
 namespace {
 
+using csv::Trim;
 using replay::ConsistentHashRing;
 using replay::MapBasedHash;
 using replay::RingServer;
@@ -28,16 +30,6 @@ using weights::Printable;
 
 [[noreturn]] void InvalidFlag(const std::string& message) {
   throw Error(ErrorCode::kInvalidArgument, message);
-}
-
-std::string_view Trim(std::string_view s) {
-  while (!s.empty() && (s.front() == ' ' || s.front() == '\t'))
-    s.remove_prefix(1);
-  while (!s.empty() &&
-         (s.back() == ' ' || s.back() == '\t' || s.back() == '\r')) {
-    s.remove_suffix(1);
-  }
-  return s;
 }
 
 std::vector<std::string_view> Split(std::string_view text, char sep) {
@@ -85,33 +77,10 @@ int64_t ParseNodeNumber(std::string_view entry, std::string_view what,
   return value;
 }
 
-// Splits one CSV line; double-quoted fields may hold commas and doubled
-// quotes (the trace reader's rules).
+// One CSV line's fields (the trace readers' rules).
 std::vector<std::string> SplitCsv(std::string_view line) {
   std::vector<std::string> fields;
-  std::string field;
-  bool quoted = false;
-  for (size_t i = 0; i < line.size(); ++i) {
-    const char c = line[i];
-    if (quoted) {
-      if (c == '"' && i + 1 < line.size() && line[i + 1] == '"') {
-        field += '"';
-        ++i;
-      } else if (c == '"') {
-        quoted = false;
-      } else {
-        field += c;
-      }
-    } else if (c == '"' && field.empty()) {
-      quoted = true;
-    } else if (c == ',') {
-      fields.push_back(std::move(field));
-      field.clear();
-    } else {
-      field += c;
-    }
-  }
-  fields.push_back(std::move(field));
+  csv::SplitCsv(line, &fields);
   return fields;
 }
 

@@ -22,9 +22,9 @@
 
 #include "CLI/CLI.hpp"
 #include "modelcache/base/bytes.h"
+#include "modelcache/base/duration.h"
 #include "modelcache/base/errors.h"
 #include "modelcache/core/policy.h"
-#include "modelcache/replay/replay.h"
 #include "modelcache/serve/catalog.h"
 #include "modelcache/serve/daemon.h"
 
@@ -44,7 +44,7 @@ std::chrono::milliseconds Duration(const std::string& flag,
                                    const std::string& text) {
   try {
     return std::chrono::milliseconds(
-        static_cast<int64_t>(replay::ParseDurationMs(text)));
+        static_cast<int64_t>(ParseDurationMs(text)));
   } catch (const Error& e) {
     Invalid(flag + ": " + e.what());
   }
@@ -72,7 +72,7 @@ std::chrono::nanoseconds LongDuration(const std::string& flag,
                                       const std::string& text) {
   double ms = 0;
   try {
-    ms = replay::ParseDurationMs(text);
+    ms = ParseDurationMs(text);
   } catch (const Error& e) {
     Invalid(flag + ": " + e.what());
   }

@@ -1,10 +1,15 @@
-// The base layer on its own: byte sizes both ways, and the error root.
+// The base layer on its own: byte sizes both ways, durations, CSV fields,
+// and the error root.
 #include <gtest/gtest.h>
 
 #include <cstdint>
 #include <string>
+#include <string_view>
+#include <vector>
 
 #include "modelcache/base/bytes.h"
+#include "modelcache/base/csv.h"
+#include "modelcache/base/duration.h"
 #include "modelcache/base/errors.h"
 
 namespace modelcache {
@@ -46,6 +51,44 @@ TEST(FormatBytes, BinaryUnitsWithTwoDecimals) {
   EXPECT_EQ(FormatBytes(1536), "1.50 KiB");
   EXPECT_EQ(FormatBytes(uint64_t{12} << 20), "12.00 MiB");
   EXPECT_EQ(ParseBytes(FormatBytes(uint64_t{3} << 30)), uint64_t{3} << 30);
+}
+
+TEST(ParseDurationMs, AcceptsMillisecondsSecondsMinutesAndHours) {
+  EXPECT_EQ(ParseDurationMs("100ms"), 100);
+  EXPECT_EQ(ParseDurationMs("1.5s"), 1500);
+  EXPECT_EQ(ParseDurationMs("10m"), 600000);
+  EXPECT_EQ(ParseDurationMs("10min"), 600000);
+  EXPECT_EQ(ParseDurationMs("2h"), 7200000);
+  EXPECT_EQ(ParseDurationMs("250"), 250);
+  EXPECT_EQ(ParseDurationMs(" 2 s "), 2000);
+  EXPECT_EQ(ParseDurationMs("0"), 0);
+}
+
+TEST(ParseDurationMs, AnythingElseIsAnInvalidArgumentNamingTheText) {
+  for (const char* bad :
+       {"", "-1s", "xm", "5 days", "1 sec", "inf", "nan", "s", "1e400"}) {
+    try {
+      ParseDurationMs(bad);
+      ADD_FAILURE() << "accepted '" << bad << "'";
+    } catch (const Error& e) {
+      EXPECT_EQ(e.code(), ErrorCode::kInvalidArgument) << bad;
+      EXPECT_EQ(std::string(e.what()),
+                std::string("not a duration: '") + bad +
+                    "' (use a number with ms, s, m or h)");
+    }
+  }
+}
+
+TEST(Csv, SplitsQuotedFieldsWithCommasAndDoubledQuotes) {
+  std::vector<std::string> fields;
+  csv::SplitCsv(R"(a,"b,c","say ""hi""",,x)", &fields);
+  EXPECT_EQ(fields,
+            (std::vector<std::string>{"a", "b,c", "say \"hi\"", "", "x"}));
+  std::vector<std::string_view> views;
+  EXPECT_TRUE(csv::SplitPlain("a, b,,c\r", &views));
+  EXPECT_EQ(views, (std::vector<std::string_view>{"a", " b", "", "c\r"}));
+  EXPECT_FALSE(csv::SplitPlain(R"(a,"b")", &views));
+  EXPECT_EQ(csv::Trim(" \t x y \t\r"), "x y");
 }
 
 TEST(Error, EveryCodeHasAName) {

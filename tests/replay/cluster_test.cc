@@ -17,11 +17,13 @@
 #include <string>
 #include <vector>
 
+#include "../test_util.h"
 #include "gmock/gmock.h"
 #include "gtest/gtest.h"
 #include "modelcache/base/errors.h"
 #include "modelcache/replay/replay.h"
 #include "nlohmann/json.hpp"
+#include "replay_test_util.h"
 
 namespace modelcache::replay {
 namespace {
@@ -412,50 +414,6 @@ TEST(ClusterReplay, ClosedLoopClientsWaitForASlot) {
   EXPECT_EQ(r.peak_in_flight, 1u);
 }
 
-// Every field of the one-node replay.
-void ExpectSameRun(const RunResult& a, const RunResult& b) {
-  EXPECT_EQ(a.policy, b.policy);
-  EXPECT_EQ(a.capacity_bytes, b.capacity_bytes);
-  EXPECT_EQ(a.requests, b.requests);
-  EXPECT_EQ(a.hits, b.hits);
-  EXPECT_EQ(a.misses, b.misses);
-  EXPECT_EQ(a.too_large, b.too_large);
-  EXPECT_EQ(a.blocked, b.blocked);
-  EXPECT_EQ(a.bytes_loaded, b.bytes_loaded);
-  EXPECT_EQ(a.evictions, b.evictions);
-  EXPECT_EQ(a.hit_ratio, b.hit_ratio);
-  EXPECT_EQ(a.byte_miss_ratio, b.byte_miss_ratio);
-  EXPECT_EQ(a.peak_resident_bytes, b.peak_resident_bytes);
-  EXPECT_EQ(a.resident_over_time, b.resident_over_time);
-  EXPECT_EQ(a.loads_per_model, b.loads_per_model);
-  EXPECT_EQ(a.timed, b.timed);
-  EXPECT_EQ(a.cold_starts, b.cold_starts);
-  EXPECT_EQ(a.cold_start_ratio, b.cold_start_ratio);
-  EXPECT_EQ(a.wait_ms.p50, b.wait_ms.p50);
-  EXPECT_EQ(a.wait_ms.p95, b.wait_ms.p95);
-  EXPECT_EQ(a.wait_ms.p99, b.wait_ms.p99);
-  EXPECT_EQ(a.wait_ms.p999, b.wait_ms.p999);
-  EXPECT_EQ(a.wait_ms.max, b.wait_ms.max);
-  EXPECT_EQ(a.rejected, b.rejected);
-  EXPECT_EQ(a.prewarms, b.prewarms);
-  EXPECT_EQ(a.load_seconds, b.load_seconds);
-  EXPECT_EQ(a.disk_busy_ratio, b.disk_busy_ratio);
-  EXPECT_EQ(a.load_queue_peak, b.load_queue_peak);
-  EXPECT_EQ(a.load_queue_mean, b.load_queue_mean);
-  EXPECT_EQ(a.idle_gib_hours, b.idle_gib_hours);
-  EXPECT_EQ(a.p75_model_cold_start_ratio, b.p75_model_cold_start_ratio);
-  EXPECT_EQ(a.overloaded, b.overloaded);
-  EXPECT_EQ(a.wait_quantiles, b.wait_quantiles);
-  ASSERT_EQ(a.bins.size(), b.bins.size());
-  for (size_t i = 0; i < a.bins.size(); ++i) {
-    EXPECT_EQ(a.bins[i].t_ms, b.bins[i].t_ms);
-    EXPECT_EQ(a.bins[i].min_bytes, b.bins[i].min_bytes);
-    EXPECT_EQ(a.bins[i].mean_bytes, b.bins[i].mean_bytes);
-    EXPECT_EQ(a.bins[i].max_bytes, b.bins[i].max_bytes);
-    EXPECT_EQ(a.bins[i].queue, b.bins[i].queue);
-  }
-}
-
 // Every `step`-th request of the trace's first `step` x `n`: hours of the
 // trace (keep-alive's unloads and prewarms happen) in few requests.
 Trace Thin(const Trace& trace, size_t step, size_t n) {
@@ -508,8 +466,8 @@ TEST(ClusterReplay, OneNodeIsTheSingleNodeReplay) {
           ClusterOptions cluster = Cluster(route, {{"solo", 7, 100, false}});
           const ClusterResult r =
               SimulateCluster(trace, policy, capacity, cluster, options);
-          ExpectSameRun(r.total, one);
-          ExpectSameRun(r.nodes[0].detail, one);
+          ExpectSameResult(r.total, one);
+          ExpectSameResult(r.nodes[0].detail, one);
           EXPECT_EQ(r.nodes[0].request_share, 1);
         }
       }
@@ -564,40 +522,14 @@ TEST(ClusterReplay, BadOptionsAreClearErrors) {
 
 // ---- the command line ----
 
-struct Command {
-  int status;
-  std::string out, err;
-};
+using Command = ::modelcache::testing::CommandResult;
 
 Command RunCli(const std::string& args) {
-  const std::string base =
-      ::testing::TempDir() + "/cluster_cli." + std::to_string(getpid());
-  const std::string command = std::string(MODELCACHE_CLI) + " " + args + " >" +
-                              base + ".out 2>" + base + ".err";
-  const int raw = std::system(command.c_str());
-  auto slurp = [](const std::string& path) {
-    std::ifstream in(path);
-    std::string text((std::istreambuf_iterator<char>(in)), {});
-    std::remove(path.c_str());
-    return text;
-  };
-  return Command{WIFEXITED(raw) ? WEXITSTATUS(raw) : -1, slurp(base + ".out"),
-                 slurp(base + ".err")};
+  return ::modelcache::testing::RunShell(std::string(MODELCACHE_CLI) + " " +
+                                         args);
 }
 
-class TraceFile {
- public:
-  explicit TraceFile(const std::string& contents)
-      : path_(::testing::TempDir() + "/cluster_trace." +
-              std::to_string(getpid()) + ".csv") {
-    std::ofstream(path_) << contents;
-  }
-  ~TraceFile() { std::remove(path_.c_str()); }
-  const std::string& path() const { return path_; }
-
- private:
-  std::string path_;
-};
+using TraceFile = ::modelcache::testing::TempFile;
 
 TEST(ClusterCli, BadInputExitsOneWithOneErrorLine) {
   TraceFile trace("t_ms,model,size_bytes\n0,a,100\n60000,b,100\n");

@@ -19,6 +19,7 @@
 #include <string>
 #include <unordered_map>
 
+#include "../test_util.h"
 #include "gmock/gmock.h"
 #include "gtest/gtest.h"
 #include "nlohmann/json.hpp"
@@ -41,23 +42,7 @@ const std::string kAzureMemory =
     std::string(MODELCACHE_SHARED_DATA) +
     "/traces/azure-functions-2019-100fn-memory.csv";
 
-class TempFile {
- public:
-  explicit TempFile(const std::string& contents,
-                    const std::string& suffix = ".csv") {
-    static int counter = 0;
-    path_ = (std::filesystem::temp_directory_path() /
-             ("modelcache_replay_test_" + std::to_string(::getpid()) + "_" +
-              std::to_string(counter++) + suffix))
-                .string();
-    std::ofstream(path_) << contents;
-  }
-  ~TempFile() { std::filesystem::remove(path_); }
-  const std::string& path() const { return path_; }
-
- private:
-  std::string path_;
-};
+using ::modelcache::testing::TempFile;
 
 std::string TraceErrorOf(const std::string& contents,
                          const SizeTable* sizes = nullptr) {
@@ -82,17 +67,6 @@ TEST(ParseBytes, AcceptsBinaryAndDecimalUnits) {
   EXPECT_THROW(ParseBytes("16 gigs"), Error);
   EXPECT_THROW(ParseBytes("-1GiB"), Error);
   EXPECT_THROW(ParseBytes(""), Error);
-}
-
-TEST(ParseDurationMs, AcceptsMillisecondsSecondsMinutesAndHours) {
-  EXPECT_EQ(ParseDurationMs("100ms"), 100);
-  EXPECT_EQ(ParseDurationMs("1.5s"), 1500);
-  EXPECT_EQ(ParseDurationMs("10m"), 600000);
-  EXPECT_EQ(ParseDurationMs("2h"), 7200000);
-  EXPECT_EQ(ParseDurationMs("250"), 250);
-  EXPECT_THROW(ParseDurationMs("-1s"), Error);
-  EXPECT_THROW(ParseDurationMs("xm"), Error);
-  EXPECT_THROW(ParseDurationMs("5 days"), Error);
 }
 
 TEST(CsvTrace, ReadsRequestsSizesAndIgnoresOtherColumns) {
@@ -564,22 +538,11 @@ TEST(Replay, JsonAndHtmlCarryEveryRun) {
 
 // ---- the command line ----
 
-struct Command {
-  int status;
-  std::string out, err;
-};
+using Command = ::modelcache::testing::CommandResult;
 
 Command RunCli(const std::string& args) {
-  TempFile out("", ".out"), err("", ".err");
-  const std::string command = std::string(MODELCACHE_CLI) + " " + args + " >" +
-                              out.path() + " 2>" + err.path();
-  const int raw = std::system(command.c_str());
-  auto slurp = [](const std::string& path) {
-    std::ifstream in(path);
-    return std::string(std::istreambuf_iterator<char>(in), {});
-  };
-  return Command{WIFEXITED(raw) ? WEXITSTATUS(raw) : -1, slurp(out.path()),
-                 slurp(err.path())};
+  return ::modelcache::testing::RunShell(std::string(MODELCACHE_CLI) + " " +
+                                         args);
 }
 
 TEST(ReplayCli, NoTimeGivesANullTimeModel) {

@@ -18,6 +18,7 @@
 #include <string>
 #include <vector>
 
+#include "../test_util.h"
 #include "gmock/gmock.h"
 #include "gtest/gtest.h"
 #include "modelcache/replay/replay.h"
@@ -432,40 +433,13 @@ TEST(HtmlReport, AWaitlessPolicyIsNamedInTheTailsLegendNotDrawnEmpty) {
 
 // ---- the command
 
-class TempFile {
- public:
-  explicit TempFile(const std::string& contents,
-                    const std::string& suffix = ".csv") {
-    static int counter = 0;
-    path_ = (std::filesystem::temp_directory_path() /
-             ("modelcache_report_test_" + std::to_string(::getpid()) + "_" +
-              std::to_string(counter++) + suffix))
-                .string();
-    std::ofstream(path_) << contents;
-  }
-  ~TempFile() { std::filesystem::remove(path_); }
-  const std::string& path() const { return path_; }
+using ::modelcache::testing::TempFile;
 
- private:
-  std::string path_;
-};
-
-struct Command {
-  int status;
-  std::string out, err;
-};
+using Command = ::modelcache::testing::CommandResult;
 
 Command RunCli(const std::string& args) {
-  TempFile out("", ".out"), err("", ".err");
-  const std::string command = std::string(MODELCACHE_CLI) + " " + args + " >" +
-                              out.path() + " 2>" + err.path();
-  const int raw = std::system(command.c_str());
-  auto slurp = [](const std::string& path) {
-    std::ifstream in(path);
-    return std::string(std::istreambuf_iterator<char>(in), {});
-  };
-  return Command{WIFEXITED(raw) ? WEXITSTATUS(raw) : -1, slurp(out.path()),
-                 slurp(err.path())};
+  return ::modelcache::testing::RunShell(std::string(MODELCACHE_CLI) + " " +
+                                         args);
 }
 
 // c (50 B) once, then a (300 B) and b (400 B) alternating 500 times, 10 s

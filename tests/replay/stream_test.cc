@@ -16,9 +16,11 @@
 #include <string>
 #include <vector>
 
+#include "../test_util.h"
 #include "gmock/gmock.h"
 #include "gtest/gtest.h"
 #include "modelcache/replay/replay.h"
+#include "replay_test_util.h"
 
 namespace modelcache::replay {
 namespace {
@@ -39,26 +41,7 @@ std::string Slurp(const std::string& path) {
   return std::string(std::istreambuf_iterator<char>(in), {});
 }
 
-class TempFile {
- public:
-  explicit TempFile(const std::string& contents,
-                    const std::string& suffix = ".csv") {
-    static int counter = 0;
-    path_ = (std::filesystem::temp_directory_path() /
-             ("modelcache_stream_test_" + std::to_string(::getpid()) + "_" +
-              std::to_string(counter++) + suffix))
-                .string();
-    Write(contents);
-  }
-  ~TempFile() { std::filesystem::remove(path_); }
-  void Write(const std::string& contents) const {
-    std::ofstream(path_, std::ios::binary | std::ios::trunc) << contents;
-  }
-  const std::string& path() const { return path_; }
-
- private:
-  std::string path_;
-};
+using ::modelcache::testing::TempFile;
 
 std::string Gzip(const std::string& data) {
   z_stream z{};
@@ -469,54 +452,6 @@ TEST(SourceOf, GivesTheTraceItWraps) {
 }
 
 // ---- the waits' percentiles beyond the exact limit ----
-
-// Every field of two runs but the time they took.
-void ExpectSameResult(const RunResult& a, const RunResult& b,
-                      bool same_waits = true) {
-  EXPECT_EQ(a.policy, b.policy);
-  EXPECT_EQ(a.offline, b.offline);
-  EXPECT_EQ(a.capacity_bytes, b.capacity_bytes);
-  EXPECT_EQ(a.requests, b.requests);
-  EXPECT_EQ(a.hits, b.hits);
-  EXPECT_EQ(a.misses, b.misses);
-  EXPECT_EQ(a.too_large, b.too_large);
-  EXPECT_EQ(a.blocked, b.blocked);
-  EXPECT_EQ(a.bytes_loaded, b.bytes_loaded);
-  EXPECT_EQ(a.evictions, b.evictions);
-  EXPECT_EQ(a.hit_ratio, b.hit_ratio);
-  EXPECT_EQ(a.byte_miss_ratio, b.byte_miss_ratio);
-  EXPECT_EQ(a.peak_resident_bytes, b.peak_resident_bytes);
-  EXPECT_EQ(a.resident_over_time, b.resident_over_time);
-  EXPECT_EQ(a.loads_per_model, b.loads_per_model);
-  EXPECT_EQ(a.timed, b.timed);
-  EXPECT_EQ(a.cold_starts, b.cold_starts);
-  EXPECT_EQ(a.cold_start_ratio, b.cold_start_ratio);
-  if (same_waits) {
-    EXPECT_EQ(a.wait_ms.p50, b.wait_ms.p50);
-    EXPECT_EQ(a.wait_ms.p95, b.wait_ms.p95);
-    EXPECT_EQ(a.wait_ms.p99, b.wait_ms.p99);
-    EXPECT_EQ(a.wait_ms.p999, b.wait_ms.p999);
-    EXPECT_EQ(a.wait_quantiles, b.wait_quantiles);
-  }
-  EXPECT_EQ(a.wait_ms.max, b.wait_ms.max);
-  EXPECT_EQ(a.rejected, b.rejected);
-  EXPECT_EQ(a.prewarms, b.prewarms);
-  EXPECT_EQ(a.load_seconds, b.load_seconds);
-  EXPECT_EQ(a.disk_busy_ratio, b.disk_busy_ratio);
-  EXPECT_EQ(a.load_queue_peak, b.load_queue_peak);
-  EXPECT_EQ(a.load_queue_mean, b.load_queue_mean);
-  EXPECT_EQ(a.idle_gib_hours, b.idle_gib_hours);
-  EXPECT_EQ(a.p75_model_cold_start_ratio, b.p75_model_cold_start_ratio);
-  EXPECT_EQ(a.overloaded, b.overloaded);
-  ASSERT_EQ(a.bins.size(), b.bins.size());
-  for (size_t i = 0; i < a.bins.size(); ++i) {
-    EXPECT_EQ(a.bins[i].t_ms, b.bins[i].t_ms);
-    EXPECT_EQ(a.bins[i].min_bytes, b.bins[i].min_bytes);
-    EXPECT_EQ(a.bins[i].mean_bytes, b.bins[i].mean_bytes);
-    EXPECT_EQ(a.bins[i].max_bytes, b.bins[i].max_bytes);
-    EXPECT_EQ(a.bins[i].queue, b.bins[i].queue);
-  }
-}
 
 // Never below the exact value, at most 0.1% (2^-10) above it.
 void ExpectWithinTheBound(double summary, double exact) {

@@ -30,6 +30,7 @@
 #include <vector>
 
 #include "modelcache/base/bytes.h"
+#include "modelcache/base/duration.h"
 #include "modelcache/base/errors.h"
 #include "modelcache/core/cache.h"
 
@@ -64,9 +65,7 @@ using ::modelcache::ParseBytes;  // throws Error kInvalidArgument
 // A `model,size_bytes` CSV with that header.
 SizeTable ReadSizes(const std::string& path);
 
-// "100ms", "2s", "10m", "1.5h", or a bare number of milliseconds. Throws
-// Error kInvalidArgument on anything else, negative values included.
-double ParseDurationMs(std::string_view text);
+using ::modelcache::ParseDurationMs;  // throws Error kInvalidArgument
 
 // A CSV whose header names at least `t_ms` and `model`, optionally
 // `size_bytes` and `duration_ms` (the request's service time); other columns
@@ -137,7 +136,7 @@ struct DefaultTracePopularity {
 };
 DefaultTracePopularity DefaultTracePopularityOf(uint64_t seed);
 
-// ---- Traces read as a stream (trace_stream.cc) ----
+// ---- Traces read as a stream (csv_trace.cc, azure_trace.cc) ----
 //
 // Every file replay reads (traces, sizes, memory and durations files) may be
 // compressed: gzip and zstd are recognised by their first bytes, and data
@@ -150,8 +149,10 @@ DefaultTracePopularity DefaultTracePopularityOf(uint64_t seed);
 // a replay holds memory in proportion to the models and to the requests in
 // flight, never to the trace. OpenCsvTrace and OpenAzureFunctionsTrace read
 // their file once when opened (to learn the header, with every check and
-// message of ReadCsvTrace and ReadAzureFunctionsTrace), and again for each
-// pass; the requests of a pass are exactly those the in-memory reader gives.
+// message of ReadCsvTrace and ReadAzureFunctionsTrace: each format has one
+// parser, which the in-memory reader uses too), and the CSV source reads it
+// again for each pass; the requests of a pass are exactly those the
+// in-memory reader gives.
 
 // A trace without its requests: what a replay needs to know before the
 // first request.
@@ -474,9 +475,10 @@ struct SloProgress {
 // (see above), each probe a Simulate of `trace` with `options`, on up to
 // `threads` threads. `known` are Simulate runs of the same trace and
 // options (the table's, say); those of a searched policy count as probes.
-// `progress` (may be empty) is called as each round starts and as each of
-// its probes ends, from one thread at a time. Throws Error kInvalidArgument for
-// bad options or an unknown policy, before replaying anything.
+// `progress` (may be empty) is called from the calling thread as each round
+// starts and once for each of its probes that ends. Throws Error
+// kInvalidArgument for bad options or an unknown policy, before replaying
+// anything.
 std::vector<SloAnswer> FindSloCapacities(
     const Trace& trace, const std::vector<std::string>& policies,
     const SimulateOptions& options, const SloSearchOptions& slo,

@@ -185,7 +185,7 @@ std::shared_ptr<Connection> ClientCore::Connected(
   }
 }
 
-void ClientCore::Broke(const std::shared_ptr<Connection>& c) {
+void ClientCore::Broke(std::shared_ptr<Connection> c) {
   if (c->broken) return;
   c->broken = true;
   // Wakes a reader elsewhere and tells the daemon at once.
@@ -224,18 +224,22 @@ std::shared_ptr<Grant> ClientCore::LocalAcquire(const std::string& name) {
   if (!conn_ || conn_->broken || held.copy->serial != conn_->serial) {
     return nullptr;
   }
+  std::shared_ptr<MappedCopy> copy = held.copy;
   if (held.refs++ == 0) {
     --idle_;
     // The daemon may count it as evictable: say it is used again before
-    // returning. (Its recall is answered "use" meanwhile either way.)
+    // returning. (Its recall is answered "use" meanwhile either way.) A
+    // failed send breaks the connection, which forgets `held`; the
+    // reference still keeps the mapping, and its end releases nothing.
     if (held.told_idle) {
       held.told_idle = false;
-      SendNotice(conn_, protocol::Op::kUse, n->second);
+      const std::shared_ptr<Connection> c = conn_;
+      SendNotice(c, protocol::Op::kUse, copy->lease);
     }
   }
   auto grant = std::make_shared<Grant>();
   grant->core = shared_from_this();
-  grant->copy = held.copy;
+  grant->copy = std::move(copy);
   grant->load = "local";
   grant->generation = generation_;
   return grant;
@@ -304,17 +308,19 @@ void ClientCore::Unref(std::shared_ptr<MappedCopy> copy) noexcept {
       if (keep) {
         held.idle_since = Clock::now();
         held.told_idle = false;
-        if (options_.idle_notice_delay.count() <= 0) {
-          held.told_idle = true;
-          SendNotice(conn_, protocol::Op::kIdle, lease);
-        }
         // The keeper sends the notice: woken only when it would sleep past
         // the notice's time by more than the delay itself (a late notice
         // errs on the safe side: the daemon counts the lease as in use).
-        const bool running = flushing_;
-        StartFlusher();
         const Clock::time_point due =
             held.idle_since + 2 * options_.idle_notice_delay;
+        if (options_.idle_notice_delay.count() <= 0) {
+          held.told_idle = true;
+          // A failed send breaks the connection, which forgets `held`.
+          const std::shared_ptr<Connection> c = conn_;
+          SendNotice(c, protocol::Op::kIdle, lease);
+        }
+        const bool running = flushing_;
+        StartFlusher();
         if (running && keeper_wakes_ > due) WakeKeeper();
       } else {
         drop = Forget(lease);
@@ -369,6 +375,9 @@ Clock::time_point ClientCore::IdleChores(
       if (now >= due) {
         held.told_idle = true;
         SendNotice(c, protocol::Op::kIdle, lease);
+        // A failed send broke `c`, which forgot its leases (erasing from
+        // held_, which this loop walks): nothing is left to do.
+        if (c->broken) return Clock::time_point::max();
       } else {
         next = std::min(next, due);
       }

@@ -264,7 +264,8 @@ class ClientCore : public std::enable_shared_from_this<ClientCore> {
   // Called by the reader, without mu_.
   void ReadAndFile(const std::shared_ptr<Connection>& c, int wait_ms)
       MC_EXCLUDES(mu_);
-  void Broke(const std::shared_ptr<Connection>& c) MC_REQUIRES(mu_);
+  // By value: the caller's may be conn_, which it resets.
+  void Broke(std::shared_ptr<Connection> c) MC_REQUIRES(mu_);
   // Sends `op` ("idle", "use") of `lease` on `c` without awaiting the reply,
   // after the queued releases (as SendRelease).
   void SendNotice(const std::shared_ptr<Connection>& c, protocol::Op op,

@@ -1,8 +1,21 @@
 #!/usr/bin/python3
 """The multi-worker example server (examples/python/node_server/) with its
 weights from `modelcache serve`, against the same server with per-worker
-in-process caches (WEIGHTS=inprocess: each worker reads the files into its
-own memory), at 1, 2 and 4 uvicorn workers.
+in-process caches, at 1, 2 and 4 uvicorn workers. The modes (--modes):
+
+  daemon     the example as it is: each request acquires and releases; the
+             client's delegation makes a warm acquire local (no round trip)
+             and keeps the idle lease evictable by the daemon
+  keep0      the same with MODELCACHE_KEEP_IDLE=0: no idle delegation, so a
+             request whose model no other request of its worker uses is a
+             round trip (the honest budget without delegation)
+  kept10     the example as it was before delegation (git --kept-rev, by
+             default 0662b25) with KEEP_LEASE_SECONDS=10: each worker keeps
+             its leases, in use, for 10 s after their last request (fast,
+             but the daemon cannot evict what a worker keeps "just in case")
+  inprocess  WEIGHTS=inprocess: each worker reads the files into its own
+             memory (modelcache.weights.HostWeightStore), as servers do
+             without the daemon
 
 For each configuration and run: the server is started (and, for the daemon,
 `modelcache serve`), warmed until every worker has answered for every model,
@@ -21,6 +34,9 @@ X-Wait-Ms (getting the weights) and its whole latency.
 Each figure is the median of --reps runs. Every process is stopped by pid.
 
     PYTHONPATH=build/python /usr/bin/python3 bench/python/node_server.py
+    # the issue's comparison, 4 workers:
+    PYTHONPATH=build/python /usr/bin/python3 bench/python/node_server.py \
+        --workers 4 --modes daemon,keep0,kept10,inprocess
 """
 
 from __future__ import annotations
@@ -106,14 +122,44 @@ def warm(server: Server, workers: int) -> None:
             seen[(r.getheader("X-Worker-Pid"), m)] = True
 
 
-def run_one(tmp: Path, mode: str, workers: int, clients: int, requests: int) -> Dict:
+MODES = ("daemon", "keep0", "kept10", "inprocess")
+
+
+def kept_lease_app(tmp: Path, rev: str) -> Path:
+    """The example's app.py at `rev` (which kept leases for
+    KEEP_LEASE_SECONDS), beside today's models.py, in a folder of its own."""
+    folder = tmp / "kept-lease-app"
+    folder.mkdir(exist_ok=True)
+    try:
+        app = subprocess.run(
+            ["git", "-C", str(ROOT), "show",
+             f"{rev}:examples/python/node_server/app.py"],
+            check=True, capture_output=True).stdout
+    except (OSError, subprocess.CalledProcessError) as e:
+        raise SystemExit(f"mode kept10 needs the example at {rev} from git: {e}")
+    if b"KEEP_LEASE_SECONDS" not in app:
+        raise SystemExit(f"the example at {rev} has no KEEP_LEASE_SECONDS")
+    (folder / "app.py").write_bytes(app)
+    (folder / "models.py").write_bytes(
+        (ROOT / "examples/python/node_server/models.py").read_bytes())
+    return folder
+
+
+def run_one(tmp: Path, mode: str, workers: int, clients: int, requests: int,
+            kept_app: "Path | None" = None) -> Dict:
     test_node_server.WORKERS = workers
+    uses_daemon = mode != "inprocess"
     daemon = Daemon(tmp, tmp / "catalog.json", tmp / "models",
-                    capacity="1GiB").start() if mode == "daemon" else None
-    env = {"KEEP_LEASE_SECONDS": "600", "WEIGHTS": mode,
+                    capacity="1GiB").start() if uses_daemon else None
+    env = {"WEIGHTS": "inprocess" if mode == "inprocess" else "daemon",
            "MODEL_ROOT": str(tmp / "models")}
+    if mode == "keep0":
+        env["MODELCACHE_KEEP_IDLE"] = "0"
+    if mode == "kept10":
+        env["KEEP_LEASE_SECONDS"] = "10"
     fake = daemon or type("D", (), {"socket": str(tmp / "none.sock")})()
-    server = Server(tmp, fake, env=env)
+    server = Server(tmp, fake, env=env,
+                    app_dir=kept_app if mode == "kept10" else None)
     try:
         warm(server, workers)
         seconds, lat, errors = load(server.uds, clients, requests)
@@ -166,20 +212,32 @@ def main() -> None:
     p.add_argument("--clients", type=int, default=8)
     p.add_argument("--requests", type=int, default=800)
     p.add_argument("--reps", type=int, default=3)
+    p.add_argument("--modes", default="daemon,keep0,kept10,inprocess",
+                   help="comma-separated, of " + ", ".join(MODES))
+    p.add_argument("--kept-rev", default="0662b25",
+                   help="the git revision of the example that kept leases "
+                        "(mode kept10)")
+    p.add_argument("--no-first-answer", action="store_true",
+                   help="skip the fresh worker's first answer")
     p.add_argument("--out", default="build/bench-results/node_server.json")
     a = p.parse_args()
+    modes = a.modes.split(",")
+    unknown = [m for m in modes if m not in MODES]
+    if unknown or not modes:
+        p.error(f"--modes: unknown {unknown}; choose from {', '.join(MODES)}")
     results = []
     with tempfile.TemporaryDirectory(prefix="mc-node-bench-") as d:
         tmp = Path(d)
         total = models.write_node(tmp)
+        kept_app = kept_lease_app(tmp, a.kept_rev) if "kept10" in modes else None
         print(f"models: {len(models.SHAPES)}, {total / 2**20:.1f} MiB; "
               f"{a.clients} clients, {a.requests} requests per run, median of {a.reps}")
         print(f"{'weights':>10} {'workers':>7} {'req/s':>8} {'p50 ms':>8} "
               f"{'p99 ms':>8} {'RAM MiB':>8}")
         for workers in [int(w) for w in a.workers.split(",")]:
-            for mode in ("daemon", "inprocess"):
-                runs = [run_one(tmp, mode, workers, a.clients, a.requests)
-                        for _ in range(a.reps)]
+            for mode in modes:
+                runs = [run_one(tmp, mode, workers, a.clients, a.requests,
+                                kept_app) for _ in range(a.reps)]
                 row = {k: statistics.median(r[k] for r in runs)
                        for k in ("rps", "p50_ms", "p99_ms", "ram_mib")}
                 row.update(mode=mode, workers=workers,
@@ -189,8 +247,11 @@ def main() -> None:
                       f"{row['p50_ms']:>8.2f} {row['p99_ms']:>8.2f} "
                       f"{row['ram_mib']:>8.1f}" +
                       (f"  ({row['errors']} errors)" if row["errors"] else ""))
-        print("a fresh worker's first answer on a resident model (m4, 42 MB):")
-        for mode in ("daemon", "inprocess"):
+        first = [] if a.no_first_answer else [
+            m for m in ("daemon", "inprocess") if m in modes]
+        if first:
+            print("a fresh worker's first answer on a resident model (m4, 42 MB):")
+        for mode in first:
             runs = [first_answer(tmp, mode) for _ in range(a.reps)]
             row = {k: statistics.median(r[k] for r in runs) for k in ("wait_ms", "first_ms")}
             row.update(mode=mode, first_answer=True)

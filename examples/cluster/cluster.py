@@ -353,7 +353,7 @@ class Node:
                    PYTHONPATH=f"{self.s.python_path}:{NODE_SERVER}",
                    MODELCACHE_SOCKET=self.socket, NODE_NAME=self.name,
                    DAEMON_HTTP=f"{self.addr}:{self.http_port}",
-                   KEEP_LEASE_SECONDS="0", SERVICE_MS=str(self.s.service_ms),
+                   MODELCACHE_KEEP_IDLE="0", SERVICE_MS=str(self.s.service_ms),
                    ACQUIRE_TIMEOUT="60", OMP_NUM_THREADS="1")
         self.worker = self.procs.start(f"{tag}-worker", [
             sys.executable, "-m", "uvicorn", "app:app", "--host", self.addr,

@@ -74,3 +74,16 @@ def timeout(value: Any, name: str = "timeout") -> Any:
     """None, seconds (>= 0) or a timedelta, returned as given."""
     _core._check_timeout(value, name)
     return value
+
+
+def seconds(value: Any, name: str) -> Any:
+    """Seconds (a number >= 0) or a timedelta, returned as given. Unlike a
+    timeout, None (the protocol's longest) is not one."""
+    import datetime
+
+    if isinstance(value, bool) or not isinstance(
+            value, (int, float, datetime.timedelta)):
+        raise TypeError(
+            f"{name} must be a number of seconds or a timedelta, not {_kind(value)}")
+    _core._check_timeout(value, name)  # >= 0, not NaN
+    return value

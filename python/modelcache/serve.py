@@ -16,10 +16,11 @@ one copy::
 This is the C++ client (``modelcache::serve::Client``) through pybind11: the
 same protocol, reconnection and fork handling.
 
-Lifetime. A view (array or tensor) keeps the mapping alive: the daemon is
-told ``release`` only once the lease is released *and* the last view over it
-is gone. So a released lease is an unmapped one, never one unmapped while
-numpy still reads it; and a view stays valid after its lease is released.
+Lifetime. A view (array or tensor) keeps the mapping alive: the copy is in
+use until the lease is released *and* the last view over it is gone; only
+then may it be kept idle or unmapped and released (see Delegation below).
+So a copy is never unmapped while numpy still reads it, and a view stays
+valid after its lease is released.
 
 Read-only. The copy is a sealed memfd mapped read-only: numpy arrays are
 marked read-only; torch has no read-only tensors, and writing to a tensor
@@ -43,6 +44,23 @@ after that is released).
 Daemon restarts. Leases held stay mapped and valid when the daemon dies. The
 next call connects again, retrying with backoff within its own timeout, and
 raises DaemonUnavailableError when the daemon is not back by then.
+
+Delegation: warm acquires without a round trip, an honest budget. A process
+maps a copy once. An acquire of a model this process already holds (a lease
+or a view of it is alive, on any thread) is local: no message to the
+daemon, the same mapping, the same ``lease_id``, and ``load`` is "local".
+When the last lease object and view of a copy end, the client keeps the
+lease, mapped, for ``keep_idle`` seconds (:func:`connect`) and tells the
+daemon it is idle: the daemon then counts the copy as evictable, so the
+node's budget is not held by a model nobody uses. The next acquire of it
+revives it locally. When the daemon needs the room, it recalls the idle
+lease: a thread of the client unmaps it and answers "release" (or "busy"
+when an acquire took it back meanwhile), and the next acquire is a round
+trip again. So a server acquires and releases per request, and pays a round
+trip only when the model was evicted. :meth:`Client.idle_leases` counts
+the leases kept idle; ``keep_idle=0`` releases a lease when its last lease
+object or view ends. A lost connection (a daemon restart) drops every idle
+lease; leases in use keep their mapping.
 
 fork(). A child starts with no connection and no lease: every lease object
 it inherits reads as released (taking a view raises), and its first call on
@@ -126,14 +144,16 @@ class RemoteLease(_Releasable):
 
     @property
     def lease_id(self) -> int:
-        """The daemon's lease id (never reused, even by a restarted daemon)."""
+        """The daemon's lease id (never reused, even by a restarted daemon).
+        Local acquires of a copy this process holds share it."""
         return self._lease.lease
 
     @property
     def load(self) -> str:
-        """How the daemon found the copy: "hit" (resident), "miss" (this
-        acquire started its load) or "joined" (it waited for a load already
-        under way)."""
+        """How the copy was found: "local" (this process held it, in use or
+        idle: no round trip), or as the daemon says: "hit" (resident),
+        "miss" (this acquire started its load) or "joined" (it waited for a
+        load already under way)."""
         return self._lease.load
 
     @property
@@ -303,6 +323,10 @@ class Client:
         loading it if no copy is resident. The GIL is released while it
         waits; Ctrl-C (on the main thread) ends the wait.
 
+        When this process already holds the model (in use, or kept idle
+        after its last use), the acquire is local: no round trip, the same
+        mapping and lease id, ``load`` "local" (see the module docstring).
+
         Args:
             model: the catalog's id or alias.
             timeout: bounds the whole call: reconnecting, waiting for the
@@ -331,6 +355,12 @@ class Client:
         {"server", "version", "limits"}."""
         return self._client.info()
 
+    def idle_leases(self) -> int:
+        """How many leases this client keeps idle now: mapped, used by no
+        lease object or view, revived by the next acquire of their model,
+        and released when the daemon recalls them or ``keep_idle`` passes."""
+        return self._client.idle_leases()
+
     def close(self) -> None:
         """Closes the connection now. Leases whose copies this process still
         maps (through views) stay orphaned in the daemon until they are
@@ -348,13 +378,25 @@ class Client:
         return f"<modelcache.serve.Client {self.socket_path!r}>"
 
 
-def connect(socket_path: PathLike, *, connect_timeout: Timeout = 0) -> Client:
+#: How long an idle lease is kept: seconds (>= 0) or a timedelta.
+KeepIdle = Union[float, int, "datetime.timedelta"]
+
+
+def connect(socket_path: PathLike, *, connect_timeout: Timeout = 0,
+            keep_idle: KeepIdle = 60.0) -> Client:
     """Connects to the daemon listening at ``socket_path``.
 
     Args:
         socket_path: the daemon's socket (``--socket``).
         connect_timeout: how long to keep trying (with backoff) while the
             daemon is not there yet; 0 tries once.
+        keep_idle: how long (seconds, or a timedelta) a lease that no lease
+            object or view uses any more is kept, mapped, so that the next
+            acquire of its model is local; the daemon may recall it sooner
+            when it needs the room. 0 releases a lease when its last lease
+            object or view ends (every acquire is then a round trip, unless
+            another one of the same model is alive). With a daemon that
+            cannot recall leases, leases are never kept idle.
 
     Raises:
         modelcache.errors.DaemonUnavailableError: nobody answers there.
@@ -365,4 +407,5 @@ def connect(socket_path: PathLike, *, connect_timeout: Timeout = 0) -> Client:
     """
     return Client(_core._ServeClient.connect(
         _args.path(socket_path, "socket_path"),
-        _args.timeout(connect_timeout, "connect_timeout")))
+        _args.timeout(connect_timeout, "connect_timeout"),
+        _args.seconds(keep_idle, "keep_idle")))

@@ -6,10 +6,12 @@
 // Ownership. A lease's RemoteWeights (the mapping of the daemon's copy, and
 // the lease itself) lives in one RemoteCopy, shared through a shared_ptr by
 // the _RemoteLease object and every view taken from it (a numpy array's base
-// object, a DLPack tensor's manager context). ~RemoteWeights unmaps the copy
-// and then tells the daemon the lease ended, so that happens only once the
-// lease is released *and* the last view is gone: released means unmapped,
-// never unmapped while a view still reads it.
+// object, a DLPack tensor's manager context). ~RemoteWeights ends this
+// reference to the client's mapping (the client keeps the lease idle, or
+// unmaps the copy and then tells the daemon the lease ended), so that
+// happens only once the lease is released *and* the last view is gone:
+// never unmapped while a view still reads it. A local acquire (a model this
+// process holds) is another RemoteCopy over the same mapping.
 //
 // The GIL. Connecting, acquiring and pinging wait for the daemon, so they
 // run under WithoutGil; an acquire on the main thread polls Python's signal
@@ -250,10 +252,12 @@ class PyServeClient {
       : client_(std::make_shared<serve::Client>(std::move(client))) {}
 
   static PyServeClient Connect(const py::handle& path,
-                               const py::object& connect_timeout) {
+                               const py::object& connect_timeout,
+                               const py::object& keep_idle) {
     const std::string socket = PathFrom(path);
     serve::ClientOptions options;
     options.connect_timeout = MillisFrom(connect_timeout, "connect_timeout");
+    options.keep_idle = KeepIdleFrom(keep_idle);
     serve::Client client =
         WithoutGil([&] { return serve::Client::Connect(socket, options); });
     return PyServeClient(std::move(client));
@@ -300,7 +304,24 @@ class PyServeClient {
 
   const std::string& socket_path() const { return client_->socket_path(); }
 
+  size_t IdleLeases() {
+    std::shared_ptr<serve::Client> client = client_;
+    return WithoutGil([&] { return client->IdleLeases(); });
+  }
+
  private:
+  // keep_idle: seconds (a number or a timedelta, >= 0). None, which a
+  // timeout reads as the protocol's longest wait, is refused here: no
+  // default reading of it would be unsurprising.
+  static std::chrono::milliseconds KeepIdleFrom(const py::object& seconds) {
+    if (seconds.is_none()) {
+      RaiseError(ErrorCode::kInvalidArgument,
+                 "keep_idle must be a number of seconds (>= 0) or a "
+                 "timedelta, not None");
+    }
+    return MillisFrom(seconds, "keep_idle");
+  }
+
   std::shared_ptr<serve::Client> client_;
 };
 
@@ -340,12 +361,13 @@ void BindServe(py::module_& m) {
                             "A connection to modelcache serve; see "
                             "modelcache.serve.Client.")
       .def_static("connect", &PyServeClient::Connect, py::arg("socket_path"),
-                  py::arg("connect_timeout"))
+                  py::arg("connect_timeout"), py::arg("keep_idle"))
       .def("acquire", &PyServeClient::Acquire, py::arg("model"),
            py::arg("timeout"), py::arg("when_full"))
       .def("ping", &PyServeClient::Ping, py::arg("timeout"))
       .def("info", &PyServeClient::Info)
       .def("close", &PyServeClient::Close)
+      .def("idle_leases", &PyServeClient::IdleLeases)
       .def_property_readonly("socket_path", &PyServeClient::socket_path);
 }
 

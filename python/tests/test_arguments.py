@@ -11,6 +11,7 @@ function added without a row fails here.
 
 from __future__ import annotations
 
+import datetime
 import inspect
 import json
 import re
@@ -220,7 +221,14 @@ def test_serve_functions_name_the_wrong_argument(tmp_path: Path, weights_file: P
     daemon = Daemon(tmp_path, tmp_path / "catalog.json", tmp_path).start()
     try:
         check_wrong(modelcache.serve.connect, dict(socket_path=daemon.socket,
-                                                   connect_timeout=0))
+                                                   connect_timeout=0, keep_idle=60))
+        for bad, error in ((None, TypeError), ("1", TypeError), (True, TypeError),
+                           (-1, InvalidArgumentError),
+                           (float("nan"), InvalidArgumentError),
+                           (datetime.timedelta(seconds=-1), InvalidArgumentError)):
+            with pytest.raises(error) as info:
+                modelcache.serve.connect(daemon.socket, keep_idle=bad)
+            assert "keep_idle" in str(info.value), (bad, info.value)
         with modelcache.serve.connect(daemon.socket) as client:
             check_wrong(client.acquire, dict(model="m", timeout=30, when_full="wait"))
             check_wrong(client.ping, dict(timeout=5))

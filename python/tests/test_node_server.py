@@ -92,14 +92,17 @@ class Server:
 
     def __init__(self, tmp: Path, daemon: Daemon, runner: str = "uvicorn",
                  env: Optional[Dict[str, str]] = None,
-                 workers: Optional[int] = None) -> None:
+                 workers: Optional[int] = None,
+                 app_dir: Optional[Path] = None) -> None:
+        # app_dir: another copy of the example (the benchmark's baseline).
+        app_dir = app_dir or EXAMPLE
         self.count = workers or WORKERS
         self.runner = runner
         self.uds = str(tmp / "http.sock")
         self.log = tmp / f"{runner}.log"
         environment = dict(os.environ)
         environment.update({
-            "PYTHONPATH": os.pathsep.join([str(build_dir() / "python"), str(EXAMPLE)]),
+            "PYTHONPATH": os.pathsep.join([str(build_dir() / "python"), str(app_dir)]),
             "MODELCACHE_SOCKET": daemon.socket,
             "NODE_NAME": "test-node",
         })
@@ -113,7 +116,7 @@ class Server:
                     "--bind", "unix:" + self.uds, "--log-level", "warning",
                     "--graceful-timeout", "5"]
         with open(self.log, "ab") as log:
-            self.proc = subprocess.Popen(args, env=environment, cwd=str(EXAMPLE),
+            self.proc = subprocess.Popen(args, env=environment, cwd=str(app_dir),
                                          stdout=log, stderr=log,
                                          preexec_fn=die_with_parent)
         self.seen: set = set()
@@ -212,7 +215,7 @@ def drive(uds: str, clients: int, per_client: int, seed: int = 0
 def check_answer(model_id, status, headers, body, inputs) -> None:
     assert status == 200, (model_id, status, body)
     assert headers["X-Node"] == "test-node"
-    assert headers["X-Load"] in ("hit", "miss", "joined")
+    assert headers["X-Load"] in ("local", "hit", "miss", "joined")
     assert float(headers["X-Wait-Ms"]) >= 0
     torch.testing.assert_close(torch.tensor(body["outputs"]),
                                expected(model_id, inputs), rtol=1e-5, atol=1e-5)
@@ -238,10 +241,23 @@ def books_match_maps(daemon: Daemon, pids: List[int]) -> None:
             assert memfd_maps(lease["pid"], f":{m}#"), (m, lease)
 
 
+def uses(daemon: Daemon, model: str) -> List[Tuple[int, str]]:
+    """(pid, use) of every lease the daemon holds on `model`."""
+    return [(l["pid"], l["use"]) for l in daemon.leases(model)]
+
+
+def metric(daemon: Daemon, sample: str) -> float:
+    for line in daemon.get("/metrics").splitlines():
+        if line.startswith(sample + " "):
+            return float(line.split()[-1])
+    raise AssertionError(f"no sample {sample} in /metrics")
+
+
 def test_four_workers_hold_one_copy(node):
     shmem_before = shmem_bytes()
     daemon = node()
-    server = node.server(daemon, env={"KEEP_LEASE_SECONDS": "600"})
+    # Idle leases kept longer than the test runs, however slow the machine.
+    server = node.server(daemon, env={"MODELCACHE_KEEP_IDLE": "600"})
     results = drive(server.uds, CLIENTS, REQUESTS_PER_CLIENT)
     assert len(results) == CLIENTS * REQUESTS_PER_CLIENT
     for r in results:
@@ -266,12 +282,33 @@ def test_four_workers_hold_one_copy(node):
             inodes.setdefault(name, set()).add(line.split()[4])
     assert inodes and all(len(v) == 1 for v in inodes.values()), inodes
     books_match_maps(daemon, server.workers())
+    # No request runs now: every lease is idle, which the daemon counts as
+    # evictable (the budget is honest), none is in use, and a worker holds
+    # one lease per model (the daemon sees one lease per process per copy).
+    wait_until(lambda: all(u == "idle" for m in models.SHAPES
+                           for _, u in uses(daemon, m)),
+               "every worker's leases are idle")
+    assert metric(daemon, 'modelcache_delegated_leases{use="in_use"}') == 0
+    assert metric(daemon, 'modelcache_delegated_leases{use="idle"}') > 0
+    for m in models.SHAPES:
+        pids = [pid for pid, _ in uses(daemon, m)]
+        assert len(pids) == len(set(pids)), (m, pids)
+    # Each request acquires and releases; a request of a model its worker
+    # served before finds the idle lease there: local, no round trip.
+    served = {(r[2]["X-Worker-Pid"], r[0]) for r in results}
+    checked = 0
+    for r in drive(server.uds, 1, 2 * len(models.SHAPES), seed=1):
+        check_answer(*r)
+        if (r[2]["X-Worker-Pid"], r[0]) in served:
+            assert r[2]["X-Load"] == "local", r[2]["X-Load"]
+            checked += 1
+    assert checked > 0
+    assert {m: daemon.model(m)["loads"] for m in models.SHAPES} == loads
 
 
 def test_a_killed_worker_frees_its_leases_and_the_others_answer(node):
     daemon = node()
-    server = node.server(daemon, runner="gunicorn",
-                         env={"KEEP_LEASE_SECONDS": "60"})
+    server = node.server(daemon, runner="gunicorn")
     for r in drive(server.uds, CLIENTS, 5):
         check_answer(*r)
     victim = next(l["pid"] for m in models.SHAPES for l in daemon.leases(m))
@@ -300,46 +337,47 @@ def test_a_killed_worker_frees_its_leases_and_the_others_answer(node):
 
 def test_daemon_killed_and_restarted(node):
     daemon = node()
-    server = node.server(daemon, env={"KEEP_LEASE_SECONDS": "600"})
-    served = ["m0", "m1", "m2", "m3"]  # m4: asked for only after the kill
-    for c in range(CLIENTS):
-        for i, model_id in enumerate(served):
-            inputs = inputs_for(model_id, c * 10 + i)
+    server = node.server(daemon)
+    sent = [0]
+
+    def every_worker_holds_a_lease() -> bool:
+        # Requests until each worker has connected and holds idle leases (a
+        # worker that never connected would back off after the kill, and
+        # answer 503 for a while after the restart too).
+        for model_id in ["m0", "m1", "m2", "m3"]:
+            inputs = inputs_for(model_id, sent[0])
+            sent[0] += 1
             check_answer(model_id, *request(server.uds, "POST",
                                             f"/v1/models/{model_id}/infer",
                                             {"inputs": inputs}), inputs)
+        holders = {l["pid"] for m in models.SHAPES for l in daemon.leases(m)}
+        return holders >= set(server.workers())
+
+    wait_until(every_worker_holds_a_lease, "every worker holds a lease",
+               bound=120)
+    assert all(memfd_maps(pid) for pid in server.workers())  # idle leases
     daemon.kill()
-    holders = {m: {pid for pid in server.workers() if memfd_maps(pid, f":{m}#")}
-               for m in models.SHAPES}
-    assert not holders["m4"] and any(holders[m] for m in served), holders
-    # Held models keep answering from the workers that map them; a model a
-    # worker does not hold is refused at once with 503 + Retry-After.
-    answered = 0
-    for i in range(40):
+    # Idle leases end with the connection: each worker's client unmaps them.
+    wait_until(lambda: not any(memfd_maps(pid) for pid in server.workers()),
+               "the workers drop their idle leases")
+    # Every request is refused at once with 503 + Retry-After, not queued.
+    for i in range(10):
         model_id = list(models.SHAPES)[i % 5]
-        inputs = inputs_for(model_id, 7000 + i)
         start = time.monotonic()
         status, headers, body = request(server.uds, "POST",
                                         f"/v1/models/{model_id}/infer",
-                                        {"inputs": inputs})
-        if status == 200:
-            answered += 1
-            assert int(headers["X-Worker-Pid"]) in holders[model_id]
-            check_answer(model_id, status, headers, body, inputs)
-        else:
-            assert status == 503 and headers["Retry-After"] == "1", (status, body)
-            assert body["error"] == "UNAVAILABLE", body
-            assert time.monotonic() - start < 10  # not a queue of minutes
-        if model_id == "m4":
-            assert status == 503
-    assert answered > 0
+                                        {"inputs": inputs_for(model_id, 7000 + i)})
+        assert status == 503 and headers["Retry-After"] == "1", (status, body)
+        assert body["error"] == "UNAVAILABLE", body
+        assert time.monotonic() - start < 10  # not a queue of minutes
     restarted = node()
     # Every request is answered again once the daemon is back.
     for r in drive(server.uds, CLIENTS, 10, seed=3):
         check_answer(*r)
-    # Nothing leaks: the new daemon's books (its own copies, and the old
-    # copies the workers still map, as orphans) equal what processes map.
+    # Nothing leaks: the new daemon's books equal what processes map, and
+    # no copy of the old daemon is still mapped (nothing orphaned).
     books_match_maps(restarted, server.workers())
+    assert restarted.get("/v1/copies")["orphans"] == []
 
 
 def test_the_module_runs_on_the_shared_mapping(node):
@@ -359,15 +397,23 @@ def test_the_module_runs_on_the_shared_mapping(node):
                            expected("m2", inputs))
     del net, param
     gc.collect()
-    wait_until(lambda: daemon.leases("m2") == [], "the lease ends with the module")
+    # The module was the last user: the lease is idle (delegated), still
+    # mapped for the next acquire, and evictable for the daemon.
+    wait_until(lambda: uses(daemon, "m2") == [(os.getpid(), "idle")],
+               "the lease is idle once the module is gone")
+    assert client.idle_leases() == 1
 
 
-def test_a_full_node_answers_503_at_once(node):
-    """TOO_LARGE and CAPACITY (nothing evictable: a worker holds the other
-    model) are refused at once with 503 and Retry-After, not queued."""
+def test_a_full_node_answers_503_at_once_and_recalls_idle_leases(node):
+    """TOO_LARGE and CAPACITY (nothing evictable: a lease in use holds the
+    other model) are refused at once with 503 and Retry-After, not queued;
+    a model the worker holds only idle is recalled to make room."""
+    import modelcache.serve
+
     daemon = node(capacity="30MiB", http="127.0.0.1:0")  # m3 (21 MB) fits, m3 + m2 do not
-    server = node.server(daemon, workers=1, env={"KEEP_LEASE_SECONDS": "600",
-                                                 "DAEMON_HTTP": daemon.ready["http"]})
+    server = node.server(daemon, workers=1,
+                         env={"DAEMON_HTTP": daemon.ready["http"]})
+    worker = server.workers()[0]
     status, _, body = request(server.uds, "GET", "/readyz")
     assert (status, body["ready"], body["node"]) == (200, True, "test-node"), body
 
@@ -385,13 +431,27 @@ def test_a_full_node_answers_503_at_once(node):
     (status, headers, body), inputs = infer("m3")
     check_answer("m3", status, headers, body, inputs)
     assert headers["X-Load"] == "miss"
-    (status, headers, body), _ = infer("m2")  # m3 is leased: no room
+    wait_until(lambda: uses(daemon, "m3") == [(worker, "idle")],
+               "the worker's lease on m3 is idle")
+    # This process uses m3 too: nothing is evictable, m2 is refused.
+    mine = modelcache.serve.connect(daemon.socket, keep_idle=0).acquire("m3")
+    (status, headers, body), _ = infer("m2")
     assert (status, body["error"], headers["Retry-After"]) == (503, "CAPACITY", "1"), body
     assert "m3" in body["message"]  # it names what holds the memory
     assert daemon.model("m2")["loads"] == 0
-    (status, headers, body), inputs = infer("m3")
-    check_answer("m3", status, headers, body, inputs)
-    assert headers["X-Load"] == "hit"
+    mine.release()
+    wait_until(lambda: uses(daemon, "m3") == [(worker, "idle")],
+               "only the worker's idle lease holds m3")
+    # Now m3 is held only idle: the daemon recalls it from the worker, which
+    # unmaps it and answers release, and m2 loads.
+    (status, headers, body), inputs = infer("m2")
+    check_answer("m2", status, headers, body, inputs)
+    assert headers["X-Load"] == "miss"
+    assert metric(daemon, 'modelcache_recalls_total{answer="release"}') == 1
+    assert uses(daemon, "m3") == [] and not memfd_maps(worker, ":m3#")
+    (status, headers, body), inputs = infer("m2")
+    check_answer("m2", status, headers, body, inputs)
+    assert headers["X-Load"] == "local"
     daemon.kill()
     status, headers, body = request(server.uds, "GET", "/readyz")
     assert (status, body["ready"], headers["Retry-After"]) == (503, False, "1"), body

@@ -117,7 +117,9 @@ def test_torch_is_zero_copy_and_copy_true_owns_its_memory(node):
 
 def test_a_view_keeps_the_mapping_and_the_lease_until_it_is_gone(node):
     daemon = node()
-    client = modelcache.serve.connect(daemon.socket)
+    # keep_idle=0: no idle delegation (test_delegation.py), so the end of the
+    # last view ends the lease.
+    client = modelcache.serve.connect(daemon.socket, keep_idle=0)
     lease = client.acquire("a")
     array = lease.numpy("weight")
     tensor = lease.torch("bias")
@@ -233,7 +235,9 @@ def test_load_says_hit_miss_or_joined(node):
     starter.join(timeout=60)
     joiner.join(timeout=60)
     assert first[0].load == "miss" and second[0].load == "joined"
-    with client.acquire("a") as third:
+    # Another client: its acquire is a round trip (this one's would be
+    # local, as its leases on "a" are alive).
+    with modelcache.serve.connect(daemon.socket).acquire("a") as third:
         assert third.load == "hit"
     assert daemon.model("a")["loads"] == 1
     first[0].release()

@@ -12,11 +12,11 @@ the node within its memory budget.
 Endpoints:
 
   POST /v1/models/{id}/infer   {"inputs": [[...], ...]} -> {"outputs": ...}
-      Headers for a router: X-Node (this node); X-Load: hit (the model was
-      resident: held by this worker or by the daemon), miss (this request's
-      acquire loaded it) or joined (it waited for a load already in
-      flight); X-Wait-Ms (how long getting the weights took). X-Worker-Pid
-      says which worker answered.
+      Headers for a router: X-Node (this node); X-Load: local (this worker
+      held the model, in use or idle: no round trip to the daemon), hit (the
+      daemon had it resident), miss (this request's acquire loaded it) or
+      joined (it waited for a load already in flight); X-Wait-Ms (how long
+      getting the weights took). X-Worker-Pid says which worker answered.
       503 at once, with Retry-After, when the daemon cannot take the model
       now (CAPACITY, TOO_LARGE, BUSY) or cannot be reached: a router sends
       the request to another node instead of queueing it for minutes.
@@ -35,9 +35,15 @@ worker with SIGSEGV (the daemon's copy is sealed, so no other process could
 be affected). A model that must own writable parameters takes
 `lease.torch(copy=True)` instead, at the cost of its own copy.
 
-A worker keeps a lease while requests use it and KEEP_LEASE_SECONDS after
-(then the daemon may evict the model again): a model it holds answers
-without a round trip, and keeps answering while the daemon restarts.
+Each request acquires its model's lease and releases it when it has
+answered. The client's delegation makes that cheap and keeps the node's
+budget honest: an acquire of a model this worker holds (another request
+uses it, or it was used within MODELCACHE_KEEP_IDLE seconds) is local, with
+no round trip; a lease no request uses is idle, which the daemon counts as
+evictable and recalls from the worker when it needs the room. A request in
+flight keeps its model mapped while the daemon restarts; idle leases end
+with the daemon's connection, so after a restart the next request of each
+model is a round trip to the new daemon.
 """
 
 from __future__ import annotations
@@ -64,11 +70,13 @@ NODE = os.environ.get("NODE_NAME", socket.gethostname())
 # How long a request may wait for its model's load (its own, or one already
 # running). Not for room: a full node answers 503 at once.
 ACQUIRE_TIMEOUT = float(os.environ.get("ACQUIRE_TIMEOUT", "30"))
-# How long a worker keeps a lease it no longer uses; 0 releases it after
-# each request. A held lease answers without a round trip to the daemon and
-# keeps answering while the daemon restarts, but the daemon cannot evict the
-# model meanwhile.
-KEEP_LEASE_SECONDS = float(os.environ.get("KEEP_LEASE_SECONDS", "10"))
+# How long the client keeps a lease that no request uses any more, idle
+# (modelcache.serve.connect's keep_idle): the next request of the model
+# within it acquires locally, without a round trip, and the daemon may
+# recall it sooner when it needs the room. 0: every request whose model no
+# other request of this worker uses is a round trip (the benchmark's
+# baseline).
+KEEP_IDLE = float(os.environ.get("MODELCACHE_KEEP_IDLE", "60"))
 # How long a miss waits for an unreachable daemon before answering 503:
 # every 503 comes within it, whether or not this worker ever reached the
 # daemon. After a failed connect the worker waits (from 50 ms, doubling up
@@ -94,23 +102,6 @@ SERVICE_MS = float(os.environ.get("SERVICE_MS", "0"))
 app = FastAPI(title="modelcache node server")
 
 
-class _Held:
-    """A lease this worker keeps, its tensors, and who uses it now."""
-
-    __slots__ = ("lease", "net", "users", "last_used")
-
-    def __init__(self, model_id: str, lease: Any) -> None:
-        self.lease = lease
-        if isinstance(lease, modelcache.serve.RemoteLease):
-            tensors = lease.torch()  # zero-copy views over the mapping
-        else:  # the in-process baseline's WeightsLease
-            tensors = {n: lease.torch(n) for n in lease.names()}
-        # The module's parameters are these tensors: it runs on the mapping.
-        self.net = models.bind(model_id, tensors)
-        self.users = 0
-        self.last_used = time.monotonic()
-
-
 _lock = threading.Lock()
 _connected = threading.Condition(_lock)  # a connect attempt ended
 _client: "modelcache.serve.Client | None" = None
@@ -118,9 +109,10 @@ _connecting = False  # one attempt at a time
 _backoff = 0.0  # seconds; 0 until a connect fails
 _next_connect = 0.0  # time.monotonic() before which none is tried
 _connect_error = ""  # why the last attempt failed
-_held: Dict[str, _Held] = {}
-_sweeper: "threading.Thread | None" = None
+# Requests of this worker using each model now (see _acquire's ping).
+_using: Dict[str, int] = {}
 _store: Any = None  # WEIGHTS=inprocess
+_stored: set = set()  # models the in-process store has read
 
 
 def _unreachable(message: str) -> errors.DaemonUnavailableError:
@@ -135,15 +127,11 @@ def client(deadline: "float | None" = None) -> modelcache.serve.Client:
     (time.monotonic(); default CONNECT_TIMEOUT from now) when the daemon
     cannot be reached, and at once while backing off after a failed
     attempt."""
-    global _client, _sweeper, _connecting, _backoff, _next_connect
+    global _client, _connecting, _backoff, _next_connect
     global _connect_error
     if deadline is None:
         deadline = time.monotonic() + CONNECT_TIMEOUT
     with _lock:
-        if _sweeper is None and KEEP_LEASE_SECONDS > 0:
-            _sweeper = threading.Thread(target=_sweep, daemon=True,
-                                        name="lease-sweeper")
-            _sweeper.start()
         while True:
             if _client is not None or WEIGHTS == "inprocess":
                 return _client
@@ -164,7 +152,8 @@ def client(deadline: "float | None" = None) -> modelcache.serve.Client:
     made = None
     try:
         made = modelcache.serve.connect(
-            SOCKET, connect_timeout=max(0.0, deadline - time.monotonic()))
+            SOCKET, connect_timeout=max(0.0, deadline - time.monotonic()),
+            keep_idle=KEEP_IDLE)
     except errors.Error as e:
         with _lock:
             _connecting = False
@@ -186,49 +175,30 @@ def client(deadline: "float | None" = None) -> modelcache.serve.Client:
         return _client
 
 
-def _sweep() -> None:
-    """Releases the leases nobody used for KEEP_LEASE_SECONDS."""
-    while True:
-        time.sleep(KEEP_LEASE_SECONDS / 4)
-        now = time.monotonic()
-        with _lock:
-            idle = [m for m, h in _held.items()
-                    if h.users == 0 and now - h.last_used > KEEP_LEASE_SECONDS]
-            gone = [_held.pop(m) for m in idle]
-        for h in gone:
-            h.net = None
-            h.lease.release()  # unmapped once the last view is gone
-
-
-def _take(model_id: str) -> "tuple[_Held, float, str]":
-    """The model's held lease (acquiring it if this worker holds none), how
-    long that took in milliseconds, and how the copy was found: "hit" (held
-    here, or resident in the daemon), "miss" (this request's acquire loaded
-    it) or "joined" (it waited for a load already in flight)."""
+def _acquire(model_id: str) -> "tuple[Any, float, str]":
+    """A lease on the model, how long getting it took in milliseconds, and
+    how the copy was found (the X-Load header)."""
     start = time.perf_counter()
     deadline = time.monotonic() + CONNECT_TIMEOUT
     c = client(deadline)
-    with _lock:
-        h = _held.get(model_id)
-        if h is not None:
-            h.users += 1
-            return h, (time.perf_counter() - start) * 1000, "hit"
     if WEIGHTS == "inprocess":
         lease = _store_lease(model_id)
-        load = "miss"
-    else:
-        # An unreachable daemon: 503 within CONNECT_TIMEOUT of the start.
-        c.ping(timeout=max(0.0, deadline - time.monotonic()))
-        lease = c.acquire(model_id, timeout=ACQUIRE_TIMEOUT, when_full="fail")
-        load = lease.load
-    fresh = _Held(model_id, lease)
+        with _lock:
+            load = "hit" if model_id in _stored else "miss"
+            _stored.add(model_id)
+        return lease, (time.perf_counter() - start) * 1000, load
     with _lock:
-        h = _held.setdefault(model_id, fresh)
-        h.users += 1
-    if h is not fresh:  # another request of this worker got there first
-        fresh.net = None
-        lease.release()
-    return h, (time.perf_counter() - start) * 1000, load
+        in_use = _using.get(model_id, 0) > 0
+    # An acquire that is a round trip retries an unreachable daemon until
+    # ACQUIRE_TIMEOUT; a ping first answers 503 within CONNECT_TIMEOUT. It
+    # is skipped where the acquire is local (another request here uses the
+    # model: that works even without the daemon) or where the connection is
+    # known alive (the client keeps idle leases, so a thread of its own
+    # watches the socket and drops them when the daemon goes).
+    if not in_use and c.idle_leases() == 0:
+        c.ping(timeout=max(0.0, deadline - time.monotonic()))
+    lease = c.acquire(model_id, timeout=ACQUIRE_TIMEOUT, when_full="fail")
+    return lease, (time.perf_counter() - start) * 1000, lease.load
 
 
 def _store_lease(model_id: str) -> Any:
@@ -241,18 +211,14 @@ def _store_lease(model_id: str) -> Any:
     return _store.acquire(os.path.join(MODEL_ROOT, model_id + ".safetensors"))
 
 
-def _give_back(h: _Held) -> None:
-    release = False
-    with _lock:
-        h.users -= 1
-        h.last_used = time.monotonic()
-        if KEEP_LEASE_SECONDS <= 0 and h.users == 0:
-            release = _held.get(h.lease.model) is h
-            if release:
-                del _held[h.lease.model]
-    if release:
-        h.net = None
-        h.lease.release()
+def _module(model_id: str, lease: Any) -> Any:
+    """The model as a module whose parameters are the lease's tensors: it
+    runs on the mapping (zero-copy), and holds it until it is dropped."""
+    if isinstance(lease, modelcache.serve.RemoteLease):
+        tensors = lease.torch()  # zero-copy views over the mapping
+    else:  # the in-process baseline's WeightsLease
+        tensors = {n: lease.torch(n) for n in lease.names()}
+    return models.bind(model_id, tensors)
 
 
 class InferRequest(BaseModel):
@@ -273,7 +239,7 @@ def infer(model_id: str, request: InferRequest) -> Any:
     # the daemon releases the GIL, so one worker serves many at once.
     start = time.perf_counter()
     try:
-        held, wait_ms, load = _take(model_id)
+        lease, wait_ms, load = _acquire(model_id)
     except (errors.NotFoundError, FileNotFoundError) as e:
         # The daemon's catalog (or, in-process, MODEL_ROOT) has no such model.
         raise HTTPException(status_code=404, detail=str(e))
@@ -282,14 +248,22 @@ def infer(model_id: str, request: InferRequest) -> Any:
         # CAPACITY, TOO_LARGE, BUSY, and an unreachable daemon
         # (DaemonUnavailableError is an UnavailableError).
         return _unavailable(e, (time.perf_counter() - start) * 1000)
+    with _lock:
+        _using[model_id] = _using.get(model_id, 0) + 1
     try:
-        outputs = models.run(held.net, request.inputs)
+        net = _module(model_id, lease)
+        outputs = models.run(net, request.inputs)
         if SERVICE_MS > 0:  # held until then, lease and all
             rest = SERVICE_MS / 1000 - (time.perf_counter() - start - wait_ms / 1000)
             if rest > 0:
                 time.sleep(rest)
     finally:
-        _give_back(held)
+        # The module's parameters are views of the mapping: the lease is in
+        # use until they are gone too, then idle in the client.
+        net = None
+        lease.release()
+        with _lock:
+            _using[model_id] -= 1
     return JSONResponse(
         content={"model": model_id, "outputs": outputs},
         headers={"X-Node": NODE, "X-Load": load,

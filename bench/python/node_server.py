@@ -60,7 +60,8 @@ sys.path.insert(0, str(ROOT / "examples/python/node_server"))
 import models  # noqa: E402
 import torch  # noqa: E402
 from serve_util import Daemon, build_dir, wait_until  # noqa: E402
-from test_node_server import Server, _UnixHTTP, children  # noqa: E402
+from serve_util import UnixHTTPConnection  # noqa: E402
+from test_node_server import Server, children  # noqa: E402
 
 import test_node_server  # noqa: E402
 
@@ -83,7 +84,7 @@ def load(uds: str, clients: int, requests: int) -> Tuple[float, List[float], int
     per_client = requests // clients
 
     def one(c: int):
-        conn = _UnixHTTP(uds)
+        conn = UnixHTTPConnection(uds)
         lat, errors = [], 0
         for i in range(per_client):
             m = ids[(c + i) % len(ids)]
@@ -113,7 +114,7 @@ def warm(server: Server, workers: int) -> None:
     while len(seen) < workers * len(models.SHAPES):
         assert time.monotonic() < give_up, "warming never reached every worker"
         for m in models.SHAPES:
-            conn = _UnixHTTP(server.uds)
+            conn = UnixHTTPConnection(server.uds)
             conn.request("POST", f"/v1/models/{m}/infer", body=body[m],
                          headers={"Content-Type": "application/json"})
             r = conn.getresponse()
@@ -190,7 +191,7 @@ def first_answer(tmp: Path, mode: str) -> Dict:
     fake = daemon or type("D", (), {"socket": str(tmp / "none.sock")})()
     server = Server(tmp, fake, env=env)
     try:
-        conn = _UnixHTTP(server.uds)
+        conn = UnixHTTPConnection(server.uds)
         t = time.perf_counter()
         conn.request("POST", "/v1/models/m4/infer",
                      body=json.dumps({"inputs": [[0.0] * 2048]}).encode(),

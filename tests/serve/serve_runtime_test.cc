@@ -53,17 +53,27 @@ TEST(ServeRuntime, DeviceCachesPlaceTheDaemonsCopies) {
       EXPECT_EQ(std::memcmp(back.data(), t.host.data(), back.size()), 0)
           << t.info->name;
     }
-    // One copy on the host for both devices: one lease per placement, one
-    // load.
+    // One copy on the host for both devices: one load, and one lease in
+    // the process, which both placements reference.
     EXPECT_EQ(daemon.Metric("modelcache_loads_total"), 1);
-    EXPECT_EQ(daemon.Model("unet")["leases"].size(), 2u);
+    EXPECT_EQ(daemon.Model("unet")["leases"].size(), 1u);
     on0.Release();
     on1.Release();
     // The device caches keep the placements (and so the host leases) until
     // the runtime goes.
   }
+  // Destroying the runtime ends its references: the client keeps the lease
+  // idle, and the daemon is told so.
+  Eventually(
+      [&] {
+        const json leases = daemon.Model("unet")["leases"];
+        return leases.size() == 1 && leases[0]["use"] == "idle";
+      },
+      "destroying the runtime leaves the lease idle");
+  // And the client's end ends it.
+  runtime_options.host_source.reset();
   Eventually([&] { return daemon.Model("unet")["leases"].empty(); },
-             "destroying the runtime ends its leases");
+             "the client's end ends its lease");
   ExpectBooksCoverMaps(daemon);
 }
 

@@ -52,9 +52,11 @@
 // (hello's limits list recall_timeout_ms); with another, the last
 // reference's end releases the lease as before. A lost connection drops
 // every idle lease (they are unmapped); references in use keep their
-// mapping. A model retired by a SIGHUP reload is recalled from idle
-// holders; references in use keep it, and the next Acquire after they all
-// end loads the new one.
+// mapping. A model retired by a SIGHUP reload (or an HTTP unload) is
+// recalled from idle holders; references in use keep it, and a local
+// Acquire while one is alive (or before the recall is answered) still
+// gets that copy; once the recall is answered, the next Acquire is a round
+// trip for the current one.
 //
 // Releases: ~RemoteWeights never waits for the daemon. A release the
 // socket has no room for now (the daemon is slow to read) is queued and

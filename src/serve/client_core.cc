@@ -215,6 +215,16 @@ std::shared_ptr<MappedCopy> ClientCore::Forget(uint64_t lease) {
   return copy;
 }
 
+bool ClientCore::Reachable(uint64_t lease) const {
+  const auto it = held_.find(lease);
+  if (it == held_.end()) return false;
+  for (const std::string& name : it->second.names) {
+    const auto n = by_name_.find(name);
+    if (n != by_name_.end() && n->second == lease) return true;
+  }
+  return false;
+}
+
 std::shared_ptr<Grant> ClientCore::LocalAcquire(const std::string& name) {
   if (!options_.local_reuse) return nullptr;
   base::MutexLock lock(&mu_);
@@ -264,13 +274,7 @@ void ClientCore::Keep(const std::shared_ptr<MappedCopy>& copy,
         // by its references only, and goes when they end (or now, idle).
         const uint64_t older = n->second;
         by_name_.erase(n);
-        Held& old = held_.at(older);
-        bool reachable = false;
-        for (const std::string& other : old.names) {
-          const auto o = by_name_.find(other);
-          reachable = reachable || (o != by_name_.end() && o->second == older);
-        }
-        if (!reachable && old.refs == 0) {
+        if (!Reachable(older) && held_.at(older).refs == 0) {
           replaced.push_back(Forget(older));
           release.push_back(older);
         }
@@ -296,14 +300,9 @@ void ClientCore::Unref(std::shared_ptr<MappedCopy> copy) noexcept {
       release = true;
     } else if (--it->second.refs == 0) {
       Held& held = it->second;
-      bool reachable = false;
-      for (const std::string& name : held.names) {
-        const auto n = by_name_.find(name);
-        reachable = reachable || (n != by_name_.end() && n->second == lease);
-      }
       const bool keep = options_.keep_idle.count() > 0 && conn_ &&
                         !conn_->broken && conn_->serial == serial &&
-                        conn_->delegation && reachable && !stop_;
+                        conn_->delegation && Reachable(lease) && !stop_;
       ++idle_;
       if (keep) {
         held.idle_since = Clock::now();

@@ -223,8 +223,8 @@ class ClientCore : public std::enable_shared_from_this<ClientCore> {
   void Release(uint64_t serial, uint64_t lease) noexcept MC_EXCLUDES(mu_);
   // A local reference to `copy` ended (~Grant).
   void Unref(std::shared_ptr<MappedCopy> copy) noexcept MC_EXCLUDES(mu_);
-  // Leases kept idle now, and local references alive (for tests and the
-  // bindings' introspection).
+  // Leases kept idle now: mapped, with no local reference (Client::
+  // IdleLeases).
   size_t IdleLeases() const MC_EXCLUDES(mu_);
 
  private:
@@ -278,6 +278,9 @@ class ClientCore : public std::enable_shared_from_this<ClientCore> {
   // Takes `lease` out of the table; its copy, for the caller to drop
   // (unmapping) outside mu_.
   std::shared_ptr<MappedCopy> Forget(uint64_t lease) MC_REQUIRES(mu_);
+  // Whether a local acquire can find `lease`: some name of it still maps
+  // to it (a later lease of the name may have taken it over).
+  bool Reachable(uint64_t lease) const MC_REQUIRES(mu_);
   // The keeper's chores: idle notices due, idle leases past keep_idle
   // (forgotten into `expired`). Returns when the next one is due.
   Clock::time_point IdleChores(

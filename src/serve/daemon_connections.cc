@@ -195,7 +195,8 @@ void Daemon::Impl::HandleDatagram(Connection& c, std::string_view bytes,
           {"recall_timeout_ms",
            static_cast<uint64_t>(options_.recall_timeout.count())},
       };
-      Send(c, {protocol::EncodeHelloReply(r.id, "modelcache " MODELCACHE_VERSION, limits),
+      Send(c, {protocol::EncodeHelloReply(
+                   r.id, "modelcache " MODELCACHE_VERSION, limits),
                {},
                nullptr,
                0});
@@ -219,14 +220,7 @@ void Daemon::Impl::HandleDatagram(Connection& c, std::string_view bytes,
         HandleUse(c, r);
       } else {
         c.leases.erase(r.lease);
-        {
-          base::MutexLock lock(&leases_mu_);
-          const auto it = leases_.find(r.lease);
-          if (it != leases_.end() && it->second.use == detail::Use::kRecalled) {
-            ++recalls_released_;
-          }
-        }
-        ReleaseLease(r.lease);
+        ReleaseLease(r.lease, /*answer=*/true);
         Send(c, {protocol::EncodeOk(r.id), {}, nullptr, 0});
       }
       return;

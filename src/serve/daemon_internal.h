@@ -346,7 +346,10 @@ class Daemon::Impl {
   void Grant(detail::Connection& c, uint64_t request_id,
              const std::string& model, Lease lease, detail::Result result,
              const char* load, Clock::time_point start);
-  void ReleaseLease(uint64_t lease) MC_EXCLUDES(leases_mu_);
+  // `answer`: the client's own release (which, for a recalled lease, is
+  // the recall's answer), as opposed to its connection's end.
+  void ReleaseLease(uint64_t lease, bool answer = false)
+      MC_EXCLUDES(leases_mu_);
   // Delegation (daemon_leases.cc; design note above).
   void HandleIdle(detail::Connection& c, const protocol::Request& r)
       MC_EXCLUDES(leases_mu_);

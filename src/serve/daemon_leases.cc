@@ -131,7 +131,7 @@ void Daemon::Impl::Grant(Connection& c, uint64_t request_id,
            std::move(fds), std::move(keep), id});
 }
 
-void Daemon::Impl::ReleaseLease(uint64_t lease) {
+void Daemon::Impl::ReleaseLease(uint64_t lease, bool answer) {
   Lease core;
   bool uncovered = false;
   bool recalled = false;
@@ -142,6 +142,7 @@ void Daemon::Impl::ReleaseLease(uint64_t lease) {
     detail::LeaseEntry& e = it->second;
     recalled = e.use == Use::kRecalled;
     if (recalled) --recalls_outstanding_;
+    if (recalled && answer) ++recalls_released_;
     core = std::move(e.lease);
     uncovered = !core;
     if (uncovered) {

@@ -383,7 +383,8 @@ TEST_F(ServeTest, AcquiresSayWhetherTheyHitStartedTheLoadOrJoinedIt) {
   // A process that holds a lease on the model reuses it locally.
   RemoteWeights third = client.Acquire("m", std::chrono::seconds(60));
   EXPECT_EQ(third.load(), "local");
-  EXPECT_TRUE(third.lease() == first.lease() || third.lease() == second.lease());
+  EXPECT_TRUE(third.lease() == first.lease() ||
+              third.lease() == second.lease());
   Client other = Client::Connect(d.socket());
   RemoteWeights fourth = other.Acquire("m", std::chrono::seconds(60));
   EXPECT_EQ(fourth.load(), "hit");

@@ -131,7 +131,8 @@ void Daemon::Impl::Readable(Connection& c) {
   for (int i = 0; i < kReadsPerWakeup && !c.doomed; ++i) {
     const int r =
         detail::ReceiveDatagram(c.fd.get(), protocol::kMaxMessageBytes,
-                                /*max_fds=*/4, MSG_DONTWAIT, &datagram);
+                                2 * protocol::kMaxFilesPerModel, MSG_DONTWAIT,
+                                &datagram);
     if (r < 0) {
       if (errno == EAGAIN || errno == EWOULDBLOCK) return;
       Doom(c, Disconnect::kError);
@@ -141,16 +142,25 @@ void Daemon::Impl::Readable(Connection& c) {
       Doom(c, Disconnect::kClosed);
       return;
     }
-    const bool had_fds = !datagram.fds.empty() || datagram.fds_truncated;
-    datagram.fds.clear();  // never kept: closed at once
+    if (datagram.fds_truncated) {
+      // The kernel closed those that did not fit: the request cannot be
+      // whole.
+      datagram.fds.clear();
+      ++protocol_errors_;
+      SendError(c, 0, ServeCode::kInvalid,
+                "more than " + std::to_string(2 * protocol::kMaxFilesPerModel) +
+                    " descriptors in one message (closed them, dropped the "
+                    "request)");
+      continue;
+    }
     HandleDatagram(c, datagram.bytes, datagram.truncated, datagram.real_bytes,
-                   had_fds);
+                   std::move(datagram.fds));
   }
 }
 
 void Daemon::Impl::HandleDatagram(Connection& c, std::string_view bytes,
                                   bool truncated, size_t real_bytes,
-                                  bool had_fds) {
+                                  std::vector<base::UniqueFd> fds) {
   if (truncated) {
     ++protocol_errors_;
     SendError(c, 0, ServeCode::kInvalid,
@@ -160,11 +170,14 @@ void Daemon::Impl::HandleDatagram(Connection& c, std::string_view bytes,
     return;
   }
   const protocol::ParsedRequest parsed = protocol::ParseRequest(bytes);
-  if (had_fds) {
+  // Only a reclaim carries descriptors; any other request's are closed.
+  const bool takes_fds =
+      parsed.request && parsed.request->op == protocol::Op::kReclaim;
+  if (!fds.empty() && !takes_fds) {
     ++protocol_errors_;
     SendError(c, parsed.id, ServeCode::kInvalid,
-              "the daemon accepts no file descriptors (closed them, dropped "
-              "the request)");
+              "only a reclaim carries file descriptors (closed them, "
+              "dropped the request)");
     return;
   }
   if (!parsed.request) {
@@ -226,6 +239,15 @@ void Daemon::Impl::HandleDatagram(Connection& c, std::string_view bytes,
       return;
     case protocol::Op::kAcquire:
       HandleAcquire(c, r);
+      return;
+    case protocol::Op::kReclaim:
+      HandleReclaim(c, r, std::move(fds));
+      return;
+    case protocol::Op::kTakeover:
+      HandleTakeover(c, r);
+      return;
+    case protocol::Op::kCommit:
+      HandleCommit(c, r);
       return;
   }
 }

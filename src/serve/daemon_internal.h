@@ -333,8 +333,14 @@ class Daemon::Impl {
   void Readable(detail::Connection& c);
   void Writable(detail::Connection& c);
   void HandleDatagram(detail::Connection& c, std::string_view bytes,
-                      bool truncated, size_t real_bytes, bool had_fds);
+                      bool truncated, size_t real_bytes,
+                      std::vector<base::UniqueFd> fds);
   void HandleAcquire(detail::Connection& c, const protocol::Request& r);
+  // Reclaim and takeover (daemon_reclaim.cc, daemon_handover.cc).
+  void HandleReclaim(detail::Connection& c, const protocol::Request& r,
+                     std::vector<base::UniqueFd> fds);
+  void HandleTakeover(detail::Connection& c, const protocol::Request& r);
+  void HandleCommit(detail::Connection& c, const protocol::Request& r);
   void Send(detail::Connection& c, detail::Outgoing message);
   void SendError(detail::Connection& c, uint64_t id, ServeCode code,
                  const std::string& message, const std::string& cause = "");

@@ -149,6 +149,9 @@ const std::vector<OpSpec>& Ops() {
       {Op::kPing, "ping", {}},
       {Op::kIdle, "idle", {"lease"}},
       {Op::kUse, "use", {"lease"}},
+      {Op::kReclaim, "reclaim", {"lease", "model", "use"}},
+      {Op::kTakeover, "takeover", {"handover", "catalog"}},
+      {Op::kCommit, "commit", {}},
   };
   return ops;
 }
@@ -253,7 +256,8 @@ ParsedRequest ParseRequest(std::string_view message) {
   }
   if (spec == nullptr) {
     out.error = "unknown op " + Shown(op->second.text) +
-                " (known: hello, acquire, release, ping, idle, use)";
+                " (known: hello, acquire, release, ping, idle, use, reclaim, "
+                "takeover, commit)";
     return out;
   }
   for (const auto& [name, value] : fields) {
@@ -290,27 +294,31 @@ ParsedRequest ParseRequest(std::string_view message) {
     *value = it->second.number;
     return true;
   };
+  const auto model_field = [&]() -> bool {
+    const auto model = fields.find("model");
+    if (model == fields.end()) {
+      out.error = "missing field 'model'";
+      return false;
+    }
+    if (!model->second.is_string) {
+      out.error = "field 'model' must be a string";
+      return false;
+    }
+    if (!IsValidModelId(model->second.text)) {
+      out.error = "model id " + Shown(model->second.text) +
+                  " is not valid: 1 to 128 characters of [A-Za-z0-9._-], "
+                  "starting with a letter or digit, without '..'";
+      return false;
+    }
+    request.model = model->second.text;
+    return true;
+  };
   switch (spec->op) {
     case Op::kHello:
       if (!number("version", &request.version, false)) return out;
       break;
     case Op::kAcquire: {
-      const auto model = fields.find("model");
-      if (model == fields.end()) {
-        out.error = "missing field 'model'";
-        return out;
-      }
-      if (!model->second.is_string) {
-        out.error = "field 'model' must be a string";
-        return out;
-      }
-      if (!IsValidModelId(model->second.text)) {
-        out.error = "model id " + Shown(model->second.text) +
-                    " is not valid: 1 to 128 characters of [A-Za-z0-9._-], "
-                    "starting with a letter or digit, without '..'";
-        return out;
-      }
-      request.model = model->second.text;
+      if (!model_field()) return out;
       if (!number("timeout_ms", &request.timeout_ms, false)) return out;
       if (request.timeout_ms > kMaxTimeoutMs) {
         out.error = "timeout_ms " + std::to_string(request.timeout_ms) +
@@ -332,7 +340,37 @@ ParsedRequest ParseRequest(std::string_view message) {
     case Op::kUse:
       if (!number("lease", &request.lease, true)) return out;
       break;
+    case Op::kReclaim: {
+      if (!number("lease", &request.lease, true) || !model_field()) return out;
+      const auto use = fields.find("use");
+      if (use == fields.end()) {
+        out.error = "missing field 'use'";
+        return out;
+      }
+      if (!use->second.is_string ||
+          (use->second.text != "in_use" && use->second.text != "idle")) {
+        out.error = "field 'use' must be \"in_use\" or \"idle\"";
+        return out;
+      }
+      request.idle = use->second.text == "idle";
+      break;
+    }
+    case Op::kTakeover: {
+      if (!number("handover", &request.handover, true)) return out;
+      const auto digest = fields.find("catalog");
+      if (digest == fields.end()) {
+        out.error = "missing field 'catalog'";
+        return out;
+      }
+      if (!digest->second.is_string || digest->second.text.size() > 128) {
+        out.error = "field 'catalog' must be a digest string";
+        return out;
+      }
+      request.catalog = digest->second.text;
+      break;
+    }
     case Op::kPing:
+    case Op::kCommit:
       break;
   }
   out.id = request.id;
@@ -470,6 +508,26 @@ std::string EncodeIdle(uint64_t id, uint64_t lease) {
 std::string EncodeUse(uint64_t id, uint64_t lease) {
   return "{\"op\":\"use\",\"id\":" + std::to_string(id) +
          ",\"lease\":" + std::to_string(lease) + "}";
+}
+
+std::string EncodeReclaim(uint64_t id, uint64_t lease, std::string_view model,
+                          bool idle) {
+  return "{\"op\":\"reclaim\",\"id\":" + std::to_string(id) +
+         ",\"lease\":" + std::to_string(lease) +
+         ",\"model\":" + Dump(json(std::string(model))) + ",\"use\":\"" +
+         (idle ? "idle" : "in_use") + "\"}";
+}
+
+std::string EncodeTakeover(uint64_t id, uint64_t handover,
+                           std::string_view catalog_digest) {
+  return Dump(json{{"op", "takeover"},
+                   {"id", id},
+                   {"handover", handover},
+                   {"catalog", std::string(catalog_digest)}});
+}
+
+std::string EncodeCommit(uint64_t id) {
+  return "{\"op\":\"commit\",\"id\":" + std::to_string(id) + "}";
 }
 
 std::string EncodeRecall(uint64_t lease) {

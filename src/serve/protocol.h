@@ -11,6 +11,11 @@
 //   {"op":"ping","id":4}
 //   {"op":"idle","id":5,"lease":17}
 //   {"op":"use","id":6,"lease":17}
+//   {"op":"reclaim","id":7,"lease":17,"model":"sdxl","use":"in_use"}
+//     with 2 descriptors per file, in file order, as an acquire's reply
+//     gave them: the header memfd, then the data memfd
+//   {"op":"takeover","id":8,"handover":1,"catalog":"<sha256 hex>"}
+//   {"op":"commit","id":9}
 //
 // `id` is the client's, >= 1, echoed in the reply; replies may come in any
 // order. `timeout_ms` (default kDefaultTimeoutMs) bounds the whole acquire:
@@ -47,6 +52,27 @@
 // answered within recall_timeout_ms is taken as "use". Both ops are
 // answered {"id":N,"ok":true} (NOT_FOUND for a lease this connection does
 // not hold), and a client need not wait for that answer.
+//
+// Reclaim (a daemon whose hello limits list "reclaim"): after a reconnect
+// to a successor (a crash, a takeover), a client re-asserts each lease it
+// still maps, with the copy's memfds it kept open. The successor adopts the
+// copy when its predecessor created those memfds (its record, or the
+// handover, names their device and inode numbers), they are sealed and of
+// the recorded sizes, and the header's bytes match; the lease keeps its id
+// and its use ("in_use" or "idle") and now belongs to this connection. The
+// reply is {"id":7,"ok":true}; anything else is refused with INVALID (or
+// NOT_FOUND for a lease id the successor does not know) and the
+// descriptors are closed. A refused lease is gone: the client keeps its
+// mapping, which the successor books as orphaned bytes until it ends.
+//
+// Takeover (docs/serve.md, handover.h): a new daemon of the daemon's own
+// uid asks the running one to hand over. The reply is the handover itself,
+// one or more messages {"id":8,"ok":true,"part":K,"more":true|false,
+// "chunk":"..."} with descriptors; a refused takeover is an error reply
+// (its message says why) and changes nothing. "commit" says the new daemon
+// took everything: the old one answers {"id":9,"ok":true}, closes its
+// clients (they reconnect and reclaim) and exits. A takeover connection
+// that ends before its commit leaves the old daemon serving as before.
 //
 // An acquire reply's "load" says how the copy was found: "hit" (resident),
 // "miss" (this acquire started its load) or "joined" (it waited for a load
@@ -98,7 +124,17 @@ bool IsValidModelId(std::string_view id);
 // deeper. Does not check that `text` is JSON.
 bool NestingAtMost(std::string_view text, int max_depth);
 
-enum class Op { kHello, kAcquire, kRelease, kPing, kIdle, kUse };
+enum class Op {
+  kHello,
+  kAcquire,
+  kRelease,
+  kPing,
+  kIdle,
+  kUse,
+  kReclaim,
+  kTakeover,
+  kCommit
+};
 const char* OpName(Op op);
 
 struct Request {
@@ -108,7 +144,10 @@ struct Request {
   std::string model;            // acquire
   uint64_t timeout_ms = kDefaultTimeoutMs;
   bool fail_when_full = false;  // acquire: when_full "fail"
-  uint64_t lease = 0;           // release, idle, use
+  uint64_t lease = 0;           // release, idle, use, reclaim
+  bool idle = false;            // reclaim: use "idle"
+  uint64_t handover = 0;        // takeover: the handover format's version
+  std::string catalog;          // takeover: the catalog's digest
 };
 
 struct ParsedRequest {
@@ -166,6 +205,11 @@ std::string EncodeRelease(uint64_t id, uint64_t lease);
 std::string EncodePing(uint64_t id);
 std::string EncodeIdle(uint64_t id, uint64_t lease);
 std::string EncodeUse(uint64_t id, uint64_t lease);
+std::string EncodeReclaim(uint64_t id, uint64_t lease, std::string_view model,
+                          bool idle);
+std::string EncodeTakeover(uint64_t id, uint64_t handover,
+                           std::string_view catalog_digest);
+std::string EncodeCommit(uint64_t id);
 // The daemon's recall of `lease` (an id-0 message).
 std::string EncodeRecall(uint64_t lease);
 

@@ -28,6 +28,7 @@
 
 #include <algorithm>
 #include <cassert>
+#include <limits>
 #include <string>
 #include <utility>
 
@@ -156,19 +157,34 @@ void Budget::Reserve(uint64_t bytes, const ReserveOptions& options) {
   uint64_t evicted = 0;  // by this call
   // Leaves the waiters; on failure, the victims this call evicted were for
   // nothing.
+  // The capacity this call added (ReserveOptions::grow_capacity), taken
+  // back when it fails.
+  uint64_t grown = 0;
   auto leave = [&](bool failed) {
     if (registered) waiters_.fetch_sub(1);
     registered = false;
     if (failed && evicted > 0) wasted_evictions_.fetch_add(evicted);
+    if (failed && grown > 0) {
+      base::MutexLock lock(&mu_);
+      capacity_ -= grown;
+      grown = 0;
+    }
   };
   for (;;) {
     uint64_t seen_changes = 0;
     uint64_t capacity = 0, used = 0, shortfall = 0;
     {
       base::MutexLock lock(&mu_);
+      if (options.grow_capacity > 0 && grown == 0) {
+        grown = std::min({options.grow_capacity, bytes,
+                          std::numeric_limits<uint64_t>::max() - capacity_});
+        capacity_ += grown;
+      }
       // Written so that no sum can wrap: already_reserved + bytes may pass
       // 2^64, and used_ may exceed capacity_ after a shrink.
       if (bytes > capacity_ || already_reserved > capacity_ - bytes) {
+        capacity_ -= grown;
+        grown = 0;
         const uint64_t cap = capacity_;
         leave(/*failed=*/true);
         const std::string needs =

@@ -334,7 +334,8 @@ Lease CacheCore::LoadAsOwner(Shard& shard, const std::shared_ptr<Record>& rec,
                                     .deadline = options.deadline,
                                     .interrupt = &options.interrupt,
                                     .evict_below = evict_below,
-                                    .for_record = rec->id});
+                                    .for_record = rec->id,
+                                    .grow_capacity = options.grow_capacity});
   } catch (...) {
     FailLoad(shard, rec, std::current_exception(), 0, false);
     throw;

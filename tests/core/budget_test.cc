@@ -509,5 +509,58 @@ TEST(CacheBudget, AVictimWhoseUnloaderRefusedIsTriedAgainAfterNotifyEvictable) {
   EXPECT_EQ(budget->used(), 50u);
 }
 
+
+// Bytes that move into the budget from outside it (a copy a predecessor
+// left mapped, adopted by a successor) bring their room with them: the
+// capacity grows as they are reserved, in one step, so a reservation waiting
+// for room cannot take it first, and the sum of what is held inside and
+// outside the budget never passes what it was.
+TEST(CacheBudget, BytesAdoptedFromOutsideBringTheirRoomAndNoWaiterTakesIt) {
+  auto budget = std::make_shared<Budget>(100, "host");
+  ModelCache cache(On(budget, "models"));
+  Lease full = cache.Acquire("full", 100, SimpleLoader("full", 100));
+  std::latch waiting(1);
+  static std::latch* waiting_latch;
+  waiting_latch = &waiting;
+  detail::reservation_waits_for_room.store([] { waiting_latch->count_down(); });
+  std::thread waiter([&] {
+    Lease w = cache.Acquire("waiter", 40, SimpleLoader("waiter", 40),
+                            WaitForRoom());
+    EXPECT_TRUE(w);
+  });
+  waiting.wait();
+  detail::reservation_waits_for_room.store(nullptr);
+  AcquireOptions adopt;
+  adopt.grow_capacity = 40;
+  Lease adopted =
+      cache.Acquire("adopted", 40, SimpleLoader("adopted", 40), adopt);
+  EXPECT_TRUE(adopted);
+  EXPECT_EQ(budget->capacity(), 140u);
+  EXPECT_EQ(budget->used(), 140u);
+  EXPECT_EQ(budget->waiters(), 1);  // still waiting: the room was not free
+  ASSERT_TRUE(cache.Entry("waiter").has_value());
+  EXPECT_EQ(cache.Entry("waiter")->state, EntryState::kLoading);
+  full.Release();  // now it may evict "full"
+  waiter.join();
+  EXPECT_TRUE(cache.Entry("waiter").has_value());
+  EXPECT_TRUE(cache.Entry("adopted").has_value());
+  EXPECT_LE(budget->used(), budget->capacity());
+}
+
+// A reservation that fails takes back the capacity it added.
+TEST(CacheBudget, AFailedAdoptionLeavesTheCapacityAsItWas) {
+  auto budget = std::make_shared<Budget>(100, "host");
+  ModelCache cache(On(budget, "models"));
+  Lease full = cache.Acquire("full", 100, SimpleLoader("full", 100));
+  AcquireOptions adopt;
+  adopt.grow_capacity = 10;  // 10 of its 40 bytes were counted outside
+  testing::ErrorMessage(
+      [&] { cache.Acquire("adopted", 40, SimpleLoader("adopted", 40), adopt); },
+      ErrorCode::kCapacity);
+  EXPECT_EQ(budget->capacity(), 100u);
+  EXPECT_EQ(budget->used(), 100u);
+  EXPECT_FALSE(cache.Entry("adopted").has_value());
+}
+
 }  // namespace
 }  // namespace modelcache

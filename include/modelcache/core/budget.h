@@ -117,6 +117,12 @@ struct ReserveOptions {
   // The id of the record the bytes are for (detail::VictimCandidate::
   // record_id), left out of the holders a capacity error names; 0 for none.
   uint64_t for_record = 0;
+  // Bytes that move into the budget from outside it (memory the owner
+  // counted apart, such as a copy a predecessor left mapped): the capacity
+  // grows by them in the same step as the reservation is made, so that no
+  // other reservation can take that room first. At most `bytes` count. A
+  // reservation that fails leaves the capacity as it was.
+  uint64_t grow_capacity = 0;
 };
 
 class Budget {

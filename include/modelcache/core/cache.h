@@ -113,6 +113,10 @@ struct AcquireOptions {
   // little, the call fails (kFail) or waits (kWait) as when nothing is
   // evictable.
   bool evict_only_lower_ranked = false;
+  // Bytes of this load that the budget's owner counted outside the budget
+  // until now (ReserveOptions::grow_capacity): the capacity grows by them as
+  // the load's bytes are reserved, in one step.
+  uint64_t grow_capacity = 0;
   // False: make room only from free bytes, evicting nothing (a prewarm into
   // free memory). When that is too little, the call fails (kFail) or waits
   // (kWait) as when nothing is evictable.

@@ -1,12 +1,15 @@
 #include "copy.h"
 
+#include <fcntl.h>
 #include <sys/stat.h>
 #include <unistd.h>
 
 #include <cerrno>
+#include <cstring>
 #include <utility>
 
 #include "files.h"
+#include "handover.h"
 #include "modelcache/base/bytes.h"
 #include "modelcache/base/errors.h"
 #include "modelcache/weights/safetensors.h"
@@ -28,8 +31,9 @@ MemfdId IdOf(int fd) {
 }  // namespace
 
 int FileCopy::data_fd() const {
+  if (adopted_data) return adopted_data.get();
   if (empty_data) return empty_data.get();
-  return allocator->fd(weights.data().data());
+  return allocator->fd(weights->data().data());
 }
 
 ModelCopy::~ModelCopy() {
@@ -93,21 +97,25 @@ std::shared_ptr<ModelCopy> LoadCopy(const CopyLoadOptions& options,
           ::fstat(fd.get(), &st) == 0 ? static_cast<uint64_t>(st.st_size) : 0;
       options.before_read(size);
     }
-    FileCopy file{path, weights::WeightSet::OpenFd(fd.get(), path, load)};
+    FileCopy file;
+    file.name = path;
+    file.weights.emplace(weights::WeightSet::OpenFd(fd.get(), path, load));
     file.allocator = allocator;
-    if (file.weights.data_bytes() > 0) {
-      allocator->Seal(file.weights.data().data());
-      file.memfd_bytes = allocator->memfd_bytes(file.weights.data().data());
+    if (file.weights->data_bytes() > 0) {
+      allocator->Seal(file.weights->data().data());
+      file.memfd_bytes = allocator->memfd_bytes(file.weights->data().data());
     } else {
       file.empty_data = weights::CreateSealedMemfd(name, {});
     }
     const std::string header =
-        weights::SafetensorsHeaderJson(file.weights.header());
+        weights::SafetensorsHeaderJson(file.weights->header());
     file.header = weights::CreateSealedMemfd(
         name + ":header",
         std::span<const std::byte>(
             reinterpret_cast<const std::byte*>(header.data()), header.size()));
     file.header_bytes = header.size();
+    file.header_hash = HeaderHash(header);
+    file.data_bytes = file.weights->data_bytes();
     file.memfd_bytes += weights::PageRoundedBytes(header.size());
     file.data_id = IdOf(file.data_fd());
     file.header_id = IdOf(file.header.get());
@@ -118,6 +126,49 @@ std::shared_ptr<ModelCopy> LoadCopy(const CopyLoadOptions& options,
   // Known to the books only once complete: a failed load was never live.
   if (options.observer) {
     for (const FileCopy& file : files) {
+      options.observer(file.data_id, true);
+      options.observer(file.header_id, true);
+    }
+    copy->observer_ = options.observer;
+  }
+  copy->free_later_ = options.free_later;
+  return copy;
+}
+
+std::shared_ptr<ModelCopy> AdoptCopy(const CopyLoadOptions& options,
+                                     const AdoptedCopy& adopted) {
+  auto copy = std::make_shared<ModelCopy>(adopted.model);
+  copy->origin_ = adopted.origin;
+  uint64_t total = 0;
+  for (const AdoptedFile& a : adopted.files) {
+    FileCopy file;
+    file.name = a.name;
+    file.data_bytes = a.data_bytes;
+    file.header_bytes = a.header_bytes;
+    file.header_hash = a.header_hash;
+    file.adopted_data =
+        base::UniqueFd(::fcntl(a.data.get(), F_DUPFD_CLOEXEC, 0));
+    file.header = base::UniqueFd(::fcntl(a.header.get(), F_DUPFD_CLOEXEC, 0));
+    if (!file.adopted_data || !file.header) {
+      const int error = errno;
+      throw Error(ErrorCode::kIo,
+                  "cannot keep a memfd: " + std::string(std::strerror(error)));
+    }
+    struct stat st;
+    if (::fstat(file.adopted_data.get(), &st) != 0) {
+      throw Error(ErrorCode::kIo, "cannot stat a memfd");
+    }
+    file.memfd_bytes =
+        weights::PageRoundedBytes(static_cast<uint64_t>(st.st_size)) +
+        weights::PageRoundedBytes(a.header_bytes);
+    file.data_id = IdOf(file.adopted_data.get());
+    file.header_id = IdOf(file.header.get());
+    total += file.memfd_bytes;
+    copy->files_.push_back(std::move(file));
+  }
+  copy->bytes_ = total;
+  if (options.observer) {
+    for (const FileCopy& file : copy->files_) {
       options.observer(file.data_id, true);
       options.observer(file.header_id, true);
     }

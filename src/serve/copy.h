@@ -18,6 +18,7 @@
 #include <cstdint>
 #include <functional>
 #include <memory>
+#include <optional>
 #include <string>
 #include <vector>
 
@@ -39,13 +40,18 @@ struct MemfdId {
 };
 
 struct FileCopy {
-  std::string name;            // the catalog's path, relative to the model root
-  weights::WeightSet weights;  // over the daemon's read-only mapping
+  std::string name;  // the catalog's path, relative to the model root
+  // Over the daemon's read-only mapping; none for an adopted copy.
+  std::optional<weights::WeightSet> weights;
   // Owns the data memfd and the mapping (the weights give it back).
   std::shared_ptr<weights::MemfdHostBufferAllocator> allocator;
   base::UniqueFd empty_data;  // the data memfd of a file with no data
+  // The data memfd of an adopted copy (AdoptCopy): not mapped here.
+  base::UniqueFd adopted_data;
   base::UniqueFd header;      // the header memfd
+  uint64_t data_bytes = 0;    // the header's data bytes
   uint64_t header_bytes = 0;  // the header text's size
+  uint64_t header_hash = 0;   // HeaderHash of that text (handover.h)
   uint64_t memfd_bytes = 0;   // both memfds' pages together
   MemfdId data_id;
   MemfdId header_id;
@@ -58,6 +64,7 @@ struct FileCopy {
 using MemfdObserver = std::function<void(const MemfdId&, bool live)>;
 
 struct CopyLoadOptions;
+struct AdoptedCopy;
 
 class ModelCopy : public std::enable_shared_from_this<ModelCopy> {
  public:
@@ -67,6 +74,8 @@ class ModelCopy : public std::enable_shared_from_this<ModelCopy> {
   ModelCopy& operator=(const ModelCopy&) = delete;
 
   const std::string& model() const { return model_; }
+  // How it came to be: "loaded", "taken over" or "reclaimed".
+  const char* origin() const { return origin_; }
   const std::vector<FileCopy>& files() const { return files_; }
   // What the copy holds in memory: every memfd's pages.
   uint64_t bytes() const { return bytes_; }
@@ -74,7 +83,10 @@ class ModelCopy : public std::enable_shared_from_this<ModelCopy> {
  private:
   friend std::shared_ptr<ModelCopy> LoadCopy(const CopyLoadOptions&,
                                              const CatalogModel&);
+  friend std::shared_ptr<ModelCopy> AdoptCopy(const CopyLoadOptions&,
+                                              const AdoptedCopy&);
   const std::string model_;
+  const char* origin_ = "loaded";
   MemfdObserver observer_;  // set once the copy is complete
   std::function<void(std::vector<FileCopy>)> free_later_;  // likewise
   std::vector<FileCopy> files_;
@@ -111,6 +123,28 @@ uint64_t ExpectedCopyBytes(const CopyLoadOptions& options,
 // modelcache::Error; nothing stays allocated on failure.
 std::shared_ptr<ModelCopy> LoadCopy(const CopyLoadOptions& options,
                                     const CatalogModel& model);
+
+// A copy a predecessor made, as its descriptors came back: from the old
+// daemon in a takeover, or from the clients that map it after a crash.
+struct AdoptedFile {
+  std::string name;
+  uint64_t data_bytes = 0;
+  uint64_t header_bytes = 0;
+  uint64_t header_hash = 0;
+  base::UniqueFd header;
+  base::UniqueFd data;
+};
+struct AdoptedCopy {
+  std::string model;
+  const char* origin = "reclaimed";  // or "taken over"
+  std::vector<AdoptedFile> files;
+};
+
+// Makes a copy of the descriptors (checked by the caller against the
+// predecessor's record): nothing is read or mapped. Its bytes are the
+// memfds' pages, as LoadCopy counts them.
+std::shared_ptr<ModelCopy> AdoptCopy(const CopyLoadOptions& options,
+                                     const AdoptedCopy& adopted);
 
 // What CheckCatalog checks of the files, for a catalog already parsed and
 // a root already open: what `modelcache serve --check-catalog` refuses, the

@@ -54,6 +54,7 @@ std::shared_ptr<const Catalog> Daemon::Impl::catalog() const {
 }
 
 void Daemon::Impl::OnEvent(const CacheEvent& event) {
+  if (event.type == EventType::kLoaded && detail::g_adopting) return;
   if (event.type == EventType::kLoaded) {
     load_seconds_.Observe(event.seconds);
     base::MutexLock lock(&stats_mu_);
@@ -99,6 +100,7 @@ void Daemon::Impl::Run() {
       next = std::min(next, recall_deadlines_.begin()->first);
     }
     next = std::min(next, next_cover_);
+    next = std::min(next, grace_end_);
     if (next != Clock::time_point::max()) {
       const auto ms = std::chrono::ceil<std::chrono::milliseconds>(next - now);
       timeout = static_cast<int>(std::clamp<int64_t>(ms.count(), 0, 60'000));
@@ -180,6 +182,7 @@ void Daemon::Impl::Run() {
       next_cover_ = Clock::time_point::max();
       CoverUncovered();
     }
+    if (after >= grace_end_) EndGrace(nullptr);
     if (after >= next_rescan_) {
       next_rescan_ = Clock::time_point::max();
       StartRecheck();
@@ -367,6 +370,17 @@ void Daemon::Reload() { impl_->RequestReload(); }
 HttpResponse Daemon::HandleHttp(const HttpRequest& request) {
   return impl_->HandleHttp(request);
 }
+
+void Daemon::SetHandoverListeners(
+    std::vector<std::pair<std::string, int>> fds) {
+  impl_->SetHandoverListeners(std::move(fds));
+}
+
+int Daemon::TakeHandedOverListener(const std::string& name) {
+  return impl_->TakeHandedOverListener(name);
+}
+
+bool Daemon::HandedOver() const { return impl_->HandedOver(); }
 
 const std::string& Daemon::memfd_prefix() const {
   return impl_->memfd_prefix();

@@ -207,6 +207,8 @@ void Daemon::Impl::HandleDatagram(Connection& c, std::string_view bytes,
           // Says that this daemon takes idle delegations and recalls them.
           {"recall_timeout_ms",
            static_cast<uint64_t>(options_.recall_timeout.count())},
+          // Says that this daemon adopts copies a predecessor made.
+          {"reclaim", 1},
       };
       Send(c, {protocol::EncodeHelloReply(
                    r.id, "modelcache " MODELCACHE_VERSION, limits),

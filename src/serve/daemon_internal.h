@@ -111,6 +111,7 @@
 #include <functional>
 #include <future>
 #include <map>
+#include <optional>
 #include <memory>
 #include <set>
 #include <string>
@@ -119,6 +120,7 @@
 #include <vector>
 
 #include "copy.h"
+#include "handover.h"
 #include "modelcache/base/mutex.h"
 #include "modelcache/base/unique_fd.h"
 #include "modelcache/core/cache.h"
@@ -146,6 +148,10 @@ class Histogram {
   std::atomic<uint64_t> count_{0};
   std::atomic<double> sum_{0};
 };
+
+// Set while this thread adopts a copy into the store (daemon_reclaim.cc):
+// the store's kLoaded event it emits is no load (OnEvent).
+extern thread_local bool g_adopting;
 
 // Results of an acquire, for modelcache_acquires_total{result=...}.
 enum class Result {
@@ -318,6 +324,11 @@ class Daemon::Impl {
   void RequestReload();
   HttpResponse HandleHttp(const HttpRequest& request);
   const std::string& memfd_prefix() const { return memfd_prefix_; }
+  void SetHandoverListeners(std::vector<std::pair<std::string, int>> fds)
+      MC_EXCLUDES(handover_mu_);
+  int TakeHandedOverListener(const std::string& name)
+      MC_EXCLUDES(handover_mu_);
+  bool HandedOver() const { return handed_over_.load(); }
 
  private:
   using Clock = modelcache::Clock;
@@ -459,6 +470,60 @@ class Daemon::Impl {
   uint32_t ConnectionEvents(const detail::Connection& c) const;
   // DaemonOptions::test_pause_reads_fd is readable.
   void PauseHook();
+
+  // ---- reclaim (daemon_reclaim.cc; design note there) ----
+  // Writes `copy` down in the record (before its descriptors go out).
+  void RecordCopy(const detail::ModelCopy& copy) MC_EXCLUDES(record_mu_);
+  // A memfd was freed: the copy it starts goes from the record.
+  void ForgetRecorded(const detail::MemfdId& id) MC_EXCLUDES(record_mu_);
+  void WriteRecord() MC_EXCLUDES(record_mu_);
+  // At start: the predecessor's record, and the grace period when a live
+  // process still maps a copy it names.
+  void ReadPredecessorRecord();
+  void StartGrace() MC_EXCLUDES(orphans_mu_);
+  // Whether a load of `model` waits for a reclaim (the grace period).
+  bool AwaitsReclaim(const std::string& model) const;
+  // The grace period ends for `model` (reclaimed), or for all (null).
+  void EndGrace(const std::string* model);
+  // Puts an adopted copy in the store and returns a lease on it, or null
+  // with `why`. `from_orphans`: its bytes were booked as orphaned.
+  std::optional<Lease> Adopt(detail::AdoptedCopy adopted, bool from_orphans,
+                             std::string* why)
+      MC_EXCLUDES(capacity_mu_, orphans_mu_);
+  mutable base::Mutex record_mu_;
+  // This daemon's copies, by their first header memfd.
+  struct RecordEntry {
+    detail::RecordedCopy copy;
+    const char* origin = "loaded";  // ModelCopy::origin
+    uint64_t bytes = 0;
+  };
+  std::map<detail::MemfdId, RecordEntry> record_ MC_GUARDED_BY(record_mu_);
+  // Adoptions go through the store's loader: not loads to count.
+  std::atomic<uint64_t> adoptions_{0};
+  std::atomic<uint64_t> adopted_bytes_{0};
+  std::atomic<bool> record_error_logged_{false};
+  // Loop-only after start: the predecessor's copies, by each data memfd
+  // (copy, file index); the models awaiting a reclaim and until when.
+  std::vector<detail::RecordedCopy> predecessor_;
+  std::map<detail::MemfdId, std::pair<size_t, size_t>> predecessor_by_data_;
+  std::set<std::string> reclaimable_;
+  Clock::time_point grace_end_ = Clock::time_point::max();
+  std::atomic<int> reclaiming_{0};  // reclaimable_.size(), for /readyz
+  // Lease ids below this were handed out by a predecessor.
+  uint64_t first_lease_ = 0;
+  std::atomic<uint64_t> reclaims_accepted_{0};
+  std::atomic<uint64_t> reclaims_refused_{0};
+  std::atomic<uint64_t> bytes_reclaimed_{0};
+  std::atomic<uint64_t> bytes_refused_{0};
+  std::atomic<uint64_t> bytes_taken_over_{0};
+  std::atomic<double> takeover_seconds_{0};
+  std::atomic<bool> handed_over_{false};
+  // ---- takeover (daemon_handover.cc) ----
+  base::Mutex handover_mu_;
+  std::vector<std::pair<std::string, int>> handover_listeners_
+      MC_GUARDED_BY(handover_mu_);
+  std::map<std::string, base::UniqueFd> taken_listeners_
+      MC_GUARDED_BY(handover_mu_);
 
   // ---- the pool (daemon_threads.cc) ----
   void PoolThread();

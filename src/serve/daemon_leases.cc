@@ -120,7 +120,7 @@ void Daemon::Impl::Grant(Connection& c, uint64_t request_id,
   std::vector<int> fds;
   files.reserve(keep->files().size());
   for (const detail::FileCopy& f : keep->files()) {
-    files.push_back({f.name, f.weights.data_bytes(), f.header_bytes});
+    files.push_back({f.name, f.data_bytes, f.header_bytes});
     fds.push_back(f.header.get());
     fds.push_back(f.data_fd());
   }

@@ -1,24 +1,495 @@
-// Reclaim: copies a predecessor made, re-asserted by the clients that map
-// them (design note: daemon_internal.h).
+// Reclaim: the record of the copies this daemon made, and copies a
+// predecessor made, adopted when a client that still maps them brings
+// their memfds back (design note: daemon_internal.h).
+//
+//   a copy made (LoadForStore, adopted) --> recorded (record_, written to
+//     the state file before its descriptors go out)
+//   its memfds freed (the observer) --> forgotten, the file rewritten on
+//     the background thread
+//
+// After a crash, the successor reads the file (predecessor_) and books what
+// live processes still map as orphaned bytes (daemon_orphans.cc). A
+// reclaim names a lease and brings the copy's descriptors:
+//   the lease is an orphan of this daemon (a takeover's, or a connection
+//     that broke) held by the same process, over the same memfds
+//     --> it belongs to the connection again;
+//   the memfds are a copy in the store --> a new lease on it (a second
+//     holder of a copy someone reclaimed first);
+//   the memfds are a copy the predecessor recorded, sealed, of the recorded
+//     sizes and header bytes --> adopted into the store (the orphaned bytes
+//     move into the store's capacity in the same step, so used + orphaned
+//     never grows), the lease with it; a model no longer in the catalog is
+//     adopted retired;
+//   anything else --> refused, counted, the descriptors closed.
+#include <fcntl.h>
+#include <sys/stat.h>
+#include <unistd.h>
+
+#include <cerrno>
+
 #include "daemon_internal.h"
+#include "event_loop.h"
+#include "handover.h"
+#include "modelcache/base/bytes.h"
+#include "modelcache/weights/memfd.h"
+#include "modelcache/weights/safetensors.h"
 
 namespace modelcache::serve {
 
-void Daemon::Impl::HandleReclaim(detail::Connection& c,
-                                 const protocol::Request& r,
+namespace detail {
+thread_local bool g_adopting = false;
+}  // namespace detail
+
+using detail::Connection;
+using detail::MemfdId;
+using detail::Use;
+
+namespace {
+
+MemfdId IdOfStat(const struct stat& st) {
+  return MemfdId{static_cast<uint64_t>(st.st_dev),
+                 static_cast<uint64_t>(st.st_ino)};
+}
+
+bool Sealed(int fd) {
+  const int seals = ::fcntl(fd, F_GET_SEALS);
+  return seals >= 0 && (seals & weights::MemfdSeals()) == weights::MemfdSeals();
+}
+
+// The memfd's bytes, when it holds at most `max`.
+std::optional<std::string> ReadAll(int fd, uint64_t size) {
+  std::string text(size, '\0');
+  size_t done = 0;
+  while (done < text.size()) {
+    const ssize_t n = ::pread(fd, text.data() + done, text.size() - done,
+                              static_cast<off_t>(done));
+    if (n < 0 && errno == EINTR) continue;
+    if (n <= 0) return std::nullopt;
+    done += static_cast<size_t>(n);
+  }
+  return text;
+}
+
+}  // namespace
+
+// ---- the record ----
+
+void Daemon::Impl::RecordCopy(const detail::ModelCopy& copy) {
+  detail::RecordedCopy rc;
+  rc.model = copy.model();
+  for (const detail::FileCopy& f : copy.files()) {
+    struct stat st;
+    const uint64_t data_size =
+        ::fstat(f.data_fd(), &st) == 0 ? static_cast<uint64_t>(st.st_size) : 0;
+    rc.files.push_back({f.name, f.data_bytes, f.header_bytes, f.data_id,
+                        data_size, f.header_id, f.header_hash});
+  }
+  if (rc.files.empty()) return;
+  {
+    base::MutexLock lock(&record_mu_);
+    const detail::MemfdId key = rc.files[0].header;
+    record_[key] = RecordEntry{std::move(rc), copy.origin(), copy.bytes()};
+  }
+  WriteRecord();
+}
+
+void Daemon::Impl::ForgetRecorded(const MemfdId& id) {
+  {
+    base::MutexLock lock(&record_mu_);
+    if (record_.erase(id) == 0) return;
+  }
+  Later([this] { WriteRecord(); });
+}
+
+void Daemon::Impl::WriteRecord() {
+  if (handed_over_.load()) return;  // the successor's now
+  detail::Record record;
+  record.instance = memfd_prefix_;
+  record.pid = ::getpid();
+  {
+    base::MutexLock lock(&record_mu_);
+    for (const auto& [id, e] : record_) record.copies.push_back(e.copy);
+  }
+  try {
+    detail::WriteFileAtomically(detail::RecordPath(socket_path_),
+                                detail::EncodeRecord(record));
+  } catch (const Error& e) {
+    // Without it a successor reclaims nothing: it loads again.
+    if (!record_error_logged_.exchange(true)) Log(e.what());
+  }
+}
+
+void Daemon::Impl::ReadPredecessorRecord() {
+  std::optional<std::string> text;
+  try {
+    text = detail::ReadSmallFile(detail::RecordPath(socket_path_));
+  } catch (const Error& e) {
+    Log(std::string("the predecessor's record is unreadable: ") + e.what());
+    return;
+  }
+  if (!text) return;
+  detail::Record record;
+  const std::string why = detail::ParseRecord(*text, &record);
+  if (!why.empty()) {
+    Log("the predecessor's record is refused (" + why + "): nothing reclaimed");
+    return;
+  }
+  if (record.instance != memfd_prefix_) {
+    Log("the record in " + detail::RecordPath(socket_path_) +
+        " is another instance's: nothing reclaimed");
+    return;
+  }
+  predecessor_ = std::move(record.copies);
+  for (size_t i = 0; i < predecessor_.size(); ++i) {
+    for (size_t f = 0; f < predecessor_[i].files.size(); ++f) {
+      predecessor_by_data_[predecessor_[i].files[f].data] = {i, f};
+    }
+  }
+}
+
+void Daemon::Impl::StartGrace() {
+  if (predecessor_.empty() || options_.reclaim_grace.count() <= 0) return;
+  // Only copies a live process still maps can come back.
+  std::set<MemfdId> mapped;
+  {
+    base::MutexLock lock(&orphans_mu_);
+    for (const auto& [id, o] : restart_orphans_) mapped.insert(id);
+  }
+  for (const detail::RecordedCopy& rc : predecessor_) {
+    for (const detail::RecordedFile& f : rc.files) {
+      if (mapped.count(f.data) != 0) reclaimable_.insert(rc.model);
+    }
+  }
+  if (reclaimable_.empty()) return;
+  grace_end_ = Clock::now() + options_.reclaim_grace;
+  reclaiming_ = static_cast<int>(reclaimable_.size());
+  Log("reclaim: " + std::to_string(reclaimable_.size()) +
+      " models' copies are still mapped; their acquires wait up to " +
+      std::to_string(options_.reclaim_grace.count()) + " ms for a reclaim");
+}
+
+bool Daemon::Impl::AwaitsReclaim(const std::string& model) const {
+  return grace_end_ != Clock::time_point::max() &&
+         reclaimable_.count(model) != 0;
+}
+
+void Daemon::Impl::EndGrace(const std::string* model) {
+  std::vector<std::string> models;
+  if (model != nullptr) {
+    if (reclaimable_.erase(*model) == 0) return;
+    models.push_back(*model);
+  } else {
+    models.assign(reclaimable_.begin(), reclaimable_.end());
+    reclaimable_.clear();
+    if (!models.empty()) {
+      Log("reclaim: the grace period ended; " + std::to_string(models.size()) +
+          " models were not reclaimed and load again when asked for");
+    }
+  }
+  if (reclaimable_.empty()) grace_end_ = Clock::time_point::max();
+  reclaiming_ = static_cast<int>(reclaimable_.size());
+  for (const std::string& m : models) {
+    const auto q = queues_.find(m);
+    // Their task finds the model resident when it was reclaimed.
+    if (q != queues_.end() && !q->second.waiters.empty()) Dispatch(m);
+  }
+}
+
+// ---- reclaim ----
+
+void Daemon::Impl::HandleReclaim(Connection& c, const protocol::Request& r,
                                  std::vector<base::UniqueFd> fds) {
+  const auto refuse = [&](ServeCode code, const std::string& why) {
+    ++reclaims_refused_;
+    SendError(c, r.id, code,
+              "reclaim of lease " + std::to_string(r.lease) + " ('" + r.model +
+                  "') refused: " + why);
+  };
+  if (stopping_) {
+    SendError(c, r.id, ServeCode::kUnavailable, "the daemon is shutting down");
+    return;
+  }
+  if (fds.empty() || fds.size() % 2 != 0) {
+    refuse(ServeCode::kInvalid, "it must carry 2 descriptors per file, not " +
+                                    std::to_string(fds.size()));
+    return;
+  }
+  if (c.leases.size() + c.waiters.size() >=
+      static_cast<size_t>(options_.limits.max_leases_per_client)) {
+    refuse(ServeCode::kBusy, "this connection holds too many leases");
+    return;
+  }
+  // What each descriptor is.
+  struct Seen {
+    MemfdId id;
+    uint64_t size = 0;
+    bool sealed = false;
+  };
+  std::vector<Seen> seen(fds.size());
+  for (size_t i = 0; i < fds.size(); ++i) {
+    struct stat st;
+    if (::fstat(fds[i].get(), &st) != 0 || !S_ISREG(st.st_mode)) {
+      refuse(ServeCode::kInvalid, "a descriptor is not a memfd");
+      return;
+    }
+    seen[i] = {IdOfStat(st), static_cast<uint64_t>(st.st_size),
+               Sealed(fds[i].get())};
+  }
+  const size_t files = fds.size() / 2;
+
+  // An orphan of this daemon's own, held by the same process.
+  {
+    std::vector<MemfdId> memfds;
+    for (size_t f = 0; f < files; ++f) {
+      memfds.push_back(seen[2 * f + 1].id);
+      memfds.push_back(seen[2 * f].id);
+    }
+    bool own = false;
+    bool mismatch = false;
+    {
+      base::MutexLock lock(&leases_mu_);
+      const auto it = leases_.find(r.lease);
+      if (it != leases_.end()) {
+        detail::LeaseEntry& e = it->second;
+        if (e.connection != 0 || e.pid != c.pid || e.model != r.model ||
+            e.memfds != memfds) {
+          mismatch = true;
+        } else {
+          own = true;
+          e.connection = c.id;
+          e.orphaned = false;
+        }
+      }
+    }
+    if (mismatch) {
+      refuse(ServeCode::kInvalid,
+             "that lease is held by another, or over other memfds");
+      return;
+    }
+    if (own) {
+      for (auto g = orphan_groups_.begin(); g != orphan_groups_.end(); ++g) {
+        auto& ids = g->second.leases;
+        const auto at = std::find(ids.begin(), ids.end(), r.lease);
+        if (at == ids.end()) continue;
+        ids.erase(at);
+        --orphaned_leases_;
+        if (ids.empty()) {
+          EpollDel(epoll_fd_.get(), g->second.pidfd.get());
+          orphan_groups_.erase(g);
+        }
+        break;
+      }
+      c.leases.insert(r.lease);
+      ++reclaims_accepted_;
+      if (r.idle) {
+        protocol::Request idle = r;
+        idle.op = protocol::Op::kIdle;
+        HandleIdle(c, idle);  // answers ok
+      } else {
+        Send(c, {protocol::EncodeOk(r.id), {}, nullptr, 0});
+      }
+      return;
+    }
+  }
+  if (r.lease >= first_lease_) {
+    refuse(ServeCode::kNotFound, "no such lease was handed out here");
+    return;
+  }
+
+  // A copy in the store already (another holder reclaimed it first, or a
+  // takeover brought it): a lease on it.
+  std::optional<Lease> lease;
+  const detail::ModelCopy* copy = nullptr;
+  if (std::optional<Lease> hit = store_->TryAcquire(r.model)) {
+    const auto* resident = hit->get<detail::ModelCopy>();
+    bool same = resident->files().size() == files;
+    for (size_t f = 0; same && f < files; ++f) {
+      same = resident->files()[f].header_id == seen[2 * f].id &&
+             resident->files()[f].data_id == seen[2 * f + 1].id;
+    }
+    if (same) {
+      copy = resident;
+      lease = std::move(*hit);
+    }
+  }
+
+  if (!lease) {
+    // A copy the predecessor recorded.
+    const auto p = predecessor_by_data_.find(seen[1].id);
+    if (p == predecessor_by_data_.end() || p->second.second != 0) {
+      bytes_refused_ += seen[1].size;
+      refuse(ServeCode::kInvalid,
+             "these memfds are not a copy the predecessor made");
+      return;
+    }
+    const detail::RecordedCopy& rc = predecessor_[p->second.first];
+    if (rc.model != r.model || rc.files.size() != files) {
+      refuse(ServeCode::kInvalid,
+             "the predecessor made that copy of '" + rc.model + "' with " +
+                 std::to_string(rc.files.size()) + " files");
+      return;
+    }
+    detail::AdoptedCopy adopted;
+    adopted.model = rc.model;
+    adopted.origin = "reclaimed";
+    for (size_t f = 0; f < files; ++f) {
+      const detail::RecordedFile& want = rc.files[f];
+      const Seen& header = seen[2 * f];
+      const Seen& data = seen[2 * f + 1];
+      std::string why;
+      if (header.id != want.header || data.id != want.data) {
+        why = "file " + std::to_string(f) + " is not the recorded memfd";
+      } else if (!header.sealed || !data.sealed) {
+        why = "a memfd of file " + std::to_string(f) + " is not sealed";
+      } else if (header.size != want.header_bytes ||
+                 data.size != want.data_size) {
+        why = "a memfd of file " + std::to_string(f) +
+              " is not of the recorded size";
+      } else {
+        const std::optional<std::string> text =
+            want.header_bytes <= weights::kMaxHeaderBytes
+                ? ReadAll(fds[2 * f].get(), want.header_bytes)
+                : std::nullopt;
+        if (!text || detail::HeaderHash(*text) != want.header_hash) {
+          why = "the header of file " + std::to_string(f) +
+                " does not hold the recorded bytes";
+        }
+      }
+      if (!why.empty()) {
+        bytes_refused_ += data.size;
+        refuse(ServeCode::kInvalid, why);
+        return;
+      }
+      adopted.files.push_back({want.name, want.data_bytes, want.header_bytes,
+                               want.header_hash, std::move(fds[2 * f]),
+                               std::move(fds[2 * f + 1])});
+    }
+    std::string why;
+    lease = Adopt(std::move(adopted), /*from_orphans=*/true, &why);
+    if (!lease) {
+      refuse(ServeCode::kCapacity, why);
+      return;
+    }
+    copy = lease->get<detail::ModelCopy>();
+    bytes_reclaimed_ += copy->bytes();
+  }
   fds.clear();
-  SendError(c, r.id, ServeCode::kInvalid, "reclaim is not supported yet");
+
+  // The lease, as Grant files one (already delivered: the client maps it).
+  std::shared_ptr<const detail::ModelCopy> keep = copy->shared_from_this();
+  detail::LeaseEntry entry;
+  entry.connection = c.id;
+  entry.model = r.model;
+  entry.pid = c.pid;
+  entry.uid = c.uid;
+  entry.bytes = lease->bytes();
+  entry.copy = copy;
+  entry.delivered = true;
+  entry.lease = std::move(*lease);
+  for (const detail::FileCopy& f : keep->files()) {
+    entry.memfds.push_back(f.data_id);
+    entry.memfds.push_back(f.header_id);
+  }
+  const std::shared_ptr<const Catalog> cat = catalog();
+  const CatalogModel* spec = cat->Find(r.model);
+  entry.retired = spec == nullptr || spec->id != r.model;
+  {
+    base::MutexLock lock(&leases_mu_);
+    leases_.emplace(r.lease, std::move(entry));
+  }
+  c.leases.insert(r.lease);
+  ++reclaims_accepted_;
+  if (r.idle) {
+    protocol::Request idle = r;
+    idle.op = protocol::Op::kIdle;
+    HandleIdle(c, idle);
+  } else {
+    Send(c, {protocol::EncodeOk(r.id), {}, nullptr, 0});
+  }
+  EndGrace(&r.model);
 }
 
-void Daemon::Impl::HandleTakeover(detail::Connection& c,
-                                  const protocol::Request& r) {
-  SendError(c, r.id, ServeCode::kInvalid, "takeover is not supported yet");
-}
-
-void Daemon::Impl::HandleCommit(detail::Connection& c,
-                                const protocol::Request& r) {
-  SendError(c, r.id, ServeCode::kInvalid, "no takeover to commit");
+std::optional<Lease> Daemon::Impl::Adopt(detail::AdoptedCopy adopted,
+                                         bool from_orphans, std::string* why) {
+  std::shared_ptr<detail::ModelCopy> made =
+      detail::AdoptCopy(copy_options_, adopted);
+  const uint64_t bytes = made->bytes();
+  const std::string model = adopted.model;
+  // The bytes of its memfds booked as orphaned: they move into the store.
+  std::set<MemfdId> ids;
+  for (const detail::FileCopy& f : made->files()) {
+    ids.insert(f.data_id);
+    ids.insert(f.header_id);
+  }
+  uint64_t booked = 0;
+  if (from_orphans) {
+    base::MutexLock lock(&orphans_mu_);
+    for (const MemfdId& id : ids) {
+      const auto o = restart_orphans_.find(id);
+      if (o != restart_orphans_.end()) booked += o->second.bytes;
+    }
+  }
+  bool used = false;
+  const void* id = made.get();
+  const Loader loader = [&]() -> Loaded {
+    used = true;
+    return Loaded{made, bytes, [this, id] { GateUnload(id); }};
+  };
+  std::optional<Lease> lease;
+  {
+    // capacity_mu_: the store's capacity and the orphaned bytes change
+    // together (lock order: capacity_mu_, then the store's). A capacity
+    // that grows evicts nothing, so this does not wait on evictions.
+    base::MutexLock lock(&capacity_mu_);
+    detail::g_adopting = true;
+    struct Done {
+      ~Done() { detail::g_adopting = false; }
+    } done;
+    AcquireOptions options;
+    options.when_full = WhenFull::kFail;
+    options.request = false;
+    options.grow_capacity = std::min(booked, orphaned_.load());
+    try {
+      Lease l = store_->Acquire(model, bytes, loader, options);
+      if (used) {
+        lease = std::move(l);
+        ++adoptions_;
+        adopted_bytes_ += bytes;
+        if (options.grow_capacity > 0) {
+          orphaned_ -= options.grow_capacity;
+          booked_orphaned_ -= std::min(booked_orphaned_, options.grow_capacity);
+        }
+      } else {
+        *why = "another copy of '" + model + "' is resident";
+      }
+    } catch (const Error& e) {
+      *why = e.what();
+    }
+  }
+  if (!lease) return std::nullopt;
+  if (from_orphans) {
+    // Its bytes left the orphaned ones with the reservation; the rest are
+    // booked again (the pids watched for them, too).
+    std::map<MemfdId, detail::RestartOrphan> orphans;
+    int unreadable;
+    {
+      base::MutexLock lock(&orphans_mu_);
+      orphans = restart_orphans_;
+      unreadable = unreadable_maps_;
+    }
+    for (const MemfdId& i : ids) orphans.erase(i);
+    BookRestartOrphans(std::move(orphans), unreadable, /*now=*/true);
+  }
+  const std::shared_ptr<const Catalog> cat = catalog();
+  const CatalogModel* spec = cat->Find(model);
+  if (spec == nullptr || spec->id != model) {
+    // Gone from the catalog: its holders keep it, no one new gets it.
+    store_->Remove(model);
+  }
+  RecordCopy(*made);
+  Log(std::string("adopted the copy of '") + model + "' (" +
+      FormatBytes(bytes) + ", " + adopted.origin + "): no byte loaded");
+  return lease;
 }
 
 }  // namespace modelcache::serve

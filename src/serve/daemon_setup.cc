@@ -119,12 +119,15 @@ Daemon::Impl::Impl(DaemonOptions options)
   copy_options_.threads = options_.load_threads;
   copy_options_.use_openat2 = !options_.test_per_component_open;
   copy_options_.observer = [this](const detail::MemfdId& id, bool live) {
-    base::MutexLock lock(&live_mu_);
-    if (live) {
-      live_.insert(id);
-    } else {
-      live_.erase(id);
+    {
+      base::MutexLock lock(&live_mu_);
+      if (live) {
+        live_.insert(id);
+      } else {
+        live_.erase(id);
+      }
     }
+    if (!live) ForgetRecorded(id);
   };
   copy_options_.before_read = [this](uint64_t) { BeforeRead(); };
   copy_options_.free_later = [this](std::vector<detail::FileCopy> files) {
@@ -138,6 +141,8 @@ Daemon::Impl::Impl(DaemonOptions options)
     next_lease_ = static_cast<uint64_t>(
         std::chrono::duration_cast<std::chrono::microseconds>(now).count());
   }
+
+  first_lease_ = next_lease_ + 1;
 
   CreateStore();
 
@@ -168,7 +173,9 @@ Daemon::Impl::Impl(DaemonOptions options)
   }
 
   Log(weights::DescribeShmemHugePages(weights::ShmemHugePageMode()));
+  ReadPredecessorRecord();
   RescanOrphans();
+  StartGrace();
   Listen();
 
   {

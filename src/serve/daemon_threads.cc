@@ -103,6 +103,8 @@ Loaded Daemon::Impl::LoadForStore(const CatalogModel& model) {
   const uint64_t bytes = copy->bytes();
   // Off every lock: only this load (and those joining it) waits.
   if (throttle_) throttle_->Hold(start, bytes);
+  // Written down before any client can map it (daemon_reclaim.cc).
+  RecordCopy(*copy);
   const void* id = copy.get();
   return Loaded{std::move(copy), bytes, [this, id] { GateUnload(id); }};
 }

@@ -113,6 +113,8 @@ void Daemon::Impl::RemoveWaiter(uint64_t seq, const ServeCode* code,
 void Daemon::Impl::Dispatch(const std::string& model) {
   detail::ModelQueue& q = queues_[model];
   if (q.task || q.queued) return;
+  // Its copy may come back (daemon_reclaim.cc): EndGrace dispatches it.
+  if (AwaitsReclaim(model)) return;
   if (TryTakeSlot()) {
     StartTask(model);
     return;

@@ -242,6 +242,10 @@ HttpResponse Daemon::Impl::Ready() {
                            .count()) +
         " ms left)");
   }
+  if (const int pending = reclaiming_.load(); pending > 0) {
+    reasons.push_back("awaiting the reclaim of " + std::to_string(pending) +
+                      " models' copies a predecessor left mapped");
+  }
   for (const CatalogModel& m : catalog()->models()) {
     if (!m.pinned) continue;
     const auto entry = store_->Entry(m.id);
@@ -499,7 +503,18 @@ HttpResponse Daemon::Impl::Copies() {
     }
     unreadable = unreadable_maps_;
   }
+  json copies = json::array();
+  {
+    base::MutexLock lock(&record_mu_);
+    for (const auto& [id, e] : record_) {
+      copies.push_back({{"model", e.copy.model},
+                        {"origin", e.origin},
+                        {"bytes", e.bytes},
+                        {"files", e.copy.files.size()}});
+    }
+  }
   return Json(200, json{{"memfd_prefix", memfd_prefix_},
+                        {"copies", copies},
                         {"memfds", memfds},
                         {"orphans", orphans},
                         {"unreadable_maps", unreadable}});
@@ -589,14 +604,42 @@ HttpResponse Daemon::Impl::Metrics() {
            std::string("result=\"") +
                detail::ResultName(static_cast<detail::Result>(i)) + "\"");
   }
-  counter("modelcache_loads_total", "Loads completed.",
-          static_cast<double>(stats.loads));
+  counter("modelcache_loads_total",
+          "Loads completed (copies adopted from a predecessor are no loads).",
+          static_cast<double>(stats.loads - std::min(stats.loads,
+                                                     adoptions_.load())));
   counter("modelcache_load_failures_total", "Loads that failed.",
           static_cast<double>(stats.load_failures));
   counter("modelcache_evictions_total", "Copies evicted to make room.",
           static_cast<double>(stats.evictions + stats.expirations));
   counter("modelcache_loaded_bytes_total", "Bytes of the copies loaded.",
-          static_cast<double>(stats.bytes_loaded));
+          static_cast<double>(stats.bytes_loaded -
+                              std::min(stats.bytes_loaded,
+                                       adopted_bytes_.load())));
+  Metric(&out, "modelcache_adopted_bytes_total", "counter",
+         "Bytes of copies a predecessor made, adopted with no byte loaded: "
+         "taken over (handed over by the daemon before) or reclaimed (brought "
+         "back by the clients that map them after a crash); refused: what "
+         "reclaims brought that was not a recorded copy of the predecessor.");
+  Sample(&out, "modelcache_adopted_bytes_total",
+         static_cast<double>(bytes_taken_over_.load()),
+         "origin=\"taken_over\"");
+  Sample(&out, "modelcache_adopted_bytes_total",
+         static_cast<double>(bytes_reclaimed_.load()), "origin=\"reclaimed\"");
+  Sample(&out, "modelcache_adopted_bytes_total",
+         static_cast<double>(bytes_refused_.load()), "origin=\"refused\"");
+  Metric(&out, "modelcache_reclaims_total", "counter",
+         "Reclaims of leases after a reconnect, by result.");
+  Sample(&out, "modelcache_reclaims_total",
+         static_cast<double>(reclaims_accepted_.load()), "result=\"accepted\"");
+  Sample(&out, "modelcache_reclaims_total",
+         static_cast<double>(reclaims_refused_.load()), "result=\"refused\"");
+  gauge("modelcache_takeover_seconds",
+        "How long the takeover that started this daemon took (0: none).",
+        takeover_seconds_.load());
+  gauge("modelcache_reclaim_pending_models",
+        "Models whose copies may still be reclaimed (the grace period).",
+        reclaiming_.load());
   Metric(&out, "modelcache_client_disconnects_total", "counter",
          "Connections ended, by reason.");
   for (size_t i = 0; i < disconnects_.size(); ++i) {

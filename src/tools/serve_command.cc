@@ -252,6 +252,17 @@ void AddServeOptions(CLI::App& c, ServeFlags& f) {
   c.add_option("--recall-timeout", f.recall_timeout,
                "How long a client has to answer the recall of an idle "
                "delegated lease before it is taken to use it (100ms)");
+  c.add_option("--reclaim-grace", f.reclaim_grace,
+               "After a crash: how long an acquire of a model whose copy "
+               "live workers still map waits for them to reclaim it before "
+               "it loads the model again (5s; 0: no wait)");
+  c.add_flag("--takeover", f.takeover,
+             "Take over from the daemon serving on --socket (an upgrade or "
+             "a restart): its sockets, copies and leases, with no byte "
+             "loaded again; it exits 0 when done");
+  c.add_option("--takeover-timeout", f.takeover_timeout,
+               "How long a takeover may take before it is abandoned and the "
+               "old daemon serves on (30s)");
   c.add_flag("--per-model-metrics", f.per_model_metrics,
              "Per-model series in /metrics");
   c.add_flag("--check-catalog", f.check_catalog,
@@ -380,6 +391,13 @@ int RunServe(const ServeFlags& flags, std::ostream& out, std::ostream& err) {
     options.recall_timeout = Duration("--recall-timeout", flags.recall_timeout);
     if (options.recall_timeout.count() <= 0) {
       Invalid("--recall-timeout must be above 0");
+    }
+    options.reclaim_grace = Duration("--reclaim-grace", flags.reclaim_grace);
+    options.takeover = flags.takeover;
+    options.takeover_timeout =
+        Duration("--takeover-timeout", flags.takeover_timeout);
+    if (options.takeover_timeout.count() <= 0) {
+      Invalid("--takeover-timeout must be above 0");
     }
     options.per_model_metrics = flags.per_model_metrics;
     options.handle_signals = true;

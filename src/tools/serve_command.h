@@ -49,6 +49,9 @@ struct ServeFlags {
   std::string ready_grace = "2s";
   std::string orphan_rescan = "1s";
   std::string recall_timeout = "100ms";
+  std::string reclaim_grace = "5s";
+  bool takeover = false;
+  std::string takeover_timeout = "30s";
   bool per_model_metrics = false;
   bool check_catalog = false;
   bool json = false;  // --check-catalog's output

@@ -52,6 +52,7 @@
 #include <limits>
 #include <memory>
 #include <string>
+#include <utility>
 #include <vector>
 
 namespace modelcache::serve {
@@ -105,6 +106,21 @@ struct DaemonOptions {
   // again (the daemon waits on nobody). A copy a live process maps is never
   // freed: its unloader refuses while any such lease is outstanding.
   std::chrono::milliseconds recall_timeout{100};
+  // Reclaim after a crash: the daemon writes down each copy it makes (the
+  // record, socket_path + ".state", mode 0640), and a successor adopts a
+  // copy its predecessor made when a client that still maps it brings its
+  // memfds back (protocol.h, "reclaim"): the copy is resident again, with
+  // no byte loaded. For this long after start, an acquire of a model whose
+  // copy the record names and a live process still maps waits for that
+  // reclaim before it loads the model again; /readyz says so. 0: no wait.
+  std::chrono::milliseconds reclaim_grace{5000};
+  // Takeover: instead of binding the socket, ask the daemon serving on it
+  // to hand over its listening sockets, its copies and its leases
+  // (docs/serve.md). The constructor throws modelcache::Error (kUnavailable)
+  // naming why when that daemon refuses, is not there, or does not finish
+  // within takeover_timeout; the old daemon then serves on, unchanged.
+  bool takeover = false;
+  std::chrono::milliseconds takeover_timeout{30000};
   // Per-model series in /metrics (a label per model: the operator's choice
   // of cardinality).
   bool per_model_metrics = false;
@@ -198,6 +214,19 @@ class Daemon {
 
   // "modelcache:<instance>:", the start of every memfd name of this daemon.
   const std::string& memfd_prefix() const;
+
+  // Listening sockets of the caller's (the HTTP listeners of `modelcache
+  // serve`), by name, handed over with the daemon's own in a takeover. The
+  // daemon does not own them; after a takeover it commits, each is replaced
+  // in this process (dup2) by a socket that accepts nothing, so that only
+  // the successor serves them. Thread-safe.
+  void SetHandoverListeners(std::vector<std::pair<std::string, int>> fds);
+  // After a takeover (DaemonOptions::takeover): the listening socket the
+  // old daemon handed over under `name`, now the caller's, or -1.
+  int TakeHandedOverListener(const std::string& name);
+  // Whether Run() returned because a successor took over (the process
+  // should exit 0 and leave the socket's path alone).
+  bool HandedOver() const;
 
   // Blocks SIGTERM, SIGINT and SIGHUP in the calling thread, and so in the
   // threads it starts from now on.

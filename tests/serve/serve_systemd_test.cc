@@ -337,14 +337,17 @@ TEST_F(ListenEnvTest, MalformedValuesGiveNoneAndAReason) {
   }
 }
 
-// What a child reports back: "ok", or what went wrong.
-using ChildCheck = std::function<std::string()>;
+// What a child reports back: "ok", or what went wrong. Its arguments are
+// descriptors of the files that 3 and 4 were made of, above both.
+using ChildCheck = std::function<std::string(int a, int b)>;
 
 // Runs `check` in a child process whose descriptors 3 and 4 are
 // duplicates of `a` and `b` (inheritable, as after exec), whose 5 is
 // closed, and whose environment has `env` ("$PID" stands for the child's
 // pid); returns what `check` returned ("ok" for ""), or how the child
-// ended. The child is killed and reaped whatever happens here.
+// ended. The child is killed and reaped whatever happens here. (`a` and `b`
+// may themselves be 3, 4 or 5, which the child reuses: `check` is given
+// other descriptors of the same files.)
 std::string InChild(int a, int b,
                     const std::vector<std::pair<std::string, std::string>>& env,
                     const ChildCheck& check) {
@@ -363,8 +366,6 @@ std::string InChild(int a, int b,
       ::_exit(2);
     }
     ::close(detail::kListenFdsStart + 2);
-    ::close(high_a);
-    ::close(high_b);
     ::unsetenv("LISTEN_PID");
     ::unsetenv("LISTEN_FDS");
     ::unsetenv("LISTEN_FDNAMES");
@@ -374,7 +375,7 @@ std::string InChild(int a, int b,
           value == "$PID" ? std::to_string(::getpid()).c_str() : value.c_str(),
           1);
     }
-    std::string result = check();
+    std::string result = check(high_a, high_b);
     if (result.empty()) result = "ok";
     const ssize_t n = ::write(out, result.data(), result.size());
     ::_exit(n == static_cast<ssize_t>(result.size()) ? 0 : 3);
@@ -444,43 +445,42 @@ class ListenFdsTest : public ::testing::Test {
 };
 
 TEST_F(ListenFdsTest, TakesNamedDescriptors) {
-  const int a = a_.get(), b = b_.get();
   EXPECT_EQ(
-      InChild(a, b,
+      InChild(a_.get(), b_.get(),
               {{"LISTEN_PID", "$PID"},
                {"LISTEN_FDS", "2"},
                {"LISTEN_FDNAMES", "a:b"}},
-              [&] {
+              [](int a, int b) {
                 return CheckTaken(detail::TakeListenFds(), a, b, {"a", "b"});
               }),
       "ok");
 }
 
 TEST_F(ListenFdsTest, MissingOrTooFewNamesAreUnknown) {
-  const int a = a_.get(), b = b_.get();
-  EXPECT_EQ(InChild(a, b, {{"LISTEN_PID", "$PID"}, {"LISTEN_FDS", "2"}},
-                    [&] {
-                      return CheckTaken(detail::TakeListenFds(), a, b,
-                                        {"unknown", "unknown"});
-                    }),
-            "ok");
+  EXPECT_EQ(
+      InChild(a_.get(), b_.get(), {{"LISTEN_PID", "$PID"}, {"LISTEN_FDS", "2"}},
+              [](int a, int b) {
+                return CheckTaken(detail::TakeListenFds(), a, b,
+                                  {"unknown", "unknown"});
+              }),
+      "ok");
   EXPECT_EQ(
       InChild(
-          a, b,
+          a_.get(), b_.get(),
           {{"LISTEN_PID", "$PID"},
            {"LISTEN_FDS", "2"},
            {"LISTEN_FDNAMES", "a"}},
-          [&] {
+          [](int a, int b) {
             return CheckTaken(detail::TakeListenFds(), a, b, {"a", "unknown"});
           }),
       "ok");
   // An empty field is an empty name, as systemd writes one.
   EXPECT_EQ(
-      InChild(a, b,
+      InChild(a_.get(), b_.get(),
               {{"LISTEN_PID", "$PID"},
                {"LISTEN_FDS", "2"},
                {"LISTEN_FDNAMES", ":b"}},
-              [&] {
+              [](int a, int b) {
                 return CheckTaken(detail::TakeListenFds(), a, b, {"", "b"});
               }),
       "ok");
@@ -492,7 +492,7 @@ TEST_F(ListenFdsTest, MoreNamesThanDescriptorsTakesNoneAndClosesThem) {
               {{"LISTEN_PID", "$PID"},
                {"LISTEN_FDS", "2"},
                {"LISTEN_FDNAMES", "a:b:c"}},
-              [] {
+              [](int, int) {
                 const detail::ListenFds none = detail::TakeListenFds();
                 if (!none.fds.empty()) return std::string("took some");
                 if (none.error.find("LISTEN_FDNAMES names 3") ==
@@ -510,7 +510,7 @@ TEST_F(ListenFdsTest, MoreNamesThanDescriptorsTakesNoneAndClosesThem) {
 TEST_F(ListenFdsTest, ADescriptorNotOpenTakesNoneAndTouchesNone) {
   EXPECT_EQ(
       InChild(a_.get(), b_.get(), {{"LISTEN_PID", "$PID"}, {"LISTEN_FDS", "3"}},
-              [] {
+              [](int, int) {
                 const detail::ListenFds none = detail::TakeListenFds();
                 if (!none.fds.empty()) return std::string("took some");
                 if (none.error.find("descriptor 5 is not open") ==

@@ -101,6 +101,7 @@ void Daemon::Impl::Run() {
     }
     next = std::min(next, next_cover_);
     next = std::min(next, grace_end_);
+    next = std::min(next, handover_deadline_);
     if (next != Clock::time_point::max()) {
       const auto ms = std::chrono::ceil<std::chrono::milliseconds>(next - now);
       timeout = static_cast<int>(std::clamp<int64_t>(ms.count(), 0, 60'000));
@@ -153,7 +154,7 @@ void Daemon::Impl::Run() {
           Connection& c = *it->second;
           if ((what & EPOLLOUT) != 0) Writable(c);
           if ((what & (EPOLLIN | EPOLLHUP | EPOLLERR | EPOLLRDHUP)) != 0 &&
-              !c.doomed && !reads_paused_) {
+              !c.doomed && !ReadsPaused(c)) {
             Readable(c);
           }
           break;
@@ -183,6 +184,7 @@ void Daemon::Impl::Run() {
       CoverUncovered();
     }
     if (after >= grace_end_) EndGrace(nullptr);
+    if (handover_conn_ != 0) ContinueHandover(after);
     if (after >= next_rescan_) {
       next_rescan_ = Clock::time_point::max();
       StartRecheck();
@@ -255,7 +257,9 @@ void Daemon::Impl::BeginShutdown() {
   if (throttle_) throttle_->Stop();
   EpollDel(epoll_fd_.get(), listen_fd_.get());
   struct stat st;
-  if (::stat(socket_path_.c_str(), &st) == 0 && st.st_ino == socket_inode_) {
+  // Handed over: the socket is the successor's now.
+  if (!handed_over_.load() && ::stat(socket_path_.c_str(), &st) == 0 &&
+      st.st_ino == socket_inode_) {
     ::unlink(socket_path_.c_str());
   }
   listen_fd_.reset();
@@ -286,6 +290,9 @@ void Daemon::Impl::DoReload() {
   Later([this] {
     detail::Reloaded result;
     try {
+      const std::optional<std::string> text =
+          detail::ReadSmallFile(options_.catalog_path);
+      result.digest = detail::CatalogDigest(text.value_or(""));
       result.catalog = std::make_shared<const Catalog>(
           Catalog::FromFile(options_.catalog_path));
       detail::CheckCatalogFiles(*result.catalog, root_fd_.get(), nullptr);
@@ -320,6 +327,7 @@ void Daemon::Impl::ApplyReload(detail::Reloaded result) {
     base::MutexLock lock(&catalog_mu_);
     old = catalog_;
     catalog_ = fresh;
+    catalog_digest_ = result.digest;
     reload_error_.clear();
   }
   for (const CatalogModel& m : old->models()) {

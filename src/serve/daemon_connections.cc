@@ -354,7 +354,7 @@ void Daemon::Impl::Writable(Connection& c) {
 }
 
 uint32_t Daemon::Impl::ConnectionEvents(const Connection& c) const {
-  return (reads_paused_ ? 0u : static_cast<uint32_t>(EPOLLIN | EPOLLRDHUP)) |
+  return (ReadsPaused(c) ? 0u : static_cast<uint32_t>(EPOLLIN | EPOLLRDHUP)) |
          (c.writing ? static_cast<uint32_t>(EPOLLOUT) : 0u);
 }
 
@@ -405,6 +405,7 @@ void Daemon::Impl::Close(uint64_t id, Disconnect reason) {
   std::unique_ptr<Connection> c = std::move(it->second);
   conns_.erase(it);
   --clients_;
+  if (id == handover_conn_) AbandonHandover("the new daemon went away");
   ++disconnects_[static_cast<size_t>(reason)];
   EpollDel(epoll_fd_.get(), c->fd.get());
   EpollDel(epoll_fd_.get(), c->pidfd.get());

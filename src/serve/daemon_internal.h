@@ -296,6 +296,7 @@ struct PidMemfds {
 // A catalog read for a reload, or why it was refused.
 struct Reloaded {
   std::shared_ptr<const Catalog> catalog;  // null when refused
+  std::string digest;                      // CatalogDigest of its text
   std::string error;
 };
 
@@ -502,6 +503,7 @@ class Daemon::Impl {
   std::atomic<uint64_t> adoptions_{0};
   std::atomic<uint64_t> adopted_bytes_{0};
   std::atomic<bool> record_error_logged_{false};
+  std::atomic<bool> record_writes_{true};
   // Loop-only after start: the predecessor's copies, by each data memfd
   // (copy, file index); the models awaiting a reclaim and until when.
   std::vector<detail::RecordedCopy> predecessor_;
@@ -524,6 +526,26 @@ class Daemon::Impl {
       MC_GUARDED_BY(handover_mu_);
   std::map<std::string, base::UniqueFd> taken_listeners_
       MC_GUARDED_BY(handover_mu_);
+  // The new daemon's side, in the constructor: connects to the old one,
+  // takes what it hands over, commits. Throws kUnavailable naming why.
+  void TakeOver();
+  // The old daemon's side, on the loop. handover_conn_ is the connection
+  // that asked (0: none): while set, no other connection is read, nothing
+  // new loads, and nothing is accepted. Once no load runs, the handover is
+  // sent (handover_sent_); the commit ends this daemon, the connection's
+  // end (or handover_deadline_) before it resumes serving as before.
+  void ContinueHandover(Clock::time_point now);
+  void SendHandover(detail::Connection& c);
+  void AbandonHandover(const std::string& why);
+  bool ReadsPaused(const detail::Connection& c) const {
+    return reads_paused_ || (handover_conn_ != 0 && c.id != handover_conn_);
+  }
+  uint64_t handover_conn_ = 0;
+  uint64_t handover_request_ = 0;
+  bool handover_sent_ = false;
+  Clock::time_point handover_deadline_ = Clock::time_point::max();
+  // Store leases on the copies handed over: none is evicted meanwhile.
+  std::vector<Lease> handover_leases_;
 
   // ---- the pool (daemon_threads.cc) ----
   void PoolThread();
@@ -585,6 +607,7 @@ class Daemon::Impl {
   mutable base::Mutex catalog_mu_;
   std::shared_ptr<const Catalog> catalog_ MC_GUARDED_BY(catalog_mu_);
   std::string reload_error_ MC_GUARDED_BY(catalog_mu_);
+  std::string catalog_digest_ MC_GUARDED_BY(catalog_mu_);
 
   mutable base::Mutex leases_mu_;
   std::map<uint64_t, detail::LeaseEntry> leases_ MC_GUARDED_BY(leases_mu_);

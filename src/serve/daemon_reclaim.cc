@@ -102,7 +102,8 @@ void Daemon::Impl::ForgetRecorded(const MemfdId& id) {
 }
 
 void Daemon::Impl::WriteRecord() {
-  if (handed_over_.load()) return;  // the successor's now
+  // Handed over: the successor's now; taking over: the old daemon's still.
+  if (handed_over_.load() || !record_writes_.load()) return;
   detail::Record record;
   record.instance = memfd_prefix_;
   record.pid = ::getpid();

@@ -80,8 +80,11 @@ Daemon::Impl::Impl(DaemonOptions options)
         Catalog::FromFile(options_.catalog_path));
     root_fd_ = detail::OpenRoot(options_.model_root);
     detail::CheckCatalogFiles(*catalog, root_fd_.get(), nullptr);
+    const std::string digest = detail::CatalogDigest(
+        detail::ReadSmallFile(options_.catalog_path).value_or(""));
     base::MutexLock lock(&catalog_mu_);
     catalog_ = std::move(catalog);
+    catalog_digest_ = digest;
   }
 
   // Descriptors: two per connection (socket, pidfd) and two per file copy.
@@ -173,10 +176,14 @@ Daemon::Impl::Impl(DaemonOptions options)
   }
 
   Log(weights::DescribeShmemHugePages(weights::ShmemHugePageMode()));
-  ReadPredecessorRecord();
+  if (options_.takeover) {
+    TakeOver();  // the old daemon's sockets, copies and leases
+  } else {
+    ReadPredecessorRecord();
+  }
   RescanOrphans();
   StartGrace();
-  Listen();
+  if (!options_.takeover) Listen();
 
   {
     base::MutexLock lock(&background_mu_);

@@ -115,7 +115,8 @@ void Daemon::Impl::Dispatch(const std::string& model) {
   if (q.task || q.queued) return;
   // Its copy may come back (daemon_reclaim.cc): EndGrace dispatches it.
   if (AwaitsReclaim(model)) return;
-  if (TryTakeSlot()) {
+  // During a handover nothing new starts (it waits in the slot queue).
+  if (handover_conn_ == 0 && TryTakeSlot()) {
     StartTask(model);
     return;
   }
@@ -164,7 +165,7 @@ void Daemon::Impl::StartPrefetch(
   task->prefetch = true;
   task->pin = pin;
   task->done = std::move(done);
-  if (!TryTakeSlot()) {
+  if (handover_conn_ != 0 || !TryTakeSlot()) {
     slot_queue_.emplace(std::make_pair(-model.priority, next_order_++),
                         Queued{model.id, std::move(task)});
     return;
@@ -176,7 +177,7 @@ void Daemon::Impl::StartPrefetch(
 }
 
 void Daemon::Impl::StartQueued() {
-  while (!slot_queue_.empty() && TryTakeSlot()) {
+  while (handover_conn_ == 0 && !slot_queue_.empty() && TryTakeSlot()) {
     Queued next = std::move(slot_queue_.begin()->second);
     slot_queue_.erase(slot_queue_.begin());
     if (next.prefetch) {

@@ -8,10 +8,13 @@
 
 #include <arpa/inet.h>
 #include <httplib.h>
+#include <pthread.h>
 #include <signal.h>
 #include <sys/stat.h>
 #include <unistd.h>
 
+#include <atomic>
+#include <chrono>
 #include <cmath>
 #include <fstream>
 #include <limits>
@@ -90,6 +93,14 @@ uint64_t HalfOfMemory() {
   }
   return uint64_t{1} << 30;
 }
+
+// httplib's server, whose listening socket can be one handed over by a
+// daemon taken over (and handed over to a successor in turn).
+class HandoverServer : public httplib::Server {
+ public:
+  void Adopt(int fd) { svr_sock_ = fd; }
+  int fd() const { return svr_sock_; }
+};
 
 // One HTTP listener: the daemon's handler behind httplib, on a loopback
 // address or a UNIX socket.
@@ -175,19 +186,61 @@ class Listener {
     unix_path_ = path;
   }
 
+  // Serves on `fd`, a listening socket taken over (bound by a predecessor
+  // to `address`, which is returned: a TCP address with its port, or the
+  // UNIX path).
+  std::string Adopt(int fd, const std::string& unix_path) {
+    server_.Adopt(fd);
+    unix_path_ = unix_path;
+    if (!unix_path.empty()) return unix_path;
+    sockaddr_storage address{};
+    socklen_t length = sizeof(address);
+    ::getsockname(fd, reinterpret_cast<sockaddr*>(&address), &length);
+    char host[INET6_ADDRSTRLEN] = {};
+    int port = 0;
+    if (address.ss_family == AF_INET6) {
+      const auto* a = reinterpret_cast<const sockaddr_in6*>(&address);
+      ::inet_ntop(AF_INET6, &a->sin6_addr, host, sizeof(host));
+      port = ntohs(a->sin6_port);
+      return "[" + std::string(host) + "]:" + std::to_string(port);
+    }
+    const auto* a = reinterpret_cast<const sockaddr_in*>(&address);
+    ::inet_ntop(AF_INET, &a->sin_addr, host, sizeof(host));
+    port = ntohs(a->sin_port);
+    return std::string(host) + ":" + std::to_string(port);
+  }
+  int fd() const { return server_.fd(); }
+
   void Start() {
-    thread_ = std::thread([this] { server_.listen_after_bind(); });
+    thread_ = std::thread([this] {
+      server_.listen_after_bind();
+      done_ = true;
+    });
   }
 
-  void Stop() {
+  // `handed_over`: a successor serves the socket now (the daemon made our
+  // descriptor number name a socket that listens on nothing); its path
+  // stays. The thread may still be blocked in accept() on the listening
+  // socket itself, which only a signal interrupts (shutting the socket
+  // down would end it for the successor too): its next accept, on the dead
+  // socket, fails and ends it.
+  void Stop(bool handed_over = false) {
     if (!thread_.joinable()) return;
-    server_.stop();
+    if (handed_over) {
+      while (!done_.load()) {
+        ::pthread_kill(thread_.native_handle(), SIGUSR2);
+        std::this_thread::sleep_for(std::chrono::milliseconds(1));
+      }
+    } else {
+      server_.stop();
+    }
     thread_.join();
-    if (!unix_path_.empty()) ::unlink(unix_path_.c_str());
+    if (!unix_path_.empty() && !handed_over) ::unlink(unix_path_.c_str());
   }
 
  private:
-  httplib::Server server_;
+  HandoverServer server_;
+  std::atomic<bool> done_{false};
   std::thread thread_;
   std::string unix_path_;
 };
@@ -364,6 +417,12 @@ int RunServe(const ServeFlags& flags, std::ostream& out, std::ostream& err) {
     // Before any thread starts: see the top of this file.
     serve::Daemon::BlockSignals();
     ::signal(SIGPIPE, SIG_IGN);
+    // Interrupts an HTTP listener's accept() after a takeover (Listener::
+    // Stop): a handler that does nothing, without SA_RESTART.
+    struct sigaction interrupt {};
+    interrupt.sa_handler = [](int) {};
+    sigemptyset(&interrupt.sa_mask);
+    ::sigaction(SIGUSR2, &interrupt, nullptr);
 
     serve::DaemonOptions options;
     options.catalog_path = flags.catalog;
@@ -434,22 +493,36 @@ int RunServe(const ServeFlags& flags, std::ostream& out, std::ostream& err) {
                             {"http", nullptr},
                             {"admin_socket", nullptr},
                             {"http_admin", nullptr}};
-    if (http) {
-      auto l = std::make_unique<Listener>(daemon, /*admin=*/false);
-      ready["http"] = l->BindTcp(http_host, http_port);
+    // Each listener under its name: taken over from the daemon before when
+    // it handed one over, bound afresh otherwise.
+    std::vector<std::pair<std::string, int>> handover;
+    const auto add = [&](const char* name, bool admin,
+                         const std::function<std::string(Listener&)>& bind,
+                         const std::string& unix_path) {
+      auto l = std::make_unique<Listener>(daemon, admin);
+      const int taken = daemon.TakeHandedOverListener(name);
+      ready[name] = taken >= 0 ? l->Adopt(taken, unix_path) : bind(*l);
+      handover.emplace_back(name, l->fd());
       listeners.push_back(std::move(l));
+    };
+    if (http) {
+      add("http", false,
+          [&](Listener& l) { return l.BindTcp(http_host, http_port); }, "");
     }
     if (admin_socket != "off") {
-      auto l = std::make_unique<Listener>(daemon, /*admin=*/true);
-      l->BindUnix(admin_socket);
-      ready["admin_socket"] = admin_socket;
-      listeners.push_back(std::move(l));
+      add(
+          "admin_socket", true,
+          [&](Listener& l) {
+            l.BindUnix(admin_socket);
+            return admin_socket;
+          },
+          admin_socket);
     }
     if (!flags.http_admin.empty()) {
-      auto l = std::make_unique<Listener>(daemon, /*admin=*/true);
-      ready["http_admin"] = l->BindTcp(admin_host, admin_port);
-      listeners.push_back(std::move(l));
+      add("http_admin", true,
+          [&](Listener& l) { return l.BindTcp(admin_host, admin_port); }, "");
     }
+    daemon.SetHandoverListeners(std::move(handover));
     for (auto& l : listeners) l->Start();
     const std::string line = ready.dump() + "\n";
     err << "modelcache serve: ready " << line << std::flush;
@@ -459,7 +532,7 @@ int RunServe(const ServeFlags& flags, std::ostream& out, std::ostream& err) {
       ::close(flags.ready_fd);
     }
     daemon.Run();
-    for (auto& l : listeners) l->Stop();
+    for (auto& l : listeners) l->Stop(daemon.HandedOver());
     return 0;
   } catch (const std::exception& e) {
     err << "error: " << e.what() << "\n";

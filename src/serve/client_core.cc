@@ -259,8 +259,7 @@ void ClientCore::ReclaimAndPublish(const std::shared_ptr<Connection>& c,
         for (const base::UniqueFd& fd : asks[next].copy->fds) {
           fds.push_back(fd.get());
         }
-        if (SendDatagram(c->fd.get(), messages[next], fds, MSG_DONTWAIT) !=
-            0) {
+        if (SendDatagram(c->fd.get(), messages[next], fds, MSG_DONTWAIT) != 0) {
           if (errno == EAGAIN || errno == EWOULDBLOCK) break;
           const int e = errno;
           throw DaemonUnavailableError("lost the daemon at " + path_ +
@@ -493,7 +492,7 @@ void ClientCore::Keep(const std::shared_ptr<MappedCopy>& copy,
                       const Connection& from) {
   std::vector<std::shared_ptr<MappedCopy>> replaced;
   std::vector<std::pair<uint64_t, uint64_t>> release;  // (serial, lease)
-  if (!options_.local_reuse) return;  // ~Grant releases it
+  if (!options_.local_reuse) return;                   // ~Grant releases it
   {
     base::MutexLock lock(&mu_);
     const bool current =

@@ -404,7 +404,7 @@ class ClientCore : public std::enable_shared_from_this<ClientCore> {
   };
   std::unordered_map<uint64_t, Held> held_ MC_GUARDED_BY(mu_);
   std::unordered_map<std::string, uint64_t> by_name_ MC_GUARDED_BY(mu_);
-  size_t idle_ MC_GUARDED_BY(mu_) = 0;  // entries of held_ with refs == 0
+  size_t idle_ MC_GUARDED_BY(mu_) = 0;        // entries of held_ with refs == 0
   size_t reclaiming_ MC_GUARDED_BY(mu_) = 0;  // entries with `reclaim`
   ReclaimStats reclaim_stats_ MC_GUARDED_BY(mu_);
   // When the keeper wakes next, as it last went to sleep.

@@ -208,8 +208,10 @@ void ClientCore::ReclaimAndPublish(const std::shared_ptr<Connection>& c,
   const Clock::time_point until =
       std::max(deadline, Clock::now() + std::chrono::seconds(5));
   // Adopted leases forgotten while their reclaim was in flight: released
-  // once `c` is published.
+  // once `c` is published; and those reclaimed as idle but revived since:
+  // told "use" then.
   std::vector<uint64_t> release;
+  std::vector<uint64_t> use;
   for (;;) {
     std::vector<Ask> asks;
     std::vector<std::shared_ptr<MappedCopy>> drop;
@@ -232,6 +234,9 @@ void ClientCore::ReclaimAndPublish(const std::shared_ptr<Connection>& c,
         // is marked against a published connection, so it is not kept.
         conn_ = c;
         connecting_ = false;
+        for (const uint64_t lease : use) {
+          SendNotice(c, protocol::Op::kUse, lease);
+        }
         for (const uint64_t lease : release) SendRelease(c, lease);
         if (idle_ != 0) StartFlusher();  // notices due, keep_idle
         cv_.NotifyAll();
@@ -341,11 +346,14 @@ void ClientCore::ReclaimAndPublish(const std::shared_ptr<Connection>& c,
       held.reclaim = false;
       --reclaiming_;
       ask.copy->serial = c->serial;
-      // Asked "idle" only when no reference used it, and a local acquire
-      // does not revive a lease waiting to be reclaimed: the daemon's word
-      // is ours. One whose last reference ended during the pass is told
-      // idle by the keeper.
+      // The daemon's word is what the reclaim said. A lease revived during
+      // the pass is told "use" once `c` is published; one whose last
+      // reference ended during it is told idle by the keeper.
       held.told_idle = ask.idle;
+      if (ask.idle && held.refs != 0) {
+        held.told_idle = false;
+        use.push_back(ask.lease);
+      }
       if (held.refs == 0 && !c->delegation) {
         drop.push_back(Forget(ask.lease));  // this daemon would not recall
         release.push_back(ask.lease);
@@ -450,19 +458,17 @@ bool ClientCore::Reachable(uint64_t lease) const {
   return false;
 }
 
-std::shared_ptr<Grant> ClientCore::LocalAcquire(const std::string& name,
-                                                bool* waiting) {
-  *waiting = false;
+std::shared_ptr<Grant> ClientCore::LocalAcquire(const std::string& name) {
   if (!options_.local_reuse) return nullptr;
   base::MutexLock lock(&mu_);
   const auto n = by_name_.find(name);
   if (n == by_name_.end()) return nullptr;
   Held& held = held_.at(n->second);
-  if (held.reclaim) {
-    *waiting = true;  // adopted or unbacked once the next connection is made
-    return nullptr;
-  }
-  if (!conn_ || conn_->broken || held.copy->serial != conn_->serial) {
+  // A lease waiting to be reclaimed is used too: its mapping is as valid
+  // as ever, and the reclaim will say how it is used (or it is unbacked,
+  // and so is this reference).
+  if (!held.reclaim &&
+      (!conn_ || conn_->broken || held.copy->serial != conn_->serial)) {
     return nullptr;
   }
   std::shared_ptr<MappedCopy> copy = held.copy;
@@ -473,7 +479,7 @@ std::shared_ptr<Grant> ClientCore::LocalAcquire(const std::string& name,
     // failed send breaks the connection, which forgets `held` (the
     // reference still keeps the mapping, and its end releases nothing) or
     // marks it to be reclaimed, in use.
-    if (held.told_idle) {
+    if (held.told_idle && !held.reclaim) {
       held.told_idle = false;
       const std::shared_ptr<Connection> c = conn_;
       SendNotice(c, protocol::Op::kUse, copy->lease);

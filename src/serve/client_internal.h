@@ -58,25 +58,25 @@
 // connection whose hello listed "reclaim" breaks (Broke; not Close, after
 // which the daemon ends the leases itself), its leases stay in held_,
 // marked `reclaim` (reclaiming_ counts them), their copies still naming
-// the dead connection's serial: a local acquire does not use them (it
-// waits for the next connection, then looks again) and nothing is sent for
-// them. The next connection is made by Connected, which, after hello and
-// before it publishes the connection as conn_ (so before any other request
-// goes out on it), sends a reclaim for each marked lease ("idle" for those
-// with no reference) and reads the answers (Reclaim): an adopted lease
-// takes the new serial (its told_idle is what its reclaim said) and is
-// held as before; a refused one, or every one when the new daemon does not
-// list "reclaim", is *unbacked*: forgotten (an idle one unmapped at once),
-// while its references keep the mapping and their end sends nothing (the
-// copy's serial is of a dead connection). Leases marked during a pass (an
-// acquire granted on the dead connection and filed after the break) are
-// reclaimed by another pass before the publication, which is atomic with
-// the last look under mu_, so none is left behind. A lease forgotten while
-// its reclaim was in flight is released on the new connection if adopted.
-// Releases queued on the dead connection die with it (the lease was
-// forgotten first: it is simply not reclaimed). While leases wait to be
-// reclaimed and nothing else connects, the keeper reconnects in the
-// background, backing off up to kReclaimBackoffMax, so that the reclaims
+// the dead connection's serial: a local acquire still takes a reference to
+// one (its mapping is valid; the reclaim decides what backs it), and
+// nothing is sent for them. The next connection is made by Connected, which,
+// after hello and before it publishes the connection as conn_ (so before any
+// other request goes out on it), sends a reclaim for each marked lease ("idle"
+// for those with no reference) and reads the answers (Reclaim): an adopted
+// lease takes the new serial (its told_idle is what its reclaim said; one
+// revived since it was asked "idle" is told "use" at publication) and is held
+// as before; a refused one, or every one when the new daemon does not list
+// "reclaim", is *unbacked*: forgotten (an idle one unmapped at once), while its
+// references keep the mapping and their end sends nothing (the copy's serial is
+// of a dead connection). Leases marked during a pass (an acquire granted on the
+// dead connection and filed after the break) are reclaimed by another pass
+// before the publication, which is atomic with the last look under mu_, so none
+// is left behind. A lease forgotten while its reclaim was in flight is released
+// on the new connection if adopted. Releases queued on the dead connection die
+// with it (the lease was forgotten first: it is simply not reclaimed). While
+// leases wait to be reclaimed and nothing else connects, the keeper reconnects
+// in the background, backing off up to kReclaimBackoffMax, so that the reclaims
 // reach a successor within its grace period even in a process making no
 // calls; it stops when no lease waits or the core closes. A connection
 // whose daemon did not list "reclaim" forgets its leases when it breaks, as
@@ -340,11 +340,8 @@ class ClientCore : public std::enable_shared_from_this<ClientCore> {
   // after the queued releases (as SendRelease).
   void SendNotice(const std::shared_ptr<Connection>& c, protocol::Op op,
                   uint64_t lease) MC_REQUIRES(mu_);
-  // A local acquire: a new reference to a lease held as `name`, or null;
-  // `*waiting` says the lease waits to be reclaimed (ask again once
-  // connected).
-  std::shared_ptr<Grant> LocalAcquire(const std::string& name, bool* waiting)
-      MC_EXCLUDES(mu_);
+  // A local acquire: a new reference to a lease held as `name`, or null.
+  std::shared_ptr<Grant> LocalAcquire(const std::string& name) MC_EXCLUDES(mu_);
   // Files a new lease's copy, granted on `from`, in the table, under
   // `names`.
   void Keep(const std::shared_ptr<MappedCopy>& copy,

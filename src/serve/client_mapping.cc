@@ -31,8 +31,7 @@ Grant::~Grant() {
 RemoteWeights ClientCore::Acquire(std::string_view model,
                                   const RemoteAcquireOptions& options) {
   const std::string name(model);
-  bool waiting = false;
-  if (std::shared_ptr<Grant> local = LocalAcquire(name, &waiting)) {
+  if (std::shared_ptr<Grant> local = LocalAcquire(name)) {
     return RemoteWeights(std::move(local));
   }
   const Clock::time_point daemon_deadline = After(options.timeout);
@@ -42,14 +41,6 @@ RemoteWeights ClientCore::Acquire(std::string_view model,
           : daemon_deadline + options_.reply_margin;
   const WaitInterrupt* interrupt =
       options.interrupt.check ? &options.interrupt : nullptr;
-  if (waiting) {
-    // Held, but waiting to be reclaimed: once connected (the reclaims go
-    // first), the lease is ours again, or unbacked and a round trip.
-    Connected(daemon_deadline, interrupt);
-    if (std::shared_ptr<Grant> local = LocalAcquire(name, &waiting)) {
-      return RemoteWeights(std::move(local));
-    }
-  }
   const bool fail = options.when_full == WhenFull::kFail;
   Exchanged ex = Exchange(
       [&](uint64_t id) {

@@ -421,6 +421,65 @@ TEST(ClientTest, AnIdleLeaseIsReclaimedAsIdleWithoutACall) {
   ::close(answered[1]);
 }
 
+// While the daemon is down, a local acquire of an idle lease still takes a
+// reference to its mapping; the successor then hears the lease is in use.
+TEST(ClientTest, ALeaseRevivedWhileTheDaemonIsDownIsReclaimedInUse) {
+  FakeDaemon daemon;
+  Copy c = MakeCopy(fs::path(daemon.path()).parent_path());
+  int crashed[2];
+  int revived[2];
+  ASSERT_EQ(::pipe2(crashed, O_CLOEXEC), 0);
+  ASSERT_EQ(::pipe2(revived, O_CLOEXEC), 0);
+  std::thread fake([&] {
+    daemon.Handshake(256, kReclaimAndRecall);
+    const protocol::Request acquire = daemon.Next();
+    const int fds[] = {c.header.get(), c.data.get()};
+    daemon.Send(
+        protocol::EncodeAcquireReply(acquire.id, 96, "m", "hit", {c.reply}),
+        fds);
+    const protocol::Request idle = daemon.Next();
+    EXPECT_EQ(idle.op, protocol::Op::kIdle);
+    daemon.Send(protocol::EncodeOk(idle.id));
+    daemon.Crash();
+    EXPECT_EQ(::write(crashed[1], "c", 1), 1);
+    // The keeper may connect meanwhile: its hello waits for this answer.
+    pollfd p{revived[0], POLLIN, 0};
+    EXPECT_GT(::poll(&p, 1, kBoundMs), 0);
+    daemon.Handshake(256, kReclaimAndRecall);
+    const protocol::Request reclaim = daemon.Next();
+    EXPECT_EQ(reclaim.op, protocol::Op::kReclaim);
+    EXPECT_EQ(reclaim.lease, 96u);
+    EXPECT_FALSE(reclaim.idle) << "revived before the reclaim";
+    daemon.Send(protocol::EncodeOk(reclaim.id));
+    const protocol::Request ping = daemon.Next();
+    EXPECT_EQ(ping.op, protocol::Op::kPing);
+    daemon.Send(protocol::EncodeOk(ping.id));
+    const protocol::Request again = daemon.Next();
+    EXPECT_EQ(again.op, protocol::Op::kIdle) << "idle again, on the new one";
+    EXPECT_EQ(again.lease, 96u);
+    daemon.Send(protocol::EncodeOk(again.id));
+  });
+  ClientOptions options;
+  options.keep_idle = std::chrono::minutes(10);
+  options.idle_notice_delay = std::chrono::microseconds(0);
+  Client client = Client::Connect(daemon.path(), options);
+  client.Acquire("m", std::chrono::seconds(60)).Release();
+  pollfd p{crashed[0], POLLIN, 0};
+  ASSERT_GT(::poll(&p, 1, kBoundMs), 0);
+  RemoteWeights w = client.Acquire("m", std::chrono::seconds(60));
+  EXPECT_EQ(w.load(), "local");
+  EXPECT_EQ(w.lease(), 96u);
+  EXPECT_EQ(BytesOf(w.data("w")), BytesOf(c.file.data()));
+  ASSERT_EQ(::write(revived[1], "r", 1), 1);
+  client.Ping(std::chrono::seconds(60));
+  EXPECT_EQ(client.Reclaims().reclaimed, 1u);
+  w.Release();
+  fake.join();
+  for (const int fd : {crashed[0], crashed[1], revived[0], revived[1]}) {
+    ::close(fd);
+  }
+}
+
 // A successor that does not reclaim: nothing is re-asserted, the lease is
 // unbacked, and the first request on the new connection is the caller's.
 TEST(ClientTest, ASuccessorWithoutReclaimIsSentNone) {

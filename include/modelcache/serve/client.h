@@ -37,13 +37,13 @@
 // its references keep the mapping, their end unmaps it and sends nothing,
 // an idle one is unmapped at once, and the next Acquire of its model asks
 // the daemon. Until the new connection's reclaims are answered, an Acquire
-// of a model held waits for them (it does not use the old mapping, nor ask
-// for another). Releases not yet sent on the lost connection are dropped
-// (their leases were not reclaimed). Reclaims() counts what happened. With
-// a daemon that does not list "reclaim", the leases of a lost connection
-// are unbacked at once (the idle ones unmapped), as the daemon they came
-// from is gone and a new one counts their copies as orphaned until they
-// are unmapped.
+// of a model held takes another local reference to its mapping (load()
+// "local"), which the reclaim backs or not as it does the lease. Releases not
+// yet sent on the lost connection are dropped (their leases were not
+// reclaimed). Reclaims() counts what happened. With a daemon that does not list
+// "reclaim", the leases of a lost connection are unbacked at once (the idle
+// ones unmapped), as the daemon they came from is gone and a new one counts
+// their copies as orphaned until they are unmapped.
 //
 // fork(): mappings are made with MADV_DONTFORK, so a child has none of its
 // parent's copies (its RemoteWeights objects are hollow: their spans must

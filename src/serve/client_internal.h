@@ -63,10 +63,10 @@
 // nothing is sent for them. The next connection is made by Connected, which,
 // after hello and before it publishes the connection as conn_ (so before any
 // other request goes out on it), sends a reclaim for each marked lease ("idle"
-// for those with no reference) and reads the answers (Reclaim): an adopted
-// lease takes the new serial (its told_idle is what its reclaim said; one
-// revived since it was asked "idle" is told "use" at publication) and is held
-// as before; a refused one, or every one when the new daemon does not list
+// for those with no reference) and reads the answers (ReclaimAndPublish): an
+// adopted lease takes the new serial (its told_idle is what its reclaim said;
+// one revived since it was asked "idle" is told "use" at publication) and is
+// held as before; a refused one, or every one when the new daemon does not list
 // "reclaim", is *unbacked*: forgotten (an idle one unmapped at once), while its
 // references keep the mapping and their end sends nothing (the copy's serial is
 // of a dead connection). Leases marked during a pass (an acquire granted on the

@@ -480,6 +480,32 @@ TEST(ClientTest, ALeaseRevivedWhileTheDaemonIsDownIsReclaimedInUse) {
   }
 }
 
+// Close ends the leases on the daemon's side: none is reclaimed after it.
+TEST(ClientTest, CloseReclaimsNothing) {
+  FakeDaemon daemon;
+  Copy c = MakeCopy(fs::path(daemon.path()).parent_path());
+  std::thread fake([&] {
+    daemon.Handshake(256, kReclaim);
+    const protocol::Request acquire = daemon.Next();
+    const int fds[] = {c.header.get(), c.data.get()};
+    daemon.Send(
+        protocol::EncodeAcquireReply(acquire.id, 97, "m", "hit", {c.reply}),
+        fds);
+    daemon.Handshake(256, kReclaim);
+    const protocol::Request ping = daemon.Next();
+    EXPECT_EQ(ping.op, protocol::Op::kPing) << "no reclaim after Close";
+    daemon.Send(protocol::EncodeOk(ping.id));
+  });
+  Client client = Client::Connect(daemon.path());
+  RemoteWeights w = client.Acquire("m", std::chrono::seconds(60));
+  client.Close();
+  client.Ping(std::chrono::seconds(60));
+  const ReclaimStats stats = client.Reclaims();
+  EXPECT_EQ(stats.reclaimed + stats.reclaim_refused + stats.pending, 0u);
+  EXPECT_EQ(BytesOf(w.data("w")), BytesOf(c.file.data()));
+  fake.join();
+}
+
 // A successor that does not reclaim: nothing is re-asserted, the lease is
 // unbacked, and the first request on the new connection is the caller's.
 TEST(ClientTest, ASuccessorWithoutReclaimIsSentNone) {

@@ -13,6 +13,7 @@
 #include <sys/socket.h>
 #include <sys/stat.h>
 #include <sys/un.h>
+#include <sys/wait.h>
 #include <unistd.h>
 
 #include <chrono>
@@ -503,6 +504,75 @@ TEST(ClientTest, CloseReclaimsNothing) {
   const ReclaimStats stats = client.Reclaims();
   EXPECT_EQ(stats.reclaimed + stats.reclaim_refused + stats.pending, 0u);
   EXPECT_EQ(BytesOf(w.data("w")), BytesOf(c.file.data()));
+  fake.join();
+}
+
+// ThreadSanitizer cannot follow a child forked by a process with threads.
+#if defined(__SANITIZE_THREAD__)
+#define MODELCACHE_UNDER_TSAN 1
+#elif defined(__has_feature)
+#if __has_feature(thread_sanitizer)
+#define MODELCACHE_UNDER_TSAN 1
+#endif
+#endif
+
+// Descriptors of this process open on a file of `ids`, among the first
+// 4096 numbers; async-signal-safe (fstat only), for a forked child.
+int CountOpen(const std::pair<uint64_t, uint64_t> (&ids)[2]) {
+  int n = 0;
+  for (int fd = 0; fd < 4096; ++fd) {
+    struct stat st;
+    if (::fstat(fd, &st) != 0) continue;
+    for (const auto& id : ids) {
+      if (static_cast<uint64_t>(st.st_dev) == id.first &&
+          static_cast<uint64_t>(st.st_ino) == id.second) {
+        ++n;
+      }
+    }
+  }
+  return n;
+}
+
+// The memfds kept for a reclaim are closed in a forked child: it must not
+// keep its parent's copies in memory.
+TEST(ClientTest, AForkedChildHoldsNoneOfTheMemfdsKeptForAReclaim) {
+#ifdef MODELCACHE_UNDER_TSAN
+  GTEST_SKIP() << "ThreadSanitizer stops a child forked by a threaded parent";
+#endif
+  FakeDaemon daemon;
+  Copy c = MakeCopy(fs::path(daemon.path()).parent_path());
+  const std::pair<uint64_t, uint64_t> ids[2] = {IdOf(c.header.get()),
+                                                IdOf(c.data.get())};
+  std::thread fake([&] {
+    daemon.Handshake(256, kReclaim);
+    const protocol::Request acquire = daemon.Next();
+    const int fds[] = {c.header.get(), c.data.get()};
+    daemon.Send(
+        protocol::EncodeAcquireReply(acquire.id, 98, "m", "hit", {c.reply}),
+        fds);
+    // Only the client's descriptors of these files are left.
+    c.header.reset();
+    c.data.reset();
+    const protocol::Request ping = daemon.Next();
+    EXPECT_EQ(ping.op, protocol::Op::kPing);
+    daemon.Send(protocol::EncodeOk(ping.id));
+    const protocol::Request release = daemon.Next();
+    EXPECT_EQ(release.op, protocol::Op::kRelease);
+    daemon.Send(protocol::EncodeOk(release.id));
+  });
+  Client client = Client::Connect(daemon.path());
+  RemoteWeights w = client.Acquire("m", std::chrono::seconds(60));
+  client.Ping(std::chrono::seconds(60));  // after the fake closed its own
+  EXPECT_EQ(CountOpen(ids), 2) << "kept by the client";
+  const pid_t child = ::fork();
+  if (child == 0) ::_exit(CountOpen(ids));
+  ASSERT_GT(child, 0);
+  int status = 0;
+  ASSERT_EQ(::waitpid(child, &status, 0), child);
+  ASSERT_TRUE(WIFEXITED(status));
+  EXPECT_EQ(WEXITSTATUS(status), 0) << "the child holds its parent's memfds";
+  w.Release();
+  EXPECT_EQ(CountOpen(ids), 0) << "closed with the copy";
   fake.join();
 }
 

@@ -40,10 +40,12 @@
 // of a model held takes another local reference to its mapping (load()
 // "local"), which the reclaim backs or not as it does the lease. Releases not
 // yet sent on the lost connection are dropped (their leases were not
-// reclaimed). Reclaims() counts what happened. With a daemon that does not list
-// "reclaim", the leases of a lost connection are unbacked at once (the idle
-// ones unmapped), as the daemon they came from is gone and a new one counts
-// their copies as orphaned until they are unmapped.
+// reclaimed). An idle lease still waiting past keep_idle is unmapped
+// (unbacked); Close() reclaims nothing (the daemon ends the leases of a
+// closed connection). Reclaims() counts what happened. With a daemon that does
+// not list "reclaim", the leases of a lost connection are unbacked at once (the
+// idle ones unmapped), as the daemon they came from is gone and a new one
+// counts their copies as orphaned until they are unmapped.
 //
 // fork(): mappings are made with MADV_DONTFORK, so a child has none of its
 // parent's copies (its RemoteWeights objects are hollow: their spans must

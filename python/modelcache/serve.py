@@ -45,6 +45,16 @@ Daemon restarts. Leases held stay mapped and valid when the daemon dies. The
 next call connects again, retrying with backoff within its own timeout, and
 raises DaemonUnavailableError when the daemon is not back by then.
 
+Reclaim. With a daemon that offers it (its hello's limits list "reclaim"),
+the leases held when the connection is lost (a crash, a takeover) are kept:
+a thread of the client reconnects at once and, before any other request,
+re-asserts each one to the successor with the copy's memfds (which the
+client keeps open for this: ``reclaim=True`` in :func:`connect`). An adopted
+lease goes on as before (same ``lease_id``, same mapping; an idle one stays
+idle); a refused one keeps its mapping while its lease objects and views
+live, is never released, and the next acquire of its model asks the daemon.
+:meth:`Client.reclaims` counts what happened.
+
 Delegation: warm acquires without a round trip, an honest budget. A process
 maps a copy once. An acquire of a model this process already holds (a lease
 or a view of it is alive, on any thread) is local: no message to the
@@ -60,7 +70,7 @@ trip again. So a server acquires and releases per request, and pays a round
 trip only when the model was evicted. :meth:`Client.idle_leases` counts
 the leases kept idle; ``keep_idle=0`` releases a lease when its last lease
 object or view ends. A lost connection (a daemon restart) drops every idle
-lease; leases in use keep their mapping.
+lease, unless it is reclaimed (above); leases in use keep their mapping.
 
 fork(). A child starts with no connection and no lease: every lease object
 it inherits reads as released (taking a view raises), and its first call on
@@ -361,6 +371,14 @@ class Client:
         and released when the daemon recalls them or ``keep_idle`` passes."""
         return self._client.idle_leases()
 
+    def reclaims(self) -> Dict[str, int]:
+        """What became of the leases of lost connections, since the client
+        was made: ``reclaimed`` (adopted by a successor daemon),
+        ``reclaim_refused`` (the successor refused them: they were gone),
+        ``reclaim_unsupported`` (the successor does not reclaim), and
+        ``pending`` (waiting now for a connection to be reclaimed on)."""
+        return self._client.reclaims()
+
     def close(self) -> None:
         """Closes the connection now. Leases whose copies this process still
         maps (through views) stay orphaned in the daemon until they are
@@ -383,7 +401,7 @@ KeepIdle = Union[float, int, "datetime.timedelta"]
 
 
 def connect(socket_path: PathLike, *, connect_timeout: Timeout = 0,
-            keep_idle: KeepIdle = 60.0) -> Client:
+            keep_idle: KeepIdle = 60.0, reclaim: bool = True) -> Client:
     """Connects to the daemon listening at ``socket_path``.
 
     Args:
@@ -397,6 +415,10 @@ def connect(socket_path: PathLike, *, connect_timeout: Timeout = 0,
             object or view ends (every acquire is then a round trip, unless
             another one of the same model is alive). With a daemon that
             cannot recall leases, leases are never kept idle.
+        reclaim: keep each copy's memfds open (two per file) so that the
+            leases held survive a daemon's crash or takeover (see the module
+            docstring); False closes them once mapped, and leases held
+            when the connection is lost are never reclaimed.
 
     Raises:
         modelcache.errors.DaemonUnavailableError: nobody answers there.
@@ -408,4 +430,5 @@ def connect(socket_path: PathLike, *, connect_timeout: Timeout = 0,
     return Client(_core._ServeClient.connect(
         _args.path(socket_path, "socket_path"),
         _args.timeout(connect_timeout, "connect_timeout"),
-        _args.seconds(keep_idle, "keep_idle")))
+        _args.seconds(keep_idle, "keep_idle"),
+        _args.boolean(reclaim, "reclaim")))

@@ -253,11 +253,12 @@ class PyServeClient {
 
   static PyServeClient Connect(const py::handle& path,
                                const py::object& connect_timeout,
-                               const py::object& keep_idle) {
+                               const py::object& keep_idle, bool reclaim) {
     const std::string socket = PathFrom(path);
     serve::ClientOptions options;
     options.connect_timeout = MillisFrom(connect_timeout, "connect_timeout");
     options.keep_idle = KeepIdleFrom(keep_idle);
+    options.reclaim = reclaim;
     serve::Client client =
         WithoutGil([&] { return serve::Client::Connect(socket, options); });
     return PyServeClient(std::move(client));
@@ -307,6 +308,19 @@ class PyServeClient {
   size_t IdleLeases() {
     std::shared_ptr<serve::Client> client = client_;
     return WithoutGil([&] { return client->IdleLeases(); });
+  }
+
+  // serve::ReclaimStats as a dict of its fields.
+  py::dict Reclaims() {
+    std::shared_ptr<serve::Client> client = client_;
+    const serve::ReclaimStats stats =
+        WithoutGil([&] { return client->Reclaims(); });
+    py::dict d;
+    d["reclaimed"] = stats.reclaimed;
+    d["reclaim_refused"] = stats.reclaim_refused;
+    d["reclaim_unsupported"] = stats.reclaim_unsupported;
+    d["pending"] = stats.pending;
+    return d;
   }
 
  private:
@@ -361,13 +375,15 @@ void BindServe(py::module_& m) {
                             "A connection to modelcache serve; see "
                             "modelcache.serve.Client.")
       .def_static("connect", &PyServeClient::Connect, py::arg("socket_path"),
-                  py::arg("connect_timeout"), py::arg("keep_idle"))
+                  py::arg("connect_timeout"), py::arg("keep_idle"),
+                  py::arg("reclaim"))
       .def("acquire", &PyServeClient::Acquire, py::arg("model"),
            py::arg("timeout"), py::arg("when_full"))
       .def("ping", &PyServeClient::Ping, py::arg("timeout"))
       .def("info", &PyServeClient::Info)
       .def("close", &PyServeClient::Close)
       .def("idle_leases", &PyServeClient::IdleLeases)
+      .def("reclaims", &PyServeClient::Reclaims)
       .def_property_readonly("socket_path", &PyServeClient::socket_path);
 }
 

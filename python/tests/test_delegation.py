@@ -115,6 +115,21 @@ def test_a_released_lease_is_kept_idle_and_revived(node):
     revived.release()
 
 
+def test_reclaims_count_nothing_without_a_lost_connection(node):
+    # The daemon does not offer reclaim yet: nothing is pending or counted,
+    # with the memfds kept (the default) or not.
+    for reclaim in (True, False):
+        client = modelcache.serve.connect(node.socket, reclaim=reclaim)
+        lease = client.acquire("x")
+        assert float(lease.numpy("w")[0]) == 1.0
+        assert client.reclaims() == {"reclaimed": 0, "reclaim_refused": 0,
+                                     "reclaim_unsupported": 0, "pending": 0}
+        lease.release()
+        client.close()
+    with pytest.raises(TypeError, match="reclaim must be a bool"):
+        modelcache.serve.connect(node.socket, reclaim=1)
+
+
 def test_keep_idle_zero_releases_at_once(node):
     client = modelcache.serve.connect(node.socket, keep_idle=0)
     lease = client.acquire("x")

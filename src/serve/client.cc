@@ -113,6 +113,8 @@ const std::string& Client::socket_path() const { return core_->path(); }
 
 size_t Client::IdleLeases() { return Core().IdleLeases(); }
 
+ReclaimStats Client::Reclaims() { return Core().Reclaims(); }
+
 // ---------------------------------------------------- RemoteHostWeights ----
 
 RemoteHostWeights::RemoteHostWeights(Client client,

@@ -64,6 +64,10 @@ std::shared_ptr<Connection> ClientCore::Dial(Clock::time_point deadline) {
       c->info.version = parsed.reply->version;
       c->info.limits = parsed.reply->limits;
       c->delegation = c->info.limits.count("recall_timeout_ms") != 0;
+      if (const auto it = c->info.limits.find("reclaim");
+          it != c->info.limits.end()) {
+        c->reclaim = it->second != 0;
+      }
       if (const auto it = c->info.limits.find("max_queued_replies");
           it != c->info.limits.end()) {
         c->window =
@@ -137,12 +141,8 @@ std::shared_ptr<Connection> ClientCore::Connected(
   connecting_ = true;
   mu_.Unlock();
 
-  const auto done = [this](std::shared_ptr<Connection> c) {
+  const auto done = [this](std::nullptr_t) {
     base::MutexLock lock(&mu_);
-    if (c) {
-      c->serial = next_serial_++;
-      conn_ = c;
-    }
     connecting_ = false;
     cv_.NotifyAll();
   };
@@ -150,7 +150,10 @@ std::shared_ptr<Connection> ClientCore::Connected(
   for (;;) {
     try {
       std::shared_ptr<Connection> c = Dial(deadline);
-      done(c);
+      // The reclaims first; then the connection is everyone's.
+      std::vector<uint64_t> recalls;
+      ReclaimAndPublish(c, deadline, &recalls);
+      if (!recalls.empty()) AnswerRecalls(c, recalls);
       return c;
     } catch (const ServeError& e) {
       const bool retry = e.serve_code() == ServeCode::kUnavailable ||
@@ -181,23 +184,269 @@ std::shared_ptr<Connection> ClientCore::Connected(
         }
       }
     }
-    backoff = std::min(backoff * 2, options_.backoff_max);
+    std::chrono::milliseconds most = options_.backoff_max;
+    {
+      // Leases waiting to be reclaimed: the successor's grace is short.
+      base::MutexLock lock(&mu_);
+      if (reclaiming_ != 0) most = std::min(most, kReclaimBackoffMax);
+    }
+    backoff = std::min(backoff * 2, most);
   }
 }
 
-void ClientCore::Broke(std::shared_ptr<Connection> c) {
+void ClientCore::ReclaimAndPublish(const std::shared_ptr<Connection>& c,
+                                   Clock::time_point deadline,
+                                   std::vector<uint64_t>* recalls) {
+  struct Ask {
+    uint64_t id = 0;
+    uint64_t lease = 0;
+    bool idle = false;
+    std::shared_ptr<MappedCopy> copy;
+    bool answered = false;
+    bool ok = false;
+  };
+  const Clock::time_point until =
+      std::max(deadline, Clock::now() + std::chrono::seconds(5));
+  // Adopted leases forgotten while their reclaim was in flight: released
+  // once `c` is published; and those reclaimed as idle but revived since:
+  // told "use" then.
+  std::vector<uint64_t> release;
+  std::vector<uint64_t> use;
+  for (;;) {
+    std::vector<Ask> asks;
+    std::vector<std::shared_ptr<MappedCopy>> drop;
+    {
+      base::MutexLock lock(&mu_);
+      if (c->serial == 0) c->serial = next_serial_++;
+      if (reclaiming_ != 0 && !c->reclaim) {
+        drop = GiveUpReclaims(&reclaim_stats_.reclaim_unsupported);
+      }
+      for (const auto& [lease, held] : held_) {
+        if (!held.reclaim) continue;
+        Ask& ask = asks.emplace_back();
+        ask.id = next_id_++;
+        ask.lease = lease;
+        ask.idle = held.refs == 0;
+        ask.copy = held.copy;
+      }
+      if (asks.empty()) {
+        // The last look and the publication are one: a lease marked later
+        // is marked against a published connection, so it is not kept.
+        conn_ = c;
+        connecting_ = false;
+        for (const uint64_t lease : use) {
+          SendNotice(c, protocol::Op::kUse, lease);
+        }
+        for (const uint64_t lease : release) SendRelease(c, lease);
+        if (idle_ != 0) StartFlusher();  // notices due, keep_idle
+        cv_.NotifyAll();
+        return;  // `drop` is unmapped after the lock is let go
+      }
+    }
+    drop.clear();
+
+    // Sent in order, at most `window` unanswered (as releases are), so that
+    // the daemon's queue of replies never overflows.
+    std::unordered_map<uint64_t, size_t> by_id;
+    std::vector<std::string> messages;
+    for (size_t i = 0; i < asks.size(); ++i) {
+      by_id.emplace(asks[i].id, i);
+      messages.push_back(protocol::EncodeReclaim(
+          asks[i].id, asks[i].lease, asks[i].copy->model, asks[i].idle));
+    }
+    size_t next = 0;
+    size_t unanswered = 0;
+    size_t answered = 0;
+    while (answered < asks.size()) {
+      while (next < asks.size() && unanswered < c->window) {
+        // The descriptors are set before a copy is filed, never changed.
+        std::vector<int> fds;
+        for (const base::UniqueFd& fd : asks[next].copy->fds) {
+          fds.push_back(fd.get());
+        }
+        if (SendDatagram(c->fd.get(), messages[next], fds, MSG_DONTWAIT) != 0) {
+          if (errno == EAGAIN || errno == EWOULDBLOCK) break;
+          const int e = errno;
+          throw DaemonUnavailableError("lost the daemon at " + path_ +
+                                       " while reclaiming: " + ErrnoText(e));
+        }
+        ++next;
+        ++unanswered;
+      }
+      Datagram d;
+      const int got =
+          ReceiveDatagram(c->fd.get(), protocol::kMaxMessageBytes,
+                          2 * protocol::kMaxFilesPerModel, MSG_DONTWAIT, &d);
+      if (got == 0) {
+        throw DaemonUnavailableError("the daemon at " + path_ +
+                                     " closed the connection while reclaiming");
+      }
+      if (got > 0) {
+        const protocol::ParsedReply parsed = protocol::ParseReply(d.bytes);
+        if (!parsed.reply) {
+          throw ServeError(ServeCode::kInvalid,
+                           "malformed reply to a reclaim: " + parsed.error);
+        }
+        const protocol::Reply& reply = *parsed.reply;
+        if (reply.id == 0) {  // the daemon's own: news
+          base::MutexLock lock(&mu_);
+          if (reply.ok && reply.recall != 0) {
+            recalls->push_back(reply.recall);
+          } else {
+            c->note = reply.message;
+          }
+          continue;
+        }
+        const auto it = by_id.find(reply.id);
+        if (it != by_id.end() && !asks[it->second].answered) {
+          asks[it->second].answered = true;
+          asks[it->second].ok = reply.ok;
+          --unanswered;
+          ++answered;
+        } else {
+          base::MutexLock lock(&mu_);
+          c->unanswered.erase(reply.id);  // a release's, of an earlier pass
+        }
+        continue;
+      }
+      // A peer that closed with our datagrams unread reports ECONNRESET
+      // once, before the messages it queued: read on.
+      if (errno == ECONNRESET) continue;
+      if (errno != EAGAIN && errno != EWOULDBLOCK) {
+        const int e = errno;
+        throw DaemonUnavailableError("lost the daemon at " + path_ +
+                                     " while reclaiming: " + ErrnoText(e));
+      }
+      if (Clock::now() >= until) {
+        throw DaemonUnavailableError("the daemon at " + path_ +
+                                     " did not answer the reclaims");
+      }
+      const bool more = next < asks.size() && unanswered < c->window;
+      pollfd p{c->fd.get(), static_cast<short>(POLLIN | (more ? POLLOUT : 0)),
+               0};
+      ::poll(&p, 1, MillisUntil(until));
+    }
+
+    base::MutexLock lock(&mu_);
+    for (const Ask& ask : asks) {
+      const auto it = held_.find(ask.lease);
+      const bool ours = it != held_.end() && it->second.copy == ask.copy &&
+                        it->second.reclaim;
+      if (!ask.ok) {
+        ++reclaim_stats_.reclaim_refused;
+        if (ours) drop.push_back(Forget(ask.lease));  // unbacked
+        continue;
+      }
+      ++reclaim_stats_.reclaimed;
+      if (!ours) {
+        release.push_back(ask.lease);  // its last reference ended meanwhile
+        continue;
+      }
+      Held& held = it->second;
+      held.reclaim = false;
+      --reclaiming_;
+      ask.copy->serial = c->serial;
+      // The daemon's word is what the reclaim said. A lease revived during
+      // the pass is told "use" once `c` is published; one whose last
+      // reference ended during it is told idle by the keeper.
+      held.told_idle = ask.idle;
+      if (ask.idle && held.refs != 0) {
+        held.told_idle = false;
+        use.push_back(ask.lease);
+      }
+      if (held.refs == 0 && !c->delegation) {
+        drop.push_back(Forget(ask.lease));  // this daemon would not recall
+        release.push_back(ask.lease);
+      }
+    }
+    // `drop` unmaps after the lock goes (a lease released on `c` is unmapped
+    // well before its release is sent, at publication).
+  }
+}
+
+std::vector<std::shared_ptr<MappedCopy>> ClientCore::GiveUpReclaims(
+    uint64_t* count) {
+  std::vector<uint64_t> leases;
+  for (const auto& [lease, held] : held_) {
+    if (held.reclaim) leases.push_back(lease);
+  }
+  std::vector<std::shared_ptr<MappedCopy>> copies;
+  for (const uint64_t lease : leases) {
+    copies.push_back(Forget(lease));
+    ++*count;
+  }
+  return copies;
+}
+
+bool ClientCore::ReconnectForReclaims(Clock::time_point* retry_at,
+                                      std::chrono::milliseconds* backoff) {
+  const Clock::time_point now = Clock::now();
+  // keep_idle still bounds an idle lease while the daemon is away: one
+  // past it is given up (unmapped; nothing to release it to).
+  std::vector<uint64_t> expired;
+  for (const auto& [lease, held] : held_) {
+    if (held.reclaim && held.refs == 0 &&
+        now - held.idle_since >= options_.keep_idle) {
+      expired.push_back(lease);
+    }
+  }
+  if (!expired.empty()) {
+    std::vector<std::shared_ptr<MappedCopy>> drop;
+    for (const uint64_t lease : expired) drop.push_back(Forget(lease));
+    mu_.Unlock();
+    drop.clear();  // unmapped outside mu_
+    mu_.Lock();
+    return true;  // look again
+  }
+  if (reclaiming_ == 0) return false;
+  if (connecting_ || now < *retry_at) {
+    // Another thread connects (and reclaims), or we back off.
+    cv_.WaitUntil(&mu_, connecting_ ? now + kReclaimBackoffMax : *retry_at);
+    return true;
+  }
+  mu_.Unlock();
+  bool connected = false;
+  try {
+    Connected(Clock::now(), nullptr);  // one attempt
+    connected = true;
+  } catch (...) {
+    // Quiet: tried again after the backoff.
+  }
+  mu_.Lock();
+  if (connected) {
+    *backoff = options_.backoff_initial;
+    *retry_at = Clock::time_point::min();
+  } else {
+    *retry_at = After(*backoff);
+    *backoff = std::min(*backoff * 2,
+                        std::min(options_.backoff_max, kReclaimBackoffMax));
+  }
+  return true;
+}
+
+void ClientCore::Broke(std::shared_ptr<Connection> c, bool keep_leases) {
   if (c->broken) return;
   c->broken = true;
   // Wakes a reader elsewhere and tells the daemon at once.
   ::shutdown(c->fd.get(), SHUT_RDWR);
   if (conn_ == c) conn_.reset();
-  // Its leases died with it: idle ones are unmapped now; references in use
-  // keep their mapping, and their end releases nothing.
+  // A successor may adopt its leases: they wait for the next connection's
+  // reclaims, which the keeper makes soon. Otherwise they died with it:
+  // idle ones are unmapped now; references in use keep their mapping, and
+  // their end releases nothing.
+  c->kept = keep_leases && c->reclaim && options_.reclaim && !stop_;
   std::vector<uint64_t> gone;
-  for (const auto& [lease, held] : held_) {
-    if (held.copy->serial == c->serial) gone.push_back(lease);
+  for (auto& [lease, held] : held_) {
+    if (held.copy->serial != c->serial || held.reclaim) continue;
+    if (c->kept) {
+      held.reclaim = true;
+      ++reclaiming_;
+    } else {
+      gone.push_back(lease);
+    }
   }
   for (const uint64_t lease : gone) Forget(lease);
+  if (reclaiming_ != 0) StartFlusher();
   cv_.NotifyAll();
 }
 
@@ -207,6 +456,7 @@ std::shared_ptr<MappedCopy> ClientCore::Forget(uint64_t lease) {
   Held& held = it->second;
   std::shared_ptr<MappedCopy> copy = std::move(held.copy);
   if (held.refs == 0) --idle_;
+  if (held.reclaim) --reclaiming_;
   for (const std::string& name : held.names) {
     const auto n = by_name_.find(name);
     if (n != by_name_.end() && n->second == lease) by_name_.erase(n);
@@ -231,7 +481,11 @@ std::shared_ptr<Grant> ClientCore::LocalAcquire(const std::string& name) {
   const auto n = by_name_.find(name);
   if (n == by_name_.end()) return nullptr;
   Held& held = held_.at(n->second);
-  if (!conn_ || conn_->broken || held.copy->serial != conn_->serial) {
+  // A lease waiting to be reclaimed is used too: its mapping is as valid
+  // as ever, and the reclaim will say how it is used (or it is unbacked,
+  // and so is this reference).
+  if (!held.reclaim &&
+      (!conn_ || conn_->broken || held.copy->serial != conn_->serial)) {
     return nullptr;
   }
   std::shared_ptr<MappedCopy> copy = held.copy;
@@ -239,9 +493,10 @@ std::shared_ptr<Grant> ClientCore::LocalAcquire(const std::string& name) {
     --idle_;
     // The daemon may count it as evictable: say it is used again before
     // returning. (Its recall is answered "use" meanwhile either way.) A
-    // failed send breaks the connection, which forgets `held`; the
-    // reference still keeps the mapping, and its end releases nothing.
-    if (held.told_idle) {
+    // failed send breaks the connection, which forgets `held` (the
+    // reference still keeps the mapping, and its end releases nothing) or
+    // marks it to be reclaimed, in use.
+    if (held.told_idle && !held.reclaim) {
       held.told_idle = false;
       const std::shared_ptr<Connection> c = conn_;
       SendNotice(c, protocol::Op::kUse, copy->lease);
@@ -256,17 +511,29 @@ std::shared_ptr<Grant> ClientCore::LocalAcquire(const std::string& name) {
 }
 
 void ClientCore::Keep(const std::shared_ptr<MappedCopy>& copy,
-                      const std::vector<std::string>& names) {
+                      const std::vector<std::string>& names,
+                      const Connection& from) {
   std::vector<std::shared_ptr<MappedCopy>> replaced;
-  std::vector<uint64_t> release;
-  uint64_t serial = copy->serial;
-  if (!options_.local_reuse) return;  // ~Grant releases it
+  std::vector<std::pair<uint64_t, uint64_t>> release;  // (serial, lease)
+  if (!options_.local_reuse) return;                   // ~Grant releases it
   {
     base::MutexLock lock(&mu_);
-    if (!conn_ || conn_->broken || conn_->serial != copy->serial) return;
+    const bool current =
+        conn_ && !conn_->broken && conn_->serial == copy->serial;
+    // Granted on a connection that broke since, keeping its leases for the
+    // next one, not published yet (it publishes after its last look): this
+    // one waits with them. Once published, it is too late: unbacked.
+    const bool waits = !current && from.broken && from.kept &&
+                       (!conn_ || conn_->broken) && !stop_;
+    if (!current && !waits) return;
     Held& held = held_[copy->lease];
     held.copy = copy;
     held.refs = 1;
+    if (waits) {
+      held.reclaim = true;
+      ++reclaiming_;
+      StartFlusher();
+    }
     for (const std::string& name : names) {
       const auto n = by_name_.find(name);
       if (n != by_name_.end() && n->second != copy->lease) {
@@ -275,8 +542,8 @@ void ClientCore::Keep(const std::shared_ptr<MappedCopy>& copy,
         const uint64_t older = n->second;
         by_name_.erase(n);
         if (!Reachable(older) && held_.at(older).refs == 0) {
+          release.emplace_back(held_.at(older).copy->serial, older);
           replaced.push_back(Forget(older));
-          release.push_back(older);
         }
       }
       by_name_[name] = copy->lease;
@@ -284,29 +551,37 @@ void ClientCore::Keep(const std::shared_ptr<MappedCopy>& copy,
     }
   }
   replaced.clear();  // unmapped before the releases
-  for (const uint64_t lease : release) Release(serial, lease);
+  for (const auto& [serial, lease] : release) Release(serial, lease);
 }
 
 void ClientCore::Unref(std::shared_ptr<MappedCopy> copy) noexcept {
-  const uint64_t serial = copy->serial;
   const uint64_t lease = copy->lease;
+  uint64_t serial = 0;
   std::shared_ptr<MappedCopy> drop;
   bool release = false;
   {
     base::MutexLock lock(&mu_);
+    serial = copy->serial;  // a reclaim changes it
     const auto it = held_.find(lease);
     if (it == held_.end() || it->second.copy != copy) {
-      drop = std::move(copy);  // not kept: its connection is gone, say
+      // Not kept: its connection is gone (or it is unbacked), say; then
+      // the release finds no connection of `serial` and sends nothing.
+      drop = std::move(copy);
       release = true;
     } else if (--it->second.refs == 0) {
       Held& held = it->second;
-      const bool keep = options_.keep_idle.count() > 0 && conn_ &&
-                        !conn_->broken && conn_->serial == serial &&
-                        conn_->delegation && Reachable(lease) && !stop_;
+      // A lease waiting to be reclaimed is kept idle too: its reclaim will
+      // say so.
+      const bool keep =
+          options_.keep_idle.count() > 0 && Reachable(lease) && !stop_ &&
+          (held.reclaim || (conn_ && !conn_->broken &&
+                            conn_->serial == serial && conn_->delegation));
       ++idle_;
       if (keep) {
         held.idle_since = Clock::now();
         held.told_idle = false;
+      }
+      if (keep && !held.reclaim) {
         // The keeper sends the notice: woken only when it would sleep past
         // the notice's time by more than the delay itself (a late notice
         // errs on the safe side: the daemon counts the lease as in use).
@@ -314,14 +589,15 @@ void ClientCore::Unref(std::shared_ptr<MappedCopy> copy) noexcept {
             held.idle_since + 2 * options_.idle_notice_delay;
         if (options_.idle_notice_delay.count() <= 0) {
           held.told_idle = true;
-          // A failed send breaks the connection, which forgets `held`.
+          // A failed send breaks the connection, which forgets or marks
+          // `held` (erasing nothing from held_ while marking).
           const std::shared_ptr<Connection> c = conn_;
           SendNotice(c, protocol::Op::kIdle, lease);
         }
         const bool running = flushing_;
         StartFlusher();
         if (running && keeper_wakes_ > due) WakeKeeper();
-      } else {
+      } else if (!keep) {
         drop = Forget(lease);
         release = true;
       }
@@ -335,6 +611,13 @@ void ClientCore::Unref(std::shared_ptr<MappedCopy> copy) noexcept {
 size_t ClientCore::IdleLeases() const {
   base::MutexLock lock(&mu_);
   return idle_;
+}
+
+ReclaimStats ClientCore::Reclaims() const {
+  base::MutexLock lock(&mu_);
+  ReclaimStats stats = reclaim_stats_;
+  stats.pending = reclaiming_;
+  return stats;
 }
 
 void ClientCore::SendNotice(const std::shared_ptr<Connection>& c,
@@ -375,7 +658,8 @@ Clock::time_point ClientCore::IdleChores(
         held.told_idle = true;
         SendNotice(c, protocol::Op::kIdle, lease);
         // A failed send broke `c`, which forgot its leases (erasing from
-        // held_, which this loop walks): nothing is left to do.
+        // held_, which this loop walks) or marked them to be reclaimed:
+        // nothing is left to do on it.
         if (c->broken) return Clock::time_point::max();
       } else {
         next = std::min(next, due);
@@ -539,12 +823,18 @@ void ClientCore::StartFlusher() {
 
 void ClientCore::Flusher() {
   mu_.Lock();
+  Clock::time_point retry_at = Clock::time_point::min();
+  std::chrono::milliseconds backoff = options_.backoff_initial;
   for (;;) {
     const std::shared_ptr<Connection> c = conn_;
-    if (stop_ || !c || c->broken ||
-        (c->unsent.empty() && c->unanswered.empty() && idle_ == 0)) {
+    if (stop_) break;
+    if (!c || c->broken) {
+      // Leases wait to be reclaimed: connect again (which reclaims them)
+      // even when no call does.
+      if (ReconnectForReclaims(&retry_at, &backoff)) continue;
       break;
     }
+    if (c->unsent.empty() && c->unanswered.empty() && idle_ == 0) break;
     std::vector<std::shared_ptr<MappedCopy>> expired;
     const Clock::time_point next = IdleChores(c, &expired);
     if (!expired.empty()) {
@@ -692,11 +982,15 @@ void ClientCore::Ping(std::chrono::milliseconds timeout) {
 }
 
 void ClientCore::Close() {
+  std::vector<std::shared_ptr<MappedCopy>> drop;
   base::MutexLock lock(&mu_);
   if (conn_) {
     last_break_ = "closed by the client";
-    Broke(conn_);
+    Broke(conn_, /*keep_leases=*/false);  // the daemon ends them
   }
+  // Those of an earlier connection are not reclaimed either: unbacked.
+  uint64_t given_up = 0;
+  drop = GiveUpReclaims(&given_up);
 }
 
 void ClientCore::Release(uint64_t serial, uint64_t lease) noexcept {

@@ -10,9 +10,18 @@ namespace {
 
 constexpr size_t kSocketSlots = 256;
 std::atomic<int> g_sockets[kSocketSlots];
+// The memfds copies keep (for a reclaim), likewise; g_memfd_hint is where
+// the next search for a free slot starts, so that filing many is not
+// quadratic.
+std::atomic<int> g_memfds[kMemfdSlots];
+std::atomic<size_t> g_memfd_hint{0};
 
 void CloseSocketsInChild() {
   for (auto& slot : g_sockets) {
+    const int held = slot.exchange(0);
+    if (held > 0) ::close(held - 1);
+  }
+  for (auto& slot : g_memfds) {
     const int held = slot.exchange(0);
     if (held > 0) ::close(held - 1);
   }
@@ -37,6 +46,25 @@ int RegisterSocket(int fd) {
     }
   }
   return -1;  // table full: this socket stays open in children
+}
+
+int RegisterMemfd(int fd) {
+  const size_t start = g_memfd_hint.load(std::memory_order_relaxed);
+  for (size_t n = 0; n < kMemfdSlots; ++n) {
+    const size_t i = (start + n) % kMemfdSlots;
+    int expected = 0;
+    if (g_memfds[i].compare_exchange_strong(expected, fd + 1)) {
+      g_memfd_hint.store((i + 1) % kMemfdSlots, std::memory_order_relaxed);
+      return static_cast<int>(i);
+    }
+  }
+  return -1;  // table full: this memfd stays open in children
+}
+
+void UnregisterMemfd(int slot, int fd) {
+  if (slot < 0) return;
+  int expected = fd + 1;
+  g_memfds[static_cast<size_t>(slot)].compare_exchange_strong(expected, 0);
 }
 
 Connection::~Connection() {

@@ -20,10 +20,11 @@
 // A connection breaks on EOF or a socket error. A message of the daemon's
 // own (id 0) does not break it (protocol.h): its text becomes the reason
 // given if the connection then ends. Callers waiting on it then retry on a new
-// connection (acquires and pings; a lease dies with its connection, so retrying
-// is safe) or fail with DaemonUnavailableError. Connecting is done by one
-// thread at a time (connecting_), with exponential backoff, until the
-// caller's deadline.
+// connection (acquires and pings; a lease granted to an acquire whose reply
+// was lost is not ours to reclaim, so retrying is safe) or fail with
+// DaemonUnavailableError. Connecting is done by one thread at a time
+// (connecting_), with exponential backoff, until the caller's deadline; the
+// reclaims (below) go out on a new connection before anything else.
 //
 // Releases do not wait for their reply: RemoteWeights sends the release
 // and drains, without blocking, whatever replies are waiting, so a client
@@ -50,8 +51,38 @@
 // recall is answered even by a process making no calls. A recall is
 // answered by whichever thread reads it (AnswerRecalls), under mu_: a lease
 // with no reference is forgotten, unmapped, then released; one with
-// references answers "use". Everything a connection holds is forgotten
-// when it breaks (Broke).
+// references answers "use".
+//
+// Reclaim (protocol.h). Each MappedCopy keeps its memfds open (header then
+// data, per file) so that a successor daemon can adopt the copy. When a
+// connection whose hello listed "reclaim" breaks (Broke; not Close, after
+// which the daemon ends the leases itself), its leases stay in held_,
+// marked `reclaim` (reclaiming_ counts them), their copies still naming
+// the dead connection's serial: a local acquire still takes a reference to
+// one (its mapping is valid; the reclaim decides what backs it), and
+// nothing is sent for them. The next connection is made by Connected, which,
+// after hello and before it publishes the connection as conn_ (so before any
+// other request goes out on it), sends a reclaim for each marked lease ("idle"
+// for those with no reference) and reads the answers (ReclaimAndPublish): an
+// adopted lease takes the new serial (its told_idle is what its reclaim said;
+// one revived since it was asked "idle" is told "use" at publication) and is
+// held as before; a refused one, or every one when the new daemon does not list
+// "reclaim", is *unbacked*: forgotten (an idle one unmapped at once), while its
+// references keep the mapping and their end sends nothing (the copy's serial is
+// of a dead connection). Leases marked during a pass (an acquire granted on the
+// dead connection and filed after the break) are reclaimed by another pass
+// before the publication, which is atomic with the last look under mu_, so none
+// is left behind. A lease forgotten while its reclaim was in flight is released
+// on the new connection if adopted. Releases queued on the dead connection die
+// with it (the lease was forgotten first: it is simply not reclaimed). While
+// leases wait to be reclaimed and nothing else connects, the keeper reconnects
+// in the background, backing off up to kReclaimBackoffMax, so that the reclaims
+// reach a successor within its grace period even in a process making no
+// calls; it stops when no lease waits or the core closes. A connection
+// whose daemon did not list "reclaim" forgets its leases when it breaks, as
+// before (no successor can adopt what such a daemon handed out), and so
+// does every connection when ClientOptions::reclaim is false (the memfds
+// are then closed once mapped).
 //
 // fork(): a child must not touch its parent's ClientCore, whose mutex may
 // be held by a thread that does not exist in the child. An atfork handler
@@ -60,9 +91,11 @@
 
 // bumps a global generation and closes every socket of every core (they are
 // kept in a lock-free table for it). A Client whose core is of an older
-// generation leaves it alone, leaked on purpose, and makes a new one. Grants
-// and connections of an older generation do nothing when destroyed: the
-// child has no mapping at their addresses (MADV_DONTFORK) and must not
+// generation leaves it alone, leaked on purpose, and makes a new one. The
+// memfds copies keep open are in a second table (kMemfdSlots), closed in the
+// child too, so that a forked child does not pin its parent's copies. Grants,
+// copies and connections of an older generation do nothing when destroyed:
+// the child has no mapping at their addresses (MADV_DONTFORK) and must not
 // close descriptor numbers it may have reused.
 #include <fcntl.h>
 #include <poll.h>
@@ -106,6 +139,15 @@ void InstallForkHandler();
 // Files `fd` in the table the child handler closes; its slot, or -1 when
 // the table is full (then the socket stays open in children).
 int RegisterSocket(int fd);
+// The same for a memfd a copy keeps (a table of kMemfdSlots); Unregister
+// frees the slot (when it still holds `fd`) before the descriptor closes.
+inline constexpr size_t kMemfdSlots = 4096;
+int RegisterMemfd(int fd);
+void UnregisterMemfd(int slot, int fd);
+
+// The longest wait between the keeper's attempts to reconnect while leases
+// wait to be reclaimed: a successor's grace period is a few seconds.
+inline constexpr std::chrono::milliseconds kReclaimBackoffMax{200};
 
 inline std::string ErrnoText(int error) {
   char buffer[256];
@@ -159,6 +201,12 @@ struct Connection {
   std::string note;  // the daemon's last id-0 message (core's mu_)
   // The daemon recalls idle leases (hello's limits had recall_timeout_ms).
   bool delegation = false;
+  // The daemon adopts leases of its predecessor (hello's limits had
+  // "reclaim"), so a successor of it may adopt this connection's.
+  bool reclaim = false;
+  // Set by Broke when the leases stayed in the table to be reclaimed
+  // (core's mu_).
+  bool kept = false;
 
   // Frees its socket's slot in the fork table (client_fork.cc).
   ~Connection();
@@ -167,7 +215,9 @@ struct Connection {
 // A lease's copy as this process maps it: one per lease, shared by every
 // local reference (Grant) and, while the lease is kept, the core's table.
 struct MappedCopy {
-  uint64_t serial = 0;  // of the connection that holds the lease
+  // Of the connection that holds the lease: set before the copy is filed,
+  // then changed (and read) under the core's mu_ only, by a reclaim.
+  uint64_t serial = 0;
   uint64_t lease = 0;
   uint64_t generation = 0;
   std::string model;
@@ -180,8 +230,14 @@ struct MappedCopy {
   std::vector<RemoteTensor> tensors;
   std::vector<size_t> first_tensor;  // of each file, in `tensors`
   uint64_t data_bytes = 0;
+  // The memfds, kept for a reclaim (ClientOptions::reclaim): per file, in
+  // file order, the header's then the data's; and their slots in the fork
+  // table (-1: not filed).
+  std::vector<base::UniqueFd> fds;
+  std::vector<int> fd_slots;
 
-  // Unmaps (not in a forked child: it has no mapping there).
+  // Unmaps and closes the memfds (not in a forked child: it has no mapping
+  // there, and the descriptor numbers may be others' now).
   ~MappedCopy();
 };
 
@@ -226,6 +282,7 @@ class ClientCore : public std::enable_shared_from_this<ClientCore> {
   // Leases kept idle now: mapped, with no local reference (Client::
   // IdleLeases).
   size_t IdleLeases() const MC_EXCLUDES(mu_);
+  ReclaimStats Reclaims() const MC_EXCLUDES(mu_);
 
  private:
   struct Slot {
@@ -264,20 +321,39 @@ class ClientCore : public std::enable_shared_from_this<ClientCore> {
   // Called by the reader, without mu_.
   void ReadAndFile(const std::shared_ptr<Connection>& c, int wait_ms)
       MC_EXCLUDES(mu_);
-  // By value: the caller's may be conn_, which it resets.
-  void Broke(std::shared_ptr<Connection> c) MC_REQUIRES(mu_);
+  // By value: the caller's may be conn_, which it resets. `keep_leases`:
+  // the daemon may hand them to a successor (false for Close).
+  void Broke(std::shared_ptr<Connection> c, bool keep_leases = true)
+      MC_REQUIRES(mu_);
+  // Reclaims, on `c` (hello done, not published yet), every lease waiting
+  // for it, then publishes `c` as conn_ (design note). Recalls read meanwhile
+  // go to `recalls`. Throws DaemonUnavailableError when `c` fails.
+  void ReclaimAndPublish(const std::shared_ptr<Connection>& c,
+                         Clock::time_point deadline,
+                         std::vector<uint64_t>* recalls) MC_EXCLUDES(mu_);
+  // The keeper's reconnection while leases wait to be reclaimed. Called and
+  // returns with mu_ held; false when it should stop.
+  bool ReconnectForReclaims(Clock::time_point* retry_at,
+                            std::chrono::milliseconds* backoff)
+      MC_REQUIRES(mu_);
   // Sends `op` ("idle", "use") of `lease` on `c` without awaiting the reply,
   // after the queued releases (as SendRelease).
   void SendNotice(const std::shared_ptr<Connection>& c, protocol::Op op,
                   uint64_t lease) MC_REQUIRES(mu_);
   // A local acquire: a new reference to a lease held as `name`, or null.
   std::shared_ptr<Grant> LocalAcquire(const std::string& name) MC_EXCLUDES(mu_);
-  // Files a new lease's copy in the table, under `names`.
+  // Files a new lease's copy, granted on `from`, in the table, under
+  // `names`.
   void Keep(const std::shared_ptr<MappedCopy>& copy,
-            const std::vector<std::string>& names) MC_EXCLUDES(mu_);
+            const std::vector<std::string>& names, const Connection& from)
+      MC_EXCLUDES(mu_);
   // Takes `lease` out of the table; its copy, for the caller to drop
   // (unmapping) outside mu_.
   std::shared_ptr<MappedCopy> Forget(uint64_t lease) MC_REQUIRES(mu_);
+  // Gives up every lease waiting to be reclaimed (unbacked), counting them
+  // in `*count`; their copies, for the caller to drop outside mu_.
+  std::vector<std::shared_ptr<MappedCopy>> GiveUpReclaims(uint64_t* count)
+      MC_REQUIRES(mu_);
   // Whether a local acquire can find `lease`: some name of it still maps
   // to it (a later lease of the name may have taken it over).
   bool Reachable(uint64_t lease) const MC_REQUIRES(mu_);
@@ -313,16 +389,21 @@ class ClientCore : public std::enable_shared_from_this<ClientCore> {
   // The leases this process holds, by lease id: their copy, the local
   // references alive, and whether the daemon was told they are idle; and
   // the names they were acquired as (a name may also be the model's id).
+  // `reclaim`: its connection broke and it waits for the next one's
+  // reclaim (its copy's serial is the dead connection's).
   struct Held {
     std::shared_ptr<MappedCopy> copy;
     int refs = 0;
     bool told_idle = false;
+    bool reclaim = false;
     Clock::time_point idle_since;
     std::vector<std::string> names;
   };
   std::unordered_map<uint64_t, Held> held_ MC_GUARDED_BY(mu_);
   std::unordered_map<std::string, uint64_t> by_name_ MC_GUARDED_BY(mu_);
-  size_t idle_ MC_GUARDED_BY(mu_) = 0;  // entries of held_ with refs == 0
+  size_t idle_ MC_GUARDED_BY(mu_) = 0;        // entries of held_ with refs == 0
+  size_t reclaiming_ MC_GUARDED_BY(mu_) = 0;  // entries with `reclaim`
+  ReclaimStats reclaim_stats_ MC_GUARDED_BY(mu_);
   // When the keeper wakes next, as it last went to sleep.
   Clock::time_point keeper_wakes_ MC_GUARDED_BY(mu_) = Clock::time_point::max();
 

@@ -6,10 +6,21 @@
 namespace modelcache::serve::detail {
 
 MappedCopy::~MappedCopy() {
-  if (generation != g_fork_generation.load()) return;  // a forked child's
+  if (generation != g_fork_generation.load()) {
+    // A forked child's: the memfds were closed at fork (or, past the
+    // table, stay open in the child until it exits); either way their
+    // numbers are not ours to close.
+    for (base::UniqueFd& fd : fds) fd.release();
+    return;
+  }
   files.clear();
   for (const Mapping& m : mappings) ::munmap(m.base, m.bytes);
   mappings.clear();
+  // Out of the fork table before the numbers are free for reuse.
+  for (size_t i = 0; i < fd_slots.size() && i < fds.size(); ++i) {
+    UnregisterMemfd(fd_slots[i], fds[i].get());
+  }
+  fds.clear();
 }
 
 Grant::~Grant() {
@@ -19,7 +30,8 @@ Grant::~Grant() {
 
 RemoteWeights ClientCore::Acquire(std::string_view model,
                                   const RemoteAcquireOptions& options) {
-  if (std::shared_ptr<Grant> local = LocalAcquire(std::string(model))) {
+  const std::string name(model);
+  if (std::shared_ptr<Grant> local = LocalAcquire(name)) {
     return RemoteWeights(std::move(local));
   }
   const Clock::time_point daemon_deadline = After(options.timeout);
@@ -27,8 +39,9 @@ RemoteWeights ClientCore::Acquire(std::string_view model,
       daemon_deadline == Clock::time_point::max()
           ? daemon_deadline
           : daemon_deadline + options_.reply_margin;
+  const WaitInterrupt* interrupt =
+      options.interrupt.check ? &options.interrupt : nullptr;
   const bool fail = options.when_full == WhenFull::kFail;
-  const std::string name(model);
   Exchanged ex = Exchange(
       [&](uint64_t id) {
         const auto left = std::chrono::ceil<std::chrono::milliseconds>(
@@ -41,7 +54,7 @@ RemoteWeights ClientCore::Acquire(std::string_view model,
                       static_cast<int64_t>(protocol::kMaxTimeoutMs)));
         return protocol::EncodeAcquire(id, name, ms, fail);
       },
-      deadline, options.interrupt.check ? &options.interrupt : nullptr);
+      deadline, interrupt);
   if (!ex.reply.ok) ThrowErrorOf(ex.reply);
 
   auto grant = std::make_shared<Grant>();
@@ -141,7 +154,15 @@ RemoteWeights ClientCore::Acquire(std::string_view model,
         std::move(header), data, nullptr));
     copy->data_bytes += f.data_bytes;
   }
-  ex.fds.clear();  // mapped: the descriptors are not needed
+  if (options_.reclaim) {
+    // Kept for a successor to adopt (a reclaim); out of forked children.
+    copy->fd_slots.reserve(ex.fds.size());
+    for (const base::UniqueFd& fd : ex.fds) {
+      copy->fd_slots.push_back(RegisterMemfd(fd.get()));
+    }
+    copy->fds = std::move(ex.fds);
+  }
+  ex.fds.clear();  // mapped: not needed otherwise
   size_t count = 0;
   for (const weights::WeightSet& file : copy->files) {
     count += file.tensors().size();
@@ -155,7 +176,7 @@ RemoteWeights ClientCore::Acquire(std::string_view model,
   }
   std::vector<std::string> names{name};
   if (copy->model != name) names.push_back(copy->model);
-  Keep(grant->copy, names);
+  Keep(grant->copy, names, *ex.connection);
   return RemoteWeights(std::move(grant));
 }
 

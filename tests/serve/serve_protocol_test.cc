@@ -64,6 +64,42 @@ TEST(Protocol, ParsesEveryOpWithItsFields) {
   ASSERT_TRUE(p.request) << p.error;
 }
 
+// What the client sends after a reconnect is what the daemon reads.
+TEST(Protocol, AReclaimRoundTripsWithItsLeaseModelAndUse) {
+  for (const bool idle : {false, true}) {
+    const std::string text = protocol::EncodeReclaim(12, 17, "sdxl-1.0", idle);
+    const protocol::ParsedRequest p = protocol::ParseRequest(text);
+    ASSERT_TRUE(p.request) << p.error << ": " << text;
+    EXPECT_EQ(p.request->op, protocol::Op::kReclaim);
+    EXPECT_EQ(p.request->id, 12u);
+    EXPECT_EQ(p.request->lease, 17u);
+    EXPECT_EQ(p.request->model, "sdxl-1.0");
+    EXPECT_EQ(p.request->idle, idle);
+    EXPECT_THAT(text,
+                HasSubstr(idle ? R"("use":"idle")" : R"("use":"in_use")"));
+  }
+  const struct {
+    const char* message;
+    const char* says;
+  } bad[] = {
+      {R"({"op":"reclaim","id":4,"lease":1,"model":"m"})",
+       "missing field 'use'"},
+      {R"({"op":"reclaim","id":4,"lease":1,"model":"m","use":"busy"})",
+       "\"in_use\" or \"idle\""},
+      {R"({"op":"reclaim","id":4,"model":"m","use":"idle"})",
+       "missing field 'lease'"},
+      {R"({"op":"reclaim","id":4,"lease":1,"use":"idle"})",
+       "missing field 'model'"},
+  };
+  for (const auto& c : bad) {
+    SCOPED_TRACE(c.message);
+    const protocol::ParsedRequest p = protocol::ParseRequest(c.message);
+    EXPECT_FALSE(p.request);
+    EXPECT_THAT(p.error, HasSubstr(c.says));
+    EXPECT_EQ(p.id, 4u);
+  }
+}
+
 TEST(Protocol, RefusesWithAReasonAndTheIdWhenItWasRead) {
   const struct {
     std::string message;

@@ -21,9 +21,31 @@
 //
 // Reconnection: when the connection is lost (the daemon restarted), the
 // next call connects again, backing off (ClientOptions) until its own
-// deadline. Leases of the lost connection stay mapped and valid; releasing
-// them later does nothing (the daemon they came from is gone, and a new one
-// counts their copies as orphaned until they are unmapped).
+// deadline. Leases of the lost connection stay mapped and valid.
+//
+// Reclaim: with a daemon whose hello lists "reclaim" (one whose successor,
+// after a crash or a takeover, can adopt its copies), the leases this
+// process holds when the connection is lost, in use or idle, are kept: the
+// Client reconnects at once in the background (backing off up to 200 ms
+// while nobody answers, for as long as such a lease is held) and, on the
+// new connection, before any other request, re-asserts each one with the
+// copy's memfds, which a Client keeps open for this (2 per file of each
+// lease held; ClientOptions::reclaim). A lease the successor adopts is held
+// as before: same id, same mapping, its release and idle notices go to the
+// new connection, an idle one stays idle. A lease it refuses (it was gone),
+// or every one when the new daemon does not list "reclaim", is *unbacked*:
+// its references keep the mapping, their end unmaps it and sends nothing,
+// an idle one is unmapped at once, and the next Acquire of its model asks
+// the daemon. Until the new connection's reclaims are answered, an Acquire
+// of a model held takes another local reference to its mapping (load()
+// "local"), which the reclaim backs or not as it does the lease. Releases not
+// yet sent on the lost connection are dropped (their leases were not
+// reclaimed). An idle lease still waiting past keep_idle is unmapped
+// (unbacked); Close() reclaims nothing (the daemon ends the leases of a
+// closed connection). Reclaims() counts what happened. With a daemon that does
+// not list "reclaim", the leases of a lost connection are unbacked at once (the
+// idle ones unmapped), as the daemon they came from is gone and a new one
+// counts their copies as orphaned until they are unmapped.
 //
 // fork(): mappings are made with MADV_DONTFORK, so a child has none of its
 // parent's copies (its RemoteWeights objects are hollow: their spans must
@@ -35,6 +57,10 @@
 // the process (a table of that size, lock-free for the atfork handler);
 // past that, the child keeps the descriptor open, unused, so that the
 // daemon sees the parent's connection end only once both have closed it.
+// Likewise the memfds kept for reclaim are closed in the child when they
+// are among the first 4096 alive; past that the child keeps them open (so
+// keeps those copies in memory) until it exits or execs (they are
+// close-on-exec).
 //
 // Local reuse and delegation: a process maps a copy once. An Acquire of a
 // model this process already holds a lease on (as the same name) takes
@@ -51,8 +77,9 @@
 // maps. A Client keeps idle leases only with a daemon that recalls them
 // (hello's limits list recall_timeout_ms); with another, the last
 // reference's end releases the lease as before. A lost connection drops
-// every idle lease (they are unmapped); references in use keep their
-// mapping. A model retired by a SIGHUP reload (or an HTTP unload) is
+// every idle lease (they are unmapped) unless the leases are reclaimed (see
+// "Reclaim" above); references in use keep their mapping. A model
+// retired by a SIGHUP reload (or an HTTP unload) is
 // recalled from idle holders; references in use keep it, and a local
 // Acquire while one is alive (or before the recall is answered) still
 // gets that copy; once the recall is answered, the next Acquire is a round
@@ -116,9 +143,27 @@ struct ClientOptions {
   // idle (and may recall it). Until then the daemon counts it as in use; an
   // acquire within the delay revives it with no message at all.
   std::chrono::microseconds idle_notice_delay{1000};
+  // Keep each copy's memfds open so that, after a lost connection, the
+  // leases can be reclaimed from a successor daemon (see "Reclaim" above).
+  // False: the memfds are closed once mapped, and the leases of a lost
+  // connection are unbacked at once.
+  bool reclaim = true;
   // For tests: runs on the thread that read a recall of `lease`, before the
   // client handles it (a test blocks here to order a recall and a revival).
   std::function<void(uint64_t lease)> test_on_recall;
+};
+
+// What became of the leases of lost connections (see "Reclaim" above),
+// since the Client was made.
+struct ReclaimStats {
+  // Re-asserted on a new connection and adopted by its daemon.
+  uint64_t reclaimed = 0;
+  // Re-asserted and refused (the lease was gone): unbacked.
+  uint64_t reclaim_refused = 0;
+  // Not asked: the new daemon does not list "reclaim" (unbacked).
+  uint64_t reclaim_unsupported = 0;
+  // Waiting now for a connection to be reclaimed on.
+  size_t pending = 0;
 };
 
 struct RemoteAcquireOptions {
@@ -234,7 +279,8 @@ class Client {
   // Closes the connection now, as if the process had closed the socket.
   // Leases whose copies this process still maps stay orphaned in the daemon
   // until the process exits (releasing them does nothing any more); the
-  // others end. The next call connects again.
+  // others end. None of them is reclaimed: the daemon ended them. The next
+  // call connects again.
   void Close();
 
   const std::string& socket_path() const;
@@ -242,6 +288,9 @@ class Client {
   // Leases this process keeps idle (delegated) now: mapped, with no
   // reference, revived by the next Acquire of their model.
   size_t IdleLeases();
+
+  // What became of the leases of lost connections (ReclaimStats).
+  ReclaimStats Reclaims();
 
  private:
   explicit Client(std::shared_ptr<detail::ClientCore> core);

@@ -161,8 +161,8 @@ void Daemon::Impl::SendHandover(Connection& c) {
       const uint64_t size = ::fstat(f.data_fd(), &st) == 0
                                 ? static_cast<uint64_t>(st.st_size)
                                 : 0;
-      rc.files.push_back({f.name, f.data_bytes, f.header_bytes, f.data_id,
-                          size, f.header_id, f.header_hash});
+      rc.files.push_back({f.name, f.data_bytes, f.header_bytes, f.data_id, size,
+                          f.header_id, f.header_hash});
       fds.push_back(f.header.get());
       fds.push_back(f.data_fd());
     }
@@ -196,8 +196,10 @@ void Daemon::Impl::SendHandover(Connection& c) {
     const size_t n = std::min(kChunkBytes, text.size() - at);
     const size_t k = std::min(kFdsPerMessage, fds.size() - fd_at);
     const bool more = at + n < text.size() || fd_at + k < fds.size();
-    json message = {{"id", handover_request_}, {"ok", true},
-                    {"part", part++},          {"more", more},
+    json message = {{"id", handover_request_},
+                    {"ok", true},
+                    {"part", part++},
+                    {"more", more},
                     {"chunk", text.substr(at, n)}};
     detail::Outgoing out;
     out.bytes = message.dump();
@@ -208,8 +210,8 @@ void Daemon::Impl::SendHandover(Connection& c) {
     fd_at += k;
   }
   handover_sent_ = true;
-  Log("takeover: handed over " + std::to_string(h.copies.size()) +
-      " copies, " + std::to_string(h.leases.size()) + " leases and " +
+  Log("takeover: handed over " + std::to_string(h.copies.size()) + " copies, " +
+      std::to_string(h.leases.size()) + " leases and " +
       std::to_string(h.listeners.size()) + " listening sockets; " +
       "awaiting the commit");
 }
@@ -296,8 +298,8 @@ void Daemon::Impl::TakeOver() {
   const auto wait = [&](short events) {
     pollfd p{fd.get(), events, 0};
     for (;;) {
-      const auto left = std::chrono::ceil<std::chrono::milliseconds>(
-          deadline - Clock::now());
+      const auto left =
+          std::chrono::ceil<std::chrono::milliseconds>(deadline - Clock::now());
       if (left.count() <= 0) Refused("the old daemon did not finish in time");
       const int n = ::poll(&p, 1, static_cast<int>(left.count()));
       if (n > 0) return;
@@ -361,7 +363,8 @@ void Daemon::Impl::TakeOver() {
   }
   size_t at = 0;
   std::map<std::string, base::UniqueFd> listeners;
-  for (const std::string& name : h.listeners) listeners[name] = std::move(fds[at++]);
+  for (const std::string& name : h.listeners)
+    listeners[name] = std::move(fds[at++]);
   if (listeners.count("serve") == 0 || !listeners["serve"]) {
     Refused("the handover has no listening socket");
   }
@@ -458,8 +461,8 @@ void Daemon::Impl::TakeOver() {
   detail::SendDatagram(fd.get(), protocol::EncodeCommit(2), {}, 0);
   wait(POLLIN);
   detail::Datagram answer;
-  detail::ReceiveDatagram(fd.get(), protocol::kMaxMessageBytes, 0,
-                          MSG_DONTWAIT, &answer);
+  detail::ReceiveDatagram(fd.get(), protocol::kMaxMessageBytes, 0, MSG_DONTWAIT,
+                          &answer);
   listen_fd_ = std::move(listeners["serve"]);
   listeners.erase("serve");
   struct stat st;

@@ -506,7 +506,8 @@ int RunServe(const ServeFlags& flags, std::ostream& out, std::ostream& err) {
       listeners.push_back(std::move(l));
     };
     if (http) {
-      add("http", false,
+      add(
+          "http", false,
           [&](Listener& l) { return l.BindTcp(http_host, http_port); }, "");
     }
     if (admin_socket != "off") {
@@ -519,7 +520,8 @@ int RunServe(const ServeFlags& flags, std::ostream& out, std::ostream& err) {
           admin_socket);
     }
     if (!flags.http_admin.empty()) {
-      add("http_admin", true,
+      add(
+          "http_admin", true,
           [&](Listener& l) { return l.BindTcp(admin_host, admin_port); }, "");
     }
     daemon.SetHandoverListeners(std::move(handover));

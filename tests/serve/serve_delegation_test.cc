@@ -303,22 +303,20 @@ TEST_F(DelegationTest, AForkedChildGetsNoDelegation) {
 }
 
 TEST_F(DelegationTest,
-       ADaemonRestartDropsDelegationsAndTheNextAcquireReconnects) {
+       ADaemonRestartKeepsOrReplacesTheDelegationAndTheBytesStayRight) {
   AddModel("m", 256 * kKiB, 15);
   Daemon& d = StartDaemon();
   auto worker = Connected();
   const std::string lease = HoldIdle(*worker, "m");
   d.process().Signal(SIGTERM);
   d.process().Wait();
-  Eventually(
-      [&] { return worker->Ok("idle") == std::vector<std::string>{"0"}; },
-      "the lost connection drops the idle lease");
-  EXPECT_EQ(worker->Ok("maps " + d.memfd_prefix()),
-            std::vector<std::string>{"0"});
+  // The daemon lists "reclaim": the client keeps the idle lease mapped for
+  // its successor, which adopts it (or refuses it, and the client asks
+  // afresh); either way the next acquire reads the model's bytes.
   d.Start();
   const std::vector<std::string> again = worker->Ok("acquire m");
-  EXPECT_NE(again[0], lease);
-  leases_.Add(again[0]);
+  ASSERT_EQ(again.size(), 3u);
+  if (again[0] != lease) leases_.Add(again[0]);
   EXPECT_EQ(again[1], std::to_string(checksums_["m"]));
 }
 

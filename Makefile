@@ -4,7 +4,7 @@ JOBS ?= $(shell nproc)
 DEPS_STAMP := build/.deps-installed
 
 .PHONY: all deps build demo test test-release test-asan test-tsan test-tsa \
-	test-fuzz fuzz property bench bench-stream cluster clean
+	test-fuzz fuzz property bench bench-stream cluster soak clean
 FUZZ_SECONDS ?= 600
 PROPERTY_CASES ?= 100000
 
@@ -113,6 +113,17 @@ bench: build
 	PYTHONPATH=build/python /usr/bin/python3 bench/python/hit_path.py
 	PYTHONPATH=build/python /usr/bin/python3 bench/python/miss_storm.py
 	PYTHONPATH=build/python /usr/bin/python3 bench/python/node_server.py
+
+# The soak of `modelcache serve` (tests/serve/serve_soak.cc): 8 workers
+# acquiring, checking every byte and releasing while workers and the daemon
+# are SIGKILLed, the daemon taken over, its catalog reloaded, floods, budget
+# changes; sampled every 100 ms for the Never checks. Prints a summary; exit
+# 1 on any violation. Not in `make test`. `make soak SOAK_MINUTES=5`;
+# `SOAK_ARGS=--no-takeover` before takeovers land, `--seed S` to repeat one.
+SOAK_MINUTES ?= 30
+SOAK_ARGS ?=
+soak: build
+	./build/bin/serve_soak --minutes $(SOAK_MINUTES) $(SOAK_ARGS)
 
 # The loopback cluster (examples/cluster/cluster.py): 4 nodes of `modelcache
 # serve` and the example workers behind HAProxy, with Prometheus, every route

@@ -324,7 +324,30 @@ class Daemon {
   Daemon& operator=(const Daemon&) = delete;
 
   // Starts it again (after a kill): same options.
-  void Start() {
+  void Start() { Launch(/*takeover=*/false); }
+
+  // A takeover: a successor with the same flags and --takeover, started
+  // beside the running daemon. Once the successor is ready it is this
+  // Daemon, and the old one's wait status is returned (a takeover's
+  // contract: it exits 0). When the successor does not get ready this
+  // throws, and the old one serves on as this Daemon. Not with `gate` or
+  // `pause_hook` (their descriptors are the old process's).
+  int Takeover() {
+    if (options_.gate || options_.pause_hook) {
+      throw std::runtime_error("Takeover: not with gate or pause_hook");
+    }
+    std::unique_ptr<Process> old = std::move(process_);
+    try {
+      Launch(/*takeover=*/true);
+    } catch (...) {
+      process_ = std::move(old);
+      throw;
+    }
+    return old->Wait();
+  }
+
+ private:
+  void Launch(bool takeover) {
     int ready[2];
     if (::pipe2(ready, O_CLOEXEC) != 0) throw std::runtime_error("pipe");
     ready[1] = High(ready[1]);
@@ -363,6 +386,7 @@ class Daemon {
       spec.argv.push_back("5");
     }
     for (const std::string& a : options_.args) spec.argv.push_back(a);
+    if (takeover) spec.argv.push_back("--takeover");
     process_ = std::make_unique<Process>(spec);
     ::close(ready[1]);
     if (gate_read_ >= 0) {
@@ -391,6 +415,7 @@ class Daemon {
     baseline_fds_ = QuiescentFds();
   }
 
+ public:
   // The daemon's descriptors less one pidfd per orphan-mapping process: the
   // least of a few readings, since the server side of an HTTP request the
   // test has just made (OrphanPids' own, the readiness check's) may still be

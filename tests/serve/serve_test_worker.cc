@@ -15,6 +15,12 @@
 //   release MODEL                ends the oldest reference held of MODEL
 //   acquire MODEL [MS] [fail]    -> ok LEASE CHECKSUM BYTES
 //   acquire-many MODEL N         N leases of MODEL, held -> ok N
+//   burst MODEL N MS             up to N acquires of MODEL (timeout MS
+//                                each), one after another, held; stops at
+//                                the first error -> ok K LEASE,CHECKSUM...
+//                                for the K it got, then "| error CODE
+//                                message" when one failed (for floods: the
+//                                leases are reported even so)
 //   ping                         Client::Ping -> ok
 //   checksum                     -> ok CHECKSUM of every copy held, in order
 //   release-all                  unmaps and releases every copy held
@@ -207,6 +213,27 @@ int main() {
           held.push_back(client->Acquire(model, std::chrono::seconds(60)));
         }
         reply = "ok " + std::to_string(n);
+      } else if (command == "burst") {
+        std::string model;
+        int n = 0;
+        int64_t ms = 60000;
+        in >> model >> n >> ms;
+        std::string got;
+        std::string failure;
+        int k = 0;
+        for (; k < n; ++k) {
+          try {
+            RemoteWeights w =
+                client->Acquire(model, std::chrono::milliseconds(ms));
+            got += " " + std::to_string(w.lease()) + "," +
+                   std::to_string(Checksum(w));
+            held.push_back(std::move(w));
+          } catch (const std::exception& e) {
+            failure = " | " + ErrorLine(e);
+            break;
+          }
+        }
+        reply = "ok " + std::to_string(k) + got + failure;
       } else if (command == "ping") {
         client->Ping(std::chrono::seconds(60));
         reply = "ok";

@@ -298,7 +298,10 @@ class Soak {
     d.args = {"--reclaim-grace", "2s", "--load-slots", "2"};
     daemon_ = std::make_unique<Daemon>(d);
     baseline_ = daemon_->baseline_fds();
-    capacity_bound_ = kNormalCapacity;
+    {
+      MutexLock bound(&bound_mu_);
+      capacity_bound_ = kNormalCapacity;
+    }
   }
 
   void WriteCatalogOf(const std::set<std::string>& ids) {
@@ -591,7 +594,10 @@ class Soak {
     history_.EndOutage(outage);
     // A fresh daemon has the flags' capacity.
     history_.SetShrunk(false);
-    capacity_bound_ = kNormalCapacity;
+    {
+      MutexLock bound(&bound_mu_);
+      capacity_bound_ = kNormalCapacity;
+    }
     tally_.Add("fault:daemon_kills");
   }
 
@@ -618,7 +624,10 @@ class Soak {
         "PUT", "/v1/budget", json{{"capacity_bytes", kNormalCapacity}}.dump());
     if (put.status != 200) tally_.Bad("capacity_change_failed", put.body);
     history_.SetShrunk(false);
-    capacity_bound_ = kNormalCapacity;
+    {
+      MutexLock bound(&bound_mu_);
+      capacity_bound_ = kNormalCapacity;
+    }
     tally_.Add("fault:takeovers");
   }
 
@@ -841,10 +850,15 @@ class Soak {
       std::printf("    %-26s %lld\n", why, n(std::string("refused:") + why));
     }
     std::printf("  failed outside them %lld\n", n("requests_failed_outside"));
+    size_t lease_ids = 0;
+    {
+      MutexLock lock(&leases_mu_);
+      lease_ids = lease_ids_.size();
+    }
     std::printf(
         "sampler: %lld samples; daemon descriptors at most %d "
         "(baseline %d); %zu lease ids, none reused unless below\n",
-        n("samples"), max_fds_, baseline_, lease_ids_.size());
+        n("samples"), max_fds_, baseline_, lease_ids);
     const char* const bad[] = {
         "failed_outside",         "wrong_bytes",        "lease_id_reused",
         "freed_under_mapping",    "over_budget",        "fd_leak",

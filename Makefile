@@ -119,7 +119,7 @@ bench: build
 # are SIGKILLed, the daemon taken over, its catalog reloaded, floods, budget
 # changes; sampled every 100 ms for the Never checks. Prints a summary; exit
 # 1 on any violation. Not in `make test`. `make soak SOAK_MINUTES=5`;
-# `SOAK_ARGS=--no-takeover` before takeovers land, `--seed S` to repeat one.
+# `SOAK_ARGS=--no-takeover` leaves takeovers out, `--seed S` repeats a run.
 SOAK_MINUTES ?= 30
 SOAK_ARGS ?=
 soak: build

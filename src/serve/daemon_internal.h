@@ -5,6 +5,10 @@
 //   daemon_leases.cc       leases and orphan groups
 //   daemon_waiters.cc      the waiters and the load queue, load slots
 //   daemon_orphans.cc      a predecessor's copies (restart orphans), capacity
+//   daemon_reclaim.cc      the record of copies made; reclaim and adoption
+//                          of a predecessor's copies, the grace period
+//   daemon_handover.cc     takeover: both the old and the new daemon's side
+//   handover.h             the record's and the handover's formats
 //   daemon_threads.cc      the pool, expiry and background threads
 //   daemon_metrics.cc      metric names; http_api.cc renders them
 //   event_loop.h           the epoll, pidfd and errno wrappers

@@ -56,7 +56,7 @@ bool Sealed(int fd) {
   return seals >= 0 && (seals & weights::MemfdSeals()) == weights::MemfdSeals();
 }
 
-// The memfd's bytes, when it holds at most `max`.
+// The memfd's first `size` bytes, or nullopt when it has fewer.
 std::optional<std::string> ReadAll(int fd, uint64_t size) {
   std::string text(size, '\0');
   size_t done = 0;

@@ -11,6 +11,7 @@
 #include <nlohmann/json.hpp>
 
 #include "modelcache/base/errors.h"
+#include "event_loop.h"
 #include "protocol.h"
 
 namespace modelcache::serve::detail {
@@ -150,21 +151,9 @@ std::optional<json> Object(std::string_view text, int depth, std::string* why) {
   return doc;
 }
 
-std::string ErrnoText(int error) {
-  char buffer[256];
-  return ::strerror_r(error, buffer, sizeof(buffer));
-}
-
 }  // namespace
 
-uint64_t HeaderHash(std::string_view bytes) {
-  uint64_t hash = 0xcbf29ce484222325ull;
-  for (const char c : bytes) {
-    hash ^= static_cast<unsigned char>(c);
-    hash *= 0x100000001b3ull;
-  }
-  return hash;
-}
+uint64_t HeaderHash(std::string_view bytes) { return Fnv1a(bytes); }
 
 std::string CatalogDigest(std::string_view catalog_text) {
   char hex[17];

@@ -60,9 +60,11 @@
 // handover, names their device and inode numbers), they are sealed and of
 // the recorded sizes, and the header's bytes match; the lease keeps its id
 // and its use ("in_use" or "idle") and now belongs to this connection. The
-// reply is {"id":7,"ok":true}; anything else is refused with INVALID (or
-// NOT_FOUND for a lease id the successor does not know) and the
-// descriptors are closed. A refused lease is gone: the client keeps its
+// reply is {"id":7,"ok":true}; anything else is refused, and the
+// descriptors are closed: INVALID (not the predecessor's copy, or a lease
+// held by another), NOT_FOUND (a lease id this daemon handed out and does
+// not hold), CAPACITY (no room to adopt it), BUSY (the connection's lease
+// limit), UNAVAILABLE (shutting down). A refused lease is gone: the client keeps its
 // mapping, which the successor books as orphaned bytes until it ends.
 //
 // Takeover (docs/serve.md, handover.h): a new daemon of the daemon's own

@@ -2,7 +2,7 @@
 # Builds the fuzzers (clang) and runs each for a bounded time: the
 # safetensors reader, the trace readers of `modelcache replay`, what
 # `modelcache ring` parses, then the parsers of `modelcache serve` (requests,
-# replies, catalogs, maps lines).
+# replies, catalogs, maps lines, a predecessor's record and handover).
 #
 #   fuzz/run.sh [SECONDS] [BUILD_DIR]      (defaults: 20 each, build/fuzz)
 #

@@ -515,7 +515,11 @@ void ClientCore::Keep(const std::shared_ptr<MappedCopy>& copy,
                       const Connection& from) {
   std::vector<std::shared_ptr<MappedCopy>> replaced;
   std::vector<std::pair<uint64_t, uint64_t>> release;  // (serial, lease)
-  if (!options_.local_reuse) return;                   // ~Grant releases it
+  // Without local reuse a lease is kept only to be reclaimed after a lost
+  // connection: under no name, so no other acquire finds it, and forgotten
+  // at its reference's end (~Grant releases it).
+  const bool reclaimable = options_.reclaim && from.reclaim;
+  if (!options_.local_reuse && !reclaimable) return;
   {
     base::MutexLock lock(&mu_);
     const bool current =
@@ -533,7 +537,13 @@ void ClientCore::Keep(const std::shared_ptr<MappedCopy>& copy,
       held.reclaim = true;
       ++reclaiming_;
       StartFlusher();
+    } else if (reclaimable) {
+      // The keeper watches the connection while leases are held, so that
+      // a daemon's end is noticed (and the leases reclaimed within the
+      // successor's grace period) without waiting for a call.
+      StartFlusher();
     }
+    if (!options_.local_reuse) return;
     for (const std::string& name : names) {
       const auto n = by_name_.find(name);
       if (n != by_name_.end() && n->second != copy->lease) {
@@ -834,7 +844,11 @@ void ClientCore::Flusher() {
       if (ReconnectForReclaims(&retry_at, &backoff)) continue;
       break;
     }
-    if (c->unsent.empty() && c->unanswered.empty() && idle_ == 0) break;
+    // Held leases that a successor could adopt keep it watching `c`.
+    const bool watch = !held_.empty() && c->reclaim && options_.reclaim;
+    if (c->unsent.empty() && c->unanswered.empty() && idle_ == 0 && !watch) {
+      break;
+    }
     std::vector<std::shared_ptr<MappedCopy>> expired;
     const Clock::time_point next = IdleChores(c, &expired);
     if (!expired.empty()) {

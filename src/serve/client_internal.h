@@ -45,10 +45,14 @@
 // "use" is sent first when the daemon was told "idle"). The last Grant's
 // end (Unref) keeps the lease idle when the connection delegates
 // (Connection::delegation) and keep_idle > 0, else forgets, unmaps and
-// releases it. The flusher thread is also the *keeper*: while any lease is
-// idle it sends the idle notices due (idle_notice_delay), ends leases idle
-// past keep_idle, and reads the socket when no other thread does, so that a
-// recall is answered even by a process making no calls. A recall is
+// releases it. Without local reuse a lease is in held_ only when it can be
+// reclaimed (below), under no name, and is forgotten at its Grant's end.
+// The flusher thread is also the *keeper*: while any lease is idle it sends
+// the idle notices due (idle_notice_delay), ends leases idle past
+// keep_idle, and reads the socket when no other thread does, so that a
+// recall is answered even by a process making no calls; while any lease a
+// successor could adopt is held, it reads the socket too, so that the
+// daemon's end is noticed (and the leases reclaimed) without a call. A recall is
 // answered by whichever thread reads it (AnswerRecalls), under mu_: a lease
 // with no reference is forgotten, unmapped, then released; one with
 // references answers "use".

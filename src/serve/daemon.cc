@@ -253,6 +253,10 @@ void Daemon::Impl::BeginShutdown() {
   if (stopping_) return;
   stopping_ = true;
   shutting_down_ = true;
+  // What the copies freed from now on leave in the record and the fd
+  // store stays there, for a successor to reclaim.
+  keep_record_ = true;
+  if (notifier_) notifier_->Stopping();
   StopSlotWaits();
   if (throttle_) throttle_->Stop();
   EpollDel(epoll_fd_.get(), listen_fd_.get());
@@ -379,9 +383,9 @@ HttpResponse Daemon::HandleHttp(const HttpRequest& request) {
   return impl_->HandleHttp(request);
 }
 
-void Daemon::SetHandoverListeners(
-    std::vector<std::pair<std::string, int>> fds) {
-  impl_->SetHandoverListeners(std::move(fds));
+void Daemon::SetHandoverListeners(std::vector<std::pair<std::string, int>> fds,
+                                  std::function<void()> disown) {
+  impl_->SetHandoverListeners(std::move(fds), std::move(disown));
 }
 
 int Daemon::TakeHandedOverListener(const std::string& name) {
@@ -389,6 +393,9 @@ int Daemon::TakeHandedOverListener(const std::string& name) {
 }
 
 bool Daemon::HandedOver() const { return impl_->HandedOver(); }
+bool Daemon::NotifyReady(const std::string& status) {
+  return impl_->NotifyReady(status);
+}
 
 const std::string& Daemon::memfd_prefix() const {
   return impl_->memfd_prefix();

@@ -245,12 +245,14 @@ void Daemon::Impl::HandleCommit(Connection& c, const protocol::Request& r) {
   // committed, so there is room, and the connection closes next.
   detail::SendDatagram(c.fd.get(), protocol::EncodeOk(r.id), {}, MSG_DONTWAIT);
   Log("takeover committed: the successor serves; closing every client");
-  // The callers' listeners accept nothing here from now on: the same
-  // descriptor numbers now name sockets that listen on nothing (their
-  // accept fails, which ends their threads), while the successor holds the
-  // listening sockets themselves.
+  // The callers' listeners accept nothing here from now on: their threads
+  // let go of the descriptors (disown), and the same descriptor numbers
+  // now name sockets that listen on nothing (their next accept fails,
+  // which ends them), while the successor holds the listening sockets
+  // themselves.
   {
     base::MutexLock lock(&handover_mu_);
+    if (disown_listeners_) disown_listeners_();
     for (const auto& [name, fd] : handover_listeners_) {
       int domain = AF_UNIX;
       socklen_t length = sizeof(domain);
@@ -484,9 +486,11 @@ void Daemon::Impl::TakeOver() {
 }
 
 void Daemon::Impl::SetHandoverListeners(
-    std::vector<std::pair<std::string, int>> fds) {
+    std::vector<std::pair<std::string, int>> fds,
+    std::function<void()> disown) {
   base::MutexLock lock(&handover_mu_);
   handover_listeners_ = std::move(fds);
+  disown_listeners_ = std::move(disown);
 }
 
 int Daemon::Impl::TakeHandedOverListener(const std::string& name) {

@@ -132,6 +132,7 @@
 #include "modelcache/serve/daemon.h"
 #include "modelcache/serve/errors.h"
 #include "protocol.h"
+#include "systemd.h"
 #include "throttle.h"
 
 namespace modelcache::serve {
@@ -329,7 +330,11 @@ class Daemon::Impl {
   void RequestReload();
   HttpResponse HandleHttp(const HttpRequest& request);
   const std::string& memfd_prefix() const { return memfd_prefix_; }
-  void SetHandoverListeners(std::vector<std::pair<std::string, int>> fds)
+  bool NotifyReady(const std::string& status) const {
+    return notifier_ && notifier_->Ready(status);
+  }
+  void SetHandoverListeners(std::vector<std::pair<std::string, int>> fds,
+                            std::function<void()> disown)
       MC_EXCLUDES(handover_mu_);
   int TakeHandedOverListener(const std::string& name)
       MC_EXCLUDES(handover_mu_);
@@ -495,7 +500,23 @@ class Daemon::Impl {
   std::optional<Lease> Adopt(detail::AdoptedCopy adopted, bool from_orphans,
                              std::string* why)
       MC_EXCLUDES(capacity_mu_, orphans_mu_);
+  // ---- the fd store (systemd) ----
+  // At start, before any thread: the descriptors systemd passed back.
+  void TakeStored();
+  // After the predecessor's record is read: adopts the passed copies it
+  // names (resident, no lease), removes the rest from systemd's store.
+  void AdoptStored() MC_EXCLUDES(record_mu_);
+  // Set (with DaemonOptions::systemd, under systemd) in the constructor.
+  std::optional<detail::SystemdNotifier> notifier_;
+  std::vector<detail::ListenedFd> stored_;
+  // Set once shutting down (or handed over): frees no longer change the
+  // record or the fd store.
+  std::atomic<bool> keep_record_{false};
+  std::atomic<bool> fd_store_error_logged_{false};
+
   mutable base::Mutex record_mu_;
+  // The copies whose memfds systemd's store holds, by first header memfd.
+  std::set<detail::MemfdId> in_fd_store_ MC_GUARDED_BY(record_mu_);
   // This daemon's copies, by their first header memfd.
   struct RecordEntry {
     detail::RecordedCopy copy;
@@ -528,6 +549,7 @@ class Daemon::Impl {
   base::Mutex handover_mu_;
   std::vector<std::pair<std::string, int>> handover_listeners_
       MC_GUARDED_BY(handover_mu_);
+  std::function<void()> disown_listeners_ MC_GUARDED_BY(handover_mu_);
   std::map<std::string, base::UniqueFd> taken_listeners_
       MC_GUARDED_BY(handover_mu_);
   // The new daemon's side, in the constructor: connects to the old one,

@@ -26,6 +26,8 @@
 #include <unistd.h>
 
 #include <cerrno>
+#include <map>
+#include <set>
 
 #include "daemon_internal.h"
 #include "event_loop.h"
@@ -70,6 +72,45 @@ std::optional<std::string> ReadAll(int fd, uint64_t size) {
   return text;
 }
 
+// What a descriptor brought back (a reclaim, the fd store) is.
+struct Seen {
+  MemfdId id;
+  uint64_t size = 0;
+  bool sealed = false;
+};
+
+// Whether `fd` is a regular file (a memfd); `out` says what it is.
+bool See(int fd, Seen* out) {
+  struct stat st;
+  if (::fstat(fd, &st) != 0 || !S_ISREG(st.st_mode)) return false;
+  *out = {IdOfStat(st), static_cast<uint64_t>(st.st_size), Sealed(fd)};
+  return true;
+}
+
+// Why file `index` of a recorded copy, brought back as `header` (its
+// descriptor `header_fd`) and `data`, is not what the record says, or "".
+std::string Mismatch(const detail::RecordedFile& want, size_t index,
+                     const Seen& header, int header_fd, const Seen& data) {
+  const std::string file = "file " + std::to_string(index);
+  if (header.id != want.header || data.id != want.data) {
+    return file + " is not the recorded memfd";
+  }
+  if (!header.sealed || !data.sealed) {
+    return "a memfd of " + file + " is not sealed";
+  }
+  if (header.size != want.header_bytes || data.size != want.data_size) {
+    return "a memfd of " + file + " is not of the recorded size";
+  }
+  const std::optional<std::string> text =
+      want.header_bytes <= weights::kMaxHeaderBytes
+          ? ReadAll(header_fd, want.header_bytes)
+          : std::nullopt;
+  if (!text || detail::HeaderHash(*text) != want.header_hash) {
+    return "the header of " + file + " does not hold the recorded bytes";
+  }
+  return "";
+}
+
 }  // namespace
 
 // ---- the record ----
@@ -85,20 +126,148 @@ void Daemon::Impl::RecordCopy(const detail::ModelCopy& copy) {
                         data_size, f.header_id, f.header_hash});
   }
   if (rc.files.empty()) return;
+  const detail::MemfdId key = rc.files[0].header;
+  bool store = false;
   {
     base::MutexLock lock(&record_mu_);
-    const detail::MemfdId key = rc.files[0].header;
     record_[key] = RecordEntry{std::move(rc), copy.origin(), copy.bytes()};
+    store = notifier_ && in_fd_store_.insert(key).second;
   }
   WriteRecord();
+  if (!store) return;
+  // Duplicates, sent off the caller's thread (the loop's, for an
+  // adoption): the copy may be freed before the chore runs.
+  auto fds = std::make_shared<std::vector<base::UniqueFd>>();
+  for (const detail::FileCopy& f : copy.files()) {
+    fds->emplace_back(::fcntl(f.header.get(), F_DUPFD_CLOEXEC, 0));
+    fds->emplace_back(::fcntl(f.data_fd(), F_DUPFD_CLOEXEC, 0));
+  }
+  Later([this, key, fds] {
+    std::vector<int> raw;
+    for (const base::UniqueFd& fd : *fds) {
+      if (!fd) return;  // out of descriptors: not stored, still recorded
+      raw.push_back(fd.get());
+    }
+    std::string why;
+    if (!notifier_->StoreFds(detail::FdStoreName(key), raw, &why) &&
+        !fd_store_error_logged_.exchange(true)) {
+      Log("systemd's fd store: " + why + " (the copies are still recorded)");
+    }
+  });
 }
 
 void Daemon::Impl::ForgetRecorded(const MemfdId& id) {
+  // Shutting down or handed over: what is recorded and stored stays, for a
+  // successor.
+  if (keep_record_.load() || handed_over_.load()) return;
+  bool stored = false;
   {
     base::MutexLock lock(&record_mu_);
     if (record_.erase(id) == 0) return;
+    stored = in_fd_store_.erase(id) != 0;
   }
-  Later([this] { WriteRecord(); });
+  Later([this, id, stored] {
+    WriteRecord();
+    if (stored) notifier_->RemoveFds(detail::FdStoreName(id));
+  });
+}
+
+// ---- the fd store ----
+
+void Daemon::Impl::TakeStored() {
+  if (!options_.systemd) return;
+  detail::ListenFds passed = detail::TakeListenFds();
+  if (!passed.error.empty()) Log("systemd's descriptors: " + passed.error);
+  stored_ = std::move(passed.fds);
+  notifier_.emplace();
+  if (!notifier_->enabled()) {
+    if (!notifier_->error().empty()) {
+      Log("NOTIFY_SOCKET refused: " + notifier_->error());
+    }
+    notifier_.reset();
+  }
+}
+
+void Daemon::Impl::AdoptStored() {
+  if (stored_.empty()) return;
+  std::map<MemfdId, size_t> by_id;  // index into stored_
+  std::vector<Seen> seen(stored_.size());
+  for (size_t i = 0; i < stored_.size(); ++i) {
+    if (See(stored_[i].fd.get(), &seen[i])) by_id[seen[i].id] = i;
+  }
+  std::set<std::string> kept;
+  uint64_t adopted_bytes = 0;
+  size_t adopted_copies = 0;
+  for (const detail::RecordedCopy& rc : predecessor_) {
+    if (rc.files.empty()) continue;
+    detail::AdoptedCopy adopted;
+    adopted.model = rc.model;
+    adopted.origin = "reclaimed";
+    std::string why;
+    bool any = false;
+    for (size_t f = 0; f < rc.files.size() && why.empty(); ++f) {
+      const detail::RecordedFile& want = rc.files[f];
+      const auto h = by_id.find(want.header);
+      const auto d = by_id.find(want.data);
+      if (h == by_id.end() || d == by_id.end()) {
+        why = "file " + std::to_string(f) + " is not in the store";
+        any = any || h != by_id.end() || d != by_id.end();
+        continue;
+      }
+      any = true;
+      why = Mismatch(want, f, seen[h->second], stored_[h->second].fd.get(),
+                     seen[d->second]);
+      if (!why.empty()) continue;
+      adopted.files.push_back({want.name, want.data_bytes, want.header_bytes,
+                               want.header_hash,
+                               base::UniqueFd(::fcntl(stored_[h->second].fd.get(),
+                                                      F_DUPFD_CLOEXEC, 0)),
+                               base::UniqueFd(::fcntl(stored_[d->second].fd.get(),
+                                                      F_DUPFD_CLOEXEC, 0))});
+      if (!adopted.files.back().header || !adopted.files.back().data) {
+        why = "out of descriptors";
+      }
+    }
+    if (!why.empty()) {
+      if (any) {
+        Log("systemd's fd store: the copy of '" + rc.model +
+            "' is not adopted: " + why);
+      }
+      continue;
+    }
+    const MemfdId key = rc.files[0].header;
+    {
+      // Stored already: RecordCopy, in Adopt, sends it no second time.
+      base::MutexLock lock(&record_mu_);
+      in_fd_store_.insert(key);
+    }
+    std::optional<Lease> lease = Adopt(std::move(adopted), false, &why);
+    if (!lease) {
+      base::MutexLock lock(&record_mu_);
+      in_fd_store_.erase(key);
+      Log("systemd's fd store: the copy of '" + rc.model +
+          "' is not adopted: " + why);
+      continue;
+    }
+    bytes_reclaimed_ += lease->bytes();
+    adopted_bytes += lease->bytes();
+    ++adopted_copies;
+    kept.insert(detail::FdStoreName(key));
+    // Resident and idle: evictable as any copy no one holds.
+  }
+  // The rest goes from systemd's store too.
+  std::set<std::string> removed;
+  for (const detail::ListenedFd& s : stored_) {
+    if (kept.count(s.name) == 0 && removed.insert(s.name).second &&
+        notifier_ && detail::IsValidFdName(s.name)) {
+      notifier_->RemoveFds(s.name);
+    }
+  }
+  Log("systemd's fd store: " + std::to_string(stored_.size()) +
+      " descriptors passed back, " + std::to_string(adopted_copies) +
+      " copies adopted (" + FormatBytes(adopted_bytes) + "), " +
+      std::to_string(removed.size()) + " names removed");
+  stored_.clear();
 }
 
 void Daemon::Impl::WriteRecord() {
@@ -221,20 +390,12 @@ void Daemon::Impl::HandleReclaim(Connection& c, const protocol::Request& r,
     return;
   }
   // What each descriptor is.
-  struct Seen {
-    MemfdId id;
-    uint64_t size = 0;
-    bool sealed = false;
-  };
   std::vector<Seen> seen(fds.size());
   for (size_t i = 0; i < fds.size(); ++i) {
-    struct stat st;
-    if (::fstat(fds[i].get(), &st) != 0 || !S_ISREG(st.st_mode)) {
+    if (!See(fds[i].get(), &seen[i])) {
       refuse(ServeCode::kInvalid, "a descriptor is not a memfd");
       return;
     }
-    seen[i] = {IdOfStat(st), static_cast<uint64_t>(st.st_size),
-               Sealed(fds[i].get())};
   }
   const size_t files = fds.size() / 2;
 
@@ -335,27 +496,9 @@ void Daemon::Impl::HandleReclaim(Connection& c, const protocol::Request& r,
     adopted.origin = "reclaimed";
     for (size_t f = 0; f < files; ++f) {
       const detail::RecordedFile& want = rc.files[f];
-      const Seen& header = seen[2 * f];
       const Seen& data = seen[2 * f + 1];
-      std::string why;
-      if (header.id != want.header || data.id != want.data) {
-        why = "file " + std::to_string(f) + " is not the recorded memfd";
-      } else if (!header.sealed || !data.sealed) {
-        why = "a memfd of file " + std::to_string(f) + " is not sealed";
-      } else if (header.size != want.header_bytes ||
-                 data.size != want.data_size) {
-        why = "a memfd of file " + std::to_string(f) +
-              " is not of the recorded size";
-      } else {
-        const std::optional<std::string> text =
-            want.header_bytes <= weights::kMaxHeaderBytes
-                ? ReadAll(fds[2 * f].get(), want.header_bytes)
-                : std::nullopt;
-        if (!text || detail::HeaderHash(*text) != want.header_hash) {
-          why = "the header of file " + std::to_string(f) +
-                " does not hold the recorded bytes";
-        }
-      }
+      const std::string why =
+          Mismatch(want, f, seen[2 * f], fds[2 * f].get(), data);
       if (!why.empty()) {
         bytes_refused_ += data.size;
         refuse(ServeCode::kInvalid, why);

@@ -47,6 +47,9 @@ Daemon::Impl::Impl(DaemonOptions options)
                              1, 5, 10, 30, 60}),
       loop_iteration_seconds_({0.00001, 0.00005, 0.0001, 0.0005, 0.001, 0.005,
                                0.01, 0.05, 0.1, 0.5, 1, 5}) {
+  // Before anything else starts a thread or a descriptor is opened: they
+  // are descriptors 3 and up (and the LISTEN_ variables are unset).
+  if (!options_.takeover) TakeStored();
   const Limits& l = options_.limits;
   if (l.max_clients < 1 || l.max_requests_per_client < 1 ||
       l.max_leases_per_client < 1 || l.max_queued_replies < 1 ||
@@ -180,6 +183,7 @@ Daemon::Impl::Impl(DaemonOptions options)
     TakeOver();  // the old daemon's sockets, copies and leases
   } else {
     ReadPredecessorRecord();
+    AdoptStored();  // systemd's fd store
   }
   RescanOrphans();
   StartGrace();

@@ -155,6 +155,11 @@ std::optional<json> Object(std::string_view text, int depth, std::string* why) {
 
 uint64_t HeaderHash(std::string_view bytes) { return Fnv1a(bytes); }
 
+std::string FdStoreName(const MemfdId& first_header) {
+  return "copy-" + std::to_string(first_header.dev) + "-" +
+         std::to_string(first_header.inode);
+}
+
 std::string CatalogDigest(std::string_view catalog_text) {
   char hex[17];
   std::snprintf(hex, sizeof(hex), "%016llx",

@@ -77,6 +77,10 @@ struct Handover {
   std::vector<HandoverLease> leases;
 };
 
+// The name a copy's memfds are stored under in systemd's fd store
+// (FDNAME=): "copy-<dev>-<inode>" of its first header memfd.
+std::string FdStoreName(const MemfdId& first_header);
+
 // A hash of a header memfd's bytes (FNV-1a, 64 bits).
 uint64_t HeaderHash(std::string_view bytes);
 // A digest of a catalog's text: two daemons take over from each other only

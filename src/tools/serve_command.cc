@@ -100,6 +100,9 @@ class HandoverServer : public httplib::Server {
  public:
   void Adopt(int fd) { svr_sock_ = fd; }
   int fd() const { return svr_sock_; }
+  // The accept loop lets go of the descriptor: it ends at its next failed
+  // accept without closing it (httplib closes it only while it is its).
+  void Disown() { svr_sock_ = INVALID_SOCKET; }
 };
 
 // One HTTP listener: the daemon's handler behind httplib, on a loopback
@@ -211,6 +214,13 @@ class Listener {
   }
   int fd() const { return server_.fd(); }
 
+  // A takeover committed: the accept thread stops taking the descriptor
+  // for its own; Stop(true) closes it once the thread is done.
+  void Disown() {
+    disowned_fd_ = server_.fd();
+    server_.Disown();
+  }
+
   void Start() {
     thread_ = std::thread([this] {
       server_.listen_after_bind();
@@ -235,11 +245,13 @@ class Listener {
       server_.stop();
     }
     thread_.join();
+    if (disowned_fd_ >= 0) ::close(disowned_fd_);  // the dead socket
     if (!unix_path_.empty() && !handed_over) ::unlink(unix_path_.c_str());
   }
 
  private:
   HandoverServer server_;
+  int disowned_fd_ = -1;
   std::atomic<bool> done_{false};
   std::thread thread_;
   std::string unix_path_;
@@ -453,6 +465,8 @@ int RunServe(const ServeFlags& flags, std::ostream& out, std::ostream& err) {
     }
     options.reclaim_grace = Duration("--reclaim-grace", flags.reclaim_grace);
     options.takeover = flags.takeover;
+    // Under systemd: READY=1, and the copies kept in its fd store.
+    options.systemd = true;
     options.takeover_timeout =
         Duration("--takeover-timeout", flags.takeover_timeout);
     if (options.takeover_timeout.count() <= 0) {
@@ -524,7 +538,9 @@ int RunServe(const ServeFlags& flags, std::ostream& out, std::ostream& err) {
           "http_admin", true,
           [&](Listener& l) { return l.BindTcp(admin_host, admin_port); }, "");
     }
-    daemon.SetHandoverListeners(std::move(handover));
+    daemon.SetHandoverListeners(std::move(handover), [&listeners] {
+      for (auto& l : listeners) l->Disown();
+    });
     for (auto& l : listeners) l->Start();
     const std::string line = ready.dump() + "\n";
     err << "modelcache serve: ready " << line << std::flush;
@@ -533,6 +549,7 @@ int RunServe(const ServeFlags& flags, std::ostream& out, std::ostream& err) {
           ::write(flags.ready_fd, line.data(), line.size());
       ::close(flags.ready_fd);
     }
+    daemon.NotifyReady("serving on " + flags.socket);
     daemon.Run();
     for (auto& l : listeners) l->Stop(daemon.HandedOver());
     return 0;

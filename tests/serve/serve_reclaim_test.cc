@@ -5,6 +5,10 @@
 // test process, which maps the data memfds as a worker does.
 #include <gmock/gmock.h>
 #include <sys/mman.h>
+#include <sys/socket.h>
+#include <sys/un.h>
+
+#include <cstring>
 
 #include "modelcache/weights/memfd.h"
 #include "serve_test_util.h"
@@ -46,6 +50,65 @@ struct Held {
     ::fstat(fds[1].get(), &st);
     return {static_cast<uint64_t>(st.st_dev), static_cast<uint64_t>(st.st_ino)};
   }
+};
+
+// systemd's side of the notify socket, as much as the daemon uses: a
+// datagram socket that keeps the descriptors FDSTORE=1 sends under their
+// FDNAME, forgets a name on FDSTOREREMOVE=1, and notes READY=1.
+class FakeManager {
+ public:
+  explicit FakeManager(const std::string& path) : path_(path) {
+    fd_.reset(::socket(AF_UNIX, SOCK_DGRAM | SOCK_CLOEXEC, 0));
+    sockaddr_un address{};
+    address.sun_family = AF_UNIX;
+    std::strncpy(address.sun_path, path.c_str(), sizeof(address.sun_path) - 1);
+    if (!fd_ || ::bind(fd_.get(), reinterpret_cast<sockaddr*>(&address),
+                       sizeof(address)) != 0) {
+      throw std::runtime_error("cannot bind " + path);
+    }
+  }
+  const std::string& path() const { return path_; }
+
+  // Reads notifications until `done` holds; false after the bound.
+  bool ReadUntil(const std::function<bool()>& done) {
+    while (!done()) {
+      pollfd p{fd_.get(), POLLIN, 0};
+      if (::poll(&p, 1, static_cast<int>(kBound.count() * 1000)) <= 0) {
+        return false;
+      }
+      detail::Datagram d;
+      if (detail::ReceiveDatagram(fd_.get(), 4096, 253, MSG_DONTWAIT, &d) <=
+          0) {
+        continue;
+      }
+      std::map<std::string, std::string> vars;
+      std::istringstream lines(d.bytes);
+      std::string line;
+      while (std::getline(lines, line)) {
+        const size_t eq = line.find('=');
+        if (eq != std::string::npos) vars[line.substr(0, eq)] = line.substr(eq + 1);
+      }
+      if (vars["READY"] == "1") ready = true;
+      if (vars["FDSTORE"] == "1") {
+        for (base::UniqueFd& fd : d.fds) {
+          store[vars["FDNAME"]].push_back(std::move(fd));
+        }
+      }
+      if (vars["FDSTOREREMOVE"] == "1") {
+        store.erase(vars["FDNAME"]);
+        removed.insert(vars["FDNAME"]);
+      }
+    }
+    return true;
+  }
+
+  bool ready = false;
+  std::map<std::string, std::vector<base::UniqueFd>> store;
+  std::set<std::string> removed;
+
+ private:
+  std::string path_;
+  base::UniqueFd fd_;
 };
 
 class Reclaim : public ServeTest {
@@ -171,6 +234,130 @@ TEST_F(Reclaim, ASigkilledDaemonsCopiesComeBackFromTheProcessesThatMapThem) {
   ASSERT_TRUE(reply);
   EXPECT_TRUE(reply->ok) << reply->message;
   ExpectWithinBudget(*daemon_);
+}
+
+// The same through the client, in real worker processes: three workers map
+// two copies; after the SIGKILL each client notices the lost connection by
+// itself (no call), reconnects and reclaims its leases, and the successor
+// loads nothing.
+TEST_F(Reclaim, WorkersThatMapTheCopiesReclaimThemThroughTheClient) {
+  AddModel("a", 2 * kMiB, 1);
+  AddModel("b", 3 * kMiB, 2);
+  StartDaemon("16MiB");
+  Worker one(socket_);
+  Worker two(socket_);
+  Worker three(socket_);
+  for (const auto& [worker, model] :
+       std::vector<std::pair<Worker*, std::string>>{
+           {&one, "a"}, {&two, "a"}, {&two, "b"}, {&three, "b"}}) {
+    const std::vector<std::string> got = worker->Ok("acquire " + model);
+    ASSERT_EQ(got.size(), 3u);
+    leases_.Add(got[0]);
+  }
+  const uint64_t copies = CopyBytes("a") + CopyBytes("b");
+
+  Crash();
+  daemon_->Start();
+  // No call: each client's keeper sees the connection end and reclaims.
+  Eventually(
+      [&] {
+        return daemon_->Metric(
+                   "modelcache_reclaims_total{result=\"accepted\"}") == 4;
+      },
+      "the four leases reclaimed");
+  EXPECT_EQ(one.Ok("reclaims"), (std::vector<std::string>{"1", "0", "0", "0"}));
+  EXPECT_EQ(two.Ok("reclaims"), (std::vector<std::string>{"2", "0", "0", "0"}));
+  EXPECT_EQ(three.Ok("reclaims"),
+            (std::vector<std::string>{"1", "0", "0", "0"}));
+  EXPECT_EQ(daemon_->Metric("modelcache_loads_total"), 0);
+  EXPECT_EQ(daemon_->Metric("modelcache_orphaned_bytes"), 0);
+  EXPECT_EQ(daemon_->Metric("modelcache_reclaim_pending_models"), 0);
+  EXPECT_EQ(daemon_->Budget()["used_bytes"].get<uint64_t>(), copies);
+  EXPECT_EQ(Origins(), (std::set<std::string>{"a:reclaimed", "b:reclaimed"}));
+  EXPECT_EQ(two.Ok("checksum"),
+            (std::vector<std::string>{std::to_string(checksums_["a"]),
+                                      std::to_string(checksums_["b"])}));
+
+  // A fresh worker's acquire is a hit; the reclaimed leases end as any.
+  Worker fresh(socket_);
+  const std::vector<std::string> hit = fresh.Ok("acquire b");
+  ASSERT_EQ(hit.size(), 3u);
+  leases_.Add(hit[0]);
+  EXPECT_EQ(hit[1], std::to_string(checksums_["b"]));
+  EXPECT_EQ(daemon_->Metric("modelcache_loads_total"), 0);
+  for (Worker* w : {&one, &two, &three, &fresh}) w->Ok("release-all");
+  Eventually([&] { return daemon_->Metric("modelcache_leases") == 0; },
+             "every lease released");
+  ExpectWithinBudget(*daemon_);
+}
+
+// Under systemd the copies' memfds are also in its fd store: after a
+// SIGKILL, with no worker mapping anything, the successor adopts those the
+// record names from what systemd passes back, loads nothing, and removes
+// the rest (a forged one here) from the store; a copy freed leaves it.
+TEST_F(Reclaim, SystemdsFdStoreBringsBackCopiesNoWorkerMaps) {
+  AddModel("a", 2 * kMiB, 1);
+  AddModel("b", 1 * kMiB, 2);
+  FakeManager manager(dir_ / "notify.sock");
+  DaemonOptions options;
+  options.catalog = catalog_;
+  options.root = root_;
+  options.socket = socket_;
+  options.capacity = "16MiB";
+  options.env = {"NOTIFY_SOCKET=" + manager.path()};
+  daemon_ = std::make_unique<Daemon>(options);
+  ASSERT_TRUE(manager.ReadUntil([&] { return manager.ready; }));
+  {
+    Worker worker(socket_);
+    for (const std::string model : {"a", "b"}) {
+      const std::vector<std::string> got = worker.Ok("acquire " + model);
+      ASSERT_EQ(got.size(), 3u);
+      leases_.Add(got[0]);
+    }
+  }  // the worker exits: no process maps a copy now
+  ASSERT_TRUE(manager.ReadUntil([&] { return manager.store.size() == 2; }));
+  for (const auto& [name, fds] : manager.store) {
+    EXPECT_EQ(fds.size(), 2u) << name;  // header and data
+  }
+  const uint64_t copies = CopyBytes("a") + CopyBytes("b");
+
+  Crash();
+  // A forged entry too: a sealed memfd the record does not name.
+  const std::vector<std::byte> bytes(4096, std::byte{7});
+  base::UniqueFd forged =
+      weights::CreateSealedMemfd(daemon_->memfd_prefix() + "a", bytes);
+  std::vector<std::pair<std::string, int>> passed;
+  for (const auto& [name, fds] : manager.store) {
+    for (const base::UniqueFd& fd : fds) passed.emplace_back(name, fd.get());
+  }
+  passed.emplace_back("copy-1-2", forged.get());
+  daemon_->options().listen_fds = passed;
+  daemon_->Start();
+
+  EXPECT_EQ(daemon_->Metric("modelcache_loads_total"), 0);
+  EXPECT_EQ(Origins(), (std::set<std::string>{"a:reclaimed", "b:reclaimed"}))
+      << daemon_->GetJson("/v1/copies").dump();
+  EXPECT_EQ(
+      daemon_->Metric("modelcache_adopted_bytes_total{origin=\"reclaimed\"}"),
+      static_cast<double>(copies));
+  EXPECT_EQ(daemon_->Metric("modelcache_orphaned_bytes"), 0);
+  EXPECT_EQ(daemon_->Metric("modelcache_reclaim_pending_models"), 0);
+  ASSERT_TRUE(manager.ReadUntil([&] {
+    return manager.ready && manager.removed.count("copy-1-2") != 0;
+  }));
+  EXPECT_EQ(manager.store.size(), 2u);  // the two copies stay stored
+
+  Worker fresh(socket_);
+  const std::vector<std::string> hit = fresh.Ok("acquire a");
+  ASSERT_EQ(hit.size(), 3u);
+  leases_.Add(hit[0]);
+  EXPECT_EQ(hit[1], std::to_string(checksums_["a"]));
+  EXPECT_EQ(daemon_->Metric("modelcache_loads_total"), 0);
+  fresh.Ok("release-all");
+
+  // A copy freed leaves the store.
+  EXPECT_EQ(daemon_->Send("POST", "/v1/models/b/unload", "").status, 200);
+  ASSERT_TRUE(manager.ReadUntil([&] { return manager.store.size() == 1; }));
 }
 
 TEST_F(Reclaim, AForgedMemfdIsRefusedAndNoOtherClientEverReceivesIt) {

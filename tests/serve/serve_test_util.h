@@ -157,6 +157,10 @@ class Process {
     // (descriptor here, number in the child)
     std::vector<std::pair<int, int>> fds;
     bool pipes = false;
+    // NAME=value added to (or replacing) the environment.
+    std::vector<std::string> env;
+    // LISTEN_PID=<the child's pid> in its environment (systemd's protocol).
+    bool listen_pid = false;
   };
 
   explicit Process(const Spec& spec) {
@@ -172,6 +176,22 @@ class Process {
       argv.push_back(const_cast<char*>(a.c_str()));
     }
     argv.push_back(nullptr);
+    std::vector<std::string> env_strings = spec.env;
+    for (char** e = environ; *e != nullptr; ++e) {
+      const std::string_view var(*e);
+      const std::string_view name = var.substr(0, var.find('='));
+      bool replaced = name == "LISTEN_PID" && spec.listen_pid;
+      for (const std::string& mine : spec.env) {
+        replaced = replaced || mine.substr(0, mine.find('=')) == name;
+      }
+      if (!replaced) env_strings.emplace_back(var);
+    }
+    // The child writes its pid in here (no allocation after fork).
+    char listen_pid[32] = "LISTEN_PID=";
+    std::vector<char*> envp;
+    for (std::string& e : env_strings) envp.push_back(e.data());
+    if (spec.listen_pid) envp.push_back(listen_pid);
+    envp.push_back(nullptr);
     // fork and exec rather than posix_spawn, for PR_SET_PDEATHSIG: a test
     // killed by its timeout takes its children with it. (The signal follows
     // the thread that forks: tests keep a thread alive as long as the
@@ -186,7 +206,15 @@ class Process {
         ::dup2(out[1], 1);
       }
       for (const auto& [here, there] : spec.fds) ::dup2(here, there);
-      ::execve(argv[0], argv.data(), environ);
+      if (spec.listen_pid) {
+        char digits[24];
+        int n = 0;
+        for (pid_t p = ::getpid(); p > 0; p /= 10) digits[n++] = '0' + p % 10;
+        char* at = listen_pid + 11;  // after "LISTEN_PID="
+        while (n > 0) *at++ = digits[--n];
+        *at = '\0';
+      }
+      ::execve(argv[0], argv.data(), envp.data());
       ::_exit(127);
     }
     if (spec.pipes) {
@@ -305,6 +333,12 @@ struct DaemonOptions {
   std::vector<std::string> args;  // more flags
   bool gate = false;              // --test-load-gate-fd
   bool pause_hook = false;        // --test-pause-reads-fd
+  std::vector<std::string> env;   // NAME=value for the daemon
+  // Descriptors passed as systemd passes its fd store's: (name, descriptor
+  // here), as 3, 4, ... with LISTEN_FDS, LISTEN_FDNAMES and LISTEN_PID. The
+  // next Start passes them (and clears the list). Not with gate or
+  // pause_hook.
+  std::vector<std::pair<std::string, int>> listen_fds;
 };
 
 // `modelcache serve` started with a ready pipe; SIGTERM, then SIGKILL when
@@ -337,8 +371,12 @@ class Daemon {
       throw std::runtime_error("Takeover: not with gate or pause_hook");
     }
     std::unique_ptr<Process> old = std::move(process_);
+    // The successor starts with the old one's copies and clients: its
+    // descriptors with none of them are what the old one had at start.
+    const int baseline = baseline_fds_;
     try {
       Launch(/*takeover=*/true);
+      baseline_fds_ = baseline;
     } catch (...) {
       process_ = std::move(old);
       throw;
@@ -352,6 +390,26 @@ class Daemon {
     if (::pipe2(ready, O_CLOEXEC) != 0) throw std::runtime_error("pipe");
     ready[1] = High(ready[1]);
     Process::Spec spec;
+    spec.env = options_.env;
+    // systemd's descriptors from 3 on; the ready pipe after them.
+    std::vector<base::UniqueFd> passed;
+    std::string names;
+    for (const auto& [name, fd] : options_.listen_fds) {
+      passed.emplace_back(::fcntl(fd, F_DUPFD_CLOEXEC, 64));
+      spec.fds.push_back(
+          {passed.back().get(), 3 + static_cast<int>(spec.fds.size())});
+      names += (names.empty() ? "" : ":") + name;
+    }
+    if (!passed.empty()) {
+      if (options_.gate || options_.pause_hook) {
+        throw std::runtime_error("listen_fds: not with gate or pause_hook");
+      }
+      spec.env.push_back("LISTEN_FDS=" + std::to_string(passed.size()));
+      spec.env.push_back("LISTEN_FDNAMES=" + names);
+      spec.listen_pid = true;
+      options_.listen_fds.clear();
+    }
+    const int ready_there = 3 + static_cast<int>(passed.size());
     spec.argv = {MODELCACHE_CLI,    "serve",
                  "--catalog",       options_.catalog,
                  "--model-root",    options_.root,
@@ -360,8 +418,8 @@ class Daemon {
                  "--host-capacity", options_.capacity,
                  "--ready-grace",   "0",
                  "--orphan-rescan", "50ms",
-                 "--ready-fd",      "3"};
-    spec.fds.push_back({ready[1], 3});
+                 "--ready-fd",      std::to_string(ready_there)};
+    spec.fds.push_back({ready[1], ready_there});
     if (options_.gate) {
       int gate[2];
       if (::pipe2(gate, O_CLOEXEC) != 0) throw std::runtime_error("pipe");
@@ -412,7 +470,9 @@ class Daemon {
     http_port_ = std::stoi(http.substr(http.rfind(':') + 1));
     admin_socket_ = info["admin_socket"].get<std::string>();
     memfd_prefix_ = info["memfd_prefix"].get<std::string>();
-    baseline_fds_ = QuiescentFds();
+    // Started on systemd's descriptors, it holds the copies it adopted:
+    // with none, it has what it had at its first start.
+    if (passed.empty() || baseline_fds_ == 0) baseline_fds_ = QuiescentFds();
   }
 
  public:
@@ -443,6 +503,8 @@ class Daemon {
 
   Process& process() { return *process_; }
   pid_t pid() const { return process_->pid(); }
+  // What the next Start uses (listen_fds, say).
+  DaemonOptions& options() { return options_; }
   const std::string& socket() const { return options_.socket; }
   const std::string& memfd_prefix() const { return memfd_prefix_; }
   int baseline_fds() const { return baseline_fds_; }

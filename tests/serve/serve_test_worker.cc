@@ -22,7 +22,14 @@
 //                                message" when one failed (for floods: the
 //                                leases are reported even so)
 //   ping                         Client::Ping -> ok
+//   reclaims                     -> ok RECLAIMED REFUSED UNSUPPORTED PENDING
+//                                (Client::Reclaims)
 //   checksum                     -> ok CHECKSUM of every copy held, in order
+//   cycle-start MS MODEL...      a thread acquires (timeout MS), checksums and
+//                                releases the MODELs in turn until cycle-stop
+//   cycle-wait N                 -> ok DONE once N more cycles ended
+//   cycle-stop                   -> ok DONE FAILED MODEL=CHECKSUM... (each
+//                                checksum seen) [| the first failure]
 //   release-all                  unmaps and releases every copy held
 //   close                        Client::Close(): the socket goes, the
 //                                mappings stay
@@ -51,6 +58,9 @@
 #include <cstdio>
 #include <cstring>
 #include <fstream>
+#include <map>
+#include <set>
+#include <thread>
 #include <iostream>
 #include <mutex>
 #include <optional>
@@ -76,6 +86,27 @@ struct RecallGate {
 
 using modelcache::serve::Client;
 using modelcache::serve::RemoteWeights;
+
+// The cycle (cycle-start): a thread that acquires, checksums and releases
+// the given models in turn until cycle-stop.
+struct Cycle {
+  std::mutex mu;
+  std::condition_variable cv;
+  bool stop = false;
+  uint64_t done = 0;
+  uint64_t failed = 0;
+  std::string first_failure;
+  std::map<std::string, std::set<uint64_t>> sums;  // per model, each seen
+  std::thread thread;
+} g_cycle;
+
+void StopCycle() {
+  {
+    std::lock_guard lock(g_cycle.mu);
+    g_cycle.stop = true;
+  }
+  if (g_cycle.thread.joinable()) g_cycle.thread.join();
+}
 
 uint64_t Checksum(const RemoteWeights& w, uint64_t h = 1469598103934665603ull) {
   for (const modelcache::weights::WeightSet& file : w.files()) {
@@ -237,6 +268,12 @@ int main() {
       } else if (command == "ping") {
         client->Ping(std::chrono::seconds(60));
         reply = "ok";
+      } else if (command == "reclaims") {
+        const modelcache::serve::ReclaimStats r = client->Reclaims();
+        reply = "ok " + std::to_string(r.reclaimed) + " " +
+                std::to_string(r.reclaim_refused) + " " +
+                std::to_string(r.reclaim_unsupported) + " " +
+                std::to_string(r.pending);
       } else if (command == "checksum") {
         reply = "ok";
         for (const RemoteWeights& w : held) {
@@ -375,7 +412,62 @@ int main() {
         reply = "ok";
       } else if (command == "pid") {
         reply = "ok " + std::to_string(::getpid());
+      } else if (command == "cycle-start") {
+        int64_t ms = 60000;
+        in >> ms;
+        std::vector<std::string> models;
+        std::string model;
+        while (in >> model) models.push_back(model);
+        if (models.empty() || g_cycle.thread.joinable()) {
+          throw std::runtime_error("cycle-start MS MODEL...");
+        }
+        Client* c = &*client;
+        g_cycle.thread = std::thread([c, ms, models] {
+          for (size_t i = 0;; ++i) {
+            {
+              std::lock_guard lock(g_cycle.mu);
+              if (g_cycle.stop) return;
+            }
+            const std::string& m = models[i % models.size()];
+            std::string failure;
+            uint64_t sum = 0;
+            try {
+              RemoteWeights w = c->Acquire(m, std::chrono::milliseconds(ms));
+              sum = Checksum(w);
+            } catch (const std::exception& e) {
+              failure = ErrorLine(e);
+            }
+            std::lock_guard lock(g_cycle.mu);
+            ++g_cycle.done;
+            if (failure.empty()) {
+              g_cycle.sums[m].insert(sum);
+            } else if (g_cycle.failed++ == 0) {
+              g_cycle.first_failure = m + ": " + failure;
+            }
+            g_cycle.cv.notify_all();
+          }
+        });
+        reply = "ok";
+      } else if (command == "cycle-wait") {
+        uint64_t more = 0;
+        in >> more;
+        std::unique_lock lock(g_cycle.mu);
+        const uint64_t until = g_cycle.done + more;
+        g_cycle.cv.wait(lock, [&] { return g_cycle.done >= until; });
+        reply = "ok " + std::to_string(g_cycle.done);
+      } else if (command == "cycle-stop") {
+        StopCycle();
+        std::lock_guard lock(g_cycle.mu);
+        reply = "ok " + std::to_string(g_cycle.done) + " " +
+                std::to_string(g_cycle.failed);
+        for (const auto& [m, sums] : g_cycle.sums) {
+          for (const uint64_t sum : sums) {
+            reply += " " + m + "=" + std::to_string(sum);
+          }
+        }
+        if (g_cycle.failed != 0) reply += " | " + g_cycle.first_failure;
       } else if (command == "exit") {
+        StopCycle();
         std::cout << "ok" << std::endl;
         return 0;
       } else {
@@ -386,5 +478,6 @@ int main() {
     }
     std::cout << reply << std::endl;
   }
+  StopCycle();
   return 0;
 }

@@ -121,6 +121,19 @@ struct DaemonOptions {
   // within takeover_timeout; the old daemon then serves on, unchanged.
   bool takeover = false;
   std::chrono::milliseconds takeover_timeout{30000};
+  // systemd's file descriptor store (examples/systemd/): when systemd runs
+  // the daemon ($NOTIFY_SOCKET set, a unit with FileDescriptorStoreMax=),
+  // each copy's memfds are also stored there (FDSTORE=1, under the name
+  // "copy-<dev>-<inode>" of its first header memfd) and removed when the
+  // copy is freed; at start the descriptors systemd passes back
+  // ($LISTEN_FDS, $LISTEN_FDNAMES) are adopted when they are copies the
+  // predecessor's record names, checked as a reclaim is, and the rest
+  // removed from the store. So after a crash or a restart even the copies
+  // no worker maps are resident again, with no byte loaded. The
+  // constructor reads (and unsets) the LISTEN_ variables: REQUIRES no other
+  // thread reads or changes the environment then. Without systemd (no
+  // $NOTIFY_SOCKET, no $LISTEN_PID of this process) it does nothing.
+  bool systemd = false;
   // Per-model series in /metrics (a label per model: the operator's choice
   // of cardinality).
   bool per_model_metrics = false;
@@ -217,16 +230,24 @@ class Daemon {
 
   // Listening sockets of the caller's (the HTTP listeners of `modelcache
   // serve`), by name, handed over with the daemon's own in a takeover. The
-  // daemon does not own them; after a takeover it commits, each is replaced
-  // in this process (dup2) by a socket that accepts nothing, so that only
-  // the successor serves them. Thread-safe.
-  void SetHandoverListeners(std::vector<std::pair<std::string, int>> fds);
+  // daemon does not own them; after a takeover it commits, `disown` is
+  // called (on the loop: the caller's accept threads must stop taking the
+  // descriptors for theirs, and must not close them), then each is
+  // replaced in this process (dup2) by a socket that accepts nothing, so
+  // that only the successor serves them; the caller closes them once its
+  // threads are done. Thread-safe.
+  void SetHandoverListeners(std::vector<std::pair<std::string, int>> fds,
+                            std::function<void()> disown = nullptr);
   // After a takeover (DaemonOptions::takeover): the listening socket the
   // old daemon handed over under `name`, now the caller's, or -1.
   int TakeHandedOverListener(const std::string& name);
   // Whether Run() returned because a successor took over (the process
   // should exit 0 and leave the socket's path alone).
   bool HandedOver() const;
+  // With DaemonOptions::systemd under systemd: tells it the service is
+  // ready ("READY=1", with `status` as its STATUS= line); a Type=notify
+  // unit waits for it. Returns whether it was sent. Thread-safe.
+  bool NotifyReady(const std::string& status);
 
   // Blocks SIGTERM, SIGINT and SIGHUP in the calling thread, and so in the
   // threads it starts from now on.

@@ -371,12 +371,8 @@ class Daemon {
       throw std::runtime_error("Takeover: not with gate or pause_hook");
     }
     std::unique_ptr<Process> old = std::move(process_);
-    // The successor starts with the old one's copies and clients: its
-    // descriptors with none of them are what the old one had at start.
-    const int baseline = baseline_fds_;
     try {
       Launch(/*takeover=*/true);
-      baseline_fds_ = baseline;
     } catch (...) {
       process_ = std::move(old);
       throw;
@@ -470,9 +466,11 @@ class Daemon {
     http_port_ = std::stoi(http.substr(http.rfind(':') + 1));
     admin_socket_ = info["admin_socket"].get<std::string>();
     memfd_prefix_ = info["memfd_prefix"].get<std::string>();
-    // Started on systemd's descriptors, it holds the copies it adopted:
-    // with none, it has what it had at its first start.
-    if (passed.empty() || baseline_fds_ == 0) baseline_fds_ = QuiescentFds();
+    // Measured at the first start only: a daemon started again (after a
+    // kill, a takeover, on systemd's descriptors) may hold copies and
+    // clients from the start, and with none of them it has what the first
+    // had.
+    if (baseline_fds_ == 0) baseline_fds_ = QuiescentFds();
   }
 
  public:

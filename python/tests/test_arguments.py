@@ -221,7 +221,8 @@ def test_serve_functions_name_the_wrong_argument(tmp_path: Path, weights_file: P
     daemon = Daemon(tmp_path, tmp_path / "catalog.json", tmp_path).start()
     try:
         check_wrong(modelcache.serve.connect, dict(socket_path=daemon.socket,
-                                                   connect_timeout=0, keep_idle=60))
+                                                   connect_timeout=0, keep_idle=60,
+                                                   reclaim=True))
         for bad, error in ((None, TypeError), ("1", TypeError), (True, TypeError),
                            (-1, InvalidArgumentError),
                            (float("nan"), InvalidArgumentError),

@@ -6,7 +6,8 @@
 //   connect PATH [KEY=VALUE...]  a serve::Client; by default each acquire
 //                                a lease of its own, released at its end
 //                                (reuse=0 keep_idle_ms=0); keys: reuse,
-//                                keep_idle_ms, notice_us (ClientOptions),
+//                                keep_idle_ms, notice_us, reclaim
+//                                (ClientOptions),
 //                                recall_gate=1 (the test_on_recall hook
 //                                waits for recall-go)
 //   recall-wait                  -> ok LEASE once a recall reached the hook
@@ -183,6 +184,8 @@ int main() {
             options.local_reuse = value != 0;
           } else if (key == "keep_idle_ms") {
             options.keep_idle = std::chrono::milliseconds(value);
+          } else if (key == "reclaim") {
+            options.reclaim = value != 0;
           } else if (key == "notice_us") {
             options.idle_notice_delay = std::chrono::microseconds(value);
           } else if (key == "recall_gate" && value != 0) {

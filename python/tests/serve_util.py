@@ -208,6 +208,16 @@ class Daemon:
         stop_process(self.proc)
 
 
+def metric(daemon: Daemon, name: str, labels: str = "") -> float:
+    """One sample of the daemon's /metrics (`labels` as written there)."""
+    text = daemon.get("/metrics")
+    sample = name + ("{" + labels + "}" if labels else "")
+    for line in text.splitlines():
+        if line.startswith(sample + " "):
+            return float(line.split()[-1])
+    raise AssertionError(f"no sample {sample} in /metrics")
+
+
 def memfd_maps(pid: int, needle: str = "modelcache") -> List[str]:
     """The memfd mappings of process `pid` whose name contains `needle`."""
     try:

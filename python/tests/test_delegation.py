@@ -27,6 +27,7 @@ from serve_util import (
     Daemon,
     die_with_parent,
     memfd_maps,
+    metric,
     wait_until,
     write_catalog,
     write_safetensors,
@@ -54,15 +55,6 @@ def node(tmp_path):
 def uses(daemon: Daemon, model: str):
     """(pid, lease, use) of every lease the daemon holds on `model`."""
     return [(l["pid"], l["lease"], l["use"]) for l in daemon.leases(model)]
-
-
-def metric(daemon: Daemon, name: str, labels: str = "") -> float:
-    text = daemon.get("/metrics")
-    sample = name + ("{" + labels + "}" if labels else "")
-    for line in text.splitlines():
-        if line.startswith(sample + " "):
-            return float(line.split()[-1])
-    raise AssertionError(f"no sample {sample} in /metrics")
 
 
 def test_a_second_acquire_in_the_process_is_local(node):

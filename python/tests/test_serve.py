@@ -28,6 +28,7 @@ from serve_util import (
     Daemon,
     die_with_parent,
     memfd_maps,
+    metric,
     random_model,
     wait_until,
     write_catalog,
@@ -359,6 +360,62 @@ def test_daemon_killed_and_restarted(node):
     assert not memfd_maps(os.getpid(), "a#0")
     wait_until(lambda: restarted.get("/v1/budget")["orphaned_bytes"] == 0,
                "the orphaned copy is freed once unmapped")
+
+
+def origins(daemon: Daemon) -> dict:
+    return {c["model"]: c["origin"] for c in daemon.get("/v1/copies")["copies"]}
+
+
+def test_a_killed_daemons_successor_gets_the_mapped_copy_back(node):
+    daemon = node()
+    client = modelcache.serve.connect(daemon.socket)  # reclaim=True
+    lease = client.acquire("a")
+    arrays = lease.numpy()
+    daemon.kill()
+    restarted = node()
+    # No call: the client's keeper reconnects and reclaims the lease.
+    wait_until(lambda: client.reclaims()["reclaimed"] == 1,
+               "the lease reclaimed on the successor")
+    assert client.reclaims()["pending"] == 0
+    assert metric(restarted, "modelcache_loads_total") == 0
+    assert origins(restarted) == {"a": "reclaimed"}
+    assert restarted.get("/v1/budget")["orphaned_bytes"] == 0
+    np.testing.assert_array_equal(arrays["weight"], node.models["a"]["weight"])
+    del arrays
+    lease.release()  # kept idle by the client (keep_idle), or ended
+    wait_until(lambda: all(l["use"] == "idle" for l in restarted.leases("a")),
+               "the reclaimed lease is released as any")
+    # A new acquire is a hit on the same copy.
+    with client.acquire("a") as again:
+        np.testing.assert_array_equal(again.numpy("weight"),
+                                      node.models["a"]["weight"])
+    assert metric(restarted, "modelcache_loads_total") == 0
+    client.close()
+    wait_until(lambda: restarted.leases("a") == [], "the reclaimed lease ends")
+
+
+def test_a_takeover_keeps_the_lease_and_loads_nothing(node):
+    old = node()
+    client = modelcache.serve.connect(old.socket)
+    lease = client.acquire("b")
+    arrays = lease.numpy()
+    assert metric(old, "modelcache_loads_total") == 1
+    new = node(extra=["--takeover"])
+    assert old.proc.wait(timeout=60) == 0  # the old daemon exits 0
+    wait_until(lambda: client.reclaims()["reclaimed"] == 1,
+               "the held lease reclaimed on the new daemon")
+    assert metric(new, "modelcache_loads_total") == 0
+    assert origins(new) == {"b": "taken over"}
+    np.testing.assert_array_equal(arrays["extra"], node.models["b1"]["extra"])
+    with client.acquire("a", timeout=30) as a:  # the new daemon serves
+        np.testing.assert_array_equal(a.numpy("weight"),
+                                      node.models["a"]["weight"])
+    del arrays
+    lease.release()  # kept idle by the client (keep_idle), or ended
+    wait_until(lambda: all(l["use"] == "idle" for l in new.leases("b")),
+               "the held lease is released as any")
+    client.close()
+    wait_until(lambda: new.leases("b") == [], "the held lease ends there")
 
 
 def test_register_cuda_says_why_it_is_skipped_without_a_gpu(node):

@@ -291,6 +291,33 @@ TEST_F(Reclaim, WorkersThatMapTheCopiesReclaimThemThroughTheClient) {
   ExpectWithinBudget(*daemon_);
 }
 
+// A stopping daemon leaves its record as it is: a plain restart (SIGTERM,
+// then a new daemon) reclaims what the workers map, as after a crash.
+TEST_F(Reclaim, AStoppedDaemonsSuccessorReclaimsToo) {
+  AddModel("a", 2 * kMiB, 1);
+  StartDaemon("16MiB");
+  Worker worker(socket_);
+  const std::vector<std::string> got = worker.Ok("acquire a");
+  ASSERT_EQ(got.size(), 3u);
+  leases_.Add(got[0]);
+  daemon_->process().Signal(SIGTERM);
+  EXPECT_EQ(daemon_->process().Wait(), 0);
+  daemon_->Start();
+  Eventually(
+      [&] {
+        return daemon_->Metric(
+                   "modelcache_reclaims_total{result=\"accepted\"}") == 1;
+      },
+      "the lease reclaimed after a clean stop");
+  EXPECT_EQ(daemon_->Metric("modelcache_loads_total"), 0);
+  EXPECT_EQ(Origins(), (std::set<std::string>{"a:reclaimed"}));
+  EXPECT_EQ(worker.Ok("checksum"),
+            std::vector<std::string>{std::to_string(checksums_["a"])});
+  worker.Ok("release-all");
+  Eventually([&] { return daemon_->Metric("modelcache_leases") == 0; },
+             "the reclaimed lease released");
+}
+
 // Under systemd the copies' memfds are also in its fd store: after a
 // SIGKILL, with no worker mapping anything, the successor adopts those the
 // record names from what systemd passes back, loads nothing, and removes

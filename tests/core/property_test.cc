@@ -2,7 +2,8 @@
 //
 // rapidcheck generates random sequences of public calls (acquire with
 // expected sizes below, equal to and above the real one and above the
-// capacity; lookup; prefetch; release; remove; invalidate; pin; unpin; alias
+// capacity, some growing the capacity as they reserve (grow_capacity);
+// lookup; prefetch; release; remove; invalidate; pin; unpin; alias
 // calls; capacity changes; prune; expiry with an injected clock; loaders and
 // unloaders that throw; event callbacks that throw) and runs each sequence
 // against the cache. A failing sequence is shrunk to a minimal one, which
@@ -11,7 +12,8 @@
 //  * ExactAgainstAReferenceModel: one cache, LRU, one shard. A small
 //    reference model predicts every outcome (value, error code, exception),
 //    the resident and retired records with their sizes, leases and pins, the
-//    aliases, every counter and the bytes in use, checked after every step.
+//    aliases, every counter, the bytes in use and the capacity, checked
+//    after every step.
 //  * TwoCachesOnOneBudgetKeepTheInvariants: two caches sharing a budget,
 //    under LRU and GDSF, with several shards. Eviction order is not predicted;
 //    what must hold whatever the policy is: the budget's bytes equal the
@@ -106,6 +108,11 @@ struct Op {
     }
   }
   bool LoaderThrows() const { return fault == 0; }
+  // Acquire's AcquireOptions::grow_capacity: none, a little, or more than
+  // any reservation (the budget counts at most the reservation's bytes).
+  uint64_t Grow() const {
+    return other % 3 == 0 ? 0 : other % 3 == 1 ? 15 : kOverAnyCapacity;
+  }
   int UnloadFailures() const { return fault == 1 ? 1 : fault == 2 ? 2 : 0; }
 };
 
@@ -122,6 +129,8 @@ std::ostream& operator<<(std::ostream& os, const Op& op) {
       if (op.LoaderThrows()) os << ", loader throws";
       if (op.UnloadFailures())
         os << ", unloader throws " << op.UnloadFailures() << "x";
+      if (op.k() == Kind::kAcquire && op.Grow())
+        os << ", grows the capacity by up to " << op.Grow();
       break;
     case Kind::kRelease:
       os << "lease #" << op.other;
@@ -486,11 +495,17 @@ class ReferenceModel {
     ++stats.misses;
     EvictExpired();
     const uint64_t expected = op.Expected();
+    // grow_capacity: the capacity grows as the reservation is made, and is
+    // as it was when the reservation fails (not when the load does).
+    const uint64_t grown = prefetch ? 0 : std::min(op.Grow(), expected);
+    capacity += grown;
     if (expected > capacity) {
+      capacity -= grown;
       ++stats.refused;
       return "Error too_large";
     }
     if (!MakeRoom(expected)) {
+      capacity -= grown;
       ++stats.refused;
       return "Error capacity";
     }
@@ -583,8 +598,11 @@ std::string RunOp(const Op& op, ModelCache& cache, std::vector<HeldLease>* held,
   return Outcome([&]() -> std::string {
     switch (op.k()) {
       case Kind::kAcquire: {
-        Lease lease = cache.Acquire(key, op.Expected(),
-                                    MakeLoader(op, cache.Resolve(key), values));
+        AcquireOptions options;
+        options.grow_capacity = op.Grow();
+        Lease lease =
+            cache.Acquire(key, op.Expected(),
+                          MakeLoader(op, cache.Resolve(key), values), options);
         const std::string k = lease.key();
         hold(std::move(lease));
         return k;

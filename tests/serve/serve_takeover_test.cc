@@ -2,6 +2,9 @@
 // sockets, copies and leases; nothing is loaded again, the old daemon exits
 // 0, and the bytes of leases held across it stay valid (daemon_handover.cc). A
 // refused takeover leaves the old daemon serving, unchanged.
+#include <gmock/gmock.h>
+
+#include "handover.h"
 #include "serve_test_util.h"
 
 namespace modelcache::serve::testing {
@@ -127,6 +130,45 @@ TEST_F(Takeover, ARefusedTakeoverLeavesTheOldDaemonServing) {
   const std::vector<std::string> again = other.Ok("acquire a");
   ASSERT_EQ(again.size(), 3u);
   EXPECT_EQ(again[1], std::to_string(checksums_["a"]));
+  EXPECT_EQ(d.Metric("modelcache_loads_total"), 1);
+  other.Ok("release-all");
+  worker.Ok("release-all");
+}
+
+// A takeover of another handover version (a binary whose books this one
+// cannot read) is refused with one error reply; the daemon serves on.
+TEST_F(Takeover, AnotherHandoverVersionIsRefusedAndTheDaemonServesOn) {
+  AddModel("a", 1 * kMiB, 1);
+  Daemon& d = StartDaemon("16MiB");
+  Worker worker(d.socket());
+  const std::vector<std::string> got = worker.Ok("acquire a");
+  ASSERT_EQ(got.size(), 3u);
+  leases_.Add(got[0]);
+  Raw raw(d.socket());
+  ASSERT_TRUE(raw.Send(protocol::EncodeHello(1)));
+  ASSERT_TRUE(raw.Reply());
+  ASSERT_TRUE(raw.Send(protocol::EncodeTakeover(
+      2, detail::kHandoverVersion + 1, "0000000000000000:0")));
+  const auto reply = raw.Reply();
+  ASSERT_TRUE(reply);
+  EXPECT_FALSE(reply->ok);
+  EXPECT_EQ(reply->code, ServeCode::kInvalid);
+  EXPECT_THAT(reply->message,
+              ::testing::HasSubstr(
+                  "handover version " +
+                  std::to_string(detail::kHandoverVersion + 1)));
+  // Unchanged: its lease, its copy, new acquires on the same connection
+  // and others.
+  ASSERT_TRUE(raw.Send(protocol::EncodePing(3)));
+  const auto pong = raw.Reply();
+  ASSERT_TRUE(pong);
+  EXPECT_TRUE(pong->ok);
+  EXPECT_EQ(worker.Ok("checksum"),
+            std::vector<std::string>{std::to_string(checksums_["a"])});
+  Worker other(d.socket());
+  const std::vector<std::string> again = other.Ok("acquire a");
+  ASSERT_EQ(again.size(), 3u);
+  leases_.Add(again[0]);
   EXPECT_EQ(d.Metric("modelcache_loads_total"), 1);
   other.Ok("release-all");
   worker.Ok("release-all");

@@ -160,8 +160,7 @@ void Handover(std::string_view bytes) {
   Check(handover.pinned.size() == handover.copies.size());
   d::Handover back;
   Check(d::ParseHandover(d::EncodeHandover(handover), &back).empty());
-  Check(back.version == handover.version &&
-        back.catalog == handover.catalog &&
+  Check(back.version == handover.version && back.catalog == handover.catalog &&
         back.next_lease == handover.next_lease &&
         back.listeners == handover.listeners &&
         SameFiles(back.copies, handover.copies) &&

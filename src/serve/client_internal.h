@@ -52,8 +52,8 @@
 // keep_idle, and reads the socket when no other thread does, so that a
 // recall is answered even by a process making no calls; while any lease a
 // successor could adopt is held, it reads the socket too, so that the
-// daemon's end is noticed (and the leases reclaimed) without a call. A recall is
-// answered by whichever thread reads it (AnswerRecalls), under mu_: a lease
+// daemon's end is noticed (and the leases reclaimed) without a call. A recall
+// is answered by whichever thread reads it (AnswerRecalls), under mu_: a lease
 // with no reference is forgotten, unmapped, then released; one with
 // references answers "use".
 //

@@ -115,8 +115,8 @@
 #include <functional>
 #include <future>
 #include <map>
-#include <optional>
 #include <memory>
+#include <optional>
 #include <set>
 #include <string>
 #include <thread>
@@ -336,8 +336,7 @@ class Daemon::Impl {
   void SetHandoverListeners(std::vector<std::pair<std::string, int>> fds,
                             std::function<void()> disown)
       MC_EXCLUDES(handover_mu_);
-  int TakeHandedOverListener(const std::string& name)
-      MC_EXCLUDES(handover_mu_);
+  int TakeHandedOverListener(const std::string& name) MC_EXCLUDES(handover_mu_);
   bool HandedOver() const { return handed_over_.load(); }
 
  private:

@@ -5,7 +5,13 @@
 //   a copy made (LoadForStore, adopted) --> recorded (record_, written to
 //     the state file before its descriptors go out)
 //   its memfds freed (the observer) --> forgotten, the file rewritten on
-//     the background thread
+//     the background thread; not once the daemon stops or hands over (the
+//     record stays as it is, for a successor)
+//   under systemd (DaemonOptions::systemd): recorded --> its memfds in
+//     systemd's fd store too (FDSTORE=1, FdStoreName); forgotten --> out of
+//     it (FDSTOREREMOVE=1). At start, what systemd passes back is adopted
+//     when the predecessor's record names it and it passes a reclaim's
+//     checks (AdoptStored), and removed from the store otherwise.
 //
 // After a crash, the successor reads the file (predecessor_) and books what
 // live processes still map as orphaned bytes (daemon_orphans.cc). A
@@ -218,12 +224,12 @@ void Daemon::Impl::AdoptStored() {
       why = Mismatch(want, f, seen[h->second], stored_[h->second].fd.get(),
                      seen[d->second]);
       if (!why.empty()) continue;
-      adopted.files.push_back({want.name, want.data_bytes, want.header_bytes,
-                               want.header_hash,
-                               base::UniqueFd(::fcntl(stored_[h->second].fd.get(),
-                                                      F_DUPFD_CLOEXEC, 0)),
-                               base::UniqueFd(::fcntl(stored_[d->second].fd.get(),
-                                                      F_DUPFD_CLOEXEC, 0))});
+      adopted.files.push_back(
+          {want.name, want.data_bytes, want.header_bytes, want.header_hash,
+           base::UniqueFd(
+               ::fcntl(stored_[h->second].fd.get(), F_DUPFD_CLOEXEC, 0)),
+           base::UniqueFd(
+               ::fcntl(stored_[d->second].fd.get(), F_DUPFD_CLOEXEC, 0))});
       if (!adopted.files.back().header || !adopted.files.back().data) {
         why = "out of descriptors";
       }
@@ -258,8 +264,8 @@ void Daemon::Impl::AdoptStored() {
   // The rest goes from systemd's store too.
   std::set<std::string> removed;
   for (const detail::ListenedFd& s : stored_) {
-    if (kept.count(s.name) == 0 && removed.insert(s.name).second &&
-        notifier_ && detail::IsValidFdName(s.name)) {
+    if (kept.count(s.name) == 0 && removed.insert(s.name).second && notifier_ &&
+        detail::IsValidFdName(s.name)) {
       notifier_->RemoveFds(s.name);
     }
   }

@@ -10,8 +10,8 @@
 #include <cstring>
 #include <nlohmann/json.hpp>
 
-#include "modelcache/base/errors.h"
 #include "event_loop.h"
+#include "modelcache/base/errors.h"
 #include "protocol.h"
 
 namespace modelcache::serve::detail {

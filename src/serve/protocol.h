@@ -64,8 +64,8 @@
 // descriptors are closed: INVALID (not the predecessor's copy, or a lease
 // held by another), NOT_FOUND (a lease id this daemon handed out and does
 // not hold), CAPACITY (no room to adopt it), BUSY (the connection's lease
-// limit), UNAVAILABLE (shutting down). A refused lease is gone: the client keeps its
-// mapping, which the successor books as orphaned bytes until it ends.
+// limit), UNAVAILABLE (shutting down). A refused lease is gone: the client
+// keeps its mapping, which the successor books as orphaned bytes until it ends.
 //
 // Takeover (docs/serve.md, handover.h): a new daemon of the daemon's own
 // uid asks the running one to hand over. The reply is the handover itself,

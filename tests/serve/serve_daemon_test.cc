@@ -451,7 +451,8 @@ TEST_F(ServeTest, BadMessagesGetClearErrorsAndNothingBreaks) {
     const auto reply = raw.Reply();
     ASSERT_TRUE(reply);
     EXPECT_EQ(reply->code, ServeCode::kInvalid);
-    EXPECT_THAT(reply->message, HasSubstr("only a reclaim carries file descriptors"));
+    EXPECT_THAT(reply->message,
+                HasSubstr("only a reclaim carries file descriptors"));
     ::close(devnull);
   }
   // Unknown leases and models.

@@ -86,7 +86,8 @@ class FakeManager {
       std::string line;
       while (std::getline(lines, line)) {
         const size_t eq = line.find('=');
-        if (eq != std::string::npos) vars[line.substr(0, eq)] = line.substr(eq + 1);
+        if (eq != std::string::npos)
+          vars[line.substr(0, eq)] = line.substr(eq + 1);
       }
       if (vars["READY"] == "1") ready = true;
       if (vars["FDSTORE"] == "1") {
@@ -369,9 +370,8 @@ TEST_F(Reclaim, SystemdsFdStoreBringsBackCopiesNoWorkerMaps) {
       static_cast<double>(copies));
   EXPECT_EQ(daemon_->Metric("modelcache_orphaned_bytes"), 0);
   EXPECT_EQ(daemon_->Metric("modelcache_reclaim_pending_models"), 0);
-  ASSERT_TRUE(manager.ReadUntil([&] {
-    return manager.ready && manager.removed.count("copy-1-2") != 0;
-  }));
+  ASSERT_TRUE(manager.ReadUntil(
+      [&] { return manager.ready && manager.removed.count("copy-1-2") != 0; }));
   EXPECT_EQ(manager.store.size(), 2u);  // the two copies stay stored
 
   Worker fresh(socket_);

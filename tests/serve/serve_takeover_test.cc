@@ -46,8 +46,7 @@ TEST_F(Takeover, LoadsNothingKeepsHeldBytesValidAndTheOldDaemonExitsZero) {
             std::vector<std::string>{std::to_string(checksums_["a"])});
   Eventually(
       [&] {
-        return d.Metric("modelcache_reclaims_total{result=\"accepted\"}") ==
-               1;
+        return d.Metric("modelcache_reclaims_total{result=\"accepted\"}") == 1;
       },
       "the held lease reclaimed");
   EXPECT_EQ(holder.Ok("reclaims"),
@@ -96,7 +95,8 @@ TEST_F(Takeover, UnderLoadNoRequestFailsAndNothingIsLoadedTwice) {
   for (auto& w : workers) {
     const std::vector<std::string> end = w->Ok("cycle-stop");
     ASSERT_GE(end.size(), 2u);
-    EXPECT_EQ(end[1], "0") << "failed requests: " << ::testing::PrintToString(end);
+    EXPECT_EQ(end[1], "0") << "failed requests: "
+                           << ::testing::PrintToString(end);
     std::set<std::string> seen(end.begin() + 2, end.end());
     std::set<std::string> expected;
     for (const std::string& m : models) {
@@ -147,16 +147,16 @@ TEST_F(Takeover, AnotherHandoverVersionIsRefusedAndTheDaemonServesOn) {
   Raw raw(d.socket());
   ASSERT_TRUE(raw.Send(protocol::EncodeHello(1)));
   ASSERT_TRUE(raw.Reply());
-  ASSERT_TRUE(raw.Send(protocol::EncodeTakeover(
-      2, detail::kHandoverVersion + 1, "0000000000000000:0")));
+  ASSERT_TRUE(raw.Send(protocol::EncodeTakeover(2, detail::kHandoverVersion + 1,
+                                                "0000000000000000:0")));
   const auto reply = raw.Reply();
   ASSERT_TRUE(reply);
   EXPECT_FALSE(reply->ok);
   EXPECT_EQ(reply->code, ServeCode::kInvalid);
-  EXPECT_THAT(reply->message,
-              ::testing::HasSubstr(
-                  "handover version " +
-                  std::to_string(detail::kHandoverVersion + 1)));
+  EXPECT_THAT(
+      reply->message,
+      ::testing::HasSubstr("handover version " +
+                           std::to_string(detail::kHandoverVersion + 1)));
   // Unchanged: its lease, its copy, new acquires on the same connection
   // and others.
   ASSERT_TRUE(raw.Send(protocol::EncodePing(3)));

@@ -59,14 +59,14 @@
 #include <cstdio>
 #include <cstring>
 #include <fstream>
-#include <map>
-#include <set>
-#include <thread>
 #include <iostream>
+#include <map>
 #include <mutex>
 #include <optional>
+#include <set>
 #include <sstream>
 #include <string>
+#include <thread>
 #include <vector>
 
 #include "modelcache/serve/client.h"

@@ -491,15 +491,16 @@ std::shared_ptr<Grant> ClientCore::LocalAcquire(const std::string& name) {
   std::shared_ptr<MappedCopy> copy = held.copy;
   if (held.refs++ == 0) {
     --idle_;
-    // The daemon may count it as evictable: say it is used again before
-    // returning. (Its recall is answered "use" meanwhile either way.) A
-    // failed send breaks the connection, which forgets `held` (the
-    // reference still keeps the mapping, and its end releases nothing) or
-    // marks it to be reclaimed, in use.
+    // The daemon counts it as evictable. Nothing is sent here, and the
+    // keeper is not woken: a recall that comes meanwhile meets this
+    // reference under mu_ and is answered "use" (AnswerRecalls), so no
+    // copy this process maps can be freed. The keeper, which looks at
+    // least every kUseNoticeLag while a lease is told idle, says "use"
+    // once the lease has been used for idle_notice_delay; a lease revived
+    // and released between its looks sends nothing at all.
     if (held.told_idle && !held.reclaim) {
-      held.told_idle = false;
-      const std::shared_ptr<Connection> c = conn_;
-      SendNotice(c, protocol::Op::kUse, copy->lease);
+      held.used_since = Clock::now();
+      StartFlusher();  // running already: it keeps the idle lease
     }
   }
   auto grant = std::make_shared<Grant>();
@@ -587,11 +588,11 @@ void ClientCore::Unref(std::shared_ptr<MappedCopy> copy) noexcept {
           (held.reclaim || (conn_ && !conn_->broken &&
                             conn_->serial == serial && conn_->delegation));
       ++idle_;
-      if (keep) {
-        held.idle_since = Clock::now();
-        held.told_idle = false;
-      }
-      if (keep && !held.reclaim) {
+      if (keep) held.idle_since = Clock::now();
+      if (keep && held.told_idle && !held.reclaim) {
+        // Revived and released before the keeper said "use": the daemon
+        // still counts it idle, which it is again.
+      } else if (keep && !held.reclaim) {
         // The keeper sends the notice: woken only when it would sleep past
         // the notice's time by more than the delay itself (a late notice
         // errs on the safe side: the daemon counts the lease as in use).
@@ -642,7 +643,13 @@ void ClientCore::SendNotice(const std::shared_ptr<Connection>& c,
     Broke(c);
     return;
   }
-  if (!c->unsent.empty()) StartFlusher();
+  if (!c->unsent.empty()) StartFlusherToSend();
+}
+
+void ClientCore::StartFlusherToSend() {
+  const bool watching = keeper_watching_;
+  StartFlusher();
+  if (watching) WakeKeeper();
 }
 
 void ClientCore::WakeKeeper() {
@@ -656,11 +663,25 @@ Clock::time_point ClientCore::IdleChores(
     const std::shared_ptr<Connection>& c,
     std::vector<std::shared_ptr<MappedCopy>>* expired) {
   Clock::time_point next = Clock::time_point::max();
-  if (idle_ == 0) return next;
+  if (held_.empty()) return next;
   const Clock::time_point now = Clock::now();
   std::vector<uint64_t> ended;
   for (auto& [lease, held] : held_) {
-    if (held.refs != 0 || held.copy->serial != c->serial) continue;
+    if (held.copy->serial != c->serial) continue;
+    if (held.refs != 0) {
+      // Revived while the daemon counted it idle (LocalAcquire).
+      if (!held.told_idle || held.reclaim) continue;
+      const Clock::time_point due =
+          held.used_since + options_.idle_notice_delay;
+      if (now < due) {
+        next = std::min(next, due);
+        continue;
+      }
+      held.told_idle = false;
+      SendNotice(c, protocol::Op::kUse, lease);
+      if (c->broken) return Clock::time_point::max();  // as below
+      continue;
+    }
     if (!held.told_idle) {
       const Clock::time_point due =
           held.idle_since + options_.idle_notice_delay;
@@ -675,6 +696,9 @@ Clock::time_point ClientCore::IdleChores(
         next = std::min(next, due);
       }
     }
+    // A told lease may be revived without a word (LocalAcquire): looked
+    // at again soon enough to say "use".
+    if (held.told_idle) next = std::min(next, now + kUseNoticeLag);
     const Clock::time_point end = held.idle_since + options_.keep_idle;
     if (now >= end) {
       ended.push_back(lease);
@@ -797,7 +821,7 @@ void ClientCore::SendRelease(const std::shared_ptr<Connection>& c,
     Broke(c);
     return;
   }
-  if (!c->unsent.empty()) StartFlusher();
+  if (!c->unsent.empty()) StartFlusherToSend();
 }
 
 bool ClientCore::FlushUnsent(Connection& c) {
@@ -835,6 +859,7 @@ void ClientCore::Flusher() {
   mu_.Lock();
   Clock::time_point retry_at = Clock::time_point::min();
   std::chrono::milliseconds backoff = options_.backoff_initial;
+  bool hung_up = false;  // the last poll saw the connection end
   for (;;) {
     const std::shared_ptr<Connection> c = conn_;
     if (stop_) break;
@@ -844,13 +869,17 @@ void ClientCore::Flusher() {
       if (ReconnectForReclaims(&retry_at, &backoff)) continue;
       break;
     }
-    // Held leases that a successor could adopt keep it watching `c`.
-    const bool watch = !held_.empty() && c->reclaim && options_.reclaim;
-    if (c->unsent.empty() && c->unanswered.empty() && idle_ == 0 && !watch) {
-      break;
-    }
+    // A connection whose leases a successor could adopt keeps it watching
+    // `c` for its life, so that no acquire starts a thread and a daemon's
+    // end is noticed at once while a lease is held.
+    const bool watch = c->reclaim && options_.reclaim;
     std::vector<std::shared_ptr<MappedCopy>> expired;
     const Clock::time_point next = IdleChores(c, &expired);
+    if (c->broken) continue;
+    if (c->unsent.empty() && c->unanswered.empty() && idle_ == 0 && !watch &&
+        next == Clock::time_point::max() && expired.empty()) {
+      break;
+    }
     if (!expired.empty()) {
       std::vector<uint64_t> leases;
       for (const auto& copy : expired) leases.push_back(copy->lease);
@@ -867,17 +896,28 @@ void ClientCore::Flusher() {
     }
     const bool want_out =
         !c->unsent.empty() && c->unanswered.size() < c->window;
-    const bool read = !reading_;
+    // Something to read: recalls (for idle leases), answers that hold back
+    // queued messages (or, when it does not watch, that it waits for before
+    // it ends), or the end of the connection seen by the last poll.
+    // Otherwise the socket is polled for its end only (POLLHUP), and a
+    // caller reads its own reply with no hop through this thread (the
+    // answers to releases are drained by the next call).
+    const bool need_read = idle_ != 0 || !c->unsent.empty() || hung_up ||
+                           (!watch && !c->unanswered.empty());
+    const bool read = !reading_ && need_read;
+    const bool hangup_only = !reading_ && !need_read && watch;
+    hung_up = false;
     const Clock::time_point until =
         std::min(next, Clock::now() + std::chrono::seconds(1));
     keeper_wakes_ = until;
-    if (!want_out && !read) {
+    if (!want_out && !read && !hangup_only) {
       // Another thread reads: it files the answers (and recalls) and wakes
       // us.
       cv_.WaitUntil(&mu_, until);
       continue;
     }
     if (read) reading_ = true;
+    keeper_watching_ = hangup_only;
     const int wake = wake_fd_.get();
     mu_.Unlock();
     pollfd p[2] = {
@@ -890,7 +930,9 @@ void ClientCore::Flusher() {
       [[maybe_unused]] const ssize_t n = ::read(wake, &count, sizeof(count));
     }
     if (read) ReadAndFile(c, 0);
+    hung_up = !read && (p[0].revents & (POLLHUP | POLLERR)) != 0;
     mu_.Lock();
+    keeper_watching_ = false;
     if (read) {
       reading_ = false;
       cv_.NotifyAll();

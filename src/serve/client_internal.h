@@ -41,21 +41,29 @@
 // Local reuse and delegation: held_ maps each lease this process holds to
 // its MappedCopy (mapped once), its count of local references (Grants) and
 // whether the daemon was told it is idle; by_name_ finds it by the names it
-// was acquired as. An acquire of a held name is a new Grant (no round trip;
-// "use" is sent first when the daemon was told "idle"). The last Grant's
+// was acquired as. An acquire of a held name is a new Grant (no round trip and
+// no message: when the daemon was told "idle", the keeper says "use" once the
+// lease has been used for idle_notice_delay, looking at least every
+// kUseNoticeLag; a lease revived and released between its looks sends
+// nothing). The last Grant's
 // end (Unref) keeps the lease idle when the connection delegates
 // (Connection::delegation) and keep_idle > 0, else forgets, unmaps and
 // releases it. Without local reuse a lease is in held_ only when it can be
 // reclaimed (below), under no name, and is forgotten at its Grant's end.
 // The flusher thread is also the *keeper*: while any lease is idle it sends
-// the idle notices due (idle_notice_delay), ends leases idle past
+// the idle and use notices due (idle_notice_delay), ends leases idle past
 // keep_idle, and reads the socket when no other thread does, so that a
-// recall is answered even by a process making no calls; while any lease a
-// successor could adopt is held, it reads the socket too, so that the
-// daemon's end is noticed (and the leases reclaimed) without a call. A recall
-// is answered by whichever thread reads it (AnswerRecalls), under mu_: a lease
-// with no reference is forgotten, unmapped, then released; one with
-// references answers "use".
+// recall is answered even by a process making no calls. On a connection
+// whose leases a successor could adopt it lives as long as the connection
+// (so that no acquire starts a thread): with nothing to read it polls the
+// socket for its end only (POLLHUP), so that the daemon's end is noticed
+// (and the leases reclaimed) without a call, while a caller still reads its
+// own reply with no hop through this thread; a message queued meanwhile
+// wakes it (StartFlusherToSend). A recall is answered by whichever thread
+// reads it (AnswerRecalls), under mu_: a lease with no reference is
+// forgotten, unmapped, then released; one with references answers "use"
+// (so a revival the daemon has not heard of yet never lets it free a copy
+// this process maps).
 //
 // Reclaim (protocol.h). Each MappedCopy keeps its memfds open (header then
 // data, per file) so that a successor daemon can adopt the copy. When a
@@ -152,6 +160,11 @@ void UnregisterMemfd(int slot, int fd);
 // The longest wait between the keeper's attempts to reconnect while leases
 // wait to be reclaimed: a successor's grace period is a few seconds.
 inline constexpr std::chrono::milliseconds kReclaimBackoffMax{200};
+
+// The longest the keeper sleeps while a lease is told idle: a revival sends
+// nothing, so the daemon hears "use" within about this much (plus
+// idle_notice_delay) of it; meanwhile its recall is answered "use".
+inline constexpr std::chrono::milliseconds kUseNoticeLag{100};
 
 inline std::string ErrnoText(int error) {
   char buffer[256];
@@ -318,6 +331,9 @@ class ClientCore : public std::enable_shared_from_this<ClientCore> {
   // error.
   bool FlushUnsent(Connection& c) MC_REQUIRES(mu_);
   void StartFlusher() MC_REQUIRES(mu_);
+  // The same for messages waiting in a connection's queue: wakes a keeper
+  // that only watches for the connection's end.
+  void StartFlusherToSend() MC_REQUIRES(mu_);
   // Interrupts the keeper's poll (a new idle lease has chores due sooner).
   void WakeKeeper() MC_REQUIRES(mu_);
   void Flusher() MC_EXCLUDES(mu_);
@@ -401,6 +417,10 @@ class ClientCore : public std::enable_shared_from_this<ClientCore> {
     bool told_idle = false;
     bool reclaim = false;
     Clock::time_point idle_since;
+    // When its first reference came back while the daemon counted it idle
+    // (told_idle and refs > 0): the keeper says "use" idle_notice_delay
+    // after it, if it is still used then.
+    Clock::time_point used_since;
     std::vector<std::string> names;
   };
   std::unordered_map<uint64_t, Held> held_ MC_GUARDED_BY(mu_);
@@ -410,6 +430,9 @@ class ClientCore : public std::enable_shared_from_this<ClientCore> {
   ReclaimStats reclaim_stats_ MC_GUARDED_BY(mu_);
   // When the keeper wakes next, as it last went to sleep.
   Clock::time_point keeper_wakes_ MC_GUARDED_BY(mu_) = Clock::time_point::max();
+  // The keeper polls the socket for its end only (nothing to read): a
+  // release that has to wait for room wakes it.
+  bool keeper_watching_ MC_GUARDED_BY(mu_) = false;
 
   // Headers already parsed, so that a copy acquired again is not parsed
   // again. Keyed by what fstat says of the header memfd: a memfd's inode

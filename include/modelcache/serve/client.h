@@ -69,8 +69,12 @@
 // lease is kept, mapped, for ClientOptions::keep_idle, and the daemon is
 // told it is idle (after idle_notice_delay), so that its copy counts as
 // evictable: the node's budget stays honest while the process keeps what it
-// uses. An Acquire revives it locally (telling the daemon "use" before it
-// returns, when it had been told "idle"). When the daemon wants the room it
+// uses. An Acquire revives it locally with no message: when the daemon had
+// been told "idle", a thread of the Client tells it "use" once the lease has
+// been used for idle_notice_delay (within about 100 ms more), and a lease
+// revived and released sooner sends nothing. Meanwhile the daemon counts the
+// copy as evictable and, should it pick it, its recall is answered "use".
+// When the daemon wants the room it
 // recalls the lease: a thread of the Client answers "release" (after
 // unmapping) when no reference came back, else "use". So a copy is never
 // unmapped under a reference, and the daemon frees none that this process
@@ -141,7 +145,9 @@ struct ClientOptions {
   bool local_reuse = true;
   // How soon after its last reference ends the daemon is told the lease is
   // idle (and may recall it). Until then the daemon counts it as in use; an
-  // acquire within the delay revives it with no message at all.
+  // acquire within the delay revives it with no message at all. Likewise a
+  // lease told idle and revived is told "use" only once it has been used for
+  // this long (checked at least every 100 ms).
   std::chrono::microseconds idle_notice_delay{1000};
   // Keep each copy's memfds open so that, after a lost connection, the
   // leases can be reclaimed from a successor daemon (see "Reclaim" above).

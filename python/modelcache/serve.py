@@ -70,7 +70,8 @@ trip again. So a server acquires and releases per request, and pays a round
 trip only when the model was evicted. :meth:`Client.idle_leases` counts
 the leases kept idle; ``keep_idle=0`` releases a lease when its last lease
 object or view ends. A lost connection (a daemon restart) drops every idle
-lease, unless it is reclaimed (above); leases in use keep their mapping.
+lease, unless it waits to be reclaimed (above, within ``keep_idle``);
+leases in use keep their mapping.
 
 fork(). A child starts with no connection and no lease: every lease object
 it inherits reads as released (taking a view raises), and its first call on

@@ -357,9 +357,6 @@ def test_daemon_killed_and_restarted(node):
                bound=120)
     assert all(memfd_maps(pid) for pid in server.workers())  # idle leases
     daemon.kill()
-    # Idle leases end with the connection: each worker's client unmaps them.
-    wait_until(lambda: not any(memfd_maps(pid) for pid in server.workers()),
-               "the workers drop their idle leases")
     # Every request is refused at once with 503 + Retry-After, not queued.
     for i in range(10):
         model_id = list(models.SHAPES)[i % 5]
@@ -370,8 +367,21 @@ def test_daemon_killed_and_restarted(node):
         assert status == 503 and headers["Retry-After"] == "1", (status, body)
         assert body["error"] == "UNAVAILABLE", body
         assert time.monotonic() - start < 10  # not a queue of minutes
+    # Meanwhile each worker keeps its idle leases mapped (for keep_idle at
+    # most), for a successor to reclaim.
+    assert all(memfd_maps(pid) for pid in server.workers())
     restarted = node()
-    # Every request is answered again once the daemon is back.
+    # Each worker's client reclaims them in the background, with no request:
+    # the successor adopts the copies its predecessor recorded, loading
+    # nothing.
+    def every_worker_reclaimed() -> bool:
+        holders = {l["pid"] for m in models.SHAPES for l in restarted.leases(m)}
+        return holders >= set(server.workers())
+
+    wait_until(every_worker_reclaimed, "every worker's leases are reclaimed")
+    adopted = [m for m in models.SHAPES if restarted.leases(m)]
+    assert adopted and all(restarted.model(m)["loads"] == 0 for m in adopted)
+    # Every request is answered again.
     for r in drive(server.uds, CLIENTS, 10, seed=3):
         check_answer(*r)
     # Nothing leaks: the new daemon's books equal what processes map, and

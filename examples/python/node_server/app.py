@@ -41,9 +41,11 @@ budget honest: an acquire of a model this worker holds (another request
 uses it, or it was used within MODELCACHE_KEEP_IDLE seconds) is local, with
 no round trip; a lease no request uses is idle, which the daemon counts as
 evictable and recalls from the worker when it needs the room. A request in
-flight keeps its model mapped while the daemon restarts; idle leases end
-with the daemon's connection, so after a restart the next request of each
-model is a round trip to the new daemon.
+flight keeps its model mapped while the daemon restarts, and the idle
+leases stay mapped too (for MODELCACHE_KEEP_IDLE at most): the client
+reclaims them from the restarted daemon, which adopts the copies and loads
+nothing. While the daemon is down, a request whose model no other request
+of this worker uses answers 503 at once.
 """
 
 from __future__ import annotations
@@ -193,9 +195,11 @@ def _acquire(model_id: str) -> "tuple[Any, float, str]":
     # ACQUIRE_TIMEOUT; a ping first answers 503 within CONNECT_TIMEOUT. It
     # is skipped where the acquire is local (another request here uses the
     # model: that works even without the daemon) or where the connection is
-    # known alive (the client keeps idle leases, so a thread of its own
-    # watches the socket and drops them when the daemon goes).
-    if not in_use and c.idle_leases() == 0:
+    # known alive (the client keeps idle leases, and a thread of its own
+    # watches the socket: when the daemon goes, the leases wait to be
+    # reclaimed from its successor, counted as pending, and the ping is
+    # made again; it reconnects, and so reclaims, once the daemon is back).
+    if not in_use and (c.idle_leases() == 0 or c.reclaims()["pending"] > 0):
         c.ping(timeout=max(0.0, deadline - time.monotonic()))
     lease = c.acquire(model_id, timeout=ACQUIRE_TIMEOUT, when_full="fail")
     return lease, (time.perf_counter() - start) * 1000, lease.load

@@ -578,6 +578,129 @@ TEST(ClientTest, AForkedChildHoldsNoneOfTheMemfdsKeptForAReclaim) {
 
 // A successor that does not reclaim: nothing is re-asserted, the lease is
 // unbacked, and the first request on the new connection is the caller's.
+// A daemon that delegates (no reclaim).
+const std::map<std::string, uint64_t> kRecall = {{"recall_timeout_ms", 60'000}};
+
+// Writes one byte to `fd`, the other side's go.
+void Signal(int fd) { ASSERT_EQ(::write(fd, "x", 1), 1); }
+// Waits for Signal on `fd`.
+void AwaitSignal(int fd) {
+  pollfd p{fd, POLLIN, 0};
+  ASSERT_GT(::poll(&p, 1, kBoundMs), 0) << "no signal";
+  char byte;
+  ASSERT_EQ(::read(fd, &byte, 1), 1);
+}
+
+// A local acquire of a lease the daemon was told is idle sends nothing: one
+// released at once stays idle in the daemon's books with no message at all,
+// and one that stays in use is told "use" after idle_notice_delay.
+TEST(ClientTest, ARevivalOfAToldIdleLeaseSendsNothingUntilItStaysInUse) {
+  FakeDaemon daemon;
+  Copy c = MakeCopy(fs::path(daemon.path()).parent_path());
+  int told[2];
+  int used[2];
+  ASSERT_EQ(::pipe2(told, O_CLOEXEC), 0);
+  ASSERT_EQ(::pipe2(used, O_CLOEXEC), 0);
+  std::thread fake([&] {
+    daemon.Handshake(256, kRecall);
+    const protocol::Request acquire = daemon.Next();
+    const int fds[] = {c.header.get(), c.data.get()};
+    daemon.Send(
+        protocol::EncodeAcquireReply(acquire.id, 91, "m", "hit", {c.reply}),
+        fds);
+    const protocol::Request idle = daemon.Next();
+    EXPECT_EQ(idle.op, protocol::Op::kIdle);
+    EXPECT_EQ(idle.lease, 91u);
+    daemon.Send(protocol::EncodeOk(idle.id));
+    Signal(told[1]);
+    const protocol::Request ping = daemon.Next();
+    EXPECT_EQ(ping.op, protocol::Op::kPing)
+        << "a revival released at once sends nothing";
+    daemon.Send(protocol::EncodeOk(ping.id));
+    const protocol::Request use = daemon.Next();
+    EXPECT_EQ(use.op, protocol::Op::kUse) << "in use past the delay";
+    EXPECT_EQ(use.lease, 91u);
+    daemon.Send(protocol::EncodeOk(use.id));
+    Signal(used[1]);
+    const protocol::Request last = daemon.Next();
+    EXPECT_EQ(last.op, protocol::Op::kPing);
+    daemon.Send(protocol::EncodeOk(last.id));
+  });
+  ClientOptions options;
+  options.keep_idle = std::chrono::minutes(10);
+  // Long enough that nothing falls due between a revival and its release.
+  options.idle_notice_delay = std::chrono::seconds(1);
+  Client client = Client::Connect(daemon.path(), options);
+  client.Acquire("m", std::chrono::seconds(60)).Release();
+  AwaitSignal(told[0]);
+  {
+    RemoteWeights w = client.Acquire("m", std::chrono::seconds(60));
+    EXPECT_EQ(w.load(), "local");
+  }
+  client.Ping(std::chrono::seconds(60));
+  RemoteWeights w = client.Acquire("m", std::chrono::seconds(60));
+  EXPECT_EQ(w.load(), "local");
+  AwaitSignal(used[0]);  // told "use", by the Client's own thread
+  client.Ping(std::chrono::seconds(60));
+  EXPECT_EQ(BytesOf(w.data("w")), BytesOf(c.file.data()));
+  fake.join();
+  for (const int fd : {told[0], told[1], used[0], used[1]}) ::close(fd);
+}
+
+// A recall that meets such a revival before the Client said "use" is
+// answered "use": the daemon frees nothing the process maps.
+TEST(ClientTest, ARecallOfARevivedLeaseBeforeItsUseNoticeIsAnsweredUse) {
+  FakeDaemon daemon;
+  Copy c = MakeCopy(fs::path(daemon.path()).parent_path());
+  int told[2];
+  int revived[2];
+  ASSERT_EQ(::pipe2(told, O_CLOEXEC), 0);
+  ASSERT_EQ(::pipe2(revived, O_CLOEXEC), 0);
+  std::thread fake([&] {
+    daemon.Handshake(256, kRecall);
+    const protocol::Request acquire = daemon.Next();
+    const int fds[] = {c.header.get(), c.data.get()};
+    daemon.Send(
+        protocol::EncodeAcquireReply(acquire.id, 92, "m", "hit", {c.reply}),
+        fds);
+    const protocol::Request idle = daemon.Next();
+    EXPECT_EQ(idle.op, protocol::Op::kIdle);
+    daemon.Send(protocol::EncodeOk(idle.id));
+    Signal(told[1]);
+    AwaitSignal(revived[0]);
+    daemon.Send(protocol::EncodeRecall(92));
+    // The answer, and the ping that read the recall, in either order.
+    bool answered = false;
+    for (int i = 0; i < 2; ++i) {
+      const protocol::Request r = daemon.Next();
+      if (r.op == protocol::Op::kUse) {
+        EXPECT_EQ(r.lease, 92u);
+        answered = true;
+      } else {
+        EXPECT_EQ(r.op, protocol::Op::kPing) << "busy, not released";
+      }
+      daemon.Send(protocol::EncodeOk(r.id));
+    }
+    EXPECT_TRUE(answered);
+  });
+  ClientOptions options;
+  options.keep_idle = std::chrono::minutes(10);
+  options.idle_notice_delay = std::chrono::seconds(1);
+  Client client = Client::Connect(daemon.path(), options);
+  client.Acquire("m", std::chrono::seconds(60)).Release();
+  AwaitSignal(told[0]);
+  RemoteWeights w = client.Acquire("m", std::chrono::seconds(60));
+  EXPECT_EQ(w.load(), "local");
+  Signal(revived[1]);
+  // No lease is idle now, so the Client's own thread does not read: the
+  // ping's caller reads the recall and answers it. The answer may follow
+  // the ping; the reply to the ping is read after the recall.
+  client.Ping(std::chrono::seconds(60));
+  EXPECT_EQ(BytesOf(w.data("w")), BytesOf(c.file.data()));
+  fake.join();
+  for (const int fd : {told[0], told[1], revived[0], revived[1]}) ::close(fd);
+}
+
 TEST(ClientTest, ASuccessorWithoutReclaimIsSentNone) {
   FakeDaemon daemon;
   Copy c = MakeCopy(fs::path(daemon.path()).parent_path());

@@ -8,6 +8,12 @@
 //       delegation revived (silently, and telling the daemon), beside a
 //       ping and the in-process hit path of a HostWeightStore (acquire +
 //       release of a resident copy), interleaved in the same run.
+//   modelcache_serve_bench acquire-floor [--iterations N] [--bytes B] --out F
+//       What any first acquire costs here whatever the daemon does: a round
+//       trip between two processes whose reply carries two sealed memfds,
+//       then the copy checked, mapped and unmapped, then a release message,
+//       each beside the bare round trip (single-threaded, and with a second
+//       thread parked in poll as a Client's keeper is).
 //   modelcache_serve_bench recall [--counts 1,100] [--runs 10] --out F
 //       A load that needs the room of N idle delegations of another process
 //       (recalled, then evicted) beside the same load when those N models
@@ -40,6 +46,7 @@
 #include <poll.h>
 #include <signal.h>
 #include <spawn.h>
+#include <sys/mman.h>
 #include <sys/socket.h>
 #include <sys/stat.h>
 #include <sys/un.h>
@@ -339,6 +346,192 @@ int Acquire(uint64_t bytes, int iterations, const std::string& out) {
   }
   Write(out, result);
   return kept ? 0 : 1;
+}
+
+// ---- acquire-floor ----
+
+// What any first acquire costs on this machine, whatever the daemon does: a
+// SOCK_SEQPACKET round trip between two processes (a child that answers at
+// once) whose reply carries a copy's two sealed memfds, the client's work on
+// a copy (its seals and sizes, mmap, MADV_DONTFORK, munmap, close) and the
+// release message, each beside a bare round trip, interleaved in one run.
+// Once without and once with a second thread parked in poll, as a Client's
+// keeper is (munmap in a threaded process may have to flush other CPUs).
+// The ratios bound what the protocol's first acquire can reach: a lease's
+// end unmaps before its release, and each lease's copy comes as descriptors.
+int AcquireFloor(uint64_t bytes, int iterations, const std::string& out) {
+  int sv[2];
+  if (::socketpair(AF_UNIX, SOCK_SEQPACKET | SOCK_CLOEXEC, 0, sv) != 0) {
+    Die("socketpair");
+  }
+  const auto sealed = [](const char* name, uint64_t size) {
+    const int fd = ::memfd_create(name, MFD_ALLOW_SEALING | MFD_CLOEXEC);
+    if (fd < 0 || ::ftruncate(fd, static_cast<off_t>(size)) != 0 ||
+        ::fcntl(fd, F_ADD_SEALS,
+                F_SEAL_SHRINK | F_SEAL_GROW | F_SEAL_WRITE | F_SEAL_SEAL) !=
+            0) {
+      Die("memfd");
+    }
+    return fd;
+  };
+  const int header_fd = sealed("floor:header", 4096);
+  const int data_fd = sealed("floor:data", bytes);
+  const pid_t answerer = ::fork();
+  if (answerer < 0) Die("fork");
+  if (answerer == 0) {
+    // 'p': an empty reply; 'a': one with both memfds; 'r': no reply.
+    ::close(sv[0]);
+    char op;
+    while (::recv(sv[1], &op, 1, 0) == 1) {
+      if (op == 'r') continue;
+      char reply = 'k';
+      iovec io{&reply, 1};
+      msghdr m{};
+      m.msg_iov = &io;
+      m.msg_iovlen = 1;
+      alignas(cmsghdr) char control[CMSG_SPACE(2 * sizeof(int))];
+      if (op == 'a') {
+        m.msg_control = control;
+        m.msg_controllen = sizeof(control);
+        cmsghdr* h = CMSG_FIRSTHDR(&m);
+        h->cmsg_level = SOL_SOCKET;
+        h->cmsg_type = SCM_RIGHTS;
+        h->cmsg_len = CMSG_LEN(2 * sizeof(int));
+        const int fds[2] = {header_fd, data_fd};
+        std::memcpy(CMSG_DATA(h), fds, sizeof(fds));
+      }
+      if (::sendmsg(sv[1], &m, 0) != 1) break;
+    }
+    ::_exit(0);
+  }
+  ::close(sv[1]);
+  const int sock = sv[0];
+  const auto round_trip = [sock](char op, int* fds) {
+    if (::send(sock, &op, 1, 0) != 1) Die("send");
+    pollfd p{sock, POLLIN, 0};
+    ::poll(&p, 1, -1);
+    char reply;
+    iovec io{&reply, 1};
+    msghdr m{};
+    m.msg_iov = &io;
+    m.msg_iovlen = 1;
+    alignas(cmsghdr) char control[CMSG_SPACE(2 * sizeof(int))];
+    m.msg_control = control;
+    m.msg_controllen = sizeof(control);
+    if (::recvmsg(sock, &m, MSG_CMSG_CLOEXEC) != 1) Die("recvmsg");
+    if (fds != nullptr) {
+      const cmsghdr* h = CMSG_FIRSTHDR(&m);
+      if (h == nullptr) Die("no descriptors");
+      std::memcpy(fds, CMSG_DATA(h), 2 * sizeof(int));
+    }
+  };
+  const auto map_copy = [bytes](const int* fds) {
+    struct stat st[2];
+    for (int i = 0; i < 2; ++i) {
+      if (::fcntl(fds[i], F_GET_SEALS) < 0 || ::fstat(fds[i], &st[i]) != 0) {
+        Die("checks");
+      }
+    }
+    void* base = ::mmap(nullptr, bytes, PROT_READ, MAP_SHARED, fds[1], 0);
+    if (base == MAP_FAILED) Die("mmap");
+    ::madvise(base, bytes, MADV_DONTFORK);
+    return base;
+  };
+  struct Path {
+    const char* key;
+    const char* label;
+    std::function<void()> run;
+    std::vector<double> us;
+  };
+  std::vector<Path> paths;
+  paths.push_back({"round_trip_us",
+                   "a bare round trip",
+                   [&] { round_trip('p', nullptr); },
+                   {}});
+  paths.push_back({"memfds_us",
+                   "the reply carries 2 memfds (closed)",
+                   [&] {
+                     int fds[2];
+                     round_trip('a', fds);
+                     ::close(fds[0]);
+                     ::close(fds[1]);
+                   },
+                   {}});
+  paths.push_back({"mapped_us",
+                   "+ checked, mapped, unmapped",
+                   [&] {
+                     int fds[2];
+                     round_trip('a', fds);
+                     void* base = map_copy(fds);
+                     ::munmap(base, bytes);
+                     ::close(fds[0]);
+                     ::close(fds[1]);
+                   },
+                   {}});
+  paths.push_back({"released_us",
+                   "+ a release message",
+                   [&] {
+                     int fds[2];
+                     round_trip('a', fds);
+                     void* base = map_copy(fds);
+                     ::munmap(base, bytes);
+                     const char release = 'r';
+                     if (::send(sock, &release, 1, 0) != 1) Die("send");
+                     ::close(fds[0]);
+                     ::close(fds[1]);
+                   },
+                   {}});
+  json result = {{"benchmark", "serve_acquire_floor"},
+                 {"model_bytes", bytes},
+                 {"iterations", iterations}};
+  for (const bool threaded : {false, true}) {
+    int park[2];
+    if (::pipe2(park, O_CLOEXEC) != 0) Die("pipe");
+    std::thread parked;
+    if (threaded) {
+      parked = std::thread([fd = park[0]] {
+        pollfd p{fd, POLLIN, 0};
+        ::poll(&p, 1, -1);
+      });
+    }
+    for (Path& path : paths) {
+      path.us.clear();
+      path.us.reserve(static_cast<size_t>(iterations));
+    }
+    for (int i = 0; i < iterations; ++i) {
+      for (Path& path : paths) {
+        const auto t0 = Clock::now();
+        path.run();
+        path.us.push_back(
+            std::chrono::duration<double, std::micro>(Clock::now() - t0)
+                .count());
+      }
+    }
+    if (threaded) {
+      const char go = 'g';
+      if (::write(park[1], &go, 1) != 1) Die("write");
+      parked.join();
+    }
+    ::close(park[0]);
+    ::close(park[1]);
+    const char* run = threaded ? "with_a_parked_thread" : "single_threaded";
+    std::printf("%s\n", threaded ? "with a second thread parked in poll:"
+                                 : "single-threaded:");
+    const double base = Percentile(paths.front().us, 0.5);
+    for (const Path& path : paths) {
+      const double p50 = Percentile(path.us, 0.5);
+      result[run][path.key] = {{"p50", p50},
+                               {"p99", Percentile(path.us, 0.99)}};
+      std::printf("  %-40s p50 %8.2f us  p99 %8.2f us  %5.2fx round trip\n",
+                  path.label, p50, Percentile(path.us, 0.99), p50 / base);
+    }
+  }
+  ::close(sock);
+  ::waitpid(answerer, nullptr, 0);
+  ::close(header_fd);
+  ::close(data_fd);
+  Write(out, result);
+  return 0;
 }
 
 // ---- recall ----
@@ -824,14 +1017,17 @@ int main(int argc, char** argv) {
   if (argc < 2) {
     std::fprintf(
         stderr,
-        "usage: %s acquire|memory|first-tensor|loop|recall [--bytes B] "
+        "usage: %s acquire|acquire-floor|memory|first-tensor|loop|recall "
+        "[--bytes B] "
         "[--iterations N] [--workers 1,2,4,8] [--counts 1,100] "
         "[--runs N] [--out F]\n",
         argv[0]);
     return 2;
   }
   const std::string mode = argv[1];
-  uint64_t bytes = mode == "acquire" ? uint64_t{8} << 20 : uint64_t{2} << 30;
+  uint64_t bytes = mode == "acquire" || mode == "acquire-floor"
+                       ? uint64_t{8} << 20
+                       : uint64_t{2} << 30;
   int iterations = 20000;
   int runs = 10;
   int idle_processes = 500;
@@ -867,6 +1063,7 @@ int main(int argc, char** argv) {
   }
   ::signal(SIGPIPE, SIG_IGN);
   if (mode == "acquire") return Acquire(bytes, iterations, out);
+  if (mode == "acquire-floor") return AcquireFloor(bytes, iterations, out);
   if (mode == "memory") return Memory(bytes, workers, out);
   if (mode == "first-tensor") return FirstTensor(bytes, runs, out);
   if (mode == "loop") return Loop(bytes, idle_processes, out);

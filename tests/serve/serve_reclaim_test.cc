@@ -268,10 +268,10 @@ TEST_F(Reclaim, WorkersThatMapTheCopiesReclaimThemThroughTheClient) {
       "the four leases reclaimed");
   // The daemon counts a reclaim before its answer reaches the client, which
   // counts it once it has read every answer and published the connection.
-  for (const auto& [worker, reclaimed] :
-       std::vector<std::pair<Worker*, std::string>>{
+  for (const auto& expected : std::vector<std::pair<Worker*, std::string>>{
            {&one, "1"}, {&two, "2"}, {&three, "1"}}) {
-    const std::vector<std::string> done{reclaimed, "0", "0", "0"};
+    Worker* worker = expected.first;
+    const std::vector<std::string> done{expected.second, "0", "0", "0"};
     Eventually([&] { return worker->Ok("reclaims") == done; },
                "a client counts its reclaims");
   }

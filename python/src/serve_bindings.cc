@@ -15,9 +15,12 @@
 //
 // The GIL. Connecting, acquiring and pinging wait for the daemon, so they
 // run under WithoutGil; an acquire on the main thread polls Python's signal
-// handlers (MakeAcquireOptions), so Ctrl-C ends its wait. Dropping a share
-// may run with or without the GIL (torch frees a tensor on any thread): it
-// unmaps and sends one datagram without waiting for an answer, so it never
+// handlers (MakeAcquireOptions), so Ctrl-C ends its wait. A local acquire
+// (Client::AcquireLocal), idle_leases and reclaims keep the GIL: they take
+// only the client's lock, and no thread holding that lock waits for the
+// GIL or for the daemon (the order is always the GIL, then the lock). Dropping
+// a share may run with or without the GIL (torch frees a tensor on any thread):
+// it unmaps and sends one datagram without waiting for an answer, so it never
 // waits for another thread. Only a hook set by register_cuda (Python code)
 // takes the GIL, before the unmap.
 #include <pybind11/pybind11.h>
@@ -253,11 +256,14 @@ class PyServeClient {
 
   static PyServeClient Connect(const py::handle& path,
                                const py::object& connect_timeout,
-                               const py::object& keep_idle, bool reclaim) {
+                               const py::object& keep_idle,
+                               const py::object& idle_notice_delay,
+                               bool reclaim) {
     const std::string socket = PathFrom(path);
     serve::ClientOptions options;
     options.connect_timeout = MillisFrom(connect_timeout, "connect_timeout");
     options.keep_idle = KeepIdleFrom(keep_idle);
+    options.idle_notice_delay = NoticeDelayFrom(idle_notice_delay);
     options.reclaim = reclaim;
     serve::Client client =
         WithoutGil([&] { return serve::Client::Connect(socket, options); });
@@ -273,9 +279,16 @@ class PyServeClient {
     options.interrupt = core.interrupt;
     std::shared_ptr<serve::Client> client = client_;
     const auto start = std::chrono::steady_clock::now();
-    RemoteCopyPtr copy = WithoutGil([&] {
-      return std::make_shared<RemoteCopy>(client->Acquire(model, options));
-    });
+    // A local acquire, with the GIL held: it only takes the client's lock,
+    // which no holder keeps while it waits (for the GIL or the daemon), and
+    // giving the GIL up and taking it back would cost more than it does
+    // (a switch to another thread, which keeps the GIL for its interval).
+    std::optional<serve::RemoteWeights> local = client->AcquireLocal(model);
+    RemoteCopyPtr copy = local ? std::make_shared<RemoteCopy>(std::move(*local))
+                               : WithoutGil([&] {
+                                   return std::make_shared<RemoteCopy>(
+                                       client->Acquire(model, options));
+                                 });
     const double waited =
         std::chrono::duration<double>(std::chrono::steady_clock::now() - start)
             .count();
@@ -305,16 +318,13 @@ class PyServeClient {
 
   const std::string& socket_path() const { return client_->socket_path(); }
 
-  size_t IdleLeases() {
-    std::shared_ptr<serve::Client> client = client_;
-    return WithoutGil([&] { return client->IdleLeases(); });
-  }
+  // These two keep the GIL, as a local acquire does: they only read under
+  // the client's lock.
+  size_t IdleLeases() { return client_->IdleLeases(); }
 
   // serve::ReclaimStats as a dict of its fields.
   py::dict Reclaims() {
-    std::shared_ptr<serve::Client> client = client_;
-    const serve::ReclaimStats stats =
-        WithoutGil([&] { return client->Reclaims(); });
+    const serve::ReclaimStats stats = client_->Reclaims();
     py::dict d;
     d["reclaimed"] = stats.reclaimed;
     d["reclaim_refused"] = stats.reclaim_refused;
@@ -334,6 +344,23 @@ class PyServeClient {
                  "timedelta, not None");
     }
     return MillisFrom(seconds, "keep_idle");
+  }
+
+  // idle_notice_delay: seconds (>= 0), to the microsecond; at most the
+  // longest wait (a notice never sent would keep the lease in use in the
+  // daemon's books: refused rather than read as "never").
+  static std::chrono::microseconds NoticeDelayFrom(const py::object& seconds) {
+    const std::optional<double> s =
+        seconds.is_none() ? std::nullopt
+                          : SecondsFrom(seconds, "idle_notice_delay");
+    if (!s || std::isinf(*s) ||
+        *s * 1000 > static_cast<double>(kMaxWait.count())) {
+      RaiseError(ErrorCode::kInvalidArgument,
+                 "idle_notice_delay must be a number of seconds from 0 to " +
+                     std::to_string(kMaxWait.count() / 1000) +
+                     " or a timedelta");
+    }
+    return std::chrono::microseconds(static_cast<int64_t>(std::ceil(*s * 1e6)));
   }
 
   std::shared_ptr<serve::Client> client_;
@@ -376,7 +403,7 @@ void BindServe(py::module_& m) {
                             "modelcache.serve.Client.")
       .def_static("connect", &PyServeClient::Connect, py::arg("socket_path"),
                   py::arg("connect_timeout"), py::arg("keep_idle"),
-                  py::arg("reclaim"))
+                  py::arg("idle_notice_delay"), py::arg("reclaim"))
       .def("acquire", &PyServeClient::Acquire, py::arg("model"),
            py::arg("timeout"), py::arg("when_full"))
       .def("ping", &PyServeClient::Ping, py::arg("timeout"))

@@ -222,14 +222,18 @@ def test_serve_functions_name_the_wrong_argument(tmp_path: Path, weights_file: P
     try:
         check_wrong(modelcache.serve.connect, dict(socket_path=daemon.socket,
                                                    connect_timeout=0, keep_idle=60,
+                                                   idle_notice_delay=0.001,
                                                    reclaim=True))
-        for bad, error in ((None, TypeError), ("1", TypeError), (True, TypeError),
-                           (-1, InvalidArgumentError),
-                           (float("nan"), InvalidArgumentError),
-                           (datetime.timedelta(seconds=-1), InvalidArgumentError)):
-            with pytest.raises(error) as info:
-                modelcache.serve.connect(daemon.socket, keep_idle=bad)
-            assert "keep_idle" in str(info.value), (bad, info.value)
+        for name in ("keep_idle", "idle_notice_delay"):
+            for bad, error in ((None, TypeError), ("1", TypeError), (True, TypeError),
+                               (-1, InvalidArgumentError),
+                               (float("nan"), InvalidArgumentError),
+                               (datetime.timedelta(seconds=-1), InvalidArgumentError)):
+                with pytest.raises(error) as info:
+                    modelcache.serve.connect(daemon.socket, **{name: bad})
+                assert name in str(info.value), (name, bad, info.value)
+        with pytest.raises(InvalidArgumentError, match="idle_notice_delay"):
+            modelcache.serve.connect(daemon.socket, idle_notice_delay=float("inf"))
         with modelcache.serve.connect(daemon.socket) as client:
             check_wrong(client.acquire, dict(model="m", timeout=30, when_full="wait"))
             check_wrong(client.ping, dict(timeout=5))

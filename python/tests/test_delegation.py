@@ -11,6 +11,7 @@ through its pipes, never by sleeping.
 
 from __future__ import annotations
 
+import datetime
 import gc
 import os
 import re
@@ -21,6 +22,7 @@ import textwrap
 import numpy as np
 import pytest
 
+import modelcache.errors
 import modelcache.serve
 
 from serve_util import (
@@ -120,6 +122,34 @@ def test_reclaims_count_nothing_without_a_lost_connection(node):
         client.close()
     with pytest.raises(TypeError, match="reclaim must be a bool"):
         modelcache.serve.connect(node.socket, reclaim=1)
+
+
+def test_idle_notice_delay_sets_when_the_daemon_hears_of_an_idle_lease(node):
+    # A delay longer than the test: the lease is idle here, and the daemon,
+    # never told, books it in use (a ping orders what the client sent).
+    late = modelcache.serve.connect(node.socket, idle_notice_delay=3600)
+    held = late.acquire("x")
+    held.release()
+    assert late.idle_leases() == 1
+    late.ping()
+    # No delay: told at the release itself, before the ping behind it.
+    prompt = modelcache.serve.connect(
+        node.socket, idle_notice_delay=datetime.timedelta(0))
+    told = prompt.acquire("x")
+    assert told.load == "hit"
+    told.release()
+    prompt.ping()
+    assert sorted(uses(node, "x")) == sorted([
+        (os.getpid(), held.lease_id, "in_use"),
+        (os.getpid(), told.lease_id, "idle")])
+    # Revived at once: still local, and the daemon's books are unchanged.
+    again = late.acquire("x")
+    assert (again.lease_id, again.load) == (held.lease_id, "local")
+    again.release()
+    for bad, error in ((-1, modelcache.errors.InvalidArgumentError),
+                       (None, TypeError), ("1", TypeError)):
+        with pytest.raises(error, match="idle_notice_delay"):
+            modelcache.serve.connect(node.socket, idle_notice_delay=bad)
 
 
 def test_keep_idle_zero_releases_at_once(node):

@@ -92,6 +92,10 @@ RemoteWeights Client::Acquire(std::string_view model,
   return Core().Acquire(model, options);
 }
 
+std::optional<RemoteWeights> Client::AcquireLocal(std::string_view model) {
+  return Core().AcquireLocal(model);
+}
+
 RemoteWeights Client::Acquire(std::string_view model,
                               std::chrono::milliseconds timeout) {
   RemoteAcquireOptions options;

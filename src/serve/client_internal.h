@@ -290,6 +290,8 @@ class ClientCore : public std::enable_shared_from_this<ClientCore> {
 
   RemoteWeights Acquire(std::string_view model,
                         const RemoteAcquireOptions& options);
+  std::optional<RemoteWeights> AcquireLocal(std::string_view model)
+      MC_EXCLUDES(mu_);
   void Ping(std::chrono::milliseconds timeout);
   void Close() MC_EXCLUDES(mu_);
   // Ends a lease of connection `serial`: nothing if that connection is gone.

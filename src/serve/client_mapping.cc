@@ -28,6 +28,13 @@ Grant::~Grant() {
   if (core && copy) core->Unref(std::move(copy));
 }
 
+std::optional<RemoteWeights> ClientCore::AcquireLocal(std::string_view model) {
+  if (std::shared_ptr<Grant> local = LocalAcquire(std::string(model))) {
+    return RemoteWeights(std::move(local));
+  }
+  return std::nullopt;
+}
+
 RemoteWeights ClientCore::Acquire(std::string_view model,
                                   const RemoteAcquireOptions& options) {
   const std::string name(model);

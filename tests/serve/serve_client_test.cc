@@ -701,6 +701,55 @@ TEST(ClientTest, ARecallOfARevivedLeaseBeforeItsUseNoticeIsAnsweredUse) {
   for (const int fd : {told[0], told[1], revived[0], revived[1]}) ::close(fd);
 }
 
+// AcquireLocal takes a reference only where the process holds the model,
+// in use or idle, and otherwise sends nothing: the daemon's next message is
+// the ping after it.
+TEST(ClientTest, AcquireLocalRevivesWhatTheProcessHoldsAndSendsNothing) {
+  FakeDaemon daemon;
+  Copy c = MakeCopy(fs::path(daemon.path()).parent_path());
+  std::thread fake([&] {
+    daemon.Handshake(256, kRecall);
+    const protocol::Request first = daemon.Next();
+    EXPECT_EQ(first.op, protocol::Op::kPing)
+        << "an AcquireLocal of a model not held sent something";
+    daemon.Send(protocol::EncodeOk(first.id));
+    const protocol::Request acquire = daemon.Next();
+    EXPECT_EQ(acquire.op, protocol::Op::kAcquire);
+    const int fds[] = {c.header.get(), c.data.get()};
+    daemon.Send(
+        protocol::EncodeAcquireReply(acquire.id, 93, "m", "hit", {c.reply}),
+        fds);
+    const protocol::Request last = daemon.Next();
+    EXPECT_EQ(last.op, protocol::Op::kPing)
+        << "a local acquire or its release sent something";
+    daemon.Send(protocol::EncodeOk(last.id));
+  });
+  ClientOptions options;
+  options.keep_idle = std::chrono::minutes(10);
+  // Nothing falls due while the test runs: no idle notice.
+  options.idle_notice_delay = std::chrono::seconds(60);
+  Client client = Client::Connect(daemon.path(), options);
+  EXPECT_FALSE(client.AcquireLocal("m").has_value());
+  client.Ping(std::chrono::seconds(60));
+  RemoteWeights held = client.Acquire("m", std::chrono::seconds(60));
+  std::optional<RemoteWeights> again = client.AcquireLocal("m");
+  ASSERT_TRUE(again.has_value());
+  EXPECT_EQ(again->load(), "local");
+  EXPECT_EQ(again->lease(), 93u);
+  EXPECT_EQ(again->data("w").data(), held.data("w").data()) << "one mapping";
+  held.Release();
+  again.reset();
+  EXPECT_EQ(client.IdleLeases(), 1u);
+  std::optional<RemoteWeights> revived = client.AcquireLocal("m");
+  ASSERT_TRUE(revived.has_value()) << "an idle lease is revived locally";
+  EXPECT_EQ(revived->lease(), 93u);
+  EXPECT_EQ(client.IdleLeases(), 0u);
+  EXPECT_EQ(BytesOf(revived->data("w")), BytesOf(c.file.data()));
+  EXPECT_FALSE(client.AcquireLocal("other").has_value());
+  client.Ping(std::chrono::seconds(60));
+  fake.join();
+}
+
 TEST(ClientTest, ASuccessorWithoutReclaimIsSentNone) {
   FakeDaemon daemon;
   Copy c = MakeCopy(fs::path(daemon.path()).parent_path());

@@ -108,6 +108,7 @@
 #include <functional>
 #include <map>
 #include <memory>
+#include <optional>
 #include <span>
 #include <string>
 #include <string_view>
@@ -273,6 +274,14 @@ class Client {
   // DaemonUnavailableError; or what options.interrupt threw.
   RemoteWeights Acquire(std::string_view model,
                         const RemoteAcquireOptions& options = {});
+  // The Acquire of `model` only where it is local: this process holds the
+  // model (in use, or kept idle) as that name, so it takes another
+  // reference with no message (load() "local"). Otherwise nullopt, having
+  // sent nothing. Never waits for the daemon or for I/O, only for the
+  // client's own lock (held briefly by every call), so it may be called
+  // where blocking is not allowed: a Python binding holding the GIL, an
+  // event loop (which then hands a nullopt to a thread that may wait).
+  std::optional<RemoteWeights> AcquireLocal(std::string_view model);
   RemoteWeights Acquire(std::string_view model,
                         std::chrono::milliseconds timeout);
 

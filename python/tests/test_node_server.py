@@ -414,6 +414,48 @@ def test_the_module_runs_on_the_shared_mapping(node):
     assert client.idle_leases() == 1
 
 
+def test_a_bound_module_views_the_mapping_only_inside_its_block(node):
+    """models.bound (what the server runs per request) runs this thread's
+    module on the lease's tensors inside the block, with the model's
+    answers; after it the module views nothing of the mapping, so the lease
+    goes idle while the module lives on for the next request. Another
+    thread gets a module of its own; a nested block of one shape raises."""
+    import modelcache.serve
+
+    daemon = node()
+    client = modelcache.serve.connect(daemon.socket)
+    inputs = inputs_for("m2", 5)
+    with client.acquire("m2") as lease:
+        tensors = lease.torch()
+        with models.bound("m2", tensors) as net:
+            for name, param in net.named_parameters():
+                assert param.data_ptr() == lease.numpy(name).ctypes.data, name
+            assert torch.equal(torch.tensor(models.run(net, inputs)),
+                               expected("m2", inputs))
+            with pytest.raises(ValueError, match="already bound"):
+                with models.bound("m2", tensors):
+                    pass
+            with concurrent.futures.ThreadPoolExecutor(1) as pool:
+                other = pool.submit(lambda: _bound_module("m2", tensors)).result()
+            assert other is not net
+        del tensors, param
+    assert all(p.is_meta for p in net.parameters())
+    gc.collect()
+    wait_until(lambda: uses(daemon, "m2") == [(os.getpid(), "idle")],
+               "the lease is idle while the module lives")
+    with client.acquire("m2") as lease:
+        assert lease.load == "local"
+        with models.bound("m2", lease.torch()) as again:
+            assert again is net  # built once per thread and shape
+            assert torch.equal(torch.tensor(models.run(again, inputs)),
+                               expected("m2", inputs))
+
+
+def _bound_module(model_id: str, tensors: Dict[str, Any]) -> Any:
+    with models.bound(model_id, tensors) as net:
+        return net
+
+
 def test_a_full_node_answers_503_at_once_and_recalls_idle_leases(node):
     """TOO_LARGE and CAPACITY (nothing evictable: a lease in use holds the
     other model) are refused at once with 503 and Retry-After, not queued;

@@ -26,10 +26,11 @@ Endpoints:
   GET /healthz                 200 while this worker answers.
 
 How a worker runs a model on the shared tensors: `lease.torch()` gives
-zero-copy tensors over the daemon's read-only mapping, and `models.bind`
-makes them the parameters of a module built on the meta device (so the
-module has no memory of its own); `models.run` runs it in inference mode,
-which never writes a parameter. torch cannot mark a tensor read-only: a write
+zero-copy tensors over the daemon's read-only mapping, and `models.bound`
+makes them, for one request, the parameters of a module built on the meta
+device (so the module has no memory of its own; each thread builds one per
+shape, once, and a request only swaps its tensors in and out); `models.run`
+runs it in inference mode, which never writes a parameter. torch cannot mark a tensor read-only: a write
 to one (an optimizer step, load_state_dict, an in-place op) would kill the
 worker with SIGSEGV (the daemon's copy is sealed, so no other process could
 be affected). A model that must own writable parameters takes
@@ -215,14 +216,12 @@ def _store_lease(model_id: str) -> Any:
     return _store.acquire(os.path.join(MODEL_ROOT, model_id + ".safetensors"))
 
 
-def _module(model_id: str, lease: Any) -> Any:
-    """The model as a module whose parameters are the lease's tensors: it
-    runs on the mapping (zero-copy), and holds it until it is dropped."""
+def _tensors(lease: Any) -> Dict[str, Any]:
+    """The lease's tensors, zero-copy views over its mapping (which they
+    hold until they are dropped)."""
     if isinstance(lease, modelcache.serve.RemoteLease):
-        tensors = lease.torch()  # zero-copy views over the mapping
-    else:  # the in-process baseline's WeightsLease
-        tensors = {n: lease.torch(n) for n in lease.names()}
-    return models.bind(model_id, tensors)
+        return lease.torch()
+    return {n: lease.torch(n) for n in lease.names()}  # the baseline's
 
 
 class InferRequest(BaseModel):
@@ -255,16 +254,21 @@ def infer(model_id: str, request: InferRequest) -> Any:
     with _lock:
         _using[model_id] = _using.get(model_id, 0) + 1
     try:
-        net = _module(model_id, lease)
-        outputs = models.run(net, request.inputs)
+        # This thread's module for the model's shape, built once, runs on
+        # the lease's tensors for the block only: nothing is built per
+        # request, and after the block nothing of the module views the
+        # mapping.
+        tensors = _tensors(lease)
+        with models.bound(model_id, tensors) as net:
+            outputs = models.run(net, request.inputs)
         if SERVICE_MS > 0:  # held until then, lease and all
             rest = SERVICE_MS / 1000 - (time.perf_counter() - start - wait_ms / 1000)
             if rest > 0:
                 time.sleep(rest)
     finally:
-        # The module's parameters are views of the mapping: the lease is in
-        # use until they are gone too, then idle in the client.
-        net = None
+        # The tensors are views of the mapping: the lease is in use until
+        # they are gone too, then idle in the client.
+        tensors = None
         lease.release()
         with _lock:
             _using[model_id] -= 1

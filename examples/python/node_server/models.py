@@ -7,16 +7,18 @@ files that `modelcache serve` hands out, and the catalog naming them.
     # a catalog of 32 small models c0 ... c31 instead (the cluster's, below)
 
 The same module builds the network a worker runs on the daemon's tensors
-(`bind`, `run`), so that the tests and the benchmark compare against exactly
-what the server computes.
+(`bound` per request, `bind` for a module of its own; `run`), so that the
+tests and the benchmark compare against exactly what the server computes.
 """
 
 from __future__ import annotations
 
+import contextlib
 import json
 import sys
+import threading
 from pathlib import Path
-from typing import Dict, List, Mapping
+from typing import Dict, Iterator, List, Mapping, Tuple
 
 import numpy as np
 import torch
@@ -65,8 +67,11 @@ def bind(model_id: str, tensors: Mapping[str, torch.Tensor]) -> torch.nn.Module:
     takes ``lease.torch(copy=True)`` instead.
 
     The module is never changed after this, so any number of threads may run
-    it at once (unlike swapping parameters in per call, as
-    torch.func.functional_call does, which races between threads)."""
+    it at once (unlike swapping parameters in per call on a shared module,
+    as torch.func.functional_call does, which races between threads; `bound`
+    swaps them on a module of the calling thread's own). It costs a module
+    per call, and it holds the mapping for as long as it lives: a server
+    that binds per request pays that on every request (`bound` does not)."""
     if "0.weight" not in tensors or "2.weight" not in tensors:
         raise ValueError(f"{model_id}: tensors {sorted(tensors)} are not "
                          "this example's two-layer network")
@@ -83,6 +88,72 @@ def bind(model_id: str, tensors: Mapping[str, torch.Tensor]) -> torch.nn.Module:
         setattr(net.get_submodule(owner), attr,
                 torch.nn.Parameter(tensor, requires_grad=False))
     return net.eval()
+
+
+# This thread's modules, by shape: built once on the meta device, given a
+# request's tensors only inside `bound`.
+_threads = threading.local()
+
+
+class _Template:
+    """A module with no memory of its own and where each parameter lives:
+    (state dict name, the owning module's parameter dict, attribute, the
+    meta tensor put back after each use)."""
+
+    __slots__ = ("net", "slots", "names", "in_use")
+
+    def __init__(self, d_in: int, hidden: int, d_out: int) -> None:
+        self.net = torch.nn.Sequential(
+            torch.nn.Linear(d_in, hidden, device="meta"), torch.nn.ReLU(),
+            torch.nn.Linear(hidden, d_out, device="meta")).eval()
+        self.slots: List[Tuple[str, dict, str, torch.Tensor]] = []
+        for name, meta in self.net.named_parameters():
+            owner, attr = name.rsplit(".", 1)
+            meta.requires_grad_(False)
+            self.slots.append(
+                (name, self.net.get_submodule(owner)._parameters, attr, meta))
+        self.names = frozenset(name for name, *_ in self.slots)
+        self.in_use = False
+
+
+@contextlib.contextmanager
+def bound(model_id: str, tensors: Mapping[str, torch.Tensor]
+          ) -> Iterator[torch.nn.Module]:
+    """The model as a torch module running on `tensors` (name -> tensor,
+    zero-copy) for the block: what `bind` gives, at a per-request cost of
+    microseconds instead of building a module.
+
+    Each thread builds one module per shape on the meta device, once; the
+    block puts `tensors` in as its parameters and the meta tensors back at
+    its end. So outside a block the module holds no view of a lease's
+    mapping: a server that acquires and releases per request keeps its
+    leases idle between requests (evictable, recallable), and builds
+    nothing per request. Thread-safe because no two threads share a module;
+    blocks of one shape do not nest on a thread (ValueError). The module
+    must not be kept past the block."""
+    if "0.weight" not in tensors or "2.weight" not in tensors:
+        raise ValueError(f"{model_id}: tensors {sorted(tensors)} are not "
+                         "this example's two-layer network")
+    key = shape(tensors)
+    templates = _threads.__dict__.setdefault("templates", {})
+    template = templates.get(key)
+    if template is None:
+        template = templates[key] = _Template(*key)
+    if set(tensors) != template.names:
+        raise ValueError(f"{model_id}: tensors {sorted(tensors)}, "
+                         f"the module needs {sorted(template.names)}")
+    if template.in_use:
+        raise ValueError(f"{model_id}: a module of shape {key} is already "
+                         "bound on this thread")
+    template.in_use = True
+    try:
+        for name, params, attr, _ in template.slots:
+            params[attr] = tensors[name]
+        yield template.net
+    finally:
+        for _, params, attr, meta in template.slots:
+            params[attr] = meta
+        template.in_use = False
 
 
 def run(net: torch.nn.Module, inputs: List[List[float]]) -> List[List[float]]:

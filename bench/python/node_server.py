@@ -31,7 +31,11 @@ one-worker server started against a daemon that already holds the model
 (or, in-process, a page cache that holds the file): the first request's
 X-Wait-Ms (getting the weights) and its whole latency.
 
-Each figure is the median of --reps runs. Every process is stopped by pid.
+Each figure is the median of --reps runs, taken rep by rep with every mode
+in turn (the min-max of the runs beside it). CPU/req is the CPU time of the
+server's processes and the daemon during the load, per request (the
+daemon's share in parentheses): on a machine the load saturates, it is what
+bounds the throughput. Every process is stopped by pid.
 
     PYTHONPATH=build/python /usr/bin/python3 bench/python/node_server.py
     # the issue's comparison, 4 workers:
@@ -74,6 +78,19 @@ def pss_anon(pid: int) -> int:
     except FileNotFoundError:
         pass
     return 0
+
+
+def cpu_seconds(pids: List[int]) -> float:
+    """User + system CPU time of the processes (and their threads) so far."""
+    tick = os.sysconf("SC_CLK_TCK")
+    total = 0
+    for pid in pids:
+        try:
+            fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+        except FileNotFoundError:
+            continue
+        total += int(fields[11]) + int(fields[12])  # utime, stime
+    return total / tick
 
 
 def load(uds: str, clients: int, requests: int) -> Tuple[float, List[float], int]:
@@ -163,7 +180,12 @@ def run_one(tmp: Path, mode: str, workers: int, clients: int, requests: int,
                     app_dir=kept_app if mode == "kept10" else None)
     try:
         warm(server, workers)
+        servers = [server.proc.pid] + server.workers()
+        daemon_pid = [daemon.pid] if daemon is not None else []
+        cpu_before = (cpu_seconds(servers), cpu_seconds(daemon_pid))
         seconds, lat, errors = load(server.uds, clients, requests)
+        cpu = (cpu_seconds(servers) - cpu_before[0],
+               cpu_seconds(daemon_pid) - cpu_before[1])
         ram = sum(pss_anon(p) for p in [server.proc.pid] + server.workers())
         if daemon is not None:
             ram += daemon.get("/v1/budget")["used_bytes"]
@@ -171,7 +193,8 @@ def run_one(tmp: Path, mode: str, workers: int, clients: int, requests: int,
         lat.sort()
         return {"rps": len(lat) / seconds, "p50_ms": lat[len(lat) // 2],
                 "p99_ms": lat[int(len(lat) * 0.99)], "ram_mib": ram / 2**20,
-                "errors": errors}
+                "server_cpu_ms": cpu[0] * 1000 / len(lat),
+                "daemon_cpu_ms": cpu[1] * 1000 / len(lat), "errors": errors}
     finally:
         server.stop()
         if daemon is not None:
@@ -233,20 +256,31 @@ def main() -> None:
         kept_app = kept_lease_app(tmp, a.kept_rev) if "kept10" in modes else None
         print(f"models: {len(models.SHAPES)}, {total / 2**20:.1f} MiB; "
               f"{a.clients} clients, {a.requests} requests per run, median of {a.reps}")
-        print(f"{'weights':>10} {'workers':>7} {'req/s':>8} {'p50 ms':>8} "
-              f"{'p99 ms':>8} {'RAM MiB':>8}")
+        print(f"{'weights':>10} {'workers':>7} {'req/s':>8} {'(min-max)':>11} "
+              f"{'p50 ms':>8} {'p99 ms':>8} {'RAM MiB':>8} {'CPU/req ms':>10}")
         for workers in [int(w) for w in a.workers.split(",")]:
+            # Rep by rep, every mode in turn: the machine's drift falls on
+            # all of them alike.
+            runs: Dict[str, List[Dict]] = {m: [] for m in modes}
+            for _ in range(a.reps):
+                for mode in modes:
+                    runs[mode].append(run_one(tmp, mode, workers, a.clients,
+                                              a.requests, kept_app))
             for mode in modes:
-                runs = [run_one(tmp, mode, workers, a.clients, a.requests,
-                                kept_app) for _ in range(a.reps)]
-                row = {k: statistics.median(r[k] for r in runs)
-                       for k in ("rps", "p50_ms", "p99_ms", "ram_mib")}
+                row = {k: statistics.median(r[k] for r in runs[mode])
+                       for k in ("rps", "p50_ms", "p99_ms", "ram_mib",
+                                 "server_cpu_ms", "daemon_cpu_ms")}
                 row.update(mode=mode, workers=workers,
-                           errors=sum(r["errors"] for r in runs))
+                           rps_runs=[r["rps"] for r in runs[mode]],
+                           errors=sum(r["errors"] for r in runs[mode]))
                 results.append(row)
-                print(f"{mode:>10} {workers:>7} {row['rps']:>8.0f} "
+                spread = f"{min(row['rps_runs']):.0f}-{max(row['rps_runs']):.0f}"
+                cpu = row["server_cpu_ms"] + row["daemon_cpu_ms"]
+                print(f"{mode:>10} {workers:>7} {row['rps']:>8.0f} {spread:>11} "
                       f"{row['p50_ms']:>8.2f} {row['p99_ms']:>8.2f} "
-                      f"{row['ram_mib']:>8.1f}" +
+                      f"{row['ram_mib']:>8.1f} {cpu:>10.2f}" +
+                      (f" (daemon {row['daemon_cpu_ms']:.3f})"
+                       if mode != "inprocess" else "") +
                       (f"  ({row['errors']} errors)" if row["errors"] else ""))
         first = [] if a.no_first_answer else [
             m for m in ("daemon", "inprocess") if m in modes]

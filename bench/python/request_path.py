@@ -1,10 +1,12 @@
 #!/usr/bin/python3
 """One request's weights path in the example server (examples/python/node_server),
 timed in a loop in one Python process: the lease's acquire, its tensors and
-the bound module (models.bind), then the release, through `modelcache serve`
-(a warm acquire: local, the lease kept idle between iterations) beside a
-per-process HostWeightStore (kPread), and the acquire alone and the tensors
-alone for each. The paths are interleaved; p50 in µs.
+the module bound to them (models.bound, as the server does), then the
+release, through `modelcache serve` (a warm acquire: local, the lease kept
+idle between iterations) beside a per-process HostWeightStore (kPread); the
+same with a module built per request (models.bind, as the server did
+before); and the acquire alone and the tensors alone for each. The paths
+are interleaved; p50 in µs.
 
     PYTHONPATH=build/python MODELCACHE_BUILD_DIR=build /usr/bin/python3 \\
         bench/python/request_path.py [--model m3] [--iterations 2000]
@@ -48,13 +50,19 @@ def main() -> None:
 
         def daemon_request() -> None:
             lease = client.acquire(m, timeout=30, when_full="fail")
-            net = models.bind(m, lease.torch())
-            del net
+            with models.bound(m, lease.torch()):
+                pass
             lease.release()
 
         def in_process_request() -> None:
             lease = store.acquire(path)
-            net = models.bind(m, {n: lease.torch(n) for n in lease.names()})
+            with models.bound(m, {n: lease.torch(n) for n in lease.names()}):
+                pass
+            lease.release()
+
+        def daemon_request_bind() -> None:
+            lease = client.acquire(m, timeout=30, when_full="fail")
+            net = models.bind(m, lease.torch())
             del net
             lease.release()
 
@@ -76,7 +84,8 @@ def main() -> None:
             del tensors
             lease.release()
 
-        paths = [daemon_request, in_process_request, daemon_acquire,
+        paths = [daemon_request, in_process_request, daemon_request_bind,
+                 daemon_acquire,
                  in_process_acquire, daemon_tensors, in_process_tensors]
         for run in paths:
             run()  # warm: loaded, read, mapped

@@ -1038,8 +1038,31 @@ void ClientCore::Ping(std::chrono::milliseconds timeout) {
 }
 
 void ClientCore::Close() {
+  // The idle leases end first, as a recall ends them: unmapped, then
+  // released. The daemon books a lease still held when the connection ends
+  // as orphaned until it sees the copy unmapped (at its next rescan of this
+  // process's maps), so releasing them closes with nothing orphaned.
+  std::vector<std::shared_ptr<MappedCopy>> idle;
+  std::vector<uint64_t> release;
+  std::shared_ptr<Connection> c;
+  {
+    base::MutexLock lock(&mu_);
+    c = conn_;
+    if (c && !c->broken) {
+      for (const auto& [lease, held] : held_) {
+        if (held.refs == 0 && !held.reclaim && held.copy->serial == c->serial) {
+          release.push_back(lease);
+        }
+      }
+      for (const uint64_t lease : release) idle.push_back(Forget(lease));
+    }
+  }
+  idle.clear();  // unmapped before the releases
   std::vector<std::shared_ptr<MappedCopy>> drop;
   base::MutexLock lock(&mu_);
+  // A release the socket cannot take now is lost with the connection: that
+  // lease is orphaned until the rescan, as before.
+  for (const uint64_t lease : release) SendRelease(c, lease);
   if (conn_) {
     last_break_ = "closed by the client";
     Broke(conn_, /*keep_leases=*/false);  // the daemon ends them

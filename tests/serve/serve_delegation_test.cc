@@ -269,6 +269,24 @@ TEST_F(DelegationTest, ASigkilledClientsDelegationsAreFreedAtOnce) {
   EXPECT_EQ(d.Metric("modelcache_recalls_sent_total"), 0);
 }
 
+// Close unmaps the idle leases before the daemon hears the connection end:
+// the daemon reads the process's maps at that end, and would book a copy
+// still mapped as orphaned until its next rescan (here an hour away, so
+// that only the order can make this pass).
+TEST_F(DelegationTest, CloseUnmapsIdleLeasesBeforeTheDaemonHearsTheEnd) {
+  AddModel("m", 256 * kKiB, 14);
+  Daemon& d = StartDaemon("1GiB", {"--orphan-rescan", "1h"});
+  auto worker = Connected();
+  HoldIdle(*worker, "m");
+  worker->Ok("close");
+  EXPECT_EQ(worker->Ok("maps " + d.memfd_prefix()),
+            std::vector<std::string>{"0"});
+  Eventually([&] { return d.Metric("modelcache_leases") == 0; },
+             "the daemon ends the idle lease, with nothing orphaned");
+  EXPECT_EQ(d.Metric("modelcache_orphaned_bytes"), 0);
+  EXPECT_EQ(d.Metric("modelcache_orphaned_leases"), 0);
+}
+
 // ThreadSanitizer cannot follow a child forked by a process with threads
 // (the parent's keeper thread runs while it holds an idle lease): it stops
 // the child when that starts one. The other builds run it.

@@ -37,10 +37,10 @@ std::optional<RemoteWeights> ClientCore::AcquireLocal(std::string_view model) {
 
 RemoteWeights ClientCore::Acquire(std::string_view model,
                                   const RemoteAcquireOptions& options) {
-  const std::string name(model);
-  if (std::shared_ptr<Grant> local = LocalAcquire(name)) {
-    return RemoteWeights(std::move(local));
+  if (std::optional<RemoteWeights> local = AcquireLocal(model)) {
+    return std::move(*local);
   }
+  const std::string name(model);
   const Clock::time_point daemon_deadline = After(options.timeout);
   const Clock::time_point deadline =
       daemon_deadline == Clock::time_point::max()

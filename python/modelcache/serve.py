@@ -418,13 +418,15 @@ def connect(socket_path: PathLike, *, connect_timeout: Timeout = 0,
             another one of the same model is alive). With a daemon that
             cannot recall leases, leases are never kept idle.
         idle_notice_delay: how soon (seconds, or a timedelta) after a
-            lease goes idle the daemon is told (one message, no reply), so
-            that it counts the copy as evictable; until then it counts it
-            as in use, and an acquire within the delay revives the lease
-            with no message at all. Likewise a lease told idle and revived
-            is told "use" once it has been used this long (looked at every
-            100 ms at least). Longer: fewer messages for models in steady
-            use, and the budget learns of idle leases later.
+            lease goes idle the daemon is told (one message, no reply
+            awaited), so that it counts the copy as evictable; until then
+            it counts it as in use, and an acquire within the delay revives
+            the lease with no message at all. Likewise a lease told idle
+            and revived is told "use" once it has been used this long
+            (looked at every 100 ms at least). Longer: fewer messages for
+            models in steady use, and the budget learns of idle leases
+            later. 0: the release itself sends the notice, waking no other
+            thread.
         reclaim: keep each copy's memfds open (two per file) so that the
             leases held survive a daemon's crash or takeover (see the module
             docstring); False closes them once mapped, and leases held

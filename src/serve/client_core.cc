@@ -591,14 +591,22 @@ void ClientCore::Unref(std::shared_ptr<MappedCopy> copy) noexcept {
       if (keep) held.idle_since = Clock::now();
       if (keep && held.told_idle && !held.reclaim) {
         // Revived and released before the keeper said "use": the daemon
-        // still counts it idle, which it is again.
+        // still counts it idle, which it is again. A keeper polling for
+        // the connection's end only (no lease was idle) is woken to read
+        // the recalls this one may get.
+        if (keeper_watching_) WakeKeeper();
       } else if (keep && !held.reclaim) {
         // The keeper sends the notice: woken only when it would sleep past
         // the notice's time by more than the delay itself (a late notice
         // errs on the safe side: the daemon counts the lease as in use).
-        const Clock::time_point due =
+        // Without a delay the notice goes now, and the keeper need only
+        // look at the told lease within kUseNoticeLag (for "use"): one
+        // already due to look by then is not woken, so that a release costs
+        // no thread's wake.
+        Clock::time_point due =
             held.idle_since + 2 * options_.idle_notice_delay;
         if (options_.idle_notice_delay.count() <= 0) {
+          due = held.idle_since + kUseNoticeLag;
           held.told_idle = true;
           // A failed send breaks the connection, which forgets or marks
           // `held` (erasing nothing from held_ while marking).
@@ -607,7 +615,7 @@ void ClientCore::Unref(std::shared_ptr<MappedCopy> copy) noexcept {
         }
         const bool running = flushing_;
         StartFlusher();
-        if (running && keeper_wakes_ > due) WakeKeeper();
+        if (running && (keeper_wakes_ > due || keeper_watching_)) WakeKeeper();
       } else if (!keep) {
         drop = Forget(lease);
         release = true;

@@ -433,7 +433,8 @@ class ClientCore : public std::enable_shared_from_this<ClientCore> {
   // When the keeper wakes next, as it last went to sleep.
   Clock::time_point keeper_wakes_ MC_GUARDED_BY(mu_) = Clock::time_point::max();
   // The keeper polls the socket for its end only (nothing to read): a
-  // release that has to wait for room wakes it.
+  // release that has to wait for room wakes it, and so does a lease's end
+  // that leaves it idle (it may be recalled).
   bool keeper_watching_ MC_GUARDED_BY(mu_) = false;
 
   // Headers already parsed, so that a copy acquired again is not parsed

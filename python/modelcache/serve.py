@@ -425,8 +425,8 @@ def connect(socket_path: PathLike, *, connect_timeout: Timeout = 0,
             and revived is told "use" once it has been used this long
             (looked at every 100 ms at least). Longer: fewer messages for
             models in steady use, and the budget learns of idle leases
-            later. 0: the release itself sends the notice, waking no other
-            thread.
+            later. 0: the release itself sends the notice, and wakes the
+            client's thread only when it is not due to look within 100 ms.
         reclaim: keep each copy's memfds open (two per file) so that the
             leases held survive a daemon's crash or takeover (see the module
             docstring); False closes them once mapped, and leases held

@@ -150,7 +150,8 @@ struct ClientOptions {
   // lease told idle and revived is told "use" only once it has been used for
   // this long (checked at least every 100 ms). A delay makes a thread of
   // the Client send the notice, woken at the reference's end; 0: the thread
-  // that ends the last reference sends it and wakes no other.
+  // that ends the last reference sends it, and wakes that thread only when
+  // it is not due to look within those 100 ms.
   std::chrono::microseconds idle_notice_delay{1000};
   // Keep each copy's memfds open so that, after a lost connection, the
   // leases can be reclaimed from a successor daemon (see "Reclaim" above).

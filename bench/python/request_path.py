@@ -8,8 +8,18 @@ same with a module built per request (models.bind, as the server did
 before); and the acquire alone and the tensors alone for each. The paths
 are interleaved; p50 in µs.
 
+With --with-run, each path runs the model too, as a request does, over
+every model of the node in turn: the kept lease's request (a module bound
+once to tensors kept for the whole run: the example before delegation)
+beside the delegated and the in-process ones. Between two acquires the
+caches hold the model's run, not the weights path, which is where the
+server pays for it; the ratios are what a CPU-bound server's throughput
+can be at best against the kept lease.
+
     PYTHONPATH=build/python MODELCACHE_BUILD_DIR=build /usr/bin/python3 \\
         bench/python/request_path.py [--model m3] [--iterations 2000]
+    PYTHONPATH=build/python MODELCACHE_BUILD_DIR=build /usr/bin/python3 \\
+        bench/python/request_path.py --with-run [--iterations 300]
 
 Not a test: it asserts no time. The daemon it starts is stopped by pid.
 """
@@ -36,8 +46,13 @@ from serve_util import Daemon  # noqa: E402
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--model", default="m3", choices=sorted(models.SHAPES))
-    parser.add_argument("--iterations", type=int, default=2000)
+    parser.add_argument("--iterations", type=int, default=None,
+                        help="default 2000, with --with-run 300 per model")
+    parser.add_argument("--with-run", action="store_true",
+                        help="run the model in each path, every model in turn")
     args = parser.parse_args()
+    if args.iterations is None:
+        args.iterations = 300 if args.with_run else 2000
     tmp = Path(tempfile.mkdtemp(prefix="mcreqpath_"))
     models.write_node(tmp)
     daemon = Daemon(tmp, tmp / "catalog.json", tmp / "models",
@@ -45,6 +60,9 @@ def main() -> None:
     try:
         client = modelcache.serve.connect(daemon.socket)
         store = modelcache.weights.HostWeightStore(16 << 30, mode="pread")
+        if args.with_run:
+            with_run(client, store, tmp, args.iterations)
+            return
         m = args.model
         path = str(tmp / "models" / (m + ".safetensors"))
 
@@ -100,6 +118,62 @@ def main() -> None:
             print(f"  {name:20s} {statistics.median(values):8.1f} us")
     finally:
         daemon.stop()
+
+
+def with_run(client: "modelcache.serve.Client",
+             store: "modelcache.weights.HostWeightStore", tmp: Path,
+             iterations: int) -> None:
+    names = sorted(models.SHAPES)
+    inputs = {m: [[0.0] * models.SHAPES[m][0]] for m in names}
+    paths = {m: str(tmp / "models" / (m + ".safetensors")) for m in names}
+    kept = {}  # model -> (lease, module bound once to its tensors)
+    for m in names:
+        lease = client.acquire(m, timeout=30, when_full="fail")
+        kept[m] = (lease, models.bind(m, lease.torch()))
+    # A second client for the delegated path: the kept leases are in use
+    # for the whole run, so the first client's acquires would be local
+    # references to them, never revivals of an idle delegation.
+    delegated = modelcache.serve.connect(client.socket_path)
+
+    def kept_request(m: str) -> None:
+        models.run(kept[m][1], inputs[m])
+
+    def daemon_request(m: str) -> None:
+        lease = delegated.acquire(m, timeout=30, when_full="fail")
+        with models.bound(m, lease.torch()) as net:
+            models.run(net, inputs[m])
+        lease.release()
+
+    def in_process_request(m: str) -> None:
+        lease = store.acquire(paths[m])
+        with models.bound(m, {n: lease.torch(n) for n in lease.names()}) as net:
+            models.run(net, inputs[m])
+        lease.release()
+
+    runs = [kept_request, daemon_request, in_process_request]
+    for m in names:
+        for run in runs:
+            run(m)  # warm
+    # One sample: every path once on every model, paths interleaved.
+    us = {run.__name__: [] for run in runs}
+    for _ in range(iterations):
+        total = {run.__name__: 0.0 for run in runs}
+        for m in names:
+            for run in runs:
+                start = time.perf_counter()
+                run(m)
+                total[run.__name__] += (time.perf_counter() - start) * 1e6
+        for name, value in total.items():
+            us[name].append(value)
+    base = statistics.median(us["kept_request"])
+    print(f"models {', '.join(names)} in turn, {iterations} rounds, "
+          "p50 of a round (each model once):")
+    for name, values in us.items():
+        p50 = statistics.median(values)
+        print(f"  {name:20s} {p50:9.1f} us  {p50 - base:+7.1f} us  "
+              f"kept/this {base / p50:.3f}")
+    for lease, _ in kept.values():
+        lease.release()
 
 
 if __name__ == "__main__":

@@ -37,6 +37,12 @@ server's processes and the daemon during the load, per request (the
 daemon's share in parentheses): on a machine the load saturates, it is what
 bounds the throughput. Every process is stopped by pid.
 
+--builds compares builds side by side (two revisions' `modelcache` and
+Python package, each in its own build folder): each rep runs every build in
+turn, the order reversed every other rep, each with every mode; a row is
+then "mode@folder", and the per-rep ratios of each build to the first are
+printed. The first answer is skipped.
+
     PYTHONPATH=build/python /usr/bin/python3 bench/python/node_server.py
     # the issue's comparison, 4 workers:
     PYTHONPATH=build/python /usr/bin/python3 bench/python/node_server.py \
@@ -243,8 +249,16 @@ def main() -> None:
                         "(mode kept10)")
     p.add_argument("--no-first-answer", action="store_true",
                    help="skip the fresh worker's first answer")
+    p.add_argument("--builds", default="",
+                   help="comma-separated build folders to compare, each "
+                        "with bin/modelcache and python/ (default: "
+                        "MODELCACHE_BUILD_DIR, else build)")
     p.add_argument("--out", default="build/bench-results/node_server.json")
     a = p.parse_args()
+    builds = [b for b in a.builds.split(",") if b]
+    for b in builds:
+        if not (Path(b) / "bin" / "modelcache").exists():
+            p.error(f"--builds: {b} has no bin/modelcache")
     modes = a.modes.split(",")
     unknown = [m for m in modes if m not in MODES]
     if unknown or not modes:
@@ -261,28 +275,46 @@ def main() -> None:
         for workers in [int(w) for w in a.workers.split(",")]:
             # Rep by rep, every mode in turn: the machine's drift falls on
             # all of them alike.
-            runs: Dict[str, List[Dict]] = {m: [] for m in modes}
-            for _ in range(a.reps):
-                for mode in modes:
-                    runs[mode].append(run_one(tmp, mode, workers, a.clients,
-                                              a.requests, kept_app))
-            for mode in modes:
-                row = {k: statistics.median(r[k] for r in runs[mode])
+            labels = ([m] if not builds else [f"{m}@{b}" for b in builds]
+                      for m in modes)
+            rows = [label for group in labels for label in group]
+            runs: Dict[str, List[Dict]] = {r: [] for r in rows}
+            for rep in range(a.reps):
+                order = builds if rep % 2 == 0 else builds[::-1]
+                for build in order or [None]:
+                    if build is not None:  # read by build_dir() at each start
+                        os.environ["MODELCACHE_BUILD_DIR"] = build
+                    for mode in modes:
+                        label = mode if build is None else f"{mode}@{build}"
+                        runs[label].append(run_one(tmp, mode, workers,
+                                                   a.clients, a.requests,
+                                                   kept_app))
+            for label in rows:
+                mode = label.split("@")[0]
+                row = {k: statistics.median(r[k] for r in runs[label])
                        for k in ("rps", "p50_ms", "p99_ms", "ram_mib",
                                  "server_cpu_ms", "daemon_cpu_ms")}
-                row.update(mode=mode, workers=workers,
-                           rps_runs=[r["rps"] for r in runs[mode]],
-                           errors=sum(r["errors"] for r in runs[mode]))
+                row.update(mode=label, workers=workers,
+                           rps_runs=[r["rps"] for r in runs[label]],
+                           errors=sum(r["errors"] for r in runs[label]))
                 results.append(row)
                 spread = f"{min(row['rps_runs']):.0f}-{max(row['rps_runs']):.0f}"
                 cpu = row["server_cpu_ms"] + row["daemon_cpu_ms"]
-                print(f"{mode:>10} {workers:>7} {row['rps']:>8.0f} {spread:>11} "
+                print(f"{label:>10} {workers:>7} {row['rps']:>8.0f} {spread:>11} "
                       f"{row['p50_ms']:>8.2f} {row['p99_ms']:>8.2f} "
                       f"{row['ram_mib']:>8.1f} {cpu:>10.2f}" +
                       (f" (daemon {row['daemon_cpu_ms']:.3f})"
                        if mode != "inprocess" else "") +
                       (f"  ({row['errors']} errors)" if row["errors"] else ""))
-        first = [] if a.no_first_answer else [
+            for mode in modes if len(builds) > 1 else []:
+                base = runs[f"{mode}@{builds[0]}"]
+                for build in builds[1:]:
+                    ratios = [r["rps"] / b["rps"] for r, b in
+                              zip(runs[f"{mode}@{build}"], base)]
+                    print(f"{mode}: {build} / {builds[0]} per rep "
+                          + ", ".join(f"{x:.2f}" for x in ratios)
+                          + f"; median {statistics.median(ratios):.2f}")
+        first = [] if a.no_first_answer or builds else [
             m for m in ("daemon", "inprocess") if m in modes]
         if first:
             print("a fresh worker's first answer on a resident model (m4, 42 MB):")

@@ -19,6 +19,11 @@
 // victim in progress; what it evicted is counted in wasted_evictions_.
 // (The shrink path evicts whatever it can: it has no all-or-nothing goal.)
 //
+// A reservation that brings room from outside (grow_capacity) is judged
+// against the capacity with that room, but adds it to capacity_ only in the
+// critical section that takes its bytes: every other call, and the shrink
+// path's over_capacity_ in particular, only ever sees the real capacity.
+//
 // Waiting for capacity without lost wake-ups: a waiter registers in waiters_
 // and notes change_count_ under mu_ *before* it asks members for victims.
 // Anything that could create room afterwards (Release, NotifyEvictable,
@@ -157,47 +162,46 @@ void Budget::Reserve(uint64_t bytes, const ReserveOptions& options) {
   uint64_t evicted = 0;  // by this call
   // Leaves the waiters; on failure, the victims this call evicted were for
   // nothing.
-  // The capacity this call added (ReserveOptions::grow_capacity), taken
-  // back when it fails.
-  uint64_t grown = 0;
   auto leave = [&](bool failed) {
     if (registered) waiters_.fetch_sub(1);
     registered = false;
     if (failed && evicted > 0) wasted_evictions_.fetch_add(evicted);
-    if (failed && grown > 0) {
-      base::MutexLock lock(&mu_);
-      capacity_ -= grown;
-      grown = 0;
-    }
   };
   for (;;) {
     uint64_t seen_changes = 0;
     uint64_t capacity = 0, used = 0, shortfall = 0;
     {
       base::MutexLock lock(&mu_);
-      if (options.grow_capacity > 0 && grown == 0) {
-        grown = std::min({options.grow_capacity, bytes,
-                          std::numeric_limits<uint64_t>::max() - capacity_});
-        capacity_ += grown;
-      }
+      // The bytes moving in from outside (ReserveOptions::grow_capacity)
+      // count only in the step that makes the reservation: until then the
+      // capacity is what it was, so no other reservation can take that room,
+      // no release can judge usage against it, and a reservation that fails
+      // has nothing to give back.
+      const uint64_t grow =
+          std::min({options.grow_capacity, bytes,
+                    std::numeric_limits<uint64_t>::max() - capacity_});
+      const uint64_t grown_capacity = capacity_ + grow;
       // Written so that no sum can wrap: already_reserved + bytes may pass
       // 2^64, and used_ may exceed capacity_ after a shrink.
-      if (bytes > capacity_ || already_reserved > capacity_ - bytes) {
-        capacity_ -= grown;
-        grown = 0;
-        const uint64_t cap = capacity_;
+      if (bytes > grown_capacity || already_reserved > grown_capacity - bytes) {
         leave(/*failed=*/true);
         const std::string needs =
             already_reserved == 0
                 ? FormatBytes(bytes)
                 : FormatBytes(already_reserved) + " + " + FormatBytes(bytes);
-        throw Error(ErrorCode::kTooLarge, "needs " + needs + " but budget '" +
-                                              name_ + "' has a capacity of " +
-                                              FormatBytes(cap));
+        throw Error(
+            ErrorCode::kTooLarge,
+            "needs " + needs + " but budget '" + name_ +
+                "' has a capacity of " + FormatBytes(capacity_) +
+                (grow == 0 ? std::string()
+                           : " (" + FormatBytes(grown_capacity) + " with the " +
+                                 FormatBytes(grow) + " moving in)"));
       }
-      if (used_ <= capacity_ - bytes) {
+      if (used_ <= grown_capacity - bytes) {
+        capacity_ = grown_capacity;
         used_ += bytes;
         high_water_ = std::max(high_water_, used_);
+        over_capacity_.store(used_ > capacity_);
         leave(/*failed=*/false);
         return;
       }
@@ -206,9 +210,9 @@ void Budget::Reserve(uint64_t bytes, const ReserveOptions& options) {
         registered = true;
       }
       seen_changes = change_count_;
-      capacity = capacity_;
+      capacity = grown_capacity;
       used = used_;
-      shortfall = used_ - (capacity_ - bytes);  // > 0: checked above
+      shortfall = used_ - (grown_capacity - bytes);  // > 0: checked above
     }
     // Evict only when evicting can make the room: never for a reservation
     // that would fall short anyway. The check repeats before every victim.

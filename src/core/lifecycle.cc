@@ -599,6 +599,10 @@ void CacheCore::ReleaseLease(Record* r, bool request_end) {
   }
   if (to_free) {
     FreeRetired(shard, to_free);
+    // Over a capacity that shrank, the end of a last lease is when the
+    // budget evicts again, retired record or not: a victim whose unloader
+    // threw at the shrink is tried again here (Budget::SetCapacity).
+    budget_->NotifyEvictable();
   } else if (now_evictable) {
     budget_->NotifyEvictable();
   }

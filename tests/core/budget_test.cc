@@ -2,6 +2,7 @@
 // eviction, waiting for capacity, and the exact return of every byte (seed
 // 000's phantom memory).
 #include <atomic>
+#include <functional>
 #include <latch>
 #include <stdexcept>
 #include <string>
@@ -509,7 +510,6 @@ TEST(CacheBudget, AVictimWhoseUnloaderRefusedIsTriedAgainAfterNotifyEvictable) {
   EXPECT_EQ(budget->used(), 50u);
 }
 
-
 // Bytes that move into the budget from outside it (a copy a predecessor
 // left mapped, adopted by a successor) bring their room with them: the
 // capacity grows as they are reserved, in one step, so a reservation waiting
@@ -524,8 +524,8 @@ TEST(CacheBudget, BytesAdoptedFromOutsideBringTheirRoomAndNoWaiterTakesIt) {
   waiting_latch = &waiting;
   detail::reservation_waits_for_room.store([] { waiting_latch->count_down(); });
   std::thread waiter([&] {
-    Lease w = cache.Acquire("waiter", 40, SimpleLoader("waiter", 40),
-                            WaitForRoom());
+    Lease w =
+        cache.Acquire("waiter", 40, SimpleLoader("waiter", 40), WaitForRoom());
     EXPECT_TRUE(w);
   });
   waiting.wait();
@@ -560,6 +560,69 @@ TEST(CacheBudget, AFailedAdoptionLeavesTheCapacityAsItWas) {
   EXPECT_EQ(budget->capacity(), 100u);
   EXPECT_EQ(budget->used(), 100u);
   EXPECT_FALSE(cache.Entry("adopted").has_value());
+}
+
+// An unloader that throws the first `*failures_left` times it is called.
+std::function<void()> RefusingUnloader(std::atomic<int>* failures_left) {
+  return [failures_left] {
+    if (failures_left->fetch_sub(1) > 0) {
+      throw std::runtime_error("unload failed");
+    }
+  };
+}
+
+// A reservation that grows the capacity and fails leaves the capacity, and
+// what a release does over it, as they were: the room it would have brought
+// was never there for anyone to judge usage against. (The property test
+// found the budget treating a release made while such a reservation waited
+// as one that brought usage back within capacity, so that a later release
+// over the shrunken capacity evicted nothing.)
+TEST(CacheBudget, AFailedGrowingReservationLeavesTheShrinkEvictionArmed) {
+  auto budget = std::make_shared<Budget>(100, "host");
+  ModelCache cache(On(budget, "models"));
+  std::atomic<int> x_failures{1}, y_failures{2};
+  cache.Prefetch("x", 10,
+                 SimpleLoader("x", 10, nullptr, RefusingUnloader(&x_failures)));
+  cache.Prefetch("y", 5,
+                 SimpleLoader("y", 5, nullptr, RefusingUnloader(&y_failures)));
+  // Both unloaders throw: usage stays 15 over a capacity of 0.
+  EXPECT_EQ(cache.SetCapacity(0), 15u);
+  // 1000 bytes that bring their room: the reservation evicts x (whose
+  // unloader now succeeds), y's throws again, and it fails.
+  AcquireOptions grow;
+  grow.grow_capacity = 1000;
+  testing::ErrorMessage(
+      [&] { cache.Acquire("z", 1000, SimpleLoader("z", 1000), grow); },
+      ErrorCode::kCapacity);
+  EXPECT_EQ(budget->capacity(), 0u);
+  EXPECT_EQ(budget->used(), 5u);
+  EXPECT_FALSE(cache.Entry("x").has_value());
+  // Still over capacity, so the end of y's next lease evicts it.
+  cache.Acquire("y", 5, SimpleLoader("y", 5)).Release();
+  EXPECT_FALSE(cache.Entry("y").has_value());
+  EXPECT_EQ(budget->used(), 0u);
+  EXPECT_EQ(cache.CheckInvariants(), 0u);
+}
+
+// Over a shrunken capacity, the end of a retired record's last lease is a
+// release like any other: the budget evicts again, and a victim whose
+// unloader threw at the shrink is tried again.
+TEST(CacheBudget, ARetiredRecordsLastLeaseEvictsAgainOverAShrunkenCapacity) {
+  auto budget = std::make_shared<Budget>(100, "host");
+  ModelCache cache(On(budget, "models"));
+  Lease retired = cache.Acquire("r", 35, SimpleLoader("r", 35));
+  EXPECT_EQ(cache.Invalidate("r"), RemoveOutcome::kRetired);
+  std::atomic<int> s_failures{1};
+  cache.Prefetch("s", 5,
+                 SimpleLoader("s", 5, nullptr, RefusingUnloader(&s_failures)));
+  Lease big = cache.Acquire("big", 60, SimpleLoader("big", 60));
+  // s's unloader throws; r and big are leased.
+  EXPECT_EQ(cache.SetCapacity(50), 50u);
+  EXPECT_TRUE(cache.Entry("s").has_value());
+  retired.Release();  // r is freed: 65 in use, and s may go now
+  EXPECT_FALSE(cache.Entry("s").has_value());
+  EXPECT_EQ(budget->used(), 60u);
+  EXPECT_EQ(cache.CheckInvariants(), 60u);
 }
 
 }  // namespace

@@ -21,8 +21,12 @@
 //    leased or pinned record, and Resolve, Lookup, TryAcquire and Acquire
 //    agree.
 //
+//  * Regression*: the shrunk counterexamples the properties have found,
+//    replayed as fixed sequences through the same model and checks.
+//
 // `make test` runs a bounded number of cases with a fixed seed (RC_PARAMS in
-// tests/CMakeLists.txt); `make property` runs many more with a random seed.
+// tests/core/CMakeLists.txt: tens of thousands in the release build);
+// `make property` runs many more with a random seed.
 #include <gtest/gtest.h>
 #include <rapidcheck.h>
 #include <rapidcheck/gtest.h>
@@ -31,6 +35,7 @@
 #include <array>
 #include <chrono>
 #include <cstdint>
+#include <functional>
 #include <map>
 #include <memory>
 #include <optional>
@@ -568,6 +573,9 @@ class ReferenceModel {
         } else {
           it->unload_failed = true;
         }
+        // The end of a last lease, retired or not, is when a budget over a
+        // shrunken capacity evicts again (Budget::SetCapacity).
+        EvictToCapacity();
       }
       return;
     }
@@ -697,8 +705,7 @@ std::string Describe(const EntryInfo& e) {
 
 // ---- Property 1: exact against the reference model. ----
 
-RC_GTEST_PROP(CacheProperty, ExactAgainstAReferenceModel,
-              (const std::vector<Op>& ops)) {
+void RunAgainstReferenceModel(const std::vector<Op>& ops) {
   std::atomic<int64_t> now{1000};
   auto thrower = std::make_shared<EventThrower>();
   std::vector<std::shared_ptr<Value>> values;
@@ -775,6 +782,11 @@ RC_GTEST_PROP(CacheProperty, ExactAgainstAReferenceModel,
   }
 }
 
+RC_GTEST_PROP(CacheProperty, ExactAgainstAReferenceModel,
+              (const std::vector<Op>& ops)) {
+  RunAgainstReferenceModel(ops);
+}
+
 // ---- Property 2: two caches on one budget, any policy. ----
 
 class TwoCaches {
@@ -825,11 +837,21 @@ class TwoCaches {
     const int failures_before = unload_failures();
     const uint64_t loads_before = loads();
     const uint64_t evictions_before = evictions();
-    // The record a Release lets go of: if that makes it evictable while usage
-    // is over capacity, usage must come back within capacity.
+    // The record a Release lets go of: if that ends its last lease while
+    // usage is over capacity, usage must come back within capacity (unless
+    // the record is resident and pinned, which makes nothing evictable).
+    // Keys name records only while they are resident: a retired record
+    // shares its key with the resident one loaded after it, so the lease's
+    // value says which record it is.
     std::string released_key;
+    bool ends_last_lease = false;
     if (op.k() == Kind::kRelease && !held.empty()) {
-      released_key = held[op.other % held.size()].lease.key();
+      const HeldLease& h = held[op.other % held.size()];
+      released_key = h.lease.key();
+      ends_last_lease =
+          std::count_if(held.begin(), held.end(), [&](const HeldLease& o) {
+            return o.value == h.value;
+          }) == 1;
     }
     const std::string outcome = RunOp(op, cache, &held, &values_, thrower, now,
                                       /*ranked_prefetches=*/true);
@@ -888,10 +910,10 @@ class TwoCaches {
     // or a release that made a record evictable), it is over only if nothing
     // was evictable, or an unload failed on the way.
     bool must_fit = op.k() == Kind::kSetCapacity;
-    if (!released_key.empty()) {
+    if (ends_last_lease) {
       const auto entry = cache.Entry(released_key);
-      must_fit = entry && entry->state == EntryState::kResident &&
-                 entry->leases == 0 && !entry->pinned;
+      must_fit = !(entry && entry->state == EntryState::kResident &&
+                   entry->leases == 0 && entry->pinned);
     }
     if (must_fit && budget_->used() > budget_->capacity() && evictable) {
       Expect(unload_failures() > failures_before,
@@ -954,6 +976,129 @@ RC_GTEST_PROP(CacheProperty, TwoCachesOnOneBudgetKeepTheInvariantsUnderGdsf,
 RC_GTEST_PROP(CacheProperty, TwoCachesOnOneBudgetKeepTheInvariantsUnderNextUse,
               (const std::vector<Op>& ops)) {
   RunTwoCaches(NewNextUsePolicy(), ops);
+}
+
+// ---- Regressions: counterexamples `make property` found, replayed. ----
+
+// Each sequence is a shrunk counterexample exactly as rapidcheck printed it;
+// the comments give the printed form and the step that failed.
+
+int K(Kind kind) { return static_cast<int>(kind); }
+constexpr int kNoFault = 3;  // neither the loader nor the unloader throws
+
+// Runs `run` and reports the model's or the invariants' complaint as a
+// test failure (RC_FAIL throws outside a property too).
+void ExpectPasses(const std::function<void()>& run) {
+  try {
+    run();
+  } catch (const rc::detail::CaseResult& result) {
+    ADD_FAILURE() << result.description;
+  }
+}
+
+// SetCapacity(0), Acquire(m5, expected 10, real 10, unloader throws 2x, grows
+// the capacity by up to 15), Release(lease #5), Acquire(m2, expected 5, real
+// 5, unloader throws 2x, grows the capacity by up to 1000), Prefetch(m0,
+// expected 10, real 20), Release(lease #7), SetCapacity(cache 1, 0),
+// Acquire(cache 1, m0, expected 1000, real 10, grows the capacity by up to
+// 1000), Acquire(m2, expected 20, real 5, unloader throws 2x, grows the
+// capacity by up to 15), Release(lease #3)
+// -> step 9: m2 stayed resident over a capacity of 0: the failed growing
+// reservation at step 7 had let a release judge usage against its room.
+TEST(CacheProperty, RegressionFailedGrowingReservationThenRelease) {
+  ExpectPasses([] {
+    RunAgainstReferenceModel({
+        {.kind = K(Kind::kSetCapacity), .other = 0},
+        {.kind = K(Kind::kAcquire),
+         .name = 5,
+         .other = 1,
+         .size = 1,
+         .expect = 1,
+         .fault = 2},
+        {.kind = K(Kind::kRelease), .other = 5},
+        {.kind = K(Kind::kAcquire),
+         .name = 2,
+         .other = 2,
+         .size = 0,
+         .expect = 1,
+         .fault = 2},
+        {.kind = K(Kind::kPrefetch),
+         .name = 0,
+         .size = 2,
+         .expect = 0,
+         .fault = kNoFault},
+        {.kind = K(Kind::kRelease), .other = 7},
+        {.kind = K(Kind::kSetCapacity), .cache = 1, .other = 0},
+        {.kind = K(Kind::kAcquire),
+         .cache = 1,
+         .name = 0,
+         .other = 2,
+         .size = 1,
+         .expect = 3,
+         .fault = kNoFault},
+        {.kind = K(Kind::kAcquire),
+         .name = 2,
+         .other = 1,
+         .size = 0,
+         .expect = 2,
+         .fault = 2},
+        {.kind = K(Kind::kRelease), .other = 3},
+    });
+  });
+}
+
+// Acquire(cache 1, m2, expected 17, real 35, grows the capacity by up to 15),
+// Invalidate(cache 1, m2), Acquire(cache 1, m2, expected 5, real 5, unloader
+// throws 1x, grows the capacity by up to 1000), Release(cache 1, lease #3),
+// Acquire(m5, expected 135, real 120, unloader throws 1x, grows the capacity
+// by up to 1000), SetCapacity(100), Release(cache 1, lease #4)
+// -> step 6: over capacity with an evictable record: the retired m2's last
+// lease ended, and the idle m2 whose unloader threw at step 5 stayed.
+std::vector<Op> RetiredReleaseOverCapacity() {
+  return {
+      {.kind = K(Kind::kAcquire),
+       .cache = 1,
+       .name = 2,
+       .other = 1,
+       .size = 3,
+       .expect = 0,
+       .fault = kNoFault},
+      {.kind = K(Kind::kInvalidate), .cache = 1, .name = 2},
+      {.kind = K(Kind::kAcquire),
+       .cache = 1,
+       .name = 2,
+       .other = 2,
+       .size = 0,
+       .expect = 1,
+       .fault = 1},
+      {.kind = K(Kind::kRelease), .cache = 1, .other = 3},
+      {.kind = K(Kind::kAcquire),
+       .name = 5,
+       .other = 2,
+       .size = 5,
+       .expect = 2,
+       .fault = 1},
+      {.kind = K(Kind::kSetCapacity), .other = 3},
+      {.kind = K(Kind::kRelease), .cache = 1, .other = 4},
+  };
+}
+
+TEST(CacheProperty, RegressionRetiredReleaseOverCapacityUnderLru) {
+  ExpectPasses(
+      [] { RunTwoCaches(NewLruPolicy(), RetiredReleaseOverCapacity()); });
+}
+TEST(CacheProperty, RegressionRetiredReleaseOverCapacityUnderGdsf) {
+  ExpectPasses(
+      [] { RunTwoCaches(NewGdsfPolicy(), RetiredReleaseOverCapacity()); });
+}
+TEST(CacheProperty, RegressionRetiredReleaseOverCapacityUnderNextUse) {
+  ExpectPasses(
+      [] { RunTwoCaches(NewNextUsePolicy(), RetiredReleaseOverCapacity()); });
+}
+
+// The same sequence against the reference model, where both caches are one.
+TEST(CacheProperty, RegressionRetiredReleaseOverCapacityExact) {
+  ExpectPasses([] { RunAgainstReferenceModel(RetiredReleaseOverCapacity()); });
 }
 
 }  // namespace

@@ -120,8 +120,13 @@ struct ReserveOptions {
   // Bytes that move into the budget from outside it (memory the owner
   // counted apart, such as a copy a predecessor left mapped): the capacity
   // grows by them in the same step as the reservation is made, so that no
-  // other reservation can take that room first. At most `bytes` count. A
-  // reservation that fails leaves the capacity as it was.
+  // other reservation can take that room first. At most `bytes` count.
+  // Whether the reservation fits, and what it must evict, is judged against
+  // the capacity with them; but until the step that makes the reservation
+  // the capacity is what it was, for every other call: a reservation that
+  // waits has grown nothing yet (a release meanwhile that leaves usage over
+  // the capacity still leaves it over, and SetCapacity's eviction goes on),
+  // and one that fails leaves the capacity as it was.
   uint64_t grow_capacity = 0;
 };
 
@@ -152,10 +157,17 @@ class Budget {
 
   // Changes the capacity. When it shrinks, evicts unleased, unpinned records
   // of every member until used <= capacity or nothing more is evictable;
-  // returns the bytes still over the new capacity (held by leases or pins).
-  // While usage stays over capacity, each record that becomes evictable (its
-  // last lease ends, or it is unpinned) triggers the same eviction, on the
-  // thread that released it, until usage is back within capacity.
+  // returns the bytes still over the new capacity (held by leases or pins,
+  // or by records whose unloader threw). A victim whose unloader throws
+  // stays resident, counted, at its place in the eviction order, and the
+  // shrink moves on to the next one.
+  //
+  // While usage stays over capacity, every end of a record's last lease (a
+  // retired record's too, whether its unloader then succeeds or throws) and
+  // every unpin that leaves a record evictable triggers the same eviction,
+  // on the thread that released it, until usage is back within capacity. It
+  // starts afresh each time: victims whose unloader threw before are tried
+  // again.
   uint64_t SetCapacity(uint64_t capacity_bytes) MC_EXCLUDES(mu_);
 
   PolicyClock& policy_clock() { return clock_; }
@@ -202,8 +214,9 @@ class Budget {
   // REQUIRES: the caller holds no lock of any member.
   bool EvictLowestRanked() MC_EXCLUDES(mu_);
   // A record just became evictable (its last lease ended or it was
-  // unpinned): wakes acquires waiting for capacity, and evicts while usage
-  // is over capacity (see SetCapacity). Cheap when neither applies.
+  // unpinned), or a retired record's last lease ended: wakes acquires
+  // waiting for capacity, and evicts while usage is over capacity (see
+  // SetCapacity). Cheap when neither applies.
   // REQUIRES: the caller holds no lock of any member.
   void NotifyEvictable() MC_EXCLUDES(mu_);
 

@@ -25,8 +25,11 @@
 //    counted until its last lease ends, and then it is unloaded.
 //  * Load, remove and invalidate of one key are serialised: one record per
 //    key at a time, and a new one only after the old one left the cache.
-//  * A failed unload keeps the record resident at its place in the eviction
-//    order and reports the error; eviction moves on to the next victim.
+//  * A failed unload keeps the record resident, its bytes counted, at its
+//    place in the eviction order, and reports the error; eviction moves on to
+//    the next victim. The record is tried again by the next reservation that
+//    looks for room, by Prune, and, while the budget is over a capacity that
+//    shrank, at the next end of a last lease or unpin (Budget::SetCapacity).
 //  * User code (loaders, unloaders, value deleters, event callbacks) always
 //    runs outside the cache's locks, so it may acquire, release and remove
 //    freely; a Lease may be destroyed on any thread and in any context. The
@@ -115,7 +118,11 @@ struct AcquireOptions {
   bool evict_only_lower_ranked = false;
   // Bytes of this load that the budget's owner counted outside the budget
   // until now (ReserveOptions::grow_capacity): the capacity grows by them as
-  // the load's bytes are reserved, in one step.
+  // the load's bytes are reserved, in one step. An acquire that is refused
+  // or waits has grown nothing, and one whose reservation succeeds keeps the
+  // growth even if its loader then throws. Only the reservation of
+  // `expected_bytes` grows it (by at most that much): a model that loads
+  // larger reserves the rest from the budget as it stands.
   uint64_t grow_capacity = 0;
   // False: make room only from free bytes, evicting nothing (a prewarm into
   // free memory). When that is too little, the call fails (kFail) or waits

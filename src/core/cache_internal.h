@@ -109,6 +109,16 @@
 // runs (loader, unloader, value deleter, event callback) or while the budget
 // evicts. The budget's mutex may be taken under a shard mutex (it is a leaf).
 // alias_mu_ comes before any shard mutex and is never taken under one.
+//
+// Files: CacheCore's members are defined by concern. Every transition above
+// is in lifecycle.cc (a record's way in: acquire, join, load, fail, lookup)
+// and lifecycle_unload.cc (its way out: release, retire, unload, evict,
+// remove, expire, prune, shutdown); victims.cc answers the budget's victim
+// search, aliases.cc mutates aliases, keep_alive_actions.cc runs the
+// keep-alive driver's actions, introspection.cc reports. None of them
+// changes a record's state but through the lifecycle (EvictIfEvictable,
+// Prefetch).
+// src/core/CMakeLists.txt lists the files.
 #ifndef MODELCACHE_SRC_CORE_CACHE_INTERNAL_H_
 #define MODELCACHE_SRC_CORE_CACHE_INTERNAL_H_
 

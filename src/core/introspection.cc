@@ -1,9 +1,9 @@
 // What a cache can say about itself: counters, entries, the holders named in
-// a capacity error, and the invariant check.
+// a capacity error, the bytes no eviction could free, and the invariant
+// check. (What evicting could free is the victim search's: victims.cc.)
 #include <algorithm>
 #include <cstdio>
 #include <cstdlib>
-#include <limits>
 
 #include "cache_internal.h"
 #include "format.h"
@@ -194,42 +194,6 @@ void CacheCore::DescribeHolders(std::vector<std::string>* out,
     }
     for (const auto& [ptr, rec] : shard.retired) describe(*rec);
   });
-}
-
-uint64_t CacheCore::EvictableBytes(const std::unordered_set<uint64_t>& skip,
-                                   double evict_below) {
-  uint64_t bytes = 0;
-  const bool ranked = evict_below != std::numeric_limits<double>::infinity();
-  if (skip.empty() && !ranked) [[likely]] {
-    // The budget's check before every eviction: the running counts (I9), one
-    // read per shard, whatever the number of resident records.
-    for (size_t i = 0; i <= shard_mask_; ++i) {
-      bytes += shards_[i].evictable_bytes.load(std::memory_order_relaxed);
-    }
-    return bytes;
-  }
-  // A reservation whose victims' unloaders failed (`skip`), or one that may
-  // evict only what ranks below it (a keep-alive prewarm): rare, and each
-  // record must be looked at.
-  const double now_seconds = policy_time_dependent_ ? NowSeconds() : 0;
-  ForEachShard([&](Shard& shard, size_t) {
-    shard.mu.AssertHeld();
-    for (const auto& [key, slot] : shard.map) {
-      const Record* r = slot.record.get();
-      if (r == nullptr || !Evictable(*r) || skip.count(r->id) != 0) continue;
-      if (ranked) {
-        // Ranked as BestVictim ranks it.
-        const double priority =
-            policy_time_dependent_
-                ? policy_->Priority(AccessInfoLocked(shard, *r, 0, now_seconds),
-                                    budget_->policy_clock())
-                : r->priority;
-        if (!(priority < evict_below)) continue;
-      }
-      bytes += r->bytes;
-    }
-  });
-  return bytes;
 }
 
 uint64_t CacheCore::UnevictableBytes() {

@@ -1,7 +1,8 @@
-// The public face of the core: Lease, ModelCache (a thin forwarder to
-// CacheCore), and the names of its enums.
-#include "cache_internal.h"
+// The public face of the core, include/modelcache/core/cache.h: Lease,
+// ModelCache (a thin forwarder to CacheCore), and the names of its enums.
 #include "modelcache/core/cache.h"
+
+#include "cache_internal.h"
 
 namespace modelcache {
 

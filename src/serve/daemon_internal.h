@@ -67,7 +67,13 @@
 // Copies a predecessor handed out (restart orphans) are not in the store:
 // they are bytes taken off the store's capacity (capacity_ = configured_ -
 // orphaned_), recomputed from /proc/*/maps at start, when a process that
-// maps one exits, and every orphan_rescan while any remain.
+// maps one exits, and every orphan_rescan while any remain. A reclaim that
+// adopts one moves its bytes into the store for every process that maps
+// it, so each other process that the scan saw mapping it gets an orphaned
+// lease on it (HoldForMappers, owned by an OrphanGroup on its pidfd): the
+// copy is never evicted while it is mapped, and never adopted twice. That
+// lease ends when the process reclaims its own (DropMapperHolds), when the
+// rescan finds it maps the copy no more, or when it exits.
 //
 // Lifecycle.
 //   starting (the constructor): options, catalog and every catalog file
@@ -210,6 +216,9 @@ struct LeaseEntry {
   uid_t uid = 0;
   bool delivered = false;  // its reply (with the descriptors) was sent
   bool orphaned = false;
+  // Made by HoldForMappers: held for a process that maps an adopted copy
+  // of a predecessor's and has not reclaimed its own lease on it yet.
+  bool held_for_mapper = false;
   uint64_t bytes = 0;
   std::vector<MemfdId> memfds;  // of its copy: data and header per file
 };
@@ -481,11 +490,14 @@ class Daemon::Impl {
   void PauseHook();
 
   // ---- reclaim (daemon_reclaim.cc; design note there) ----
-  // Writes `copy` down in the record (before its descriptors go out).
-  void RecordCopy(const detail::ModelCopy& copy) MC_EXCLUDES(record_mu_);
+  // Writes `copy` down in the record: before its descriptors go out, or,
+  // with `later` (on the loop, which waits on no write), on the background
+  // thread.
+  void RecordCopy(const detail::ModelCopy& copy, bool later = false)
+      MC_EXCLUDES(record_write_mu_, record_mu_);
   // A memfd was freed: the copy it starts goes from the record.
   void ForgetRecorded(const detail::MemfdId& id) MC_EXCLUDES(record_mu_);
-  void WriteRecord() MC_EXCLUDES(record_mu_);
+  void WriteRecord() MC_EXCLUDES(record_write_mu_, record_mu_);
   // At start: the predecessor's record, and the grace period when a live
   // process still maps a copy it names.
   void ReadPredecessorRecord();
@@ -499,6 +511,16 @@ class Daemon::Impl {
   std::optional<Lease> Adopt(detail::AdoptedCopy adopted, bool from_orphans,
                              std::string* why)
       MC_EXCLUDES(capacity_mu_, orphans_mu_);
+  // On the loop, after a reclaim adopted `copy`: an orphaned lease on it
+  // for each other process in `pids` that maps it (the start's scan saw
+  // them), so that it stays in use, and in the books, until that process
+  // reclaims its own lease (DropMapperHolds), stops mapping it (the
+  // rescan) or exits (its pidfd).
+  void HoldForMappers(const detail::ModelCopy& copy, const std::string& model,
+                      bool retired, const std::set<pid_t>& pids)
+      MC_EXCLUDES(leases_mu_);
+  // Releases the leases HoldForMappers made for `pid` on `copy`.
+  void DropMapperHolds(pid_t pid, const void* copy) MC_EXCLUDES(leases_mu_);
   // ---- the fd store (systemd) ----
   // At start, before any thread: the descriptors systemd passed back.
   void TakeStored();
@@ -527,6 +549,15 @@ class Daemon::Impl {
   std::atomic<uint64_t> adoptions_{0};
   std::atomic<uint64_t> adopted_bytes_{0};
   std::atomic<bool> record_error_logged_{false};
+  // Record writes that failed (modelcache_record_write_failures_total):
+  // each leaves a successor without the copies made since.
+  std::atomic<uint64_t> record_write_failures_{0};
+  // Held across a record write, from the snapshot to the rename: one writer
+  // at a time, so writers on the pool's threads and the background thread
+  // never share the temporary file, and the file ends with the newest
+  // snapshot. Never taken on the loop (its writes go through Later).
+  // Order: record_write_mu_ -> record_mu_.
+  base::Mutex record_write_mu_;
   std::atomic<bool> record_writes_{true};
   // Loop-only after start: the predecessor's copies, by each data memfd
   // (copy, file index); the models awaiting a reclaim and until when.

@@ -121,7 +121,7 @@ std::string Mismatch(const detail::RecordedFile& want, size_t index,
 
 // ---- the record ----
 
-void Daemon::Impl::RecordCopy(const detail::ModelCopy& copy) {
+void Daemon::Impl::RecordCopy(const detail::ModelCopy& copy, bool later) {
   detail::RecordedCopy rc;
   rc.model = copy.model();
   for (const detail::FileCopy& f : copy.files()) {
@@ -139,7 +139,11 @@ void Daemon::Impl::RecordCopy(const detail::ModelCopy& copy) {
     record_[key] = RecordEntry{std::move(rc), copy.origin(), copy.bytes()};
     store = notifier_ && in_fd_store_.insert(key).second;
   }
-  WriteRecord();
+  if (later) {
+    Later([this] { WriteRecord(); });
+  } else {
+    WriteRecord();
+  }
   if (!store) return;
   // Duplicates, sent off the caller's thread (the loop's, for an
   // adoption): the copy may be freed before the chore runs.
@@ -282,6 +286,11 @@ void Daemon::Impl::WriteRecord() {
   detail::Record record;
   record.instance = memfd_prefix_;
   record.pid = ::getpid();
+  // One writer at a time, from the snapshot to the rename: writers sharing
+  // the temporary file lost writes ("No such file or directory" when one
+  // renamed the other's file away), and an older snapshot could land after
+  // a newer one.
+  base::MutexLock write_lock(&record_write_mu_);
   {
     base::MutexLock lock(&record_mu_);
     for (const auto& [id, e] : record_) record.copies.push_back(e.copy);
@@ -291,6 +300,7 @@ void Daemon::Impl::WriteRecord() {
                                 detail::EncodeRecord(record));
   } catch (const Error& e) {
     // Without it a successor reclaims nothing: it loads again.
+    ++record_write_failures_;
     if (!record_error_logged_.exchange(true)) Log(e.what());
   }
 }
@@ -481,6 +491,26 @@ void Daemon::Impl::HandleReclaim(Connection& c, const protocol::Request& r,
     }
   }
 
+  // Other processes that map this copy too, as the scan at start saw them:
+  // once it is adopted, the copy stays in use for each of them until it
+  // reclaims its own lease, lets go, or exits (HoldForMappers). Until then
+  // their mapping is in the books only through it.
+  std::set<pid_t> mappers;
+  if (lease) {
+    // Adopted already: its mappers are held since. This process's hold,
+    // if it has one, gives way to the lease it reclaims now.
+    DropMapperHolds(c.pid, copy);
+  } else {
+    base::MutexLock lock(&orphans_mu_);
+    for (const Seen& s : seen) {
+      const auto o = restart_orphans_.find(s.id);
+      if (o != restart_orphans_.end()) {
+        mappers.insert(o->second.pids.begin(), o->second.pids.end());
+      }
+    }
+  }
+  mappers.erase(c.pid);
+
   if (!lease) {
     // A copy the predecessor recorded.
     const auto p = predecessor_by_data_.find(seen[1].id);
@@ -543,12 +573,14 @@ void Daemon::Impl::HandleReclaim(Connection& c, const protocol::Request& r,
   const std::shared_ptr<const Catalog> cat = catalog();
   const CatalogModel* spec = cat->Find(r.model);
   entry.retired = spec == nullptr || spec->id != r.model;
+  const bool retired = entry.retired;
   {
     base::MutexLock lock(&leases_mu_);
     leases_.emplace(r.lease, std::move(entry));
   }
   c.leases.insert(r.lease);
   ++reclaims_accepted_;
+  HoldForMappers(*keep, r.model, retired, mappers);
   if (r.idle) {
     protocol::Request idle = r;
     idle.op = protocol::Op::kIdle;
@@ -557,6 +589,90 @@ void Daemon::Impl::HandleReclaim(Connection& c, const protocol::Request& r,
     Send(c, {protocol::EncodeOk(r.id), {}, nullptr, 0});
   }
   EndGrace(&r.model);
+}
+
+void Daemon::Impl::HoldForMappers(const detail::ModelCopy& copy,
+                                  const std::string& model, bool retired,
+                                  const std::set<pid_t>& pids) {
+  if (pids.empty()) return;
+  std::vector<MemfdId> memfds;
+  for (const detail::FileCopy& f : copy.files()) {
+    memfds.push_back(f.data_id);
+    memfds.push_back(f.header_id);
+  }
+  for (const pid_t pid : pids) {
+    base::UniqueFd pidfd(PidfdOpen(pid));
+    if (!pidfd) continue;  // exited: it maps nothing any more
+    ::fcntl(pidfd.get(), F_SETFD, FD_CLOEXEC);
+    const uint64_t id = ++next_lease_;
+    detail::LeaseEntry entry;
+    entry.connection = 0;
+    entry.orphaned = true;
+    entry.held_for_mapper = true;
+    entry.delivered = true;
+    entry.model = model;
+    entry.pid = pid;
+    entry.bytes = copy.bytes();
+    entry.copy = &copy;
+    entry.memfds = memfds;
+    entry.retired = retired;
+    {
+      // No store lease yet: uncovered, so its copy's unloader refuses until
+      // CoverUncovered gives it one (a retired copy's stays refused).
+      base::MutexLock lock(&leases_mu_);
+      auto [it, inserted] = leases_.emplace(id, std::move(entry));
+      IndexCoverage(id, it->second);
+    }
+    const uint64_t group = next_group_++;
+    detail::OrphanGroup g;
+    g.pidfd = std::move(pidfd);
+    g.pid = pid;
+    g.leases = {id};
+    ++orphaned_leases_;
+    EpollAdd(epoll_fd_.get(), g.pidfd.get(), EPOLLIN,
+             Tagged(kOrphanPidTag, group));
+    orphan_groups_.emplace(group, std::move(g));
+    Log("pid " + std::to_string(pid) + " maps the reclaimed copy of '" + model +
+        "' too: held in use for it until it reclaims its lease, lets go "
+        "or exits");
+  }
+  CoverUncovered();
+  ScheduleRescan();
+}
+
+void Daemon::Impl::DropMapperHolds(pid_t pid, const void* copy) {
+  std::vector<uint64_t> drop;
+  {
+    base::MutexLock lock(&leases_mu_);
+    for (const auto& [group_id, g] : orphan_groups_) {
+      if (g.pid != pid) continue;
+      for (const uint64_t id : g.leases) {
+        const auto it = leases_.find(id);
+        if (it != leases_.end() && it->second.held_for_mapper &&
+            it->second.copy == copy) {
+          drop.push_back(id);
+        }
+      }
+    }
+  }
+  if (drop.empty()) return;
+  for (auto g = orphan_groups_.begin(); g != orphan_groups_.end();) {
+    auto& ids = g->second.leases;
+    const size_t before = ids.size();
+    std::erase_if(ids, [&](uint64_t id) {
+      return std::find(drop.begin(), drop.end(), id) != drop.end();
+    });
+    orphaned_leases_ -= static_cast<int>(before - ids.size());
+    if (ids.empty()) {
+      EpollDel(epoll_fd_.get(), g->second.pidfd.get());
+      g = orphan_groups_.erase(g);
+    } else {
+      ++g;
+    }
+  }
+  // After the reclaimed lease took its store lease: the copy never looks
+  // unleased in between.
+  for (const uint64_t id : drop) ReleaseLease(id);
 }
 
 std::optional<Lease> Daemon::Impl::Adopt(detail::AdoptedCopy adopted,
@@ -636,7 +752,7 @@ std::optional<Lease> Daemon::Impl::Adopt(detail::AdoptedCopy adopted,
     // Gone from the catalog: its holders keep it, no one new gets it.
     store_->Remove(model);
   }
-  RecordCopy(*made);
+  RecordCopy(*made, /*later=*/true);
   Log(std::string("adopted the copy of '") + model + "' (" +
       FormatBytes(bytes) + ", " + adopted.origin + "): no byte loaded");
   return lease;

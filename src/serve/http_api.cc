@@ -606,16 +606,16 @@ HttpResponse Daemon::Impl::Metrics() {
   }
   counter("modelcache_loads_total",
           "Loads completed (copies adopted from a predecessor are no loads).",
-          static_cast<double>(stats.loads - std::min(stats.loads,
-                                                     adoptions_.load())));
+          static_cast<double>(stats.loads -
+                              std::min(stats.loads, adoptions_.load())));
   counter("modelcache_load_failures_total", "Loads that failed.",
           static_cast<double>(stats.load_failures));
   counter("modelcache_evictions_total", "Copies evicted to make room.",
           static_cast<double>(stats.evictions + stats.expirations));
-  counter("modelcache_loaded_bytes_total", "Bytes of the copies loaded.",
-          static_cast<double>(stats.bytes_loaded -
-                              std::min(stats.bytes_loaded,
-                                       adopted_bytes_.load())));
+  counter(
+      "modelcache_loaded_bytes_total", "Bytes of the copies loaded.",
+      static_cast<double>(stats.bytes_loaded -
+                          std::min(stats.bytes_loaded, adopted_bytes_.load())));
   Metric(&out, "modelcache_adopted_bytes_total", "counter",
          "Bytes of copies a predecessor made, adopted with no byte loaded: "
          "taken over (handed over by the daemon before) or reclaimed (brought "
@@ -634,6 +634,10 @@ HttpResponse Daemon::Impl::Metrics() {
          static_cast<double>(reclaims_accepted_.load()), "result=\"accepted\"");
   Sample(&out, "modelcache_reclaims_total",
          static_cast<double>(reclaims_refused_.load()), "result=\"refused\"");
+  counter("modelcache_record_write_failures_total",
+          "Writes of the record of copies (SOCKET.state) that failed: a "
+          "successor cannot reclaim the copies made since the last good one.",
+          static_cast<double>(record_write_failures_.load()));
   gauge("modelcache_takeover_seconds",
         "How long the takeover that started this daemon took (0: none).",
         takeover_seconds_.load());

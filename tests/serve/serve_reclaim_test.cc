@@ -3,13 +3,16 @@
 // other memfd, and holds acquires back for the grace period
 // (daemon_reclaim.cc). The leases here are raw protocol connections of the
 // test process, which maps the data memfds as a worker does.
+#include <fcntl.h>
 #include <gmock/gmock.h>
 #include <sys/mman.h>
 #include <sys/socket.h>
 #include <sys/un.h>
+#include <sys/wait.h>
 
 #include <cstring>
 
+#include "handover.h"
 #include "modelcache/weights/memfd.h"
 #include "serve_test_util.h"
 
@@ -237,6 +240,125 @@ TEST_F(Reclaim, ASigkilledDaemonsCopiesComeBackFromTheProcessesThatMapThem) {
   ExpectWithinBudget(*daemon_);
 }
 
+// Two processes map one copy when the daemon dies. The first reclaim brings
+// the copy back into the store for both: until the other process reclaims
+// its own lease, lets go or exits, the copy stays in use for it, so it is
+// never freed under its mapping (an unload cannot take it), and its bytes
+// are in the books exactly once. (The soak found a copy evicted after the
+// first holder released it while another worker still mapped it, and then
+// adopted a second time when that worker reclaimed.)
+TEST_F(Reclaim, ACopyTwoProcessesMapStaysInUseUntilTheOtherLetsGo) {
+  AddModel("a", 2 * kMiB, 1);
+  StartDaemon("16MiB");
+  auto first = Connect();
+  Held a = Acquire(*first, "a", 2);
+  const uint64_t copy_a = CopyBytes("a");
+  // A second process that maps the same copy: a child forked now inherits
+  // the mapping, and holds it until it reads a byte (or the pipe closes).
+  int go[2];
+  ASSERT_EQ(::pipe2(go, O_CLOEXEC), 0);
+  const pid_t child = ::fork();
+  if (child == 0) {
+    ::close(go[1]);
+    char byte;
+    const ssize_t n = ::read(go[0], &byte, 1);
+    ::_exit(n == 1 ? 0 : 1);
+  }
+  ASSERT_GT(child, 0);
+  ::close(go[0]);
+  // Stops the child by pid however the test ends.
+  struct Child {
+    pid_t pid;
+    int go;
+    void Stop() {
+      if (pid <= 0) return;
+      ::close(go);
+      ::waitpid(pid, nullptr, 0);
+      pid = -1;
+    }
+    ~Child() { Stop(); }
+  } holder{child, go[1]};
+
+  Crash();
+  first->Close();
+  daemon_->Start();
+  auto second = Connect();
+  auto reply = SendReclaim(*second, a, 4);
+  ASSERT_TRUE(reply);
+  EXPECT_TRUE(reply->ok) << reply->message;
+  // This process's lease, and one held for the child.
+  EXPECT_EQ(daemon_->Metric("modelcache_orphaned_leases"), 1);
+  EXPECT_EQ(daemon_->Metric("modelcache_orphaned_bytes"), 0);
+  EXPECT_EQ(daemon_->Budget()["used_bytes"].get<uint64_t>(), copy_a);
+
+  // This process lets go (unmaps, then releases); an unload now must leave
+  // the child's mapping in the books.
+  ::munmap(a.map, a.bytes);
+  a.map = nullptr;
+  ASSERT_TRUE(second->Send(protocol::EncodeRelease(5, a.lease)));
+  reply = second->Reply();
+  ASSERT_TRUE(reply);
+  EXPECT_TRUE(reply->ok) << reply->message;
+  daemon_->Send("POST", "/v1/models/a/unload");
+  ExpectBooksCoverMaps(*daemon_);
+  ExpectWithinBudget(*daemon_);
+  EXPECT_EQ(daemon_->Budget()["used_bytes"].get<uint64_t>(), copy_a);
+  EXPECT_EQ(
+      daemon_->Metric("modelcache_adopted_bytes_total{origin=\"reclaimed\"}"),
+      static_cast<double>(copy_a));
+
+  // The child exits: its hold ends with it, and the copy may go.
+  holder.Stop();
+  Eventually([&] { return daemon_->Metric("modelcache_orphaned_leases") == 0; },
+             "the child's hold ends when it exits");
+  daemon_->Send("POST", "/v1/models/a/unload");
+  Eventually(
+      [&] { return daemon_->Budget()["used_bytes"].get<uint64_t>() == 0; },
+      "the copy is freed once no process maps it");
+  EXPECT_EQ(daemon_->Metric("modelcache_loads_total"), 0);
+}
+
+// Loads on several pool threads at once each write the record: one writer
+// at a time, so none fails (two writers shared the temporary file, and the
+// second's rename found it gone: "cannot write <socket>.state: No such file
+// or directory", which the soak logged), and the record ends with every
+// copy, also after the unloads that take them out again.
+TEST_F(Reclaim, ConcurrentLoadsAndUnloadsKeepTheRecordWhole) {
+  constexpr int kModels = 8;
+  for (int i = 0; i < kModels; ++i) {
+    AddModel("m" + std::to_string(i), 256 * kKiB, 20 + i);
+  }
+  StartDaemon("64MiB", {"--load-slots", std::to_string(kModels)});
+  const auto recorded = [&] {
+    const std::optional<std::string> text =
+        detail::ReadSmallFile(socket_ + ".state");
+    detail::Record record;
+    if (!text || !detail::ParseRecord(*text, &record).empty()) return -1;
+    return static_cast<int>(record.copies.size());
+  };
+  for (int round = 0; round < 3; ++round) {
+    std::vector<std::unique_ptr<Raw>> conns;
+    for (int i = 0; i < kModels; ++i) {
+      conns.push_back(Connect());
+      ASSERT_TRUE(conns.back()->Send(
+          protocol::EncodeAcquire(2, "m" + std::to_string(i), 60000, false)));
+    }
+    for (auto& raw : conns) {
+      const auto reply = raw->Reply();
+      ASSERT_TRUE(reply && reply->ok) << (reply ? reply->message : "none");
+      ASSERT_TRUE(raw->Send(protocol::EncodeRelease(3, reply->lease)));
+      ASSERT_TRUE(raw->Reply());
+    }
+    EXPECT_EQ(recorded(), kModels) << "round " << round;
+    for (int i = 0; i < kModels; ++i) {
+      daemon_->Send("POST", "/v1/models/m" + std::to_string(i) + "/unload");
+    }
+    Eventually([&] { return recorded() == 0; },
+               "the record loses the unloaded copies");
+  }
+  EXPECT_EQ(daemon_->Metric("modelcache_record_write_failures_total"), 0);
+}
+
 // The same through the client, in real worker processes: three workers map
 // two copies; after the SIGKILL each client notices the lost connection by
 // itself (no call), reconnects and reclaims its leases, and the successor
@@ -278,6 +400,10 @@ TEST_F(Reclaim, WorkersThatMapTheCopiesReclaimThemThroughTheClient) {
   EXPECT_EQ(daemon_->Metric("modelcache_loads_total"), 0);
   EXPECT_EQ(daemon_->Metric("modelcache_orphaned_bytes"), 0);
   EXPECT_EQ(daemon_->Metric("modelcache_reclaim_pending_models"), 0);
+  // The first reclaim of each copy held it for the other worker mapping it;
+  // that worker's own reclaim took the hold's place.
+  EXPECT_EQ(daemon_->Metric("modelcache_orphaned_leases"), 0);
+  EXPECT_EQ(daemon_->Metric("modelcache_leases"), 4);
   EXPECT_EQ(daemon_->Budget()["used_bytes"].get<uint64_t>(), copies);
   EXPECT_EQ(Origins(), (std::set<std::string>{"a:reclaimed", "b:reclaimed"}));
   EXPECT_EQ(two.Ok("checksum"),

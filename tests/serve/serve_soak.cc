@@ -63,8 +63,10 @@
 // daemon was dead or being taken over) or a failure outside them. The
 // summary counts each fault injected and survived, the requests made, and
 // the failures by kind; the exit status is 1 on any failure outside the
-// refusals, any sampler violation, any wrong byte, or a fault that could
-// not be injected (a daemon that did not come back, a takeover refused).
+// refusals, any sampler violation, any wrong byte, any failed write of a
+// daemon's record (modelcache_record_write_failures_total), or a fault that
+// could not be injected (a daemon that did not come back, a takeover
+// refused).
 //
 // Every process is started by this program's threads and stopped by pid at
 // the end (the workers by "exit" or SIGKILL, the daemon by SIGTERM), also
@@ -565,10 +567,21 @@ class Soak {
     tally_.Add("fault:worker_kills");
   }
 
-  // The reclaims this daemon accepted, added once per daemon at its end.
+  // The reclaims this daemon accepted, and the writes of its record that
+  // failed (each one a violation: a successor reclaims nothing made since),
+  // added once per daemon at its end.
   void CountReclaims() MC_REQUIRES(daemon_mu_) {
     const json budget = daemon_->Budget();
     if (!budget.is_object()) return;
+    const auto record_failures = static_cast<int64_t>(
+        daemon_->Metric("modelcache_record_write_failures_total"));
+    tally_.Add("record_writes_failed", record_failures);
+    if (record_failures > 0) {
+      tally_.Bad("record_write_failed",
+                 std::to_string(record_failures) +
+                     " writes of the daemon's record failed (its log says "
+                     "why)");
+    }
     tally_.Add("reclaims_accepted",
                static_cast<int64_t>(daemon_->Metric(
                    "modelcache_reclaims_total{result=\"accepted\"}")));
@@ -834,6 +847,7 @@ class Soak {
     std::printf("  daemon kills        %lld\n", n("fault:daemon_kills"));
     std::printf("  reclaims accepted   %lld (refused %lld)\n",
                 n("reclaims_accepted"), n("reclaims_refused"));
+    std::printf("  record writes failed %lld\n", n("record_writes_failed"));
     std::printf("  takeovers           %lld\n", n("fault:takeovers"));
     std::printf("  reloads             %lld\n", n("fault:reloads"));
     std::printf("  floods              %lld (%lld leases)\n", n("fault:floods"),
@@ -865,7 +879,8 @@ class Soak {
         "sampler_no_books",       "worker_died",        "connect_failed",
         "release_failed",         "flood_failed",       "daemon_not_restarted",
         "takeover_refused",       "takeover_old_exit",  "reload_not_applied",
-        "capacity_change_failed", "fault_not_injected", "driver_error"};
+        "capacity_change_failed", "fault_not_injected", "driver_error",
+        "record_write_failed"};
     int64_t violations = 0;
     for (const char* key : bad) {
       if (n(key) > 0) {

@@ -357,6 +357,11 @@ uint64_t Budget::EvictToCapacity() {
 }
 
 uint64_t Budget::SetCapacity(uint64_t capacity_bytes) {
+  Resize(capacity_bytes);
+  return EvictToCapacity();
+}
+
+void Budget::Resize(uint64_t capacity_bytes) {
   {
     base::MutexLock lock(&mu_);
     capacity_ = capacity_bytes;
@@ -364,7 +369,8 @@ uint64_t Budget::SetCapacity(uint64_t capacity_bytes) {
     ++change_count_;
   }
   changed_.NotifyAll();
-  return EvictToCapacity();
 }
+
+uint64_t Budget::EvictOverCapacity() { return EvictToCapacity(); }
 
 }  // namespace modelcache

@@ -100,14 +100,45 @@
 // running") and takes the throttle like any load, then gives the slot back
 // and wakes the loop, which starts what waited for the slot.
 //
-// Ownership: loop-only members have no lock; everything the HTTP threads
-// read is under a mutex (leases_mu_, catalog_mu_, capacity_mu_, stats_mu_,
-// orphans_mu_, live_mu_, reading_mu_, slots_mu_) or atomic. Lock order:
-//   capacity_mu_ -> the store's locks -> live_mu_
-// (SetCapacity under capacity_mu_ evicts; freeing the evicted copy runs its
-// observer, which takes live_mu_). stats_mu_ (the store's event callback,
-// which may run under the store's locks), reading_mu_ and slots_mu_ are
-// leaves. No other lock is held while another is taken.
+// Ownership: loop-only members have no lock; everything another thread
+// reads is atomic or under one of these mutexes:
+//   capacity_mu_      the store's capacity and orphaned_, changed together
+//                     (ApplyCapacity: PUT /v1/budget's HTTP thread, the
+//                     background thread, the loop at start; Adopt: the
+//                     loop). No thread holds it across the evictions of a
+//                     shrink: ApplyCapacity only resizes (Budget::Resize)
+//                     and its caller evicts after letting go. Adopt holds
+//                     it across its reservation, which may evict.
+//   leases_mu_        leases_, uncovered_, to_recall_ and the recall counts.
+//   catalog_mu_       the catalog, its digest, the last reload's error.
+//   orphans_mu_       restart_orphans_ and the unreadable count.
+//   live_mu_          live_: the memfds of the copies held now.
+//   record_write_mu_  one writer of the record at a time, snapshot to rename
+//                     (never taken on the loop: its writes go through Later).
+//   record_mu_        record_, in_fd_store_.
+//   handover_mu_      the listeners a takeover hands over, or took.
+//   inbox_mu_         what other threads hand the loop (completed_,
+//                     rechecked_, reloaded_).
+//   pool_mu_          the pool's queue of tasks.
+//   expiry_mu_        the expiry thread's next wake-up.
+//   background_mu_    the background thread's chores (Later).
+//   slots_mu_         the load slots, shared with prewarms.
+//   reading_mu_       the models whose loads are reading their files.
+//   stats_mu_         per-model counts (the store's event callback).
+// Order: a mutex on the left may be held while one on its right is taken,
+// never the reverse.
+//   capacity_mu_ -> the store's locks (Resize, Adopt's reservation)
+//   capacity_mu_ -> leases_mu_, live_mu_, record_mu_, background_mu_,
+//                   stats_mu_
+//     (the evictions of Adopt's reservation run the store's user code with
+//     capacity_mu_ held: the unloader, GateUnload, takes leases_mu_; a freed
+//     copy's observer takes live_mu_; ForgetRecorded takes record_mu_ and
+//     queues with Later; the event callback takes stats_mu_)
+//   record_write_mu_ -> record_mu_
+//   handover_mu_ -> the HTTP servers' own locks (disowning the listeners)
+// Every other mutex is a leaf: nothing is taken while it is held. The
+// orders within one function are declared (MC_ACQUIRED_BEFORE), so clang's
+// -Wthread-safety-beta checks them; those through calls are as above.
 #ifndef MODELCACHE_SRC_SERVE_DAEMON_INTERNAL_H_
 #define MODELCACHE_SRC_SERVE_DAEMON_INTERNAL_H_
 
@@ -481,7 +512,9 @@ class Daemon::Impl {
       MC_EXCLUDES(leases_mu_);
   void ScheduleRescan();
   // Sets the store's capacity to the configured one less `orphaned`, then
-  // publishes `orphaned` (orphaned_).
+  // publishes `orphaned` (orphaned_). Evicts nothing (Budget::Resize): the
+  // caller calls Budget::EvictOverCapacity after letting go of
+  // capacity_mu_.
   void ApplyCapacity(uint64_t orphaned) MC_REQUIRES(capacity_mu_);
   void WatchPid(pid_t pid);
   // The epoll events a connection's socket is watched for now.
@@ -557,7 +590,7 @@ class Daemon::Impl {
   // never share the temporary file, and the file ends with the newest
   // snapshot. Never taken on the loop (its writes go through Later).
   // Order: record_write_mu_ -> record_mu_.
-  base::Mutex record_write_mu_;
+  base::Mutex record_write_mu_ MC_ACQUIRED_BEFORE(record_mu_);
   std::atomic<bool> record_writes_{true};
   // Loop-only after start: the predecessor's copies, by each data memfd
   // (copy, file index); the models awaiting a reclaim and until when.
@@ -686,10 +719,12 @@ class Daemon::Impl {
   uint64_t next_lease_ = 0;
 
   // capacity_mu_ serialises the store's capacity changes (ApplyCapacity,
-  // which may evict): the HTTP thread of PUT /v1/budget and the background
-  // thread take it, the loop never does. The two numbers it applies are
-  // read anywhere without it.
-  mutable base::Mutex capacity_mu_;
+  // Adopt; see the note at the top for who takes it and the order). The
+  // two numbers it applies are read anywhere without it.
+  mutable base::Mutex capacity_mu_ MC_ACQUIRED_BEFORE(leases_mu_, live_mu_,
+                                                      record_mu_,
+                                                      background_mu_,
+                                                      stats_mu_);
   std::atomic<uint64_t> configured_{0};
   std::atomic<uint64_t> orphaned_{0};
 

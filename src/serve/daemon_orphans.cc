@@ -82,19 +82,22 @@ void Daemon::Impl::BookRestartOrphans(
   booked_orphaned_ = total;
   if (before != total) {
     if (now) {
-      base::MutexLock lock(&capacity_mu_);
-      ApplyCapacity(total);
+      {
+        base::MutexLock lock(&capacity_mu_);
+        ApplyCapacity(total);
+      }
+      store_->budget().EvictOverCapacity();  // only at start can it shrink
     } else {
-      // Off the loop: it may wait for PUT /v1/budget's evictions. The
-      // orphaned bytes only shrink after start, and /v1/budget shows the
-      // new figure only once the store's capacity has grown by it, so
-      // used + orphaned stays within the capacity, and room the books show
-      // is room an acquire finds.
+      // Off the loop. The orphaned bytes only shrink after start, and
+      // /v1/budget shows the new figure only once the store's capacity has
+      // grown by it, so used + orphaned stays within the capacity, and room
+      // the books show is room an acquire finds.
       Later([this, total] {
         {
           base::MutexLock lock(&capacity_mu_);
           ApplyCapacity(total);
         }
+        store_->budget().EvictOverCapacity();
         capacity_applied_ = true;  // the loop retries what orphans held up
         Wake();
       });
@@ -220,7 +223,11 @@ void Daemon::Impl::WatchPid(pid_t pid) {
 void Daemon::Impl::ApplyCapacity(uint64_t orphaned) {
   const uint64_t configured = configured_.load();
   const uint64_t capacity = configured > orphaned ? configured - orphaned : 0;
-  if (store_->budget().capacity() != capacity) store_->SetCapacity(capacity);
+  // Evicts nothing: its callers evict (Budget::EvictOverCapacity) once they
+  // let go of capacity_mu_, so that no thread holds it across evictions.
+  if (store_->budget().capacity() != capacity) {
+    store_->budget().Resize(capacity);
+  }
   orphaned_ = orphaned;
 }
 

@@ -704,8 +704,9 @@ std::optional<Lease> Daemon::Impl::Adopt(detail::AdoptedCopy adopted,
   std::optional<Lease> lease;
   {
     // capacity_mu_: the store's capacity and the orphaned bytes change
-    // together (lock order: capacity_mu_, then the store's). A capacity
-    // that grows evicts nothing, so this does not wait on evictions.
+    // together (lock order: capacity_mu_, then the store's). No other
+    // thread holds it across evictions (ApplyCapacity evicts nothing), so
+    // the loop waits here for short steps only.
     base::MutexLock lock(&capacity_mu_);
     detail::g_adopting = true;
     struct Done {
@@ -714,6 +715,10 @@ std::optional<Lease> Daemon::Impl::Adopt(detail::AdoptedCopy adopted,
     AcquireOptions options;
     options.when_full = WhenFull::kFail;
     options.request = false;
+    // Never waits, on the loop, for a load or an unload of the model in
+    // progress: the adoption is refused instead (it would be refused after
+    // the load anyway, a copy being resident).
+    options.deadline = Clock::now();
     options.grow_capacity = std::min(booked, orphaned_.load());
     try {
       Lease l = store_->Acquire(model, bytes, loader, options);

@@ -463,9 +463,12 @@ HttpResponse Daemon::Impl::BudgetEndpoint(const HttpRequest& request) {
       return Problem(400, "capacity_bytes must be a number or a size");
     }
     if (capacity == 0) return Problem(400, "capacity_bytes must be above 0");
-    base::MutexLock lock(&capacity_mu_);
-    configured_ = capacity;
-    ApplyCapacity(orphaned_.load());
+    {
+      base::MutexLock lock(&capacity_mu_);
+      configured_ = capacity;
+      ApplyCapacity(orphaned_.load());
+    }
+    store_->budget().EvictOverCapacity();  // with capacity_mu_ let go
   }
   const ModelCache& store = *store_;
   const uint64_t configured = configured_.load();

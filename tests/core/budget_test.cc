@@ -625,5 +625,29 @@ TEST(CacheBudget, ARetiredRecordsLastLeaseEvictsAgainOverAShrunkenCapacity) {
   EXPECT_EQ(cache.CheckInvariants(), 60u);
 }
 
+// Resize changes the capacity and evicts nothing (an owner may call it
+// under a lock of its own); EvictOverCapacity then evicts, in policy order,
+// what usage is over by.
+TEST(CacheBudget, ResizeEvictsNothingUntilEvictOverCapacity) {
+  auto budget = std::make_shared<Budget>(100, "host");
+  ModelCache cache(On(budget, "models"));
+  cache.Prefetch("a", 40, SimpleLoader("a", 40));
+  cache.Prefetch("b", 40, SimpleLoader("b", 40));
+  Lease held = cache.Acquire("c", 20, SimpleLoader("c", 20));
+  budget->Resize(30);
+  EXPECT_EQ(budget->capacity(), 30u);
+  EXPECT_EQ(budget->used(), 100u);
+  EXPECT_EQ(ResidentKeys(cache), (std::vector<std::string>{"a", "b", "c"}));
+  // a and b go (least recently used first); the leased c stays.
+  EXPECT_EQ(budget->EvictOverCapacity(), 0u);
+  EXPECT_EQ(ResidentKeys(cache), std::vector<std::string>{"c"});
+  EXPECT_EQ(budget->used(), 20u);
+  budget->Resize(10);
+  EXPECT_EQ(budget->EvictOverCapacity(), 10u);  // held by the lease
+  held.Release();  // over capacity: the end of its last lease evicts it
+  EXPECT_EQ(budget->used(), 0u);
+  EXPECT_EQ(budget->EvictOverCapacity(), 0u);
+}
+
 }  // namespace
 }  // namespace modelcache

@@ -24,6 +24,14 @@
 #define MC_REQUIRES(...) MC_THREAD_ANNOTATION_(requires_capability(__VA_ARGS__))
 // A function that must be called without the given locks held.
 #define MC_EXCLUDES(...) MC_THREAD_ANNOTATION_(locks_excluded(__VA_ARGS__))
+
+// The order of two mutexes: this one is taken before (after) those named,
+// never while they are held. Checked by -Wthread-safety-beta where both are
+// taken in one function.
+#define MC_ACQUIRED_BEFORE(...) \
+  MC_THREAD_ANNOTATION_(acquired_before(__VA_ARGS__))
+#define MC_ACQUIRED_AFTER(...) \
+  MC_THREAD_ANNOTATION_(acquired_after(__VA_ARGS__))
 // A function that takes, or lets go of, the given locks.
 #define MC_ACQUIRE(...) MC_THREAD_ANNOTATION_(acquire_capability(__VA_ARGS__))
 #define MC_RELEASE(...) MC_THREAD_ANNOTATION_(release_capability(__VA_ARGS__))

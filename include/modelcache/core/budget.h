@@ -170,6 +170,20 @@ class Budget {
   // again.
   uint64_t SetCapacity(uint64_t capacity_bytes) MC_EXCLUDES(mu_);
 
+  // SetCapacity in two steps, for an owner that changes the capacity under
+  // a lock of its own and must not hold that lock across evictions (user
+  // code, and as slow as the unloaders). Resize changes the capacity and
+  // returns at once, evicting nothing; usage over it stays until
+  // EvictOverCapacity, or the next end of a last lease or unpin (see
+  // SetCapacity), evicts it. Resize calls no member, so it may be called
+  // holding any lock that no member takes.
+  void Resize(uint64_t capacity_bytes) MC_EXCLUDES(mu_);
+  // Evicts unleased, unpinned records in policy order while usage is over
+  // the capacity; returns the bytes still over (0 when within it). Cheap
+  // when usage is within the capacity.
+  // REQUIRES: the caller holds no lock of any member.
+  uint64_t EvictOverCapacity() MC_EXCLUDES(mu_);
+
   PolicyClock& policy_clock() { return clock_; }
 
   // ---- For cache and store implementations. ----

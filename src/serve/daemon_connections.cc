@@ -128,13 +128,23 @@ void Daemon::Impl::Accept() {
 
 void Daemon::Impl::Readable(Connection& c) {
   detail::Datagram datagram;
+  bool reset = false;
   for (int i = 0; i < kReadsPerWakeup && !c.doomed; ++i) {
-    const int r =
-        detail::ReceiveDatagram(c.fd.get(), protocol::kMaxMessageBytes,
-                                2 * protocol::kMaxFilesPerModel, MSG_DONTWAIT,
-                                &datagram);
+    const int r = detail::ReceiveDatagram(
+        c.fd.get(), protocol::kMaxMessageBytes, 2 * protocol::kMaxFilesPerModel,
+        MSG_DONTWAIT, &datagram);
     if (r < 0) {
       if (errno == EAGAIN || errno == EWOULDBLOCK) return;
+      // A peer that closes with replies of ours unread makes the kernel
+      // report ECONNRESET once, ahead of the datagrams it sent last: a
+      // client's final releases (Client::Close sends them just before it
+      // closes). Read those, then the end, rather than orphan the leases
+      // they release.
+      if (errno == ECONNRESET && !reset) {
+        reset = true;
+        --i;
+        continue;
+      }
       Doom(c, Disconnect::kError);
       return;
     }

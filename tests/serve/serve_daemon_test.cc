@@ -8,6 +8,7 @@
 // twice.
 #include <gmock/gmock.h>
 #include <gtest/gtest.h>
+#include <poll.h>
 #include <sys/inotify.h>
 #include <sys/mman.h>
 
@@ -91,6 +92,42 @@ TEST_F(ServeTest, ReleasesTheSocketHasNoRoomForAreQueuedAndAllReachTheDaemon) {
         d.Metric("modelcache_client_disconnects_total{reason=\"slow_reader\"}"),
         0);
   }
+}
+
+// A client that closes with replies of the daemon's unread makes the
+// kernel report ECONNRESET to the daemon once, ahead of the datagrams the
+// client sent last. The daemon still reads them: a release sent just
+// before the close (Client::Close sends the idle leases' releases so)
+// releases its lease instead of leaving it orphaned until a rescan.
+TEST_F(ServeTest, AReleaseSentJustBeforeACloseWithRepliesUnreadIsRead) {
+  AddModel("tiny", 64 * kKiB, 3);
+  DaemonOptions options;
+  options.catalog = catalog_;
+  options.root = root_;
+  options.socket = socket_;
+  options.pause_hook = true;
+  daemon_ = std::make_unique<Daemon>(options);
+  Daemon& d = *daemon_;
+  Raw raw(d.socket());
+  ASSERT_TRUE(raw.Send(protocol::EncodeHello(1)));
+  ASSERT_TRUE(raw.Reply());
+  ASSERT_TRUE(raw.Send(protocol::EncodeAcquire(2, "tiny", 60000, false)));
+  const auto acquired = raw.Reply();
+  ASSERT_TRUE(acquired && acquired->ok);
+  // A reply left unread: the ping's, once it has arrived.
+  ASSERT_TRUE(raw.Send(protocol::EncodePing(3)));
+  pollfd ready{raw.fd(), POLLIN, 0};
+  ASSERT_EQ(::poll(&ready, 1, static_cast<int>(kBound.count() * 1000)), 1);
+  // The release and the close reach the daemon while it reads nothing, so
+  // that it meets the reset before the release.
+  d.PauseReads();
+  ASSERT_TRUE(raw.Send(protocol::EncodeRelease(4, acquired->lease)));
+  raw.Close();
+  d.ResumeReads();
+  Eventually([&] { return d.Metric("modelcache_clients") == 0; },
+             "the daemon hears the close");
+  EXPECT_EQ(d.Metric("modelcache_leases"), 0);
+  EXPECT_EQ(d.Metric("modelcache_orphaned_leases"), 0);
 }
 
 TEST_F(ServeTest, TwoWorkersShareOneCopy) {

@@ -26,6 +26,7 @@
 #include "event_loop.h"
 #include "files.h"
 #include "modelcache/base/bytes.h"
+#include "modelcache/base/text.h"
 #include "modelcache/core/policy.h"
 #include "modelcache/weights/memfd.h"
 #include "modelcache/weights/safetensors.h"
@@ -51,7 +52,7 @@ void Daemon::Impl::Accept() {
       const int e = errno;
       if (e == EAGAIN || e == EWOULDBLOCK || e == EINTR) return;
       if (e == EMFILE || e == ENFILE) {
-        Log("accept: " + ErrnoText(e) + "; a connection waits");
+        Log("accept: " + base::ErrnoText(e) + "; a connection waits");
         return;
       }
       continue;  // ECONNABORTED and the like: that peer is gone
@@ -129,10 +130,9 @@ void Daemon::Impl::Accept() {
 void Daemon::Impl::Readable(Connection& c) {
   detail::Datagram datagram;
   for (int i = 0; i < kReadsPerWakeup && !c.doomed; ++i) {
-    const int r =
-        detail::ReceiveDatagram(c.fd.get(), protocol::kMaxMessageBytes,
-                                2 * protocol::kMaxFilesPerModel, MSG_DONTWAIT,
-                                &datagram);
+    const int r = detail::ReceiveDatagram(
+        c.fd.get(), protocol::kMaxMessageBytes, 2 * protocol::kMaxFilesPerModel,
+        MSG_DONTWAIT, &datagram);
     if (r < 0) {
       if (errno == EAGAIN || errno == EWOULDBLOCK) return;
       Doom(c, Disconnect::kError);

@@ -11,6 +11,7 @@
 #include <cstring>
 #include <new>
 
+#include "modelcache/base/text.h"
 #include "modelcache/replay/replay.h"
 
 namespace modelcache::replay {
@@ -158,7 +159,8 @@ InputFile::InputFile(std::string path) : path_(std::move(path)) {
   }
   fd_ = ::open(path_.c_str(), O_RDONLY | O_CLOEXEC);
   if (fd_ < 0) {
-    throw TraceError(path_ + ":1: cannot open file: " + std::strerror(errno));
+    const int error = errno;
+    throw TraceError(path_ + ":1: cannot open file: " + base::ErrnoText(error));
   }
   if (::fstat(fd_, &st) == 0 && S_ISREG(st.st_mode)) {
     file_bytes_ = static_cast<uint64_t>(st.st_size);
@@ -207,9 +209,9 @@ bool InputFile::Fill() {
       file_ended_ = true;
       return false;
     }
-    if (errno != EINTR) {
-      throw InputError(std::string("cannot read the file (") +
-                       std::strerror(errno) + ")");
+    const int error = errno;
+    if (error != EINTR) {
+      throw InputError("cannot read the file (" + base::ErrnoText(error) + ")");
     }
   }
 }

@@ -10,6 +10,7 @@
 #include <set>
 #include <sstream>
 
+#include "modelcache/base/text.h"
 #include "protocol.h"
 
 namespace modelcache::serve {
@@ -21,26 +22,8 @@ constexpr size_t kMaxCatalogBytes = size_t{16} << 20;
 constexpr size_t kMaxPathBytes = 1024;
 constexpr size_t kMaxPathsBytes = size_t{32} << 10;
 constexpr int kMaxPriority = 1000;
-
-std::string Shown(std::string_view text) {
-  std::string out;
-  for (const char ch : text) {
-    const unsigned char c = static_cast<unsigned char>(ch);
-    if (out.size() > 80) {
-      out += "...";
-      break;
-    }
-    if (c >= 0x20 && c < 0x7f && c != '\'' && c != '\\') {
-      out += ch;
-    } else {
-      static const char kHex[] = "0123456789abcdef";
-      out += "\\x";
-      out += kHex[c >> 4];
-      out += kHex[c & 15];
-    }
-  }
-  return "'" + out + "'";
-}
+// How much of an untrusted key, id or path a message quotes.
+constexpr size_t kQuotedBytes = 80;
 
 // Why `path` may not name a file beneath the root, or "".
 std::string PathProblem(const std::string& path) {
@@ -95,7 +78,9 @@ Catalog Catalog::Parse(std::string_view text, const std::string& source) {
   }
   if (!doc.is_object()) throw error("must be a JSON object");
   for (const auto& [key, value] : doc.items()) {
-    if (key != "models") throw error("unknown key " + Shown(key));
+    if (key != "models") {
+      throw error("unknown key " + base::Quoted(key, kQuotedBytes));
+    }
   }
   const auto models = doc.find("models");
   if (models == doc.end() || !models->is_array()) {
@@ -113,7 +98,7 @@ Catalog Catalog::Parse(std::string_view text, const std::string& source) {
     }
     CatalogModel model;
     model.id = id_it->get<std::string>();
-    const std::string name = "model " + Shown(model.id);
+    const std::string name = "model " + base::Quoted(model.id, kQuotedBytes);
     if (!IsValidModelId(model.id)) {
       throw error(name +
                   ": not a valid id (1 to 128 characters of [A-Za-z0-9._-], "
@@ -131,10 +116,12 @@ Catalog Catalog::Parse(std::string_view text, const std::string& source) {
           }
           std::string path = file.get<std::string>();
           if (const std::string why = PathProblem(path); !why.empty()) {
-            throw error(name + ": file " + Shown(path) + " " + why);
+            throw error(name + ": file " + base::Quoted(path, kQuotedBytes) +
+                        " " + why);
           }
           if (!seen.insert(path).second) {
-            throw error(name + ": file " + Shown(path) + " is listed twice");
+            throw error(name + ": file " + base::Quoted(path, kQuotedBytes) +
+                        " is listed twice");
           }
           total += path.size();
           model.files.push_back(std::move(path));
@@ -155,10 +142,12 @@ Catalog Catalog::Parse(std::string_view text, const std::string& source) {
         }
         for (const json& alias : value) {
           if (!alias.is_string() || !IsValidModelId(alias.get<std::string>())) {
-            throw error(name + ": alias " +
-                        (alias.is_string() ? Shown(alias.get<std::string>())
-                                           : std::string("(not a string)")) +
-                        " is not a valid id");
+            throw error(
+                name + ": alias " +
+                (alias.is_string()
+                     ? base::Quoted(alias.get<std::string>(), kQuotedBytes)
+                     : std::string("(not a string)")) +
+                " is not a valid id");
           }
           model.aliases.push_back(alias.get<std::string>());
         }
@@ -177,7 +166,7 @@ Catalog Catalog::Parse(std::string_view text, const std::string& source) {
         }
         model.priority = static_cast<int>(value.get<int64_t>());
       } else {
-        throw error(name + ": unknown key " + Shown(key) +
+        throw error(name + ": unknown key " + base::Quoted(key, kQuotedBytes) +
                     " (known: id, files, aliases, pinned, priority)");
       }
     }
@@ -188,7 +177,8 @@ Catalog Catalog::Parse(std::string_view text, const std::string& source) {
     }
     for (const std::string& alias : model.aliases) {
       if (!catalog.names_.emplace(alias, position).second) {
-        throw error(name + ": alias " + Shown(alias) + " is used twice");
+        throw error(name + ": alias " + base::Quoted(alias, kQuotedBytes) +
+                    " is used twice");
       }
     }
     catalog.models_.push_back(std::move(model));

@@ -44,7 +44,7 @@ std::span<const std::byte> RemoteWeights::data(std::string_view name) const {
   if (t == nullptr) {
     throw Error(ErrorCode::kNotFound, "model '" + grant_->copy->model +
                                           "' has no tensor named '" +
-                                          weights::Printable(name) + "'");
+                                          base::Printable(name) + "'");
   }
   return t->data;
 }

@@ -18,7 +18,7 @@ std::shared_ptr<Connection> ClientCore::Dial(Clock::time_point deadline) {
   c->fd.reset(::socket(AF_UNIX, SOCK_SEQPACKET | SOCK_CLOEXEC, 0));
   if (!c->fd) {
     const int e = errno;
-    throw DaemonUnavailableError("cannot make a socket: " + ErrnoText(e));
+    throw DaemonUnavailableError("cannot make a socket: " + base::ErrnoText(e));
   }
   // A full backlog makes connect wait; bound that wait.
   timeval tv{};
@@ -32,7 +32,7 @@ std::shared_ptr<Connection> ClientCore::Dial(Clock::time_point deadline) {
   if (r != 0) {
     const int e = errno;
     throw DaemonUnavailableError("cannot reach the daemon at " + path_ + ": " +
-                                 ErrnoText(e));
+                                 base::ErrnoText(e));
   }
   ::fcntl(c->fd.get(), F_SETFL, ::fcntl(c->fd.get(), F_GETFL) | O_NONBLOCK);
   InstallForkHandler();
@@ -81,7 +81,7 @@ std::shared_ptr<Connection> ClientCore::Dial(Clock::time_point deadline) {
     if (errno != EAGAIN && errno != EWOULDBLOCK) {
       const int e = errno;
       throw DaemonUnavailableError("lost the daemon at " + path_ + ": " +
-                                   ErrnoText(e));
+                                   base::ErrnoText(e));
     }
     if (!sent) {
       throw DaemonUnavailableError("the daemon at " + path_ +
@@ -267,8 +267,9 @@ void ClientCore::ReclaimAndPublish(const std::shared_ptr<Connection>& c,
         if (SendDatagram(c->fd.get(), messages[next], fds, MSG_DONTWAIT) != 0) {
           if (errno == EAGAIN || errno == EWOULDBLOCK) break;
           const int e = errno;
-          throw DaemonUnavailableError("lost the daemon at " + path_ +
-                                       " while reclaiming: " + ErrnoText(e));
+          throw DaemonUnavailableError(
+              "lost the daemon at " + path_ +
+              " while reclaiming: " + base::ErrnoText(e));
         }
         ++next;
         ++unanswered;
@@ -314,8 +315,9 @@ void ClientCore::ReclaimAndPublish(const std::shared_ptr<Connection>& c,
       if (errno == ECONNRESET) continue;
       if (errno != EAGAIN && errno != EWOULDBLOCK) {
         const int e = errno;
-        throw DaemonUnavailableError("lost the daemon at " + path_ +
-                                     " while reclaiming: " + ErrnoText(e));
+        throw DaemonUnavailableError(
+            "lost the daemon at " + path_ +
+            " while reclaiming: " + base::ErrnoText(e));
       }
       if (Clock::now() >= until) {
         throw DaemonUnavailableError("the daemon at " + path_ +
@@ -647,7 +649,7 @@ void ClientCore::SendNotice(const std::shared_ptr<Connection>& c,
                                  ? protocol::EncodeIdle(id, lease)
                                  : protocol::EncodeUse(id, lease));
   if (!FlushUnsent(*c)) {
-    last_break_ = "the connection failed: " + ErrnoText(errno);
+    last_break_ = "the connection failed: " + base::ErrnoText(errno);
     Broke(c);
     return;
   }
@@ -774,7 +776,7 @@ void ClientCore::ReadAndFile(const std::shared_ptr<Connection>& c,
       continue;
     } else if (errno != EAGAIN && errno != EWOULDBLOCK) {
       broken = true;
-      why = "the connection failed: " + ErrnoText(errno);
+      why = "the connection failed: " + base::ErrnoText(errno);
     }
     break;
   }
@@ -825,7 +827,7 @@ void ClientCore::SendRelease(const std::shared_ptr<Connection>& c,
   const uint64_t id = next_id_++;
   c->unsent.emplace_back(id, protocol::EncodeRelease(id, lease));
   if (!FlushUnsent(*c)) {
-    last_break_ = "the connection failed: " + ErrnoText(errno);
+    last_break_ = "the connection failed: " + base::ErrnoText(errno);
     Broke(c);
     return;
   }
@@ -898,7 +900,7 @@ void ClientCore::Flusher() {
       continue;
     }
     if (!FlushUnsent(*c)) {
-      last_break_ = "the connection failed: " + ErrnoText(errno);
+      last_break_ = "the connection failed: " + base::ErrnoText(errno);
       Broke(c);
       continue;
     }

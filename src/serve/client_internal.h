@@ -133,6 +133,7 @@
 #include <unordered_set>
 
 #include "modelcache/base/mutex.h"
+#include "modelcache/base/text.h"
 #include "modelcache/base/unique_fd.h"
 #include "modelcache/serve/client.h"
 #include "modelcache/weights/memfd.h"
@@ -165,11 +166,6 @@ inline constexpr std::chrono::milliseconds kReclaimBackoffMax{200};
 // nothing, so the daemon hears "use" within about this much (plus
 // idle_notice_delay) of it; meanwhile its recall is answered "use".
 inline constexpr std::chrono::milliseconds kUseNoticeLag{100};
-
-inline std::string ErrnoText(int error) {
-  char buffer[256];
-  return ::strerror_r(error, buffer, sizeof(buffer));
-}
 
 // Milliseconds to `deadline` for poll, at most 1000 (so that a waiter looks
 // at the clock again), 0 when it has passed.

@@ -145,7 +145,7 @@ RemoteWeights ClientCore::Acquire(std::string_view model,
         const int e = errno;
         throw ServeError(
             ServeCode::kLoadFailed, ErrorCode::kIo,
-            "cannot map the copy of " + source + ": " + ErrnoText(e));
+            "cannot map the copy of " + source + ": " + base::ErrnoText(e));
       }
       copy->mappings.push_back({base, bytes});
       // A forked child must not share it: it holds no lease.

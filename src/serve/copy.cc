@@ -5,13 +5,13 @@
 #include <unistd.h>
 
 #include <cerrno>
-#include <cstring>
 #include <utility>
 
 #include "files.h"
 #include "handover.h"
 #include "modelcache/base/bytes.h"
 #include "modelcache/base/errors.h"
+#include "modelcache/base/text.h"
 #include "modelcache/weights/safetensors.h"
 
 namespace modelcache::serve::detail {
@@ -152,7 +152,7 @@ std::shared_ptr<ModelCopy> AdoptCopy(const CopyLoadOptions& options,
     if (!file.adopted_data || !file.header) {
       const int error = errno;
       throw Error(ErrorCode::kIo,
-                  "cannot keep a memfd: " + std::string(std::strerror(error)));
+                  "cannot keep a memfd: " + base::ErrnoText(error));
     }
     struct stat st;
     if (::fstat(file.adopted_data.get(), &st) != 0) {

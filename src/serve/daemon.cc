@@ -27,6 +27,7 @@
 #include "event_loop.h"
 #include "files.h"
 #include "modelcache/base/bytes.h"
+#include "modelcache/base/text.h"
 #include "modelcache/core/policy.h"
 #include "modelcache/weights/memfd.h"
 #include "modelcache/weights/safetensors.h"
@@ -117,7 +118,7 @@ void Daemon::Impl::Run() {
     iteration_started = true;
     if (n < 0 && errno != EINTR) {
       const int e = errno;
-      Log("epoll_wait failed: " + ErrnoText(e) + "; shutting down");
+      Log("epoll_wait failed: " + base::ErrnoText(e) + "; shutting down");
       BeginShutdown();
       continue;
     }

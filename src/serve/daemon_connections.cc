@@ -26,6 +26,7 @@
 #include "event_loop.h"
 #include "files.h"
 #include "modelcache/base/bytes.h"
+#include "modelcache/base/text.h"
 #include "modelcache/core/policy.h"
 #include "modelcache/weights/memfd.h"
 #include "modelcache/weights/safetensors.h"
@@ -51,7 +52,7 @@ void Daemon::Impl::Accept() {
       const int e = errno;
       if (e == EAGAIN || e == EWOULDBLOCK || e == EINTR) return;
       if (e == EMFILE || e == ENFILE) {
-        Log("accept: " + ErrnoText(e) + "; a connection waits");
+        Log("accept: " + base::ErrnoText(e) + "; a connection waits");
         return;
       }
       continue;  // ECONNABORTED and the like: that peer is gone

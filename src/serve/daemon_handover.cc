@@ -39,6 +39,7 @@
 #include "event_loop.h"
 #include "handover.h"
 #include "modelcache/base/bytes.h"
+#include "modelcache/base/text.h"
 #include "modelcache/weights/memfd.h"
 #include "socket.h"
 
@@ -295,7 +296,7 @@ void Daemon::Impl::TakeOver() {
                        sizeof(address)) != 0) {
     const int e = errno;
     Refused("no daemon serves on " + socket_path_ + " to take over from (" +
-            ErrnoText(e) + ")");
+            base::ErrnoText(e) + ")");
   }
   const auto wait = [&](short events) {
     pollfd p{fd.get(), events, 0};

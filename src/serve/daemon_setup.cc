@@ -26,6 +26,7 @@
 #include "event_loop.h"
 #include "files.h"
 #include "modelcache/base/bytes.h"
+#include "modelcache/base/text.h"
 #include "modelcache/core/policy.h"
 #include "modelcache/weights/memfd.h"
 #include "modelcache/weights/safetensors.h"
@@ -157,7 +158,7 @@ Daemon::Impl::Impl(DaemonOptions options)
   if (!epoll_fd_ || !event_fd_) {
     const int e = errno;
     throw Error(ErrorCode::kIo,
-                "cannot create the event loop: " + ErrnoText(e));
+                "cannot create the event loop: " + base::ErrnoText(e));
   }
   EpollAdd(epoll_fd_.get(), event_fd_.get(), EPOLLIN, Tagged(kEventTag, 0));
   if (options_.handle_signals) {
@@ -169,7 +170,7 @@ Daemon::Impl::Impl(DaemonOptions options)
     signal_fd_.reset(::signalfd(-1, &set, SFD_NONBLOCK | SFD_CLOEXEC));
     if (!signal_fd_) {
       const int e = errno;
-      throw Error(ErrorCode::kIo, "signalfd: " + ErrnoText(e));
+      throw Error(ErrorCode::kIo, "signalfd: " + base::ErrnoText(e));
     }
     EpollAdd(epoll_fd_.get(), signal_fd_.get(), EPOLLIN, Tagged(kSignalTag, 0));
   }
@@ -282,7 +283,7 @@ void Daemon::Impl::Listen() {
     if (::mkdir(folder.c_str(), 0750) != 0) {
       const int e = errno;
       Invalid("cannot create the socket's folder " + folder.string() + ": " +
-              ErrnoText(e));
+              base::ErrnoText(e));
     }
     ::chmod(folder.c_str(), 0750);  // whatever the umask
   } else if (!S_ISDIR(st.st_mode)) {
@@ -319,7 +320,7 @@ void Daemon::Impl::Listen() {
              sizeof(address)) != 0) {
     const int e = errno;
     throw Error(ErrorCode::kIo,
-                "cannot bind " + socket_path_ + ": " + ErrnoText(e));
+                "cannot bind " + socket_path_ + ": " + base::ErrnoText(e));
   }
   if (::chmod(socket_path_.c_str(), 0660) != 0 ||
       ::listen(listen_fd_.get(), SOMAXCONN) != 0 ||
@@ -327,7 +328,7 @@ void Daemon::Impl::Listen() {
     const int e = errno;
     ::unlink(socket_path_.c_str());
     throw Error(ErrorCode::kIo,
-                "cannot listen on " + socket_path_ + ": " + ErrnoText(e));
+                "cannot listen on " + socket_path_ + ": " + base::ErrnoText(e));
   }
   socket_inode_ = st.st_ino;
   EpollAdd(epoll_fd_.get(), listen_fd_.get(), EPOLLIN, Tagged(kListenTag, 0));

@@ -12,11 +12,11 @@
 #include <cerrno>
 #include <chrono>
 #include <cstdint>
-#include <cstring>
 #include <string>
 #include <string_view>
 
 #include "modelcache/base/errors.h"
+#include "modelcache/base/text.h"
 
 // In the daemon's namespace (not a public header): the daemon_*.cc files
 // call these unqualified, as they did when they were one file.
@@ -44,11 +44,6 @@ inline constexpr int kReadsPerWakeup = 16;
 inline constexpr int kAcceptsPerWakeup = 64;
 inline constexpr std::chrono::milliseconds kInterruptEvery{10};
 
-inline std::string ErrnoText(int error) {
-  char buffer[256];
-  return ::strerror_r(error, buffer, sizeof(buffer));
-}
-
 [[noreturn]] inline void Invalid(const std::string& message) {
   throw Error(ErrorCode::kInvalidArgument, message);
 }
@@ -68,7 +63,7 @@ inline void EpollAdd(int epoll, int fd, uint32_t events, uint64_t tag) {
   ev.data.u64 = tag;
   if (::epoll_ctl(epoll, EPOLL_CTL_ADD, fd, &ev) != 0) {
     const int e = errno;
-    throw Error(ErrorCode::kIo, "epoll_ctl: " + ErrnoText(e));
+    throw Error(ErrorCode::kIo, "epoll_ctl: " + base::ErrnoText(e));
   }
 }
 

@@ -7,19 +7,14 @@
 #include <unistd.h>
 
 #include <cerrno>
-#include <cstring>
 #include <string_view>
 #include <vector>
 
+#include "modelcache/base/text.h"
 #include "modelcache/weights/safetensors.h"
 
 namespace modelcache::serve::detail {
 namespace {
-
-std::string ErrnoText(int error) {
-  char buffer[256];
-  return ::strerror_r(error, buffer, sizeof(buffer));
-}
 
 [[noreturn]] void Fail(const std::string& path, int error) {
   switch (error) {
@@ -32,7 +27,8 @@ std::string ErrnoText(int error) {
       throw weights::IoError(
           path, "passes through something that is not a directory", error);
     default:
-      throw weights::IoError(path, "cannot open: " + ErrnoText(error), error);
+      throw weights::IoError(path, "cannot open: " + base::ErrnoText(error),
+                             error);
   }
 }
 
@@ -128,7 +124,7 @@ base::UniqueFd OpenRoot(const std::string& path) {
   if (fd < 0) {
     const int error = errno;
     throw weights::IoError(
-        path, "cannot open the model root: " + ErrnoText(error), error);
+        path, "cannot open the model root: " + base::ErrnoText(error), error);
   }
   return base::UniqueFd(fd);
 }

@@ -12,6 +12,7 @@
 
 #include "event_loop.h"
 #include "modelcache/base/errors.h"
+#include "modelcache/base/text.h"
 #include "protocol.h"
 
 namespace modelcache::serve::detail {
@@ -304,7 +305,7 @@ void WriteFileAtomically(const std::string& path, std::string_view text) {
   if (fd < 0) {
     const int e = errno;
     throw Error(ErrorCode::kIo,
-                "cannot write " + temporary + ": " + ErrnoText(e));
+                "cannot write " + temporary + ": " + base::ErrnoText(e));
   }
   size_t done = 0;
   int error = 0;
@@ -327,7 +328,7 @@ void WriteFileAtomically(const std::string& path, std::string_view text) {
   if (error != 0) {
     ::unlink(temporary.c_str());
     throw Error(ErrorCode::kIo,
-                "cannot write " + path + ": " + ErrnoText(error));
+                "cannot write " + path + ": " + base::ErrnoText(error));
   }
 }
 
@@ -336,7 +337,8 @@ std::optional<std::string> ReadSmallFile(const std::string& path) {
   if (fd < 0) {
     const int e = errno;
     if (e == ENOENT) return std::nullopt;
-    throw Error(ErrorCode::kIo, "cannot read " + path + ": " + ErrnoText(e));
+    throw Error(ErrorCode::kIo,
+                "cannot read " + path + ": " + base::ErrnoText(e));
   }
   std::string text;
   char buffer[65536];
@@ -346,7 +348,8 @@ std::optional<std::string> ReadSmallFile(const std::string& path) {
     if (n < 0) {
       const int e = errno;
       ::close(fd);
-      throw Error(ErrorCode::kIo, "cannot read " + path + ": " + ErrnoText(e));
+      throw Error(ErrorCode::kIo,
+                  "cannot read " + path + ": " + base::ErrnoText(e));
     }
     if (n == 0) break;
     text.append(buffer, static_cast<size_t>(n));

@@ -16,32 +16,16 @@
 #include <nlohmann/json.hpp>
 #include <utility>
 
+#include "modelcache/base/text.h"
+
 namespace modelcache::serve::protocol {
 namespace {
 
 using json = nlohmann::json;
 
-// `text` for a message: printable ASCII kept, other bytes as \xNN, cut at
-// `max` bytes.
-std::string Shown(std::string_view text, size_t max = 64) {
-  std::string out;
-  for (size_t i = 0; i < text.size(); ++i) {
-    if (out.size() >= max) {
-      out += "...";
-      break;
-    }
-    const unsigned char c = static_cast<unsigned char>(text[i]);
-    if (c >= 0x20 && c < 0x7f && c != '\\' && c != '\'') {
-      out += static_cast<char>(c);
-    } else {
-      static const char kHex[] = "0123456789abcdef";
-      out += "\\x";
-      out += kHex[c >> 4];
-      out += kHex[c & 15];
-    }
-  }
-  return "'" + out + "'";
-}
+// How much of an untrusted name a message quotes: enough to recognize it,
+// little enough that an error reply stays small.
+constexpr size_t kQuotedBytes = 64;
 
 std::string Dump(const json& value) {
   return value.dump(-1, ' ', false, json::error_handler_t::replace);
@@ -91,7 +75,9 @@ class RequestSax {
     return true;
   }
   bool key(std::string& key) {
-    if (fields_.count(key) != 0) return Fail("duplicate field " + Shown(key));
+    if (fields_.count(key) != 0) {
+      return Fail("duplicate field " + base::Quoted(key, kQuotedBytes));
+    }
     if (fields_.size() == kMaxFields) {
       return Fail("more than " + std::to_string(kMaxFields) + " fields");
     }
@@ -123,7 +109,7 @@ class RequestSax {
       return Fail("a request must be a JSON object, found " + what);
     }
     if (state_ == State::kValue) {
-      return Fail("field " + Shown(key_) +
+      return Fail("field " + base::Quoted(key_, kQuotedBytes) +
                   " must be a string or a non-negative integer, found " + what);
     }
     return Fail("unexpected " + what);
@@ -255,7 +241,7 @@ ParsedRequest ParseRequest(std::string_view message) {
     if (op->second.text == s.name) spec = &s;
   }
   if (spec == nullptr) {
-    out.error = "unknown op " + Shown(op->second.text) +
+    out.error = "unknown op " + base::Quoted(op->second.text, kQuotedBytes) +
                 " (known: hello, acquire, release, ping, idle, use, reclaim, "
                 "takeover, commit)";
     return out;
@@ -269,9 +255,9 @@ ParsedRequest ParseRequest(std::string_view message) {
       for (const OpSpec& s : Ops()) {
         for (const char* f : s.fields) known = known || name == f;
       }
-      out.error = known ? "field " + Shown(name) + " does not belong to op '" +
-                              spec->name + "'"
-                        : "unknown field " + Shown(name);
+      out.error = known ? "field " + base::Quoted(name, kQuotedBytes) +
+                              " does not belong to op '" + spec->name + "'"
+                        : "unknown field " + base::Quoted(name, kQuotedBytes);
       return out;
     }
   }
@@ -305,7 +291,7 @@ ParsedRequest ParseRequest(std::string_view message) {
       return false;
     }
     if (!IsValidModelId(model->second.text)) {
-      out.error = "model id " + Shown(model->second.text) +
+      out.error = "model id " + base::Quoted(model->second.text, kQuotedBytes) +
                   " is not valid: 1 to 128 characters of [A-Za-z0-9._-], "
                   "starting with a letter or digit, without '..'";
       return false;
@@ -429,7 +415,10 @@ ParsedReply ParseReply(std::string_view message) {
       return fail("error reply has no 'code' string");
     }
     const auto parsed = ParseServeCode(code);
-    if (!parsed) return fail("error reply has an unknown code " + Shown(code));
+    if (!parsed) {
+      return fail("error reply has an unknown code " +
+                  base::Quoted(code, kQuotedBytes));
+    }
     reply.code = *parsed;
     if (!string_field(*error, "message", &reply.message, true) ||
         !string_field(*error, "cause", &reply.cause, false)) {
@@ -448,14 +437,15 @@ ParsedReply ParseReply(std::string_view message) {
   }
   if (!reply.load.empty() && reply.load != "hit" && reply.load != "miss" &&
       reply.load != "joined") {
-    return fail("'load' is " + Shown(reply.load) +
+    return fail("'load' is " + base::Quoted(reply.load, kQuotedBytes) +
                 ", not \"hit\", \"miss\" or \"joined\"");
   }
   if (const auto limits = doc.find("limits"); limits != doc.end()) {
     if (!limits->is_object()) return fail("'limits' is not an object");
     for (const auto& [name, value] : limits->items()) {
       if (!value.is_number_unsigned()) {
-        return fail("limit " + Shown(name) + " is not an integer");
+        return fail("limit " + base::Quoted(name, kQuotedBytes) +
+                    " is not an integer");
       }
       reply.limits[name] = value.get<uint64_t>();
     }

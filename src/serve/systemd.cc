@@ -16,15 +16,11 @@
 #include <optional>
 #include <utility>
 
+#include "modelcache/base/text.h"
 #include "socket.h"
 
 namespace modelcache::serve::detail {
 namespace {
-
-std::string ErrnoMessage(int error) {
-  char buffer[256];
-  return ::strerror_r(error, buffer, sizeof(buffer));
-}
 
 bool Fail(std::string* error, std::string message) {
   if (error != nullptr) *error = std::move(message);
@@ -165,7 +161,10 @@ bool SystemdNotifier::Notify(std::string_view state, std::span<const int> fds,
   // threads, and a manager that re-executes (and binds its socket anew) is
   // found again by the next one.
   base::UniqueFd fd(::socket(AF_UNIX, SOCK_DGRAM | SOCK_CLOEXEC, 0));
-  if (!fd) return Fail(error, "socket: " + ErrnoMessage(errno));
+  if (!fd) {
+    const int e = errno;
+    return Fail(error, "socket: " + base::ErrnoText(e));
+  }
   if (send_timeout_.count() > 0) {
     // Connected, a datagram socket waits for room in its peer's queue, and
     // SO_SNDTIMEO bounds that wait.
@@ -175,13 +174,15 @@ bool SystemdNotifier::Notify(std::string_view state, std::span<const int> fds,
         static_cast<suseconds_t>(send_timeout_.count() % 1000) * 1000;
     if (::setsockopt(fd.get(), SOL_SOCKET, SO_SNDTIMEO, &timeout,
                      sizeof(timeout)) != 0) {
-      return Fail(error, "SO_SNDTIMEO: " + ErrnoMessage(errno));
+      const int e = errno;
+      return Fail(error, "SO_SNDTIMEO: " + base::ErrnoText(e));
     }
   }
   if (::connect(fd.get(), reinterpret_cast<const sockaddr*>(&address->addr),
                 address->length) != 0) {
+    const int e = errno;
     return Fail(error, "connect to NOTIFY_SOCKET " + address_ + ": " +
-                           ErrnoMessage(errno));
+                           base::ErrnoText(e));
   }
   if (SendDatagram(fd.get(), state, fds,
                    send_timeout_.count() > 0 ? 0 : MSG_DONTWAIT) != 0) {
@@ -190,7 +191,7 @@ bool SystemdNotifier::Notify(std::string_view state, std::span<const int> fds,
                            (saved == EAGAIN || saved == EWOULDBLOCK
                                 ? std::string("the service manager's socket "
                                               "is full")
-                                : ErrnoMessage(saved)));
+                                : base::ErrnoText(saved)));
   }
   return true;
 }
@@ -276,8 +277,9 @@ ListenFds TakeListenFds() {
   for (int i = 0; i < *n; ++i) {
     const int fd = kListenFdsStart + i;
     if (::fcntl(fd, F_GETFD) < 0) {
+      const int e = errno;
       out.error = "LISTEN_FDS=" + *count + " but descriptor " +
-                  std::to_string(fd) + " is not open (" + ErrnoMessage(errno) +
+                  std::to_string(fd) + " is not open (" + base::ErrnoText(e) +
                   ")";
       return out;
     }

@@ -20,13 +20,14 @@
 #include <vector>
 
 #include "modelcache/base/bytes.h"
+#include "modelcache/base/text.h"
 #include "modelcache/weights/safetensors.h"
 
 namespace modelcache::tools {
 
 namespace {
 
-using weights::Printable;
+using base::Printable;
 using weights::SafetensorsHeader;
 using weights::TensorInfo;
 

@@ -9,7 +9,6 @@
 #include <chrono>
 #include <cmath>
 #include <cstdio>
-#include <cstring>
 #include <filesystem>
 #include <fstream>
 #include <iostream>
@@ -21,6 +20,7 @@
 #include <vector>
 
 #include "modelcache/base/errors.h"
+#include "modelcache/base/text.h"
 #include "modelcache/replay/replay.h"
 
 namespace modelcache::tools {
@@ -304,8 +304,10 @@ void CheckReportWritable(const std::string& path) {
   const bool existed = std::filesystem::exists(path, ec);
   FILE* file = std::fopen(path.c_str(), "a");
   if (file == nullptr) {
+    const int error = errno;
     throw Error(ErrorCode::kIo,
-                "--report: cannot write " + path + ": " + std::strerror(errno) +
+                "--report: cannot write " + path + ": " +
+                    base::ErrnoText(error) +
                     " (give a file in a directory that exists and that you "
                     "may write)");
   }
@@ -623,10 +625,11 @@ int RunReplay(ReplayFlags flags) {
     std::ofstream out(flags.report);
     out << replay::HtmlReport(header, title, results, info);
     out.close();
+    const int error = errno;
     if (!out) {
       throw Error(ErrorCode::kIo,
                   "cannot write the report to " + flags.report +
-                      (errno ? std::string(": ") + std::strerror(errno) : ""));
+                      (error ? ": " + base::ErrnoText(error) : ""));
     }
     (flags.json ? std::cerr : std::cout)
         << "\nreport: " << flags.report << "\n";

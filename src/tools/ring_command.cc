@@ -1,7 +1,7 @@
 // `modelcache ring`: the parsing of --nodes, --hash-type and --models, and the
 // owner and moved-set listings (see ring_command.h).
 //
-// Every message quotes user input through weights::Printable, so that it
+// Every message quotes user input through base::Printable, so that it
 // stays one line whatever bytes the input holds.
 #include "ring_command.h"
 
@@ -16,17 +16,17 @@
 
 #include "modelcache/base/csv.h"
 #include "modelcache/base/errors.h"
-#include "modelcache/weights/safetensors.h"
+#include "modelcache/base/text.h"
 
 namespace modelcache::tools {
 
 namespace {
 
+using base::Printable;
 using csv::Trim;
 using replay::ConsistentHashRing;
 using replay::MapBasedHash;
 using replay::RingServer;
-using weights::Printable;
 
 [[noreturn]] void InvalidFlag(const std::string& message) {
   throw Error(ErrorCode::kInvalidArgument, message);

@@ -14,7 +14,8 @@
 #include <sys/stat.h>
 
 #include <cerrno>
-#include <cstring>
+
+#include "modelcache/base/text.h"
 
 namespace modelcache::weights {
 
@@ -24,8 +25,7 @@ FileIdentity StatIdentity(const std::string& path) {
   struct stat st;
   if (::stat(path.c_str(), &st) != 0) {
     const int error = errno;
-    throw IoError(path, std::string("cannot stat: ") + std::strerror(error),
-                  error);
+    throw IoError(path, "cannot stat: " + base::ErrnoText(error), error);
   }
   return FileIdentity{static_cast<uint64_t>(st.st_dev),
                       static_cast<uint64_t>(st.st_ino),

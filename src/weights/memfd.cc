@@ -22,6 +22,7 @@
 #include <utility>
 
 #include "modelcache/base/errors.h"
+#include "modelcache/base/text.h"
 #include "util.h"
 
 #ifndef F_SEAL_FUTURE_WRITE
@@ -37,9 +38,8 @@ uint64_t PageBytes() {
 }
 
 Error MemfdError(const std::string& name, const std::string& what, int error) {
-  return Error(ErrorCode::kIo, "memfd '" + detail::Printable(name, 256) +
-                                   "': " + what + ": " +
-                                   detail::ErrnoText(error));
+  return Error(ErrorCode::kIo, "memfd '" + base::Printable(name, 256) + "': " +
+                                   what + ": " + base::ErrnoText(error));
 }
 
 // memfd_create's limit on a name: 249 bytes (NAME_MAX minus "memfd:").
@@ -202,7 +202,7 @@ void MemfdHostBufferAllocator::Seal(const void* buffer) {
     const auto it = buffers_.find(buffer);
     if (it == buffers_.end()) {
       throw Error(ErrorCode::kInvalidArgument,
-                  "memfd '" + detail::Printable(name_, 256) +
+                  "memfd '" + base::Printable(name_, 256) +
                       "': Seal() of a buffer this allocator did not give");
     }
     if (it->second.sealed) return;

@@ -27,12 +27,12 @@
 #include <unordered_set>
 #include <utility>
 
+#include "modelcache/base/text.h"
 #include "util.h"
 
 namespace modelcache::weights {
 
-using detail::Printable;
-using detail::Quoted;
+using base::Quoted;
 
 // ---- errors ----
 

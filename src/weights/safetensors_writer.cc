@@ -23,6 +23,7 @@
 #include <stdexcept>
 #include <utility>
 
+#include "modelcache/base/text.h"
 #include "util.h"
 
 namespace modelcache::weights {
@@ -222,7 +223,7 @@ uint64_t SafetensorsWriter::Write(const std::string& path,
   } while (raw < 0 && errno == EINTR);
   if (raw < 0) {
     const int e = errno;
-    throw IoError(path, "cannot create: " + detail::ErrnoText(e), e);
+    throw IoError(path, "cannot create: " + base::ErrnoText(e), e);
   }
   detail::Fd fd(raw);
   uint64_t written = 0;
@@ -233,7 +234,7 @@ uint64_t SafetensorsWriter::Write(const std::string& path,
     });
     if (::close(fd.Release()) != 0) {
       const int e = errno;
-      throw IoError(path, "close failed: " + detail::ErrnoText(e), e);
+      throw IoError(path, "close failed: " + base::ErrnoText(e), e);
     }
   } catch (...) {
     fd = detail::Fd();

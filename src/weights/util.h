@@ -1,5 +1,6 @@
 // Helpers shared by the weights layer's implementation files: file
-// descriptors, complete positioned reads and writes, and one-line text.
+// descriptors and complete positioned reads and writes. (Message text, errno's
+// and untrusted names', is base's: modelcache/base/text.h.)
 #ifndef MODELCACHE_SRC_WEIGHTS_UTIL_H_
 #define MODELCACHE_SRC_WEIGHTS_UTIL_H_
 
@@ -8,7 +9,6 @@
 #include <cstddef>
 #include <cstdint>
 #include <string>
-#include <string_view>
 
 #include "modelcache/weights/safetensors.h"
 
@@ -54,13 +54,6 @@ void WriteFull(int fd, const void* buffer, uint64_t length,
 // `file_bytes` bytes, and validates them (see ReadSafetensorsHeader).
 SafetensorsHeader ReadHeaderFromFd(int fd, uint64_t file_bytes,
                                    const std::string& path);
-
-// strerror(error_number), thread-safely.
-std::string ErrnoText(int error_number);
-
-// Printable(text) in single quotes, for names in messages.
-using weights::Printable;
-std::string Quoted(std::string_view text);
 
 }  // namespace modelcache::weights::detail
 

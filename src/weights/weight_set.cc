@@ -35,6 +35,7 @@
 
 #include "modelcache/base/errors.h"
 #include "modelcache/base/mutex.h"
+#include "modelcache/base/text.h"
 #include "util.h"
 
 namespace modelcache::weights {
@@ -135,7 +136,7 @@ void CheckSizeUnchanged(int fd, uint64_t expected, const std::string& path) {
   struct stat st;
   if (::fstat(fd, &st) != 0) {
     const int e = errno;
-    throw IoError(path, "cannot stat: " + detail::ErrnoText(e), e);
+    throw IoError(path, "cannot stat: " + base::ErrnoText(e), e);
   }
   if (static_cast<uint64_t>(st.st_size) != expected) {
     throw IoError(path,
@@ -221,7 +222,7 @@ WeightSet WeightSet::OpenFd(int fd, const std::string& path,
   struct stat st;
   if (::fstat(fd, &st) != 0) {
     const int e = errno;
-    throw IoError(path, "cannot stat: " + detail::ErrnoText(e), e);
+    throw IoError(path, "cannot stat: " + base::ErrnoText(e), e);
   }
   if (S_ISDIR(st.st_mode)) throw IoError(path, "is a directory", EISDIR);
   if (!S_ISREG(st.st_mode)) throw IoError(path, "not a regular file", EINVAL);
@@ -238,7 +239,7 @@ WeightSet WeightSet::FromMemory(std::string path, FileIdentity identity,
   }
   if (data.size() != header->data_bytes()) {
     throw Error(ErrorCode::kInvalidArgument,
-                detail::Printable(path, 4096) + ": " +
+                base::Printable(path, 4096) + ": " +
                     std::to_string(data.size()) +
                     " bytes of data for a header that describes " +
                     std::to_string(header->data_bytes()));
@@ -273,7 +274,7 @@ WeightSet WeightSet::Load(int fd, const FileIdentity& identity,
     void* base = ::mmap(nullptr, file_bytes, PROT_READ, flags, fd, 0);
     if (base == MAP_FAILED) {
       const int e = errno;
-      throw IoError(path, "mmap failed: " + detail::ErrnoText(e), e);
+      throw IoError(path, "mmap failed: " + base::ErrnoText(e), e);
     }
     try {
       set.storage_ = std::make_unique<Storage>(base, file_bytes);
@@ -345,9 +346,9 @@ WeightSet::~WeightSet() = default;
 std::span<const std::byte> WeightSet::data(std::string_view name) const {
   const TensorInfo* tensor = header_->Find(name);
   if (tensor == nullptr) {
-    throw Error(ErrorCode::kNotFound, detail::Printable(path_, 4096) +
+    throw Error(ErrorCode::kNotFound, base::Printable(path_, 4096) +
                                           ": no tensor named " +
-                                          detail::Quoted(name));
+                                          base::Quoted(name));
   }
   return data(*tensor);
 }

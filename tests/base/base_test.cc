@@ -1,7 +1,9 @@
 // The base layer on its own: byte sizes both ways, durations, CSV fields,
-// and the error root.
+// the error root and message text. (Printable's escapes are checked where it
+// was first offered, as weights::Printable: tests/weights/safetensors_test.)
 #include <gtest/gtest.h>
 
+#include <cerrno>
 #include <cstdint>
 #include <string>
 #include <string_view>
@@ -11,6 +13,7 @@
 #include "modelcache/base/csv.h"
 #include "modelcache/base/duration.h"
 #include "modelcache/base/errors.h"
+#include "modelcache/base/text.h"
 
 namespace modelcache {
 namespace {
@@ -101,6 +104,20 @@ TEST(Error, EveryCodeHasAName) {
   const Error e(ErrorCode::kIo, "disk gone");
   const std::runtime_error& root = e;
   EXPECT_STREQ(root.what(), "disk gone");
+}
+
+TEST(ErrnoText, NamesTheErrorAndAnUnknownNumber) {
+  EXPECT_EQ(base::ErrnoText(ENOENT), "No such file or directory");
+  EXPECT_EQ(base::ErrnoText(EACCES), "Permission denied");
+  // Not in the table: glibc writes the number into the caller's buffer.
+  EXPECT_EQ(base::ErrnoText(99999), "Unknown error 99999");
+}
+
+TEST(Quoted, QuotesThePrintableFormAndCutsItShort) {
+  EXPECT_EQ(base::Quoted("model/a"), "'model/a'");
+  EXPECT_EQ(base::Quoted("a\nb\x1b"), R"('a\nb\x1B')");
+  EXPECT_EQ(base::Quoted(std::string(100, 'x'), 8), "'xxxxxxxx...'");
+  EXPECT_EQ(base::Quoted(""), "''");
 }
 
 }  // namespace

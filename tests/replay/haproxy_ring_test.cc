@@ -61,6 +61,7 @@
 #include <string>
 #include <vector>
 
+#include "modelcache/base/text.h"
 #include "modelcache/replay/cluster.h"
 #include "modelcache/replay/ring.h"
 #include "ring_command.h"
@@ -95,7 +96,8 @@ class Fd {
 };
 
 std::string Errno(const std::string& what) {
-  return what + ": " + std::strerror(errno);
+  const int error = errno;
+  return what + ": " + base::ErrnoText(error);
 }
 
 // A TCP socket on 127.0.0.1, port chosen by the kernel; listening or not.

@@ -23,6 +23,7 @@
 #include <utility>
 #include <vector>
 
+#include "modelcache/base/text.h"
 #include "modelcache/weights/memfd.h"
 #include "socket.h"
 #include "systemd.h"
@@ -69,7 +70,7 @@ class NotifyTest : public ::testing::Test {
 
   static base::UniqueFd Bind(const std::string& name, bool abstract) {
     base::UniqueFd fd(::socket(AF_UNIX, SOCK_DGRAM | SOCK_CLOEXEC, 0));
-    EXPECT_TRUE(fd) << std::strerror(errno);
+    EXPECT_TRUE(fd) << base::ErrnoText(errno);
     sockaddr_un addr{};
     addr.sun_family = AF_UNIX;
     const size_t offset = abstract ? 1 : 0;
@@ -78,7 +79,7 @@ class NotifyTest : public ::testing::Test {
         static_cast<socklen_t>(offsetof(sockaddr_un, sun_path) + offset +
                                name.size() + (abstract ? 0 : 1));
     EXPECT_EQ(::bind(fd.get(), reinterpret_cast<sockaddr*>(&addr), length), 0)
-        << std::strerror(errno);
+        << base::ErrnoText(errno);
     return fd;
   }
 
@@ -87,7 +88,10 @@ class NotifyTest : public ::testing::Test {
   static detail::Datagram Next(int fd) {
     detail::Datagram d;
     const int got = detail::ReceiveDatagram(fd, 8192, 300, MSG_DONTWAIT, &d);
-    if (got < 0) d.bytes = "(none: " + std::string(std::strerror(errno)) + ")";
+    if (got < 0) {
+      const int error = errno;
+      d.bytes = "(none: " + base::ErrnoText(error) + ")";
+    }
     return d;
   }
   detail::Datagram Next() { return Next(manager_.get()); }

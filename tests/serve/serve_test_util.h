@@ -42,6 +42,7 @@
 #include <utility>
 #include <vector>
 
+#include "modelcache/base/text.h"
 #include "modelcache/weights/safetensors_writer.h"
 #include "modelcache/weights/weight_set.h"
 #include "proc_maps.h"
@@ -224,9 +225,10 @@ class Process {
       from_child_ = out[0];
     }
     if (pid_ < 0) {
+      const int error = errno;
       pid_ = -1;
       throw std::runtime_error("fork for " + spec.argv[0] + ": " +
-                               std::strerror(errno));
+                               base::ErrnoText(error));
     }
     pidfd_ = PidfdOpen(pid_);
   }

@@ -22,6 +22,7 @@
 #include <vector>
 
 #include "modelcache/base/errors.h"
+#include "modelcache/base/text.h"
 #include "modelcache/weights/safetensors_writer.h"
 #include "modelcache/weights/weight_set.h"
 
@@ -58,7 +59,7 @@ void ExpectNoWritePathWorks(int fd, uint64_t bytes) {
 
   // 2. A read-only shared mapping made writable.
   void* readable = ::mmap(nullptr, bytes, PROT_READ, MAP_SHARED, fd, 0);
-  ASSERT_NE(readable, MAP_FAILED) << std::strerror(errno);
+  ASSERT_NE(readable, MAP_FAILED) << base::ErrnoText(errno);
   errno = 0;
   EXPECT_NE(::mprotect(readable, bytes, PROT_READ | PROT_WRITE), 0)
       << "mprotect(PROT_WRITE) of a read-only mapping succeeded";

@@ -45,6 +45,7 @@
 #include <vector>
 
 #include "modelcache/base/errors.h"
+#include "modelcache/base/text.h"
 
 namespace modelcache::weights {
 
@@ -202,12 +203,11 @@ std::string SafetensorsHeaderJson(const SafetensorsHeader& header);
 // or FormatError.
 SafetensorsHeader ReadSafetensorsHeader(const std::string& path);
 
-// `text` (a tensor name, a path) made fit for one line of a message or a
-// listing: control characters (C0, DEL, C1, U+2028, U+2029) and bytes that are
-// not part of valid UTF-8 escaped as \xNN (\n, \t and \r by name), valid
-// UTF-8 kept; cut at a character boundary to about `max_bytes`, with "..."
-// appended, when longer.
-std::string Printable(std::string_view text, size_t max_bytes = 120);
+// Printable(text, max_bytes = 120): `text` (a tensor name, a path) made fit
+// for one line of a message or a listing (see modelcache/base/text.h). Every
+// layer quotes untrusted text, so the function is base's; it keeps its name
+// here for the code that calls it as weights::Printable.
+using base::Printable;
 
 }  // namespace modelcache::weights
 

@@ -64,13 +64,7 @@ TEST_F(ServeTest, AnotherProcessLeasesMapsAndReleasesACopy) {
 // never dropped, and without the daemon's answers piling up past its limit.
 TEST_F(ServeTest, ReleasesTheSocketHasNoRoomForAreQueuedAndAllReachTheDaemon) {
   AddModel("tiny", 64 * kKiB, 3);
-  DaemonOptions options;
-  options.catalog = catalog_;
-  options.root = root_;
-  options.socket = socket_;
-  options.pause_hook = true;
-  daemon_ = std::make_unique<Daemon>(options);
-  Daemon& d = *daemon_;
+  Daemon& d = StartDaemon("1GiB", {}, /*gate=*/false, /*pause_hook=*/true);
   // Far more releases than a socket's send buffer holds (a few hundred).
   constexpr int kLeases = 2000;
   {
@@ -101,13 +95,7 @@ TEST_F(ServeTest, ReleasesTheSocketHasNoRoomForAreQueuedAndAllReachTheDaemon) {
 // releases its lease instead of leaving it orphaned until a rescan.
 TEST_F(ServeTest, AReleaseSentJustBeforeACloseWithRepliesUnreadIsRead) {
   AddModel("tiny", 64 * kKiB, 3);
-  DaemonOptions options;
-  options.catalog = catalog_;
-  options.root = root_;
-  options.socket = socket_;
-  options.pause_hook = true;
-  daemon_ = std::make_unique<Daemon>(options);
-  Daemon& d = *daemon_;
+  Daemon& d = StartDaemon("1GiB", {}, /*gate=*/false, /*pause_hook=*/true);
   Raw raw(d.socket());
   ASSERT_TRUE(raw.Send(protocol::EncodeHello(1)));
   ASSERT_TRUE(raw.Reply());

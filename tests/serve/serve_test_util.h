@@ -836,8 +836,10 @@ class ServeTest : public ::testing::Test {
     WriteCatalog(catalog_, models_);
   }
 
+  // `pause_hook`: Daemon::PauseReads and ResumeReads work.
   Daemon& StartDaemon(const std::string& capacity = "1GiB",
-                      std::vector<std::string> args = {}, bool gate = false) {
+                      std::vector<std::string> args = {}, bool gate = false,
+                      bool pause_hook = false) {
     DaemonOptions options;
     options.catalog = catalog_;
     options.root = root_;
@@ -845,6 +847,7 @@ class ServeTest : public ::testing::Test {
     options.capacity = capacity;
     options.args = std::move(args);
     options.gate = gate;
+    options.pause_hook = pause_hook;
     daemon_ = std::make_unique<Daemon>(options);
     return *daemon_;
   }

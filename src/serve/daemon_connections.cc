@@ -129,10 +129,9 @@ void Daemon::Impl::Accept() {
 void Daemon::Impl::Readable(Connection& c) {
   detail::Datagram datagram;
   for (int i = 0; i < kReadsPerWakeup && !c.doomed; ++i) {
-    const int r =
-        detail::ReceiveDatagram(c.fd.get(), protocol::kMaxMessageBytes,
-                                2 * protocol::kMaxFilesPerModel, MSG_DONTWAIT,
-                                &datagram);
+    const int r = detail::ReceiveDatagram(
+        c.fd.get(), protocol::kMaxMessageBytes, 2 * protocol::kMaxFilesPerModel,
+        MSG_DONTWAIT, &datagram);
     if (r < 0) {
       if (errno == EAGAIN || errno == EWOULDBLOCK) return;
       Doom(c, Disconnect::kError);
@@ -283,6 +282,18 @@ void Daemon::Impl::HandleAcquire(Connection& c, const protocol::Request& r) {
   if (std::optional<Lease> hit = store_->TryAcquire(model->id)) {
     Grant(c, r.id, model->id, std::move(*hit), Result::kHit, "hit", start);
     return;
+  }
+  // Its files failed the checks and its back-off has not passed: no load,
+  // no wait. (In the grace period it waits for a reclaim as any other: the
+  // copy that comes back needs no file.)
+  if (!AwaitsReclaim(model->id)) {
+    std::string message;
+    std::string cause;
+    if (RefuseUnavailable(model->id, &message, &cause)) {
+      ++acquires_[static_cast<size_t>(Result::kUnavailable)];
+      SendError(c, r.id, ServeCode::kUnavailable, message, cause);
+      return;
+    }
   }
   if (c.waiters.size() >= static_cast<size_t>(limits.max_requests_per_client)) {
     refuse(ServeCode::kBusy,

@@ -97,7 +97,14 @@ class IoError(Error, OSError):
 
 
 class UnavailableError(Error):
-    """A resource the call needs cannot be used here (no GPU, no driver)."""
+    """A resource the call needs cannot be used here (no GPU, no driver).
+
+    From :mod:`modelcache.serve`: a limit of the daemon was reached
+    (``serve_code`` "BUSY"), or the model is unavailable (``serve_code``
+    "UNAVAILABLE"): its files cannot be opened or are not valid safetensors
+    files, the message names the file, and ``cause`` says which ("io",
+    "invalid_data"). The daemon serves it again once they are valid.
+    """
 
     code = "unavailable"
 

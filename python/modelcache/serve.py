@@ -32,7 +32,9 @@ Errors. The classes of :mod:`modelcache.errors`, with ``serve_code`` set to
 the daemon's code: NotFoundError (NOT_FOUND), TooLargeError (TOO_LARGE),
 CapacityError (CAPACITY; the message names what holds the memory),
 TimeoutError (TIMEOUT), LoadError (LOAD_FAILED; ``cause`` is "io" or
-"invalid_data"), UnavailableError (BUSY: a limit of the daemon),
+"invalid_data"), UnavailableError (BUSY: a limit of the daemon; or
+UNAVAILABLE: the model's files cannot be opened or are not valid, the message
+names the file, and ``cause`` is "io" or "invalid_data"),
 InvalidArgumentError (INVALID), and DaemonUnavailableError when the daemon
 cannot be reached or is shutting down.
 
@@ -348,9 +350,9 @@ class Client:
 
         Raises:
             modelcache.errors.NotFoundError, TooLargeError, CapacityError,
-            TimeoutError, LoadError, UnavailableError (BUSY),
-            InvalidArgumentError, DaemonUnavailableError; see the module
-            docstring.
+            TimeoutError, LoadError, UnavailableError (BUSY, or the
+            model's files unavailable), InvalidArgumentError,
+            DaemonUnavailableError; see the module docstring.
         """
         return RemoteLease(self._client.acquire(
             _args.string(model, "model"), _args.timeout(timeout),

@@ -70,14 +70,23 @@ const char* ServeErrorClassName(serve::ServeCode code) {
 }
 
 // Raises `error` as its modelcache.errors class, with `serve_code` (the
-// protocol's name: "CAPACITY", "BUSY", ...) and, for LOAD_FAILED, `cause`
-// (the core's code name: "io", "invalid_data") set on the exception.
+// protocol's name: "CAPACITY", "BUSY", ...) and, for LOAD_FAILED and a
+// model's UNAVAILABLE, `cause` (the core's code name: "io", "invalid_data")
+// set on the exception. UNAVAILABLE is DaemonUnavailableError only when it
+// is the daemon that is (unreachable, shutting down); a model whose files
+// fail the daemon's checks is an UnavailableError.
 void SetServeError(const serve::ServeError& error) {
-  py::object cls = py::module_::import("modelcache.errors")
-                       .attr(ServeErrorClassName(error.serve_code()));
+  const bool model_unavailable =
+      error.serve_code() == serve::ServeCode::kUnavailable &&
+      dynamic_cast<const serve::DaemonUnavailableError*>(&error) == nullptr;
+  py::object cls =
+      py::module_::import("modelcache.errors")
+          .attr(model_unavailable ? "UnavailableError"
+                                  : ServeErrorClassName(error.serve_code()));
   py::object value = cls(py::str(std::string(error.what())));
   value.attr("serve_code") = serve::ServeCodeName(error.serve_code());
-  if (error.serve_code() == serve::ServeCode::kLoadFailed) {
+  if (error.serve_code() == serve::ServeCode::kLoadFailed ||
+      model_unavailable) {
     value.attr("cause") = ErrorCodeName(error.code());
   }
   PyErr_SetObject(cls.ptr(), value.ptr());

@@ -147,8 +147,8 @@ def test_errors_are_the_package_classes_with_the_daemon_code(node):
     root = node.root
     write_safetensors(root / "big.safetensors",
                       {"w": np.zeros(3 << 20, dtype=np.float32)})  # 12 MiB
-    # Valid while the daemon starts (it refuses what --check-catalog
-    # refuses), broken before its first load.
+    # Valid while the daemon starts, broken before its first load: the load
+    # finds it so, and the model is unavailable.
     write_safetensors(root / "bad.safetensors", {"w": np.zeros(4, dtype=np.float32)})
     write_catalog(node.tmp / "catalog.json", [
         {"id": "a", "files": ["a.safetensors"]},
@@ -164,10 +164,12 @@ def test_errors_are_the_package_classes_with_the_daemon_code(node):
     with pytest.raises(errors.TooLargeError) as e:
         client.acquire("big")
     assert e.value.serve_code == "TOO_LARGE"
-    with pytest.raises(errors.LoadError) as e:
+    with pytest.raises(errors.UnavailableError) as e:
         client.acquire("bad")
-    assert e.value.serve_code == "LOAD_FAILED"
-    assert e.value.cause in ("invalid_data", "io")
+    assert e.value.serve_code == "UNAVAILABLE"
+    assert e.value.cause == "invalid_data"
+    assert "bad.safetensors" in str(e.value)
+    assert not isinstance(e.value, errors.DaemonUnavailableError)
     with pytest.raises(errors.InvalidArgumentError):
         client.acquire("a", when_full="sometimes")
     with pytest.raises(errors.DaemonUnavailableError) as e:

@@ -187,12 +187,18 @@ inline Clock::time_point After(std::chrono::milliseconds d) {
 }
 
 [[noreturn]] inline void ThrowErrorOf(const protocol::Reply& reply) {
-  if (reply.code == ServeCode::kUnavailable) {
+  // With a cause, UNAVAILABLE is about the model's files, not the daemon:
+  // it answered.
+  if (reply.code == ServeCode::kUnavailable && reply.cause.empty()) {
     throw DaemonUnavailableError(reply.message);
   }
   ErrorCode core = CoreCodeOf(reply.code);
   if (reply.code == ServeCode::kLoadFailed && reply.cause == "invalid_data") {
     core = ErrorCode::kInvalidData;
+  }
+  if (reply.code == ServeCode::kUnavailable) {
+    core = reply.cause == "invalid_data" ? ErrorCode::kInvalidData
+                                         : ErrorCode::kIo;
   }
   throw ServeError(reply.code, core, reply.message);
 }

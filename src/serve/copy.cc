@@ -28,6 +28,41 @@ MemfdId IdOf(int fd) {
                  static_cast<uint64_t>(st.st_ino)};
 }
 
+// The checks of one file, open as `fd`: a safetensors header whose length
+// fits the file and which parses. Returns the file's size, and adds to
+// `copy_bytes` what its copy takes (as LoadCopy makes it: a data memfd of
+// the data bytes, none when there are none, and a header memfd of the
+// header's JSON text). Throws weights::IoError or weights::FormatError.
+uint64_t CheckFile(int fd, const std::string& file, uint64_t* copy_bytes) {
+  struct stat st;
+  if (::fstat(fd, &st) != 0) {
+    throw weights::IoError(file, "cannot stat", errno);
+  }
+  const uint64_t size = static_cast<uint64_t>(st.st_size);
+  unsigned char prefix[8] = {};
+  if (size < 8 || ::pread(fd, prefix, 8, 0) != 8) {
+    throw weights::FormatError(file, "too short for a safetensors file");
+  }
+  uint64_t length = 0;
+  for (int i = 7; i >= 0; --i) length = (length << 8) | prefix[i];
+  if (length > weights::kMaxHeaderBytes || length > size - 8) {
+    throw weights::FormatError(file, "header length " + std::to_string(length) +
+                                         " does not fit the file of " +
+                                         std::to_string(size) + " bytes");
+  }
+  std::string json(length, '\0');
+  if (::pread(fd, json.data(), length, 8) != static_cast<ssize_t>(length)) {
+    throw weights::IoError(file, "cannot read the header", errno);
+  }
+  const weights::SafetensorsHeader header =
+      weights::ParseSafetensorsHeader(json, size, file);
+  const uint64_t data = header.data_bytes();
+  *copy_bytes +=
+      (data > 0 ? weights::PageRoundedBytes(data) : 0) +
+      weights::PageRoundedBytes(weights::SafetensorsHeaderJson(header).size());
+  return size;
+}
+
 }  // namespace
 
 int FileCopy::data_fd() const {
@@ -83,9 +118,17 @@ std::shared_ptr<ModelCopy> LoadCopy(const CopyLoadOptions& options,
     const std::string& path = model.files[i];
     const std::string name =
         options.memfd_prefix + model.id + "#" + std::to_string(i);
-    const base::UniqueFd fd = OpenBeneath(
-        options.root_fd, path,
-        options.use_openat2 ? Resolver::kOpenat2 : Resolver::kPerComponent);
+    // The checks of the start and of a reload, on the descriptor that is
+    // read: a file that fails them makes the model unavailable. The header's
+    // come after before_read, so that a load held there has read nothing.
+    base::UniqueFd fd;
+    try {
+      fd = OpenBeneath(
+          options.root_fd, path,
+          options.use_openat2 ? Resolver::kOpenat2 : Resolver::kPerComponent);
+    } catch (const Error& e) {
+      throw FilesUnavailable(e);
+    }
     auto allocator = std::make_shared<weights::MemfdHostBufferAllocator>(name);
     weights::LoadOptions load;
     load.mode = weights::LoadMode::kPread;
@@ -96,6 +139,12 @@ std::shared_ptr<ModelCopy> LoadCopy(const CopyLoadOptions& options,
       const uint64_t size =
           ::fstat(fd.get(), &st) == 0 ? static_cast<uint64_t>(st.st_size) : 0;
       options.before_read(size);
+    }
+    try {
+      uint64_t ignored = 0;
+      CheckFile(fd.get(), path, &ignored);
+    } catch (const Error& e) {
+      throw FilesUnavailable(e);
     }
     FileCopy file;
     file.name = path;
@@ -178,50 +227,42 @@ std::shared_ptr<ModelCopy> AdoptCopy(const CopyLoadOptions& options,
   return copy;
 }
 
+uint64_t CheckModelFiles(const CatalogModel& model, int root_fd,
+                         uint64_t* copy_bytes, Resolver resolver) {
+  uint64_t bytes = 0;
+  uint64_t copy = 0;
+  for (const std::string& file : model.files) {
+    const base::UniqueFd fd = OpenBeneath(root_fd, file, resolver);
+    bytes += CheckFile(fd.get(), file, &copy);
+  }
+  if (copy_bytes != nullptr) *copy_bytes = copy;
+  return bytes;
+}
+
 uint64_t CheckCatalogFiles(
     const Catalog& catalog, int root_fd,
     std::vector<std::pair<std::string, uint64_t>>* copy_bytes_out) {
   uint64_t bytes = 0;
   for (const CatalogModel& m : catalog.models()) {
     uint64_t copy_bytes = 0;
-    for (const std::string& file : m.files) {
-      const base::UniqueFd fd = OpenBeneath(root_fd, file);
-      struct stat st;
-      if (::fstat(fd.get(), &st) != 0) {
-        throw weights::IoError(file, "cannot stat", errno);
-      }
-      const uint64_t size = static_cast<uint64_t>(st.st_size);
-      unsigned char prefix[8] = {};
-      if (size < 8 || ::pread(fd.get(), prefix, 8, 0) != 8) {
-        throw weights::FormatError(file, "too short for a safetensors file");
-      }
-      uint64_t length = 0;
-      for (int i = 7; i >= 0; --i) length = (length << 8) | prefix[i];
-      if (length > weights::kMaxHeaderBytes || length > size - 8) {
-        throw weights::FormatError(file, "header length " +
-                                             std::to_string(length) +
-                                             " does not fit the file of " +
-                                             std::to_string(size) + " bytes");
-      }
-      std::string json(length, '\0');
-      if (::pread(fd.get(), json.data(), length, 8) !=
-          static_cast<ssize_t>(length)) {
-        throw weights::IoError(file, "cannot read the header", errno);
-      }
-      const weights::SafetensorsHeader header =
-          weights::ParseSafetensorsHeader(json, size, file);
-      bytes += size;
-      // As LoadCopy makes the copy: a data memfd of the data bytes (none
-      // when there are none) and a header memfd of the header's JSON text.
-      const uint64_t data = header.data_bytes();
-      copy_bytes += (data > 0 ? weights::PageRoundedBytes(data) : 0) +
-                    weights::PageRoundedBytes(
-                        weights::SafetensorsHeaderJson(header).size());
-    }
+    bytes += CheckModelFiles(m, root_fd, &copy_bytes);
     if (copy_bytes_out != nullptr)
       copy_bytes_out->emplace_back(m.id, copy_bytes);
   }
   return bytes;
+}
+
+std::map<std::string, FileProblem> FindFileProblems(const Catalog& catalog,
+                                                    int root_fd) {
+  std::map<std::string, FileProblem> problems;
+  for (const CatalogModel& m : catalog.models()) {
+    try {
+      CheckModelFiles(m, root_fd, nullptr);
+    } catch (const Error& e) {
+      problems[m.id] = FileProblem{e.what(), e.code()};
+    }
+  }
+  return problems;
 }
 
 }  // namespace modelcache::serve::detail

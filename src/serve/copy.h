@@ -17,11 +17,14 @@
 #include <atomic>
 #include <cstdint>
 #include <functional>
+#include <map>
 #include <memory>
 #include <optional>
 #include <string>
 #include <vector>
 
+#include "files.h"
+#include "modelcache/base/errors.h"
 #include "modelcache/base/unique_fd.h"
 #include "modelcache/serve/catalog.h"
 #include "modelcache/weights/memfd.h"
@@ -118,9 +121,22 @@ struct CopyLoadOptions {
 uint64_t ExpectedCopyBytes(const CopyLoadOptions& options,
                            const CatalogModel& model);
 
-// Opens every file beneath the root, reads it into a sealed memfd and writes
-// its header into another. Throws weights::IoError, weights::FormatError or
-// modelcache::Error; nothing stays allocated on failure.
+// A file of a model failed the checks CheckModelFiles makes (it cannot be
+// opened beneath the root, or it is not a valid safetensors file), at the
+// start of a load: the model is unavailable, which is not a failed load (a
+// read that fails later, a memfd or memory refused). The code and the
+// message are those of the file's error, which names the file.
+class FilesUnavailable : public Error {
+ public:
+  explicit FilesUnavailable(const Error& cause)
+      : Error(cause.code(), cause.what()) {}
+};
+
+// Opens every file beneath the root, checks it as CheckModelFiles does, reads
+// it into a sealed memfd and writes its header into another. Throws
+// FilesUnavailable when a file fails those checks; weights::IoError,
+// weights::FormatError or modelcache::Error when anything after them fails;
+// nothing stays allocated on failure.
 std::shared_ptr<ModelCopy> LoadCopy(const CopyLoadOptions& options,
                                     const CatalogModel& model);
 
@@ -146,14 +162,38 @@ struct AdoptedCopy {
 std::shared_ptr<ModelCopy> AdoptCopy(const CopyLoadOptions& options,
                                      const AdoptedCopy& adopted);
 
-// What CheckCatalog checks of the files, for a catalog already parsed and
-// a root already open: what `modelcache serve --check-catalog` refuses, the
-// daemon refuses at start and on reload, with the same message. Returns the
-// bytes of every file, and fills `copy_bytes` (when not null) as
-// CatalogCheck::copy_bytes says. Throws as CheckCatalog does.
+// What CheckCatalog checks of one model's files: each opens beneath the
+// root (no symbolic link, never outside it), is a regular file, and holds a
+// safetensors header whose length fits the file and which parses. Returns
+// the bytes of its files, and sets `copy_bytes` (when not null) as
+// CatalogCheck::copy_bytes says. Throws weights::IoError or
+// weights::FormatError naming the file.
+uint64_t CheckModelFiles(const CatalogModel& model, int root_fd,
+                         uint64_t* copy_bytes,
+                         Resolver resolver = Resolver::kOpenat2);
+
+// CheckModelFiles for every model of a catalog already parsed, under a root
+// already open: what `modelcache serve --check-catalog` refuses, and the
+// daemon with --strict-catalog at start and on reload, with the same
+// message. Returns the bytes of every file, and fills `copy_bytes` (when not
+// null) as CatalogCheck::copy_bytes says. Throws at the first file that
+// fails, as CheckCatalog does.
 uint64_t CheckCatalogFiles(
     const Catalog& catalog, int root_fd,
     std::vector<std::pair<std::string, uint64_t>>* copy_bytes);
+
+// Why a model's files fail CheckModelFiles: the file's error, naming it, and
+// its code (kIo: it cannot be opened or read; kInvalidData: not valid).
+struct FileProblem {
+  std::string error;
+  ErrorCode code = ErrorCode::kIo;
+};
+
+// Without --strict-catalog, at start and on reload: CheckModelFiles for
+// every model, and the problem of each model whose files fail it (by id).
+// A model's problem costs that model, not the others.
+std::map<std::string, FileProblem> FindFileProblems(const Catalog& catalog,
+                                                    int root_fd);
 
 }  // namespace modelcache::serve::detail
 

@@ -286,7 +286,9 @@ void Daemon::Impl::BeginShutdown() {
 
 void Daemon::Impl::DoReload() {
   // Reading, parsing and checking the catalog (every file's header) is off
-  // the loop: the background thread does it and hands the result back.
+  // the loop: the background thread does it and hands the result back. A
+  // file that fails costs its model (unavailable), not the reload, unless
+  // --strict-catalog.
   if (reload_in_flight_) {
     reload_again_ = true;  // the file may have changed since it was read
     return;
@@ -300,7 +302,12 @@ void Daemon::Impl::DoReload() {
       result.digest = detail::CatalogDigest(text.value_or(""));
       result.catalog = std::make_shared<const Catalog>(
           Catalog::FromFile(options_.catalog_path));
-      detail::CheckCatalogFiles(*result.catalog, root_fd_.get(), nullptr);
+      if (options_.strict_catalog) {
+        detail::CheckCatalogFiles(*result.catalog, root_fd_.get(), nullptr);
+      } else {
+        result.problems =
+            detail::FindFileProblems(*result.catalog, root_fd_.get());
+      }
     } catch (const std::exception& e) {
       result.catalog = nullptr;
       result.error = e.what();
@@ -364,14 +371,37 @@ void Daemon::Impl::ApplyReload(detail::Reloaded result) {
       }
     }
   }
+  // Every file was checked again: what fails is unavailable, what passes
+  // available (a pinned one that was not is pinned now, by MarkAvailable).
+  std::vector<std::string> gone;
+  for (const auto& [id, u] : UnavailableModels()) {
+    const CatalogModel* now = fresh->Find(id);
+    if (now == nullptr || now->id != id) gone.push_back(id);
+  }
+  if (!gone.empty()) {
+    base::MutexLock lock(&unavailable_mu_);
+    for (const std::string& id : gone) unavailable_.erase(id);
+  }
   for (const CatalogModel& m : fresh->models()) {
+    const auto p = result.problems.find(m.id);
+    if (p != result.problems.end()) {
+      MarkUnavailable(m, p->second, /*tried=*/false);
+    } else if (IsUnavailable(m.id)) {
+      MarkAvailable(m.id);
+      continue;  // pinned there, if pinned
+    }
     const CatalogModel* before = old->Find(m.id);
     const bool was_pinned = before != nullptr && before->id == m.id &&
                             before->files == m.files && before->pinned;
-    if (m.pinned && !was_pinned && !stopping_) StartPrefetch(m, true, nullptr);
+    if (m.pinned && !was_pinned && !stopping_ && !IsUnavailable(m.id)) {
+      StartPrefetch(m, true, nullptr);
+    }
   }
   Log("catalog reloaded: " + std::to_string(fresh->models().size()) +
-      " models");
+      " models" +
+      (result.problems.empty()
+           ? std::string()
+           : ", " + std::to_string(result.problems.size()) + " unavailable"));
 }
 
 Daemon::Daemon(DaemonOptions options)

@@ -295,6 +295,18 @@ void Daemon::Impl::HandleAcquire(Connection& c, const protocol::Request& r) {
     Grant(c, r.id, model->id, std::move(*hit), Result::kHit, "hit", start);
     return;
   }
+  // Its files failed the checks and its back-off has not passed: no load,
+  // no wait. (In the grace period it waits for a reclaim as any other: the
+  // copy that comes back needs no file.)
+  if (!AwaitsReclaim(model->id)) {
+    std::string message;
+    std::string cause;
+    if (RefuseUnavailable(model->id, &message, &cause)) {
+      ++acquires_[static_cast<size_t>(Result::kUnavailable)];
+      SendError(c, r.id, ServeCode::kUnavailable, message, cause);
+      return;
+    }
+  }
   if (c.waiters.size() >= static_cast<size_t>(limits.max_requests_per_client)) {
     refuse(ServeCode::kBusy,
            "this connection has " + std::to_string(c.waiters.size()) +

@@ -4,6 +4,7 @@
 //   daemon_connections.cc  accept, credentials, read, write, doom, close
 //   daemon_leases.cc       leases and orphan groups
 //   daemon_waiters.cc      the waiters and the load queue, load slots
+//   daemon_unavailable.cc  models whose files fail the checks
 //   daemon_orphans.cc      a predecessor's copies (restart orphans), capacity
 //   daemon_reclaim.cc      the record of copies made; reclaim and adoption
 //                          of a predecessor's copies, the grace period
@@ -75,17 +76,44 @@
 // lease ends when the process reclaims its own (DropMapperHolds), when the
 // rescan finds it maps the copy no more, or when it exits.
 //
+// Unavailable models (daemon_unavailable.cc). A model whose files fail the
+// checks of --check-catalog (open beneath the root, stat, header length,
+// header parse) is unavailable; it costs that model, not the daemon:
+//
+//   available --start or reload finds a file failing, or a load's
+//     LoadCopy throws FilesUnavailable--> unavailable (logged once, with
+//     the file's error)
+//   unavailable --an acquire with no copy resident, before retry_at-->
+//     UNAVAILABLE at once, naming the file; no load, no wait
+//   unavailable --an acquire at or after retry_at--> its waiter and task as
+//     for any miss: the load checks the files on the pool (never on the
+//     loop); failing --> unavailable, retry_at = now + backoff, backoff
+//     doubled (to kUnavailableRetryMax); a copy made --> available
+//   unavailable --a reload finds every file valid--> available
+//
+// A resident copy (taken over, reclaimed, loaded before the files went) is
+// a hit whatever its files are, and an acquire in the grace period waits
+// for its reclaim as any other. A load failure that is not about the files
+// (no room, no memory, a read that fails) is LOAD_FAILED or the like, as
+// before, and changes nothing here. A pinned model that is unavailable is
+// not loaded (nor does it hold /readyz at 503); it is pinned once it is
+// available again. unavailable_ is written on the loop (and in the
+// constructor) only, under unavailable_mu_ for the HTTP threads.
+//
 // Lifecycle.
-//   starting (the constructor): options, catalog and every catalog file
-//     checked (as --check-catalog), root opened, the store made, the
-//     whole machine's /proc/*/maps scanned once for a predecessor's copies
-//     (booked as orphaned bytes, their pids watched), the socket bound, then
-//     the background thread, the pool and the expiry thread started, and
-//     the pinned models' loads queued (they run before Run()).
+//   starting (the constructor): options and catalog checked, root opened,
+//     every catalog file checked (as --check-catalog: a model whose files
+//     fail is unavailable; with --strict-catalog the first failure is
+//     fatal), the store made, the whole machine's /proc/*/maps scanned
+//     once for a predecessor's copies (booked as orphaned bytes, their pids
+//     watched), the socket bound, then the background thread, the pool and
+//     the expiry thread started, and the loads of the pinned models that
+//     are available queued (they run before Run()).
 //   serving (Run()): the loop answers clients; the pool loads; the
 //     background thread frees copies, reads the orphan holders'
-//     /proc/PID/maps every orphan_rescan and SIGHUP's catalog, handing
-//     results back through the eventfd (completed_, rechecked_, reloaded_).
+//     /proc/PID/maps every orphan_rescan and SIGHUP's catalog (and checks
+//     its files), handing results back through the eventfd (completed_,
+//     rechecked_, reloaded_).
 //   stopping (SIGTERM, Shutdown()): the socket is unlinked, waiters get
 //     UNAVAILABLE, slot waits and throttle holds end, and every load in
 //     flight stops at its next interrupt check or file; Run() returns once
@@ -125,6 +153,9 @@
 //   slots_mu_         the load slots, shared with prewarms.
 //   reading_mu_       the models whose loads are reading their files.
 //   stats_mu_         per-model counts (the store's event callback).
+//   unavailable_mu_   unavailable_: the models whose files failed (written
+//                     on the loop; read by the HTTP threads and the
+//                     store's prewarm source).
 // Order: a mutex on the left may be held while one on its right is taken,
 // never the reverse.
 //   capacity_mu_ -> the store's locks (Resize, Adopt's reservation)
@@ -313,6 +344,9 @@ struct Task {
   // Filled by the pool thread.
   Lease lease;
   std::exception_ptr error;
+  // Its loader ran and made a copy from the files (not a hit, a join or an
+  // adoption): they are valid.
+  bool loaded = false;
 };
 
 struct ModelQueue {
@@ -343,7 +377,21 @@ struct Reloaded {
   std::shared_ptr<const Catalog> catalog;  // null when refused
   std::string digest;                      // CatalogDigest of its text
   std::string error;
+  // The models whose files fail the checks (without --strict-catalog).
+  std::map<std::string, FileProblem> problems;
 };
+
+// A model whose files failed the checks (unavailable): why, and when an
+// acquire may try them again (its load checks them, on the pool).
+struct Unavailable {
+  FileProblem problem;
+  Clock::time_point since;
+  Clock::time_point retry_at;
+  // The wait after the next failed try: unavailable_retry, doubled by each
+  // failed try up to kUnavailableRetryMax.
+  Clock::duration backoff{0};
+};
+inline constexpr std::chrono::seconds kUnavailableRetryMax{60};
 
 struct RestartOrphan {
   uint64_t bytes = 0;
@@ -487,6 +535,31 @@ class Daemon::Impl {
   void DoReload();
   // ... and applies what it read, on the loop.
   void ApplyReload(detail::Reloaded result);
+
+  // ---- unavailable models (daemon_unavailable.cc) ----
+  // `model`'s files failed the checks: at start or on reload (`tried`
+  // false: the back-off stays as it was), or in a load (`tried`: the next
+  // try waits longer). Logs once when it becomes unavailable, and when its
+  // error changes. Loop-only (or the constructor).
+  void MarkUnavailable(const CatalogModel& model,
+                       const detail::FileProblem& problem, bool tried)
+      MC_EXCLUDES(unavailable_mu_);
+  // `model`'s files passed (a reload) or made a copy (a load): available
+  // again when it was not, and then, when the catalog pins it, its pin
+  // starts. Loop-only.
+  void MarkAvailable(const std::string& model) MC_EXCLUDES(unavailable_mu_);
+  // On the loop, for an acquire that found no copy: whether `model` is
+  // unavailable and its back-off has not passed (then `message` says why,
+  // naming the file, and `cause` is the file error's code name).
+  bool RefuseUnavailable(const std::string& model, std::string* message,
+                         std::string* cause) const MC_EXCLUDES(unavailable_mu_);
+  // What an acquire of unavailable `model` is answered.
+  std::string UnavailableMessage(const std::string& model) const
+      MC_EXCLUDES(unavailable_mu_);
+  bool IsUnavailable(const std::string& model) const
+      MC_EXCLUDES(unavailable_mu_);
+  std::map<std::string, detail::Unavailable> UnavailableModels() const
+      MC_EXCLUDES(unavailable_mu_);
 
   // At start only: the whole machine's /proc/*/maps, for a predecessor's
   // copies.
@@ -747,6 +820,13 @@ class Daemon::Impl {
   mutable base::Mutex stats_mu_;
   std::map<std::string, detail::ModelStats> model_stats_
       MC_GUARDED_BY(stats_mu_);
+
+  // The unavailable models, by id: written on the loop (and in the
+  // constructor), read by the HTTP threads and the store's prewarm source.
+  // A leaf: nothing else is taken under it.
+  mutable base::Mutex unavailable_mu_;
+  std::map<std::string, detail::Unavailable> unavailable_
+      MC_GUARDED_BY(unavailable_mu_);
 
   // Metrics.
   std::array<std::atomic<uint64_t>, static_cast<size_t>(detail::Result::kCount)>

@@ -77,18 +77,34 @@ Daemon::Impl::Impl(DaemonOptions options)
   if (options_.catalog_path.empty()) Invalid("a catalog is needed");
   if (options_.model_root.empty()) Invalid("a model root is needed");
 
+  if (options_.unavailable_retry.count() < 0) {
+    Invalid("the unavailable models' retry must be 0 or more");
+  }
+
   // Catalog and root first: nothing else is worth setting up without them.
-  // What `--check-catalog` refuses is refused here, with its message.
+  // A file that `--check-catalog` refuses costs its model (unavailable),
+  // not the daemon: a restart, a takeover or systemd's Restart= must not
+  // fail for one model replaced on disk or a mount that blinks. With
+  // --strict-catalog it is refused here, with the check's message.
+  std::map<std::string, detail::FileProblem> problems;
   {
     auto catalog = std::make_shared<const Catalog>(
         Catalog::FromFile(options_.catalog_path));
     root_fd_ = detail::OpenRoot(options_.model_root);
-    detail::CheckCatalogFiles(*catalog, root_fd_.get(), nullptr);
+    if (options_.strict_catalog) {
+      detail::CheckCatalogFiles(*catalog, root_fd_.get(), nullptr);
+    } else {
+      problems = detail::FindFileProblems(*catalog, root_fd_.get());
+    }
     const std::string digest = detail::CatalogDigest(
         detail::ReadSmallFile(options_.catalog_path).value_or(""));
     base::MutexLock lock(&catalog_mu_);
     catalog_ = std::move(catalog);
     catalog_digest_ = digest;
+  }
+  for (const CatalogModel& m : catalog()->models()) {
+    const auto p = problems.find(m.id);
+    if (p != problems.end()) MarkUnavailable(m, p->second, /*tried=*/false);
   }
 
   // Descriptors: two per connection (socket, pidfd) and two per file copy.
@@ -201,10 +217,11 @@ Daemon::Impl::Impl(DaemonOptions options)
   if (expiry_period_.count() > 0) {
     expiry_ = std::thread([this] { ExpiryThread(); });
   }
-  // Pinned models load first, by priority.
+  // Pinned models load first, by priority; an unavailable one once its
+  // files are valid (MarkAvailable).
   std::vector<CatalogModel> pinned;
   for (const CatalogModel& m : catalog()->models()) {
-    if (m.pinned) pinned.push_back(m);
+    if (m.pinned && !IsUnavailable(m.id)) pinned.push_back(m);
   }
   std::stable_sort(pinned.begin(), pinned.end(),
                    [](const CatalogModel& a, const CatalogModel& b) {
@@ -251,6 +268,8 @@ void Daemon::Impl::CreateStore() {
     const std::shared_ptr<const Catalog> cat = catalog();
     const CatalogModel* model = cat->Find(key);
     if (model == nullptr || model->id != key) return std::nullopt;
+    // Its files failed the checks: only an acquire or a reload tries them.
+    if (IsUnavailable(model->id)) return std::nullopt;
     CatalogModel spec = *model;
     PrewarmSource source;
     source.expected_bytes = detail::ExpectedCopyBytes(copy_options_, spec);

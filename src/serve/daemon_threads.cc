@@ -71,7 +71,11 @@ void Daemon::Impl::RunTask(Task& task) {
   try {
     const uint64_t expected = detail::ExpectedCopyBytes(copy_options_, model);
     task.expected_bytes = expected;
-    const Loader loader = [&] { return LoadForStore(model); };
+    const Loader loader = [&] {
+      Loaded loaded = LoadForStore(model);
+      task.loaded = true;
+      return loaded;
+    };
     for (int attempt = 0;; ++attempt) {
       const uint64_t recalls = RecallsStarted();
       try {

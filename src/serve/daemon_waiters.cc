@@ -239,8 +239,14 @@ void Daemon::Impl::Complete(std::shared_ptr<Task> task) {
   if (task->prefetch) {
     detail::PrefetchResult result;
     if (task->error) {
+      bool files = false;
       try {
         std::rethrow_exception(task->error);
+      } catch (const detail::FilesUnavailable& e) {
+        // Logged by MarkUnavailable (once), and shown as unavailable.
+        files = true;
+        MarkUnavailable(task->model, {e.what(), e.code()}, /*tried=*/true);
+        result = {503, UnavailableMessage(model)};
       } catch (const Error& e) {
         result.error = e.what();
         switch (e.code()) {
@@ -268,12 +274,14 @@ void Daemon::Impl::Complete(std::shared_ptr<Task> task) {
       } catch (const detail::Cancelled&) {
         result = {503, "the daemon is shutting down"};
       }
-      Log("loading '" + model + "' failed: " + result.error);
+      if (!files) Log("loading '" + model + "' failed: " + result.error);
       if (result.status != 503) {
         // Shown as the model's reason (and /readyz's, when pinned).
         base::MutexLock lock(&stats_mu_);
         model_stats_[model].last_error = result.error;
       }
+    } else if (task->loaded) {
+      MarkAvailable(model);
     }
     task->lease.Release();
     if (task->done) task->done->set_value(result);
@@ -294,6 +302,8 @@ void Daemon::Impl::Complete(std::shared_ptr<Task> task) {
   std::deque<uint64_t> waiting;
   waiting.swap(q.waiters);
   std::deque<uint64_t> left;
+  // Its files made a copy: whatever they were before, they are valid.
+  if (task->lease && task->loaded) MarkAvailable(model);
   if (task->lease) {
     Lease first = std::move(task->lease);
     for (size_t i = 0; i < waiting.size(); ++i) {
@@ -330,6 +340,13 @@ void Daemon::Impl::Complete(std::shared_ptr<Task> task) {
       std::rethrow_exception(task->error);
     } catch (const detail::Cancelled&) {
       cancelled = true;
+    } catch (const detail::FilesUnavailable& e) {
+      // The try an acquire made after the back-off (or a model whose files
+      // went since it was last loaded): unavailable, until a longer wait.
+      MarkUnavailable(task->model, {e.what(), e.code()}, /*tried=*/true);
+      code = ServeCode::kUnavailable;
+      cause = ErrorCodeName(e.code());
+      message = UnavailableMessage(model);
     } catch (const Error& e) {
       message = e.what();
       switch (e.code()) {

@@ -246,8 +246,32 @@ HttpResponse Daemon::Impl::Ready() {
     reasons.push_back("awaiting the reclaim of " + std::to_string(pending) +
                       " models' copies a predecessor left mapped");
   }
-  for (const CatalogModel& m : catalog()->models()) {
-    if (!m.pinned) continue;
+  // A model whose files fail the checks is listed, not a reason: the other
+  // models serve, and a 503 would take them all out of the balancer. So
+  // is a pinned one (it would hold the node at 503 until its files come
+  // back). Only when no model can be served at all is the node not ready.
+  const std::shared_ptr<const Catalog> cat = catalog();
+  const std::map<std::string, detail::Unavailable> unavailable =
+      UnavailableModels();
+  bool any_served = false;
+  for (const CatalogModel& m : cat->models()) {
+    if (unavailable.count(m.id) == 0) {
+      any_served = true;
+      break;
+    }
+    const auto entry = store_->Entry(m.id);
+    if (entry && entry->state == EntryState::kResident) {
+      any_served = true;  // its copy serves without its files
+      break;
+    }
+  }
+  if (!any_served && !cat->models().empty()) {
+    reasons.push_back(
+        "no model can be served: the files of every model of "
+        "the catalog are unavailable");
+  }
+  for (const CatalogModel& m : cat->models()) {
+    if (!m.pinned || unavailable.count(m.id) != 0) continue;
     const auto entry = store_->Entry(m.id);
     if (entry && entry->state == EntryState::kResident && entry->pinned) {
       continue;
@@ -269,6 +293,11 @@ HttpResponse Daemon::Impl::Ready() {
     }
   }
   json body = {{"ready", reasons.empty()}, {"reasons", reasons}};
+  if (!unavailable.empty()) {
+    json models = json::object();
+    for (const auto& [id, u] : unavailable) models[id] = u.problem.error;
+    body["unavailable"] = models;
+  }
   {
     base::MutexLock lock(&catalog_mu_);
     if (!reload_error_.empty()) body["catalog_reload_error"] = reload_error_;
@@ -301,8 +330,13 @@ HttpResponse Daemon::Impl::Models(const std::string& only) {
     base::MutexLock lock(&stats_mu_);
     stats = model_stats_;
   }
+  const std::map<std::string, detail::Unavailable> unavailable =
+      UnavailableModels();
   const std::vector<EntryInfo> entries = store_->Entries();
   const auto now = Clock::now();
+  const auto seconds = [](Clock::duration d) {
+    return std::chrono::duration<double>(d).count();
+  };
   const auto describe = [&](const CatalogModel& m) {
     json model = {{"id", m.id},
                   {"aliases", m.aliases},
@@ -317,7 +351,8 @@ HttpResponse Daemon::Impl::Models(const std::string& only) {
                   {"leases", leases.count(m.id) ? leases[m.id] : json::array()},
                   {"loads", 0},
                   {"last_load_seconds", nullptr},
-                  {"idle_seconds", nullptr}};
+                  {"idle_seconds", nullptr},
+                  {"unavailable", nullptr}};
     if (const auto s = stats.find(m.id); s != stats.end()) {
       model["loads"] = s->second.loads;
       if (s->second.loads > 0) {
@@ -346,6 +381,18 @@ HttpResponse Daemon::Impl::Models(const std::string& only) {
     model["retired_bytes"] = retired;
     if (retired > 0 && model["state"] == "UNAVAILABLE") {
       model["reason"] = "retired: a copy is freed when its last lease ends";
+    }
+    // Its files fail the checks: a resident copy still serves (READY), and
+    // without one its acquires are refused until the files are valid.
+    if (const auto u = unavailable.find(m.id); u != unavailable.end()) {
+      model["unavailable"] = {
+          {"error", u->second.problem.error},
+          {"since_seconds", seconds(now - u->second.since)},
+          {"retry_in_seconds",
+           seconds(std::max(u->second.retry_at - now, Clock::duration{0}))}};
+      if (model["state"] == "UNAVAILABLE") {
+        model["reason"] = "files unavailable: " + u->second.problem.error;
+      }
     }
     return model;
   };
@@ -647,6 +694,23 @@ HttpResponse Daemon::Impl::Metrics() {
   gauge("modelcache_reclaim_pending_models",
         "Models whose copies may still be reclaimed (the grace period).",
         reclaiming_.load());
+  {
+    // One series per unavailable model, whatever --per-model-metrics says:
+    // what an alert names, and as many as there are broken models.
+    const std::map<std::string, detail::Unavailable> unavailable =
+        UnavailableModels();
+    gauge("modelcache_unavailable_models",
+          "Models whose files cannot be opened or validated: their acquires "
+          "fail with UNAVAILABLE unless a copy is resident.",
+          static_cast<double>(unavailable.size()));
+    Metric(&out, "modelcache_model_unavailable", "gauge",
+           "1 for each model whose files cannot be opened or validated (the "
+           "log, /v1/models and /readyz say why).");
+    for (const auto& [model, u] : unavailable) {
+      Sample(&out, "modelcache_model_unavailable", 1,
+             "model=\"" + LabelValue(model) + "\"");
+    }
+  }
   Metric(&out, "modelcache_client_disconnects_total", "counter",
          "Connections ended, by reason.");
   for (size_t i = 0; i < disconnects_.size(); ++i) {

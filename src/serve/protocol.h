@@ -82,13 +82,16 @@
 // it (an older daemon) as an unknown kind.
 //
 // An error may carry "cause", the core's code name (weights errors: "io",
-// "invalid_data"). A message with id 0 is the daemon's own error, not the
-// reply to a request: sent at accept before it closes the connection (too
-// many clients, a peer not allowed), and for a datagram too large to read
-// or too broken to carry an id, after which the connection stays open. A
-// client leaving more than max_queued_replies unread is disconnected with
-// no message at all (it would not read one). A client takes an id-0 error
-// as news, not as the end: the end is EOF.
+// "invalid_data"). UNAVAILABLE carries one when it is the model that is
+// unavailable (its files cannot be opened or are not valid; the message
+// names the file), and none when it is the daemon (shutting down). A message
+// with id 0 is the daemon's own error, not the reply to a request: sent at
+// accept before it closes the connection (too many clients, a peer not
+// allowed), and for a datagram too large to read or too broken to carry an id,
+// after which the connection stays open. A client leaving more than
+// max_queued_replies unread is disconnected with no message at all (it would
+// not read one). A client takes an id-0 error as news, not as the end: the end
+// is EOF.
 //
 // Both parsers take untrusted bytes and never throw: a request parser
 // returns the error reply to send, the reply parser the reason the reply is

@@ -330,6 +330,14 @@ void AddServeOptions(CLI::App& c, ServeFlags& f) {
                "old daemon serves on (30s)");
   c.add_flag("--per-model-metrics", f.per_model_metrics,
              "Per-model series in /metrics");
+  c.add_flag("--strict-catalog", f.strict_catalog,
+             "A catalog file that is missing or not valid is fatal at start "
+             "and refuses a reload (as --check-catalog refuses it); without "
+             "it, only its model is unavailable");
+  c.add_option("--unavailable-retry", f.unavailable_retry,
+               "How long after a model's files were found missing or not "
+               "valid an acquire tries them again; doubled by each failed "
+               "try, to 60s at most (1s; 0: every acquire tries)");
   c.add_flag("--check-catalog", f.check_catalog,
              "Validate the catalog (and, with --model-root, every file's "
              "header) and exit");
@@ -473,6 +481,9 @@ int RunServe(const ServeFlags& flags, std::ostream& out, std::ostream& err) {
       Invalid("--takeover-timeout must be above 0");
     }
     options.per_model_metrics = flags.per_model_metrics;
+    options.strict_catalog = flags.strict_catalog;
+    options.unavailable_retry =
+        Duration("--unavailable-retry", flags.unavailable_retry);
     options.handle_signals = true;
     if (!flags.throttle_load_bandwidth.empty()) {
       options.throttle_load_bytes_per_second =

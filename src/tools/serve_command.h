@@ -5,6 +5,7 @@
 //                    [--http 127.0.0.1:9464] [--admin-socket PATH]
 //                    [--http-admin ADDRESS:PORT] [--host-capacity 24GiB]
 //                    [--policy next-use] [limits...] [--ready-fd N]
+//                    [--strict-catalog] [--unavailable-retry 1s]
 //   modelcache serve --check-catalog --catalog catalog.json [--model-root DIR]
 //                    [--json]
 //
@@ -53,6 +54,10 @@ struct ServeFlags {
   bool takeover = false;
   std::string takeover_timeout = "30s";
   bool per_model_metrics = false;
+  // A catalog file that is missing or not valid: fatal at start, and a
+  // refused reload (else only its model is unavailable).
+  bool strict_catalog = false;
+  std::string unavailable_retry = "1s";
   bool check_catalog = false;
   bool json = false;  // --check-catalog's output
   int ready_fd = -1;

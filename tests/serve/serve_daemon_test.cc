@@ -542,9 +542,10 @@ TEST_F(ServeTest, AReceivedCopyCannotBeWritten) {
   ASSERT_TRUE(raw.Reply());
 }
 
-// The daemon refuses a catalog with a symbolic link at start (see
-// TheDaemonRefusesWhatTheCatalogCheckRefuses); one that appears later is
-// refused at load.
+// A symbolic link in the catalog makes its model unavailable at start (or
+// the daemon refuse to start, with --strict-catalog: see
+// TheStrictDaemonRefusesWhatTheCatalogCheckRefuses); one that appears
+// later is refused at load, which makes the model unavailable too.
 TEST_F(ServeTest, ASymlinkUnderTheRootIsNeverFollowed) {
   AddModel("fine", 64 * kKiB, 13);
   // Outside the root: a real model file and a folder holding one.
@@ -585,7 +586,7 @@ TEST_F(ServeTest, ASymlinkUnderTheRootIsNeverFollowed) {
         client.Acquire(id, std::chrono::seconds(60));
         ADD_FAILURE() << id << " was loaded through a symbolic link";
       } catch (const ServeError& e) {
-        EXPECT_EQ(e.serve_code(), ServeCode::kLoadFailed) << e.what();
+        EXPECT_EQ(e.serve_code(), ServeCode::kUnavailable) << e.what();
         EXPECT_THAT(e.what(), HasSubstr("symbolic link")) << e.what();
         EXPECT_EQ(e.code(), ErrorCode::kIo);
       }
@@ -629,22 +630,10 @@ TEST_F(ServeTest, ACatalogWithDotDotIsRefusedWithItsReason) {
   EXPECT_FALSE(fs::exists(socket_));
 }
 
-// `modelcache ARGS`: its exit status and what it printed (both streams).
-std::pair<int, std::string> RunCli(const TempDir& dir,
-                                   const std::string& args) {
-  const std::string out = dir / "cli.txt";
-  Process::Spec spec;
-  spec.argv = {"/bin/sh", "-c",
-               std::string(MODELCACHE_CLI) + " " + args + " >" + out + " 2>&1"};
-  Process p(spec);
-  const int status = p.Wait();
-  std::ifstream in(out);
-  std::string text((std::istreambuf_iterator<char>(in)),
-                   std::istreambuf_iterator<char>());
-  return {WIFEXITED(status) ? WEXITSTATUS(status) : -1, text};
-}
-
-TEST_F(ServeTest, TheDaemonRefusesWhatTheCatalogCheckRefusesWithItsMessage) {
+// Without --strict-catalog such a file costs only its model
+// (serve_unavailable_test.cc).
+TEST_F(ServeTest,
+       TheStrictDaemonRefusesWhatTheCatalogCheckRefusesWithItsMessage) {
   AddModel("ok", 64 * kKiB, 42);
   const std::string outside = dir_ / "outside/model.safetensors";
   WriteModel(outside, 64 * kKiB, 43);
@@ -660,13 +649,14 @@ TEST_F(ServeTest, TheDaemonRefusesWhatTheCatalogCheckRefusesWithItsMessage) {
   EXPECT_THAT(check, HasSubstr("symbolic link")) << check;
   // At start: refused, with the check's words, and nothing listens.
   const auto [start_status, start] =
-      RunCli(dir_, "serve " + where + " --socket " + socket_ + " --http off");
+      RunCli(dir_, "serve " + where + " --socket " + socket_ +
+                       " --http off --strict-catalog");
   EXPECT_EQ(start_status, 1);
   EXPECT_EQ(start.substr(start.find("error: ")), check);
   EXPECT_FALSE(fs::exists(socket_));
   // On reload: refused with the same words; the old catalog stays.
   WriteCatalog(catalog_, good);
-  Daemon& d = StartDaemon();
+  Daemon& d = StartDaemon("1GiB", {"--strict-catalog"});
   WriteCatalog(catalog_, models_);
   d.process().Signal(SIGHUP);
   Eventually(
@@ -847,8 +837,8 @@ TEST_F(ServeTest, EveryLimitAnswersBusyNamingItAndLoadsWaitForASlot) {
 TEST_F(ServeTest, ErrorsNameTheirCause) {
   AddModel("small", 64 * kKiB, 16);
   AddModel("huge", 4 * kMiB, 17);
-  // Valid when the daemon starts (it refuses a catalog --check-catalog
-  // refuses), broken by its first load.
+  // Valid when the daemon starts, broken by its first load: the model is
+  // unavailable, with the file's error as its cause.
   WriteModel(root_ + "/broken.safetensors", 4 * kKiB, 18);
   models_.push_back({"broken", {"broken.safetensors"}});
   WriteCatalog(catalog_, models_);
@@ -872,7 +862,7 @@ TEST_F(ServeTest, ErrorsNameTheirCause) {
   EXPECT_THAT(message, HasSubstr("within 100 ms"));
   d.CloseGate();
   std::tie(code, message) = code_of("broken", std::chrono::seconds(60));
-  EXPECT_EQ(code, ServeCode::kLoadFailed) << message;
+  EXPECT_EQ(code, ServeCode::kUnavailable) << message;
   EXPECT_THAT(message, HasSubstr("broken.safetensors"));
   try {
     client.Acquire("broken", std::chrono::seconds(60));
@@ -886,7 +876,7 @@ TEST_F(ServeTest, ErrorsNameTheirCause) {
   EXPECT_THROW(small.data("nothing"), Error);
   EXPECT_EQ(d.Metric("modelcache_acquires_total{result=\"too_large\"}"), 1);
   EXPECT_EQ(d.Metric("modelcache_acquires_total{result=\"timeout\"}"), 1);
-  EXPECT_EQ(d.Metric("modelcache_acquires_total{result=\"load_failed\"}"), 2);
+  EXPECT_EQ(d.Metric("modelcache_acquires_total{result=\"unavailable\"}"), 2);
 }
 
 TEST_F(ServeTest, TheHttpApiShowsAndSteersTheStore) {
@@ -955,17 +945,9 @@ TEST_F(ServeTest, MetricsPassPromtool) {
       client.Acquire("ghost", std::chrono::seconds(1));
     } catch (const ServeError&) {
     }
-    const std::string metrics = d.Get("/metrics").body;
-    EXPECT_THAT(metrics, HasSubstr("modelcache_model_leases{model=\"m1\"} 1"));
-    const std::string file = dir_ / "metrics.txt";
-    std::ofstream(file) << metrics;
-    Process::Spec spec;
-    spec.argv = {"/bin/sh", "-c", "promtool check metrics < " + file};
-    Process promtool(spec);
-    const int status = promtool.Wait();
-    EXPECT_TRUE(WIFEXITED(status) && WEXITSTATUS(status) == 0)
-        << "promtool check metrics failed on:\n"
-        << metrics;
+    EXPECT_THAT(d.Get("/metrics").body,
+                HasSubstr("modelcache_model_leases{model=\"m1\"} 1"));
+    ExpectPromtoolPasses(d, dir_ / "metrics.txt");
   }
   for (const char* name :
        {"modelcache_budget_capacity_bytes",

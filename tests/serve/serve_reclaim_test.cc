@@ -167,6 +167,33 @@ class Reclaim : public ServeTest {
     daemon_->process().Wait();
   }
 
+  // In the grace period: an acquire of `held`'s model on `waiting` waits,
+  // `holder` reclaims `held`, and the acquire is answered with that very
+  // copy. Returns the acquire's reply.
+  std::optional<protocol::Reply> AcquireInTheGracePeriod(Raw& waiting,
+                                                         Raw& holder,
+                                                         const Held& held) {
+    EXPECT_TRUE(
+        waiting.Send(protocol::EncodeAcquire(2, held.model, 60000, false)));
+    Eventually(
+        [&] { return daemon_->Metric("modelcache_waiting_acquires") == 1; },
+        "the acquire waits for the reclaim");
+    const auto reclaimed = SendReclaim(holder, held, 3);
+    EXPECT_TRUE(reclaimed && reclaimed->ok)
+        << (reclaimed ? reclaimed->message : "no reply");
+    std::optional<protocol::Reply> reply = waiting.Reply();
+    EXPECT_TRUE(reply && reply->ok) << (reply ? reply->message : "no reply");
+    EXPECT_EQ(waiting.last_fds().size(), 2u);
+    if (reply && reply->ok && waiting.last_fds().size() == 2) {
+      struct stat st;
+      ::fstat(waiting.last_fds()[1].get(), &st);
+      EXPECT_EQ(std::make_pair(static_cast<uint64_t>(st.st_dev),
+                               static_cast<uint64_t>(st.st_ino)),
+                held.DataId());
+    }
+    return reply;
+  }
+
   std::set<std::string> Origins() {
     std::set<std::string> origins;
     const json books = daemon_->GetJson("/v1/copies");
@@ -607,23 +634,8 @@ TEST_F(Reclaim, AnAcquireInTheGracePeriodWaitsForTheReclaimAndLoadsNothing) {
   daemon_->Start();
 
   auto waiting = Connect();
-  ASSERT_TRUE(waiting->Send(protocol::EncodeAcquire(2, "a", 60000, false)));
-  Eventually(
-      [&] { return daemon_->Metric("modelcache_waiting_acquires") == 1; },
-      "the acquire waits");
   auto holder = Connect();
-  auto reply = SendReclaim(*holder, a, 3);
-  ASSERT_TRUE(reply);
-  EXPECT_TRUE(reply->ok) << reply->message;
-  reply = waiting->Reply();
-  ASSERT_TRUE(reply);
-  ASSERT_TRUE(reply->ok) << reply->message;
-  ASSERT_EQ(waiting->last_fds().size(), 2u);
-  struct stat st;
-  ::fstat(waiting->last_fds()[1].get(), &st);
-  EXPECT_EQ(std::make_pair(static_cast<uint64_t>(st.st_dev),
-                           static_cast<uint64_t>(st.st_ino)),
-            a.DataId());
+  AcquireInTheGracePeriod(*waiting, *holder, a);
   EXPECT_EQ(daemon_->Metric("modelcache_loads_total"), 0);
 }
 
@@ -642,6 +654,77 @@ TEST_F(Reclaim, WithoutAReclaimTheGracePeriodEndsAndTheModelLoads) {
   EXPECT_NE(loaded.DataId(), a.DataId());
   EXPECT_EQ(daemon_->Metric("modelcache_loads_total"), 1);
   ExpectWithinBudget(*daemon_);
+}
+
+// A restart with a model's file gone: the successor starts (the model is
+// unavailable; it refused to start before), an acquire of the model in the
+// grace period waits for the reclaim as any other, and the copy a process
+// brings back serves without its file. Once that copy goes, its acquires
+// are refused.
+TEST_F(Reclaim, ARestartWithAFileGoneStartsAndTheReclaimedCopyServes) {
+  AddModel("a", 2 * kMiB, 1);
+  AddModel("b", 1 * kMiB, 2);
+  StartDaemon("16MiB", {"--reclaim-grace", "120s"});
+  auto first = Connect();
+  Held a = Acquire(*first, "a", 2);
+  Crash();
+  first->Close();
+  fs::remove(root_ + "/a/model.safetensors");
+  daemon_->Start();
+  EXPECT_EQ(daemon_->Metric("modelcache_unavailable_models"), 1);
+  EXPECT_THAT(daemon_->Model("a")["unavailable"]["error"].get<std::string>(),
+              ::testing::HasSubstr("a/model.safetensors: cannot open"));
+  const HttpResult ready = daemon_->Get("/readyz");
+  EXPECT_EQ(ready.status, 503) << "the grace period, as before";
+  EXPECT_THAT(ready.body, ::testing::HasSubstr("awaiting the reclaim"));
+  EXPECT_TRUE(ready.Json()["unavailable"].contains("a")) << ready.body;
+
+  // The other model loads and serves meanwhile.
+  auto other = Connect();
+  Held b = Acquire(*other, "b", 2);
+  EXPECT_EQ(b.checksum, checksums_["b"]);
+
+  auto waiting = Connect();
+  auto holder = Connect();
+  std::optional<protocol::Reply> reply =
+      AcquireInTheGracePeriod(*waiting, *holder, a);
+  ASSERT_TRUE(reply && reply->ok);
+
+  // A hit is a hit, whatever its files.
+  auto fresh = Connect();
+  std::string load;
+  Held again = Acquire(*fresh, "a", 4, &load);
+  EXPECT_EQ(load, "hit");
+  EXPECT_EQ(again.DataId(), a.DataId());
+  EXPECT_EQ(again.checksum, checksums_["a"]);
+  EXPECT_EQ(daemon_->Metric("modelcache_loads_total"), 1) << "b's";
+  EXPECT_EQ(daemon_->Model("a")["state"], "READY");
+  EXPECT_TRUE(daemon_->Model("a")["unavailable"].is_object());
+  EXPECT_EQ(daemon_->Get("/readyz").status, 200);
+
+  // Every lease of it released (unmapped first) and the copy unloaded:
+  // refused, naming the file.
+  for (Held* held : {&a, &again}) {
+    ::munmap(held->map, held->bytes);
+    held->map = nullptr;
+  }
+  for (auto [raw, lease] :
+       std::vector<std::pair<Raw*, uint64_t>>{{holder.get(), a.lease},
+                                              {waiting.get(), reply->lease},
+                                              {fresh.get(), again.lease}}) {
+    ASSERT_TRUE(raw->Send(protocol::EncodeRelease(9, lease)));
+    const auto released = raw->Reply();
+    ASSERT_TRUE(released && released->ok);
+  }
+  EXPECT_EQ(daemon_->Send("POST", "/v1/models/a/unload").Json()["outcome"],
+            "removed");
+  ASSERT_TRUE(fresh->Send(protocol::EncodeAcquire(10, "a", 60000, false)));
+  reply = fresh->Reply();
+  ASSERT_TRUE(reply);
+  EXPECT_FALSE(reply->ok);
+  EXPECT_EQ(reply->code, ServeCode::kUnavailable);
+  EXPECT_EQ(reply->cause, "io");
+  EXPECT_THAT(reply->message, ::testing::HasSubstr("a/model.safetensors"));
 }
 
 TEST_F(Reclaim, ALeaseIdTheDaemonHandedOutItselfCannotBeReclaimedByAnother) {

@@ -176,5 +176,45 @@ TEST_F(Takeover, AnotherHandoverVersionIsRefusedAndTheDaemonServesOn) {
   worker.Ok("release-all");
 }
 
+// A model's file gone does not refuse a takeover of the copies in memory:
+// the new daemon starts (it refused to before), its copy is handed over
+// and serves without its file, and the model is unavailable for what is
+// not resident.
+TEST_F(Takeover, AFileGoneDoesNotRefuseTheTakeoverOfItsCopy) {
+  AddModel("a", 1 * kMiB, 1);
+  AddModel("b", 1 * kMiB, 2);
+  Daemon& d = StartDaemon("16MiB");
+  {
+    Worker worker(d.socket());
+    leases_.Add(worker.Ok("acquire a")[0]);
+    worker.Ok("release-all");
+  }
+  fs::remove(root_ + "/a/model.safetensors");
+
+  EXPECT_EQ(d.Takeover(), 0);
+  EXPECT_EQ(d.Metric("modelcache_loads_total"), 0);
+  EXPECT_EQ(d.Metric("modelcache_unavailable_models"), 1);
+  Worker fresh(d.socket());
+  const std::vector<std::string> got = fresh.Ok("acquire a");
+  ASSERT_EQ(got.size(), 3u);
+  leases_.Add(got[0]);
+  EXPECT_EQ(got[1], std::to_string(checksums_["a"]));
+  EXPECT_EQ(d.Metric("modelcache_loads_total"), 0);
+  EXPECT_EQ(d.Model("a")["state"], "READY");
+  EXPECT_TRUE(d.Model("a")["unavailable"].is_object());
+  const std::vector<std::string> b = fresh.Ok("acquire b");
+  ASSERT_EQ(b.size(), 3u);
+  leases_.Add(b[0]);
+  EXPECT_EQ(b[1], std::to_string(checksums_["b"]));
+  fresh.Ok("release-all");
+  fresh.Ok("ping");  // answered after the releases: the daemon has them
+
+  // Once its copy goes, its acquires are refused, naming the file.
+  EXPECT_EQ(d.Send("POST", "/v1/models/a/unload").Json()["outcome"], "removed");
+  const std::string refused = fresh.Do("acquire a");
+  EXPECT_EQ(refused.rfind("error UNAVAILABLE ", 0), 0u) << refused;
+  EXPECT_NE(refused.find("a/model.safetensors"), std::string::npos) << refused;
+}
+
 }  // namespace
 }  // namespace modelcache::serve::testing

@@ -315,6 +315,21 @@ class Process {
   std::string buffer_;
 };
 
+// `modelcache ARGS`: its exit status and what it printed (both streams).
+inline std::pair<int, std::string> RunCli(const TempDir& dir,
+                                          const std::string& args) {
+  const std::string out = dir / "cli.txt";
+  Process::Spec spec;
+  spec.argv = {"/bin/sh", "-c",
+               std::string(MODELCACHE_CLI) + " " + args + " >" + out + " 2>&1"};
+  Process p(spec);
+  const int status = p.Wait();
+  std::ifstream in(out);
+  std::string text((std::istreambuf_iterator<char>(in)),
+                   std::istreambuf_iterator<char>());
+  return {WIFEXITED(status) ? WEXITSTATUS(status) : -1, text};
+}
+
 // ---- HTTP ----
 
 struct HttpResult {
@@ -336,6 +351,9 @@ struct DaemonOptions {
   bool gate = false;              // --test-load-gate-fd
   bool pause_hook = false;        // --test-pause-reads-fd
   std::vector<std::string> env;   // NAME=value for the daemon
+  // When set, the daemon's standard error (its log) is appended to this
+  // file, for tests that read what it says.
+  std::string log_file;
   // Descriptors passed as systemd passes its fd store's: (name, descriptor
   // here), as 3, 4, ... with LISTEN_FDS, LISTEN_FDNAMES and LISTEN_PID. The
   // next Start passes them (and clears the list). Not with gate or
@@ -443,7 +461,16 @@ class Daemon {
     }
     for (const std::string& a : options_.args) spec.argv.push_back(a);
     if (takeover) spec.argv.push_back("--takeover");
+    int log = -1;
+    if (!options_.log_file.empty()) {
+      log = ::open(options_.log_file.c_str(),
+                   O_WRONLY | O_CREAT | O_APPEND | O_CLOEXEC, 0600);
+      if (log < 0) throw std::runtime_error("open " + options_.log_file);
+      log = High(log);
+      spec.fds.push_back({log, 2});
+    }
     process_ = std::make_unique<Process>(spec);
+    if (log >= 0) ::close(log);
     ::close(ready[1]);
     if (gate_read_ >= 0) {
       ::close(gate_read_);
@@ -722,6 +749,20 @@ class Raw {
   std::vector<base::UniqueFd> last_fds_;
 };
 
+// `promtool check metrics` passes on the daemon's /metrics (written to
+// `file` for it).
+inline void ExpectPromtoolPasses(Daemon& daemon, const std::string& file) {
+  const std::string metrics = daemon.Get("/metrics").body;
+  std::ofstream(file) << metrics;
+  Process::Spec spec;
+  spec.argv = {"/bin/sh", "-c", "promtool check metrics < " + file};
+  Process promtool(spec);
+  const int status = promtool.Wait();
+  EXPECT_TRUE(WIFEXITED(status) && WEXITSTATUS(status) == 0)
+      << "promtool check metrics failed on:\n"
+      << metrics;
+}
+
 // ---- Never ----
 
 // Every memfd of the daemon's instance that a live process maps must be in
@@ -848,6 +889,7 @@ class ServeTest : public ::testing::Test {
     options.args = std::move(args);
     options.gate = gate;
     options.pause_hook = pause_hook;
+    options.log_file = daemon_log_;
     daemon_ = std::make_unique<Daemon>(options);
     return *daemon_;
   }
@@ -872,6 +914,9 @@ class ServeTest : public ::testing::Test {
   std::vector<ModelSpec> models_;
   std::map<std::string, uint64_t> checksums_;
   std::unique_ptr<Daemon> daemon_;
+  // Where StartDaemon's daemon logs (DaemonOptions::log_file); empty: the
+  // test's standard error.
+  std::string daemon_log_;
   LeaseIds leases_;
   bool skip_fd_check_ = false;
 };

@@ -71,6 +71,22 @@ struct Limits {
 struct DaemonOptions {
   std::string catalog_path;
   std::string model_root;
+  // A model whose files cannot be opened beneath the root or are not valid
+  // safetensors files (what --check-catalog refuses) is *unavailable*: the
+  // daemon starts, restarts, takes over and reloads without it, says why
+  // once in its log, in /v1/models, /readyz and /metrics, and answers its
+  // acquires UNAVAILABLE at once, naming the file, unless a copy of it is
+  // resident (taken over or reclaimed: a hit is a hit). Its files are
+  // checked again by every reload and by the load of an acquire that comes
+  // unavailable_retry after it was found so, a wait that doubles (to 60 s
+  // at most) each time that load finds them failing still; a load that
+  // succeeds makes it available. The catalog itself (unparseable) and the
+  // model root (missing) stay fatal. strict_catalog: any such file is fatal
+  // at start (the constructor throws its error) and refuses a reload, as
+  // --check-catalog does.
+  bool strict_catalog = false;
+  // 0: every acquire of an unavailable model tries its files again.
+  std::chrono::milliseconds unavailable_retry{1000};
   // The socket's folder is created with mode 0750 when missing and must not
   // be open to others when present; the socket gets mode 0660. No abstract
   // sockets.
@@ -192,16 +208,19 @@ struct HttpResponse {
 
 class Daemon {
  public:
-  // Validates the options and the catalog (and its files, as
-  // CheckCatalog does), opens the model root, creates and listens on the
-  // socket, books the orphaned copies of a predecessor, and starts the load
-  // pool (and the expiry thread of a TTL policy): the pinned models' loads
-  // start now, before Run(), and a keep-alive policy's thread may prewarm.
-  // No client is answered (nor accepted) until Run(). Throws
-  // modelcache::Error: CatalogError, weights::IoError or
-  // weights::FormatError (the root, a catalog's file), kInvalidArgument
-  // (options, the socket's path or folder), kUnavailable (another daemon
-  // listens on the socket).
+  // Validates the options and the catalog, opens the model root, checks
+  // every catalog file as CheckCatalog does (a model whose files fail is
+  // unavailable; with strict_catalog, the first failure throws), creates
+  // and listens on the socket, books the orphaned copies of a predecessor,
+  // and starts the load pool (and the expiry thread of a TTL policy): the
+  // pinned models' loads start now, before Run() (an unavailable one's
+  // does not: it loads once its files are valid), and a keep-alive
+  // policy's thread may prewarm. No client is answered (nor accepted)
+  // until Run(). Throws modelcache::Error: CatalogError, weights::IoError
+  // (the root; with strict_catalog, a catalog's file) or
+  // weights::FormatError (with strict_catalog, a catalog's file),
+  // kInvalidArgument (options, the socket's path or folder), kUnavailable
+  // (another daemon listens on the socket).
   explicit Daemon(DaemonOptions options);
   // Releases every lease and frees every copy; clients' mappings stay
   // valid. REQUIRES: Run() is not running.
@@ -219,7 +238,9 @@ class Daemon {
   void Run();
   // Thread-safe; async-signal-safe.
   void Shutdown();
-  // Reloads the catalog (as SIGHUP does). Thread-safe.
+  // Reloads the catalog (as SIGHUP does), checking every file again: an
+  // unavailable model whose files are valid now is available again.
+  // Thread-safe.
   void Reload();
 
   // The HTTP control API (docs/serve.md). Thread-safe.

@@ -201,7 +201,9 @@ void Budget::Reserve(uint64_t bytes, const ReserveOptions& options) {
         capacity_ = grown_capacity;
         used_ += bytes;
         high_water_ = std::max(high_water_, used_);
-        over_capacity_.store(used_ > capacity_);
+        // over_capacity_ is already false: usage was within the capacity
+        // before (the growth is at most `bytes`), and the release or resize
+        // that made it so cleared the flag.
         leave(/*failed=*/false);
         return;
       }

@@ -63,8 +63,9 @@
 // evict, from this cache or its peers, outside every lock), adjusted to the
 // real size after (a real size over the whole budget is refused before any
 // eviction), returned on failure and when a record is unloaded. When a
-// record becomes evictable while the budget is over a shrunken capacity, the
-// budget evicts until usage is back within it (Budget::NotifyEvictable).
+// record becomes evictable, or a retired record's last lease ends, while the
+// budget is over a shrunken capacity, the budget evicts until usage is back
+// within it (Budget::NotifyEvictable).
 //
 // Events: emitted after the state change they report, outside every lock; a
 // callback's exception is caught and counted, so it can never leave a lease

@@ -15,9 +15,10 @@
 //
 // Locking: the budget's mutex is a leaf, and the budget never calls a member
 // while holding it, so no lock-order inversion is possible. A member may call
-// Release while holding its own locks. Reserve, SetCapacity and
-// NotifyEvictable may evict (call members and their unloaders), so a member
-// calls them with none of its locks held.
+// Release (and Resize, which calls no member) while holding its own locks.
+// Reserve, SetCapacity, EvictOverCapacity and NotifyEvictable may evict
+// (call members and their unloaders), so a member calls them with none of
+// its locks held.
 #ifndef MODELCACHE_CORE_BUDGET_H_
 #define MODELCACHE_CORE_BUDGET_H_
 

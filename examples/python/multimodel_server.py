@@ -121,8 +121,8 @@ def input_shape(name):
 
 
 # ---------------------------------------------------------------------------
-# safetensors, by hand (8-byte little-endian header length, JSON header,
-# raw little-endian data)
+# safetensors: written with modelcache.weights.save_file; read by hand here
+# (8-byte little-endian header length, JSON header, raw little-endian data)
 # ---------------------------------------------------------------------------
 
 _DTYPES = {
@@ -137,31 +137,16 @@ _NP_BY_CODE = {code: np_dtype for code, np_dtype in _DTYPES.values()}
 
 
 def write_safetensors(path, tensors, metadata=None):
-    """Writes `tensors` (name -> tensor) to `path` atomically."""
-    header = {}
-    if metadata:
-        header["__metadata__"] = {str(k): str(v) for k, v in metadata.items()}
-    blobs = []
-    offset = 0
+    """Writes `tensors` (name -> tensor) to `path` atomically, with
+    modelcache's writer."""
+    arrays = {}
     for name, tensor in tensors.items():
-        code, np_dtype = _DTYPES[tensor.dtype]
-        data = tensor.detach().contiguous().cpu().numpy().astype(np_dtype, copy=False).tobytes()
-        header[name] = {
-            "dtype": code,
-            "shape": list(tensor.shape),
-            "data_offsets": [offset, offset + len(data)],
-        }
-        blobs.append(data)
-        offset += len(data)
-    text = json.dumps(header, separators=(",", ":")).encode()
-    text += b" " * (-len(text) % 8)  # the data starts 8-aligned
+        _, np_dtype = _DTYPES[tensor.dtype]
+        arrays[name] = tensor.detach().contiguous().cpu().numpy().astype(np_dtype, copy=False)
     path = Path(path)
     tmp = path.with_name(f".{path.name}.{os.getpid()}.{threading.get_ident()}.tmp")
-    with open(tmp, "wb") as f:
-        f.write(len(text).to_bytes(8, "little"))
-        f.write(text)
-        for data in blobs:
-            f.write(data)
+    modelcache.weights.save_file(
+        arrays, tmp, {str(k): str(v) for k, v in (metadata or {}).items()})
     os.replace(tmp, path)
 
 

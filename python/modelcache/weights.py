@@ -32,7 +32,8 @@ process with SIGSEGV (``mmap`` mode). Copy it (``t.clone()``) to modify it.
 from __future__ import annotations
 
 import os
-from typing import TYPE_CHECKING, Any, Dict, List, Union
+from collections.abc import Mapping
+from typing import TYPE_CHECKING, Any, Dict, List, Optional, Tuple, Union
 
 from . import _args, _core
 from ._lease import _Releasable
@@ -51,6 +52,7 @@ __all__ = [
     "HostWeightStore",
     "WeightsLease",
     "load_state_dict",
+    "save_file",
 ]
 
 #: A filesystem path: str, bytes or os.PathLike.
@@ -82,6 +84,89 @@ def inspect(path: PathLike) -> Dict[str, Any]:
         modelcache.errors.IoError: the file cannot be opened or read.
     """
     return _core._inspect_safetensors(_args.path(path, "path"))
+
+
+# numpy dtype -> safetensors dtype, for the kinds numpy has (BF16 and the
+# F8 kinds travel as (dtype, shape, data) tuples).
+_SAFETENSORS_DTYPES = {
+    ("b", 1): "BOOL", ("u", 1): "U8", ("i", 1): "I8",
+    ("i", 2): "I16", ("u", 2): "U16", ("f", 2): "F16",
+    ("i", 4): "I32", ("u", 4): "U32", ("f", 4): "F32",
+    ("i", 8): "I64", ("u", 8): "U64", ("f", 8): "F64",
+}
+
+
+def _tensor_entry(name: str, value: Any) -> Tuple[str, str, List[int], Any]:
+    """(name, dtype, shape, contiguous little-endian bytes) for one tensor."""
+    import numpy as np
+
+    if isinstance(value, tuple):
+        if len(value) != 3:
+            raise TypeError(f"tensor {name!r}: a tuple must be "
+                            f"(dtype, shape, data), got {len(value)} items")
+        dtype, shape, data = value
+        if not isinstance(dtype, str):
+            raise TypeError(f"tensor {name!r}: dtype must be a safetensors "
+                            f"dtype name such as 'BF16', got {dtype!r}")
+        raw = np.frombuffer(memoryview(data).cast("B"), dtype=np.uint8)
+        return (name, dtype, [int(d) for d in shape], raw)
+    if not isinstance(value, np.ndarray):
+        raise TypeError(f"tensor {name!r}: expected a numpy array or a "
+                        f"(dtype, shape, data) tuple, got "
+                        f"{type(value).__name__}")
+    kind = _SAFETENSORS_DTYPES.get((value.dtype.kind, value.dtype.itemsize))
+    if kind is None:
+        raise TypeError(f"tensor {name!r}: numpy dtype {value.dtype} has no "
+                        f"safetensors equivalent")
+    little = np.ascontiguousarray(value, dtype=value.dtype.newbyteorder("<"))
+    return (name, kind, list(value.shape), little.reshape(-1).view(np.uint8))
+
+
+def save_file(tensors: "Mapping[str, Any]", path: PathLike,
+              metadata: "Optional[Mapping[str, str]]" = None) -> int:
+    """Writes ``tensors`` to a safetensors file at ``path`` (created or
+    truncated) and returns its size in bytes.
+
+    Each value is a numpy array (any byte order or layout; written
+    little-endian and C-contiguous) or, for dtypes numpy lacks, a tuple
+    ``(dtype, shape, data)``: a safetensors dtype name (``"BF16"``,
+    ``"F8_E4M3"``, ...), the shape, and the raw little-endian bytes (any
+    buffer). ``metadata`` becomes the ``"__metadata__"`` entry (str to str).
+
+    The file is what the reference implementation writes, and what
+    :func:`inspect` and :class:`HostWeightStore` read: the header padded to a
+    multiple of 8 bytes, tensors laid out by decreasing element size, so
+    every tensor is aligned to its element size. The writer is the C++
+    library's (``modelcache/weights/safetensors_writer.h``); it streams the
+    bytes without copying them again.
+
+    Raises:
+        TypeError: ``tensors`` or ``metadata`` is not a mapping, a name,
+            metadata key or value is not a str, a value is neither a numpy
+            array nor a
+            ``(dtype, shape, data)`` tuple, or its dtype has no safetensors
+            equivalent.
+        modelcache.errors.InvalidArgumentError: a name is duplicated or is
+            ``"__metadata__"``, an unknown dtype name, or a tuple's bytes do
+            not match its dtype and shape.
+        modelcache.errors.IoError: the file cannot be written (a partly
+            written file is removed).
+    """
+    if not isinstance(tensors, Mapping):
+        raise TypeError(f"tensors must be a mapping of name -> array, not "
+                        f"{type(tensors).__name__}")
+    entries = [_tensor_entry(_args.string(name, "tensors' names"), value)
+               for name, value in tensors.items()]
+    shown = _args.path(path, "path")
+    if metadata is None:
+        metadata = {}
+    if not isinstance(metadata, Mapping):
+        raise TypeError(f"metadata must be a mapping of str -> str, not "
+                        f"{type(metadata).__name__}")
+    for key, value in metadata.items():
+        _args.string(key, "metadata's keys")
+        _args.string(value, f"metadata[{key!r}]")
+    return _core._write_safetensors(shown, entries, dict(metadata))
 
 
 class WeightsLease(_Releasable):

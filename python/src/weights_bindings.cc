@@ -27,7 +27,10 @@
 
 #include <cstdint>
 #include <limits>
+#include <map>
 #include <memory>
+#include <optional>
+#include <span>
 #include <string>
 #include <utility>
 #include <vector>
@@ -35,6 +38,7 @@
 #include "common.h"
 #include "modelcache/weights/host_store.h"
 #include "modelcache/weights/safetensors.h"
+#include "modelcache/weights/safetensors_writer.h"
 #include "modelcache/weights/weight_set.h"
 
 namespace modelcache::python {
@@ -547,6 +551,53 @@ class PyHostWeightStore {
 }  // namespace
 
 void BindWeights(py::module_& m) {
+  m.def(
+      "_write_safetensors",
+      [](const py::handle& path, const py::list& tensors,
+         const std::map<std::string, std::string>& metadata) {
+        const std::string file = PathFrom(path);
+        weights::SafetensorsWriter writer;
+        for (const auto& [key, value] : metadata) writer.SetMetadata(key, value);
+        // Each entry is (name, dtype name, shape, buffer). The buffers stay
+        // referenced by `tensors` (the caller's list) for the whole write,
+        // which reads them without the GIL: the caller passes contiguous
+        // copies nobody else holds.
+        std::vector<py::buffer_info> infos;
+        infos.reserve(tensors.size());
+        for (const py::handle& item : tensors) {
+          const auto entry = item.cast<py::tuple>();
+          if (entry.size() != 4) {
+            RaiseError(ErrorCode::kInvalidArgument,
+                       "a tensor entry is (name, dtype, shape, buffer)");
+          }
+          const auto name = entry[0].cast<std::string>();
+          const auto dtype_name = entry[1].cast<std::string>();
+          const std::optional<Dtype> dtype = weights::ParseDtype(dtype_name);
+          if (!dtype) {
+            RaiseError(ErrorCode::kInvalidArgument,
+                       "tensor '" + weights::Printable(name) +
+                           "': unknown safetensors dtype '" +
+                           weights::Printable(dtype_name) + "'");
+          }
+          infos.push_back(entry[3].cast<py::buffer>().request());
+          const py::buffer_info& info = infos.back();
+          if (info.itemsize != 1 || info.ndim != 1 ||
+              (info.size > 1 && info.strides[0] != 1)) {
+            RaiseError(ErrorCode::kInvalidArgument,
+                       "tensor '" + weights::Printable(name) +
+                           "': its data must be contiguous bytes");
+          }
+          const auto size = static_cast<size_t>(info.size * info.itemsize);
+          writer.AddTensor(
+              name, *dtype, entry[2].cast<std::vector<uint64_t>>(),
+              std::span<const std::byte>(
+                  static_cast<const std::byte*>(info.ptr), size));
+        }
+        return WithoutGil([&] { return writer.Write(file); });
+      },
+      py::arg("path"), py::arg("tensors"), py::arg("metadata"),
+      "Writes a safetensors file; see modelcache.weights.save_file.");
+
   m.def(
       "_inspect_safetensors",
       [](const py::handle& path) {

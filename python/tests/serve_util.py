@@ -22,6 +22,8 @@ from typing import Any, Dict, List, Optional, Sequence
 
 import numpy as np
 
+from modelcache.weights import save_file
+
 _libc = ctypes.CDLL(None, use_errno=True)
 _PR_SET_PDEATHSIG = 1
 
@@ -40,25 +42,10 @@ def modelcache_binary() -> Path:
     return build_dir() / "bin" / "modelcache"
 
 
-_DTYPES = {np.dtype("float32"): "F32", np.dtype("int64"): "I64",
-           np.dtype("float16"): "F16", np.dtype("bool"): "BOOL"}
-
-
 def write_safetensors(path: Path, tensors: Dict[str, np.ndarray]) -> int:
-    """Writes `tensors` in order; returns the data bytes."""
-    header: Dict[str, Any] = {}
-    offset = 0
-    for name, t in tensors.items():
-        header[name] = {"dtype": _DTYPES[t.dtype], "shape": list(t.shape),
-                        "data_offsets": [offset, offset + t.nbytes]}
-        offset += t.nbytes
-    text = json.dumps(header).encode()
-    text += b" " * (-len(text) % 8)
-    with open(path, "wb") as f:
-        f.write(len(text).to_bytes(8, "little") + text)
-        for t in tensors.values():
-            f.write(np.ascontiguousarray(t).tobytes())
-    return offset
+    """Writes `tensors` with the package's writer; returns the data bytes."""
+    save_file(tensors, path)
+    return sum(t.nbytes for t in tensors.values())
 
 
 def random_model(seed: int, rows: int = 64, cols: int = 32) -> Dict[str, np.ndarray]:

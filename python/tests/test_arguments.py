@@ -97,7 +97,8 @@ SWEPT = {
     "modelcache.Cache.set_capacity", "modelcache.Cache.entry",
     "modelcache.Budget", "modelcache.Budget.set_capacity", "modelcache.Loaded",
     "modelcache.policy_names", "modelcache.torch_bytes",
-    "modelcache.weights.inspect", "modelcache.weights.HostWeightStore",
+    "modelcache.weights.inspect", "modelcache.weights.save_file",
+    "modelcache.weights.HostWeightStore",
     "modelcache.weights.HostWeightStore.acquire",
     "modelcache.weights.HostWeightStore.invalidate",
     "modelcache.weights.WeightsLease.numpy", "modelcache.weights.WeightsLease.raw",
@@ -176,6 +177,9 @@ def test_cache_budget_and_loaded_name_the_wrong_argument():
 def test_weights_functions_name_the_wrong_argument(weights_file: Path):
     weights = modelcache.weights
     check_wrong(weights.inspect, dict(path=weights_file))
+    check_wrong(weights.save_file, dict(tensors={"w": np.zeros(2)},
+                                        path=weights_file.with_name("s.safetensors"),
+                                        metadata={"k": "v"}))
     check_wrong(weights.HostWeightStore, dict(capacity_bytes="1MiB", mode="mmap",
                                               name="h", pread_threads=2))
     store = weights.HostWeightStore("1MiB")

@@ -16,7 +16,6 @@ from __future__ import annotations
 import json
 import os
 import random
-import struct
 import subprocess
 import sys
 import textwrap
@@ -34,6 +33,7 @@ from modelcache.runtime import (
     cuda_available,
     cuda_unavailable_reason,
 )
+from modelcache.weights import save_file
 
 MIB = 1 << 20
 
@@ -75,20 +75,8 @@ def torch():
 
 
 def write_model(np, path: Path, tensors: Dict[str, "object"]) -> Path:
-    """A safetensors file of the arrays (little-endian), in order."""
-    codes = {"<f4": "F32", "<f2": "F16", "|u1": "U8", "|b1": "BOOL",
-             "<i8": "I64"}
-    header, blobs, offset = {}, [], 0
-    for name, arr in tensors.items():
-        data = np.ascontiguousarray(arr).tobytes()
-        header[name] = {"dtype": codes[arr.dtype.str], "shape": list(arr.shape),
-                        "data_offsets": [offset, offset + len(data)]}
-        offset += len(data)
-        blobs.append(data)
-    text = json.dumps(header).encode()
-    text += b" " * (-len(text) % 8)
-    with open(path, "wb") as f:
-        f.write(struct.pack("<Q", len(text)) + text + b"".join(blobs))
+    """A safetensors file of the arrays, with the package's writer."""
+    save_file(tensors, path)
     return path
 
 
@@ -203,19 +191,16 @@ def test_a_model_placed_on_a_gpu_reads_back_exactly(tmp_path, np):
 
 EXIT_SCRIPT = textwrap.dedent(
     """
-    import json, struct, sys, threading
+    import json, sys, threading
     import numpy as np
     import torch
     from modelcache.runtime import CudaDevice, Runtime
+    from modelcache.weights import save_file
 
     torch.zeros(1, device="cuda")
     folder = sys.argv[1]
     data = np.arange(48 << 20, dtype=np.uint8)
-    text = json.dumps({"w": {"dtype": "U8", "shape": [data.size],
-                             "data_offsets": [0, data.size]}}).encode()
-    text += b" " * (-len(text) % 8)
-    with open(folder + "/big.safetensors", "wb") as f:
-        f.write(struct.pack("<Q", len(text)) + text + data.tobytes())
+    save_file({"w": data}, folder + "/big.safetensors")
     with open(folder + "/models.json", "w") as f:
         json.dump({"models": [{"id": "big", "files": ["big.safetensors"]}]}, f)
     rt = Runtime(folder + "/models.json", 1 << 30, [CudaDevice(0)])

@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import gc
 import json
-import struct
 import threading
 import weakref
 from pathlib import Path
@@ -29,25 +28,14 @@ from modelcache.runtime import (  # noqa: E402
     cuda_available,
     cuda_unavailable_reason,
 )
+from modelcache.weights import save_file  # noqa: E402
 
 KIB = 1024
 
 
 def write_model(path: Path, tensors: Dict[str, "np.ndarray"]) -> Path:
-    """A safetensors file of the arrays (all little-endian), in order."""
-    codes = {"<f4": "F32", "<f8": "F64", "<i8": "I64", "<i4": "I32", "|u1": "U8",
-             "<f2": "F16", "|b1": "BOOL"}
-    header, blobs, offset = {}, [], 0
-    for name, arr in tensors.items():
-        data = np.ascontiguousarray(arr).tobytes()
-        header[name] = {"dtype": codes[arr.dtype.str], "shape": list(arr.shape),
-                        "data_offsets": [offset, offset + len(data)]}
-        offset += len(data)
-        blobs.append(data)
-    text = json.dumps(header).encode()
-    text += b" " * (-len(text) % 8)
-    with open(path, "wb") as f:
-        f.write(struct.pack("<Q", len(text)) + text + b"".join(blobs))
+    """A safetensors file of the arrays, with the package's writer."""
+    save_file(tensors, path)
     return path
 
 

@@ -35,6 +35,7 @@ from modelcache.weights import (  # noqa: E402
     WeightsLease,
     inspect,
     load_state_dict,
+    save_file,
 )
 
 REPO = Path(__file__).resolve().parents[2]
@@ -56,7 +57,8 @@ TORCH_DTYPES = {
 
 
 # ---------------------------------------------------------------------------
-# An independent reader and writer
+# An independent reader (files are written with the package's writer,
+# modelcache.weights.save_file, which the save_file tests check against it)
 # ---------------------------------------------------------------------------
 
 
@@ -85,29 +87,15 @@ def expected_arrays(path: Path) -> Dict[str, "np.ndarray"]:
 
 def write_safetensors(path: Path, tensors: Dict[str, Tuple[str, List[int], bytes]],
                       metadata: Optional[Dict[str, str]] = None) -> Path:
-    """Writes tensors (name -> (dtype, shape, bytes)) in the order given,
-    the header padded with spaces to a multiple of 8."""
-    header: dict = {}
-    if metadata is not None:
-        header["__metadata__"] = metadata
-    offset = 0
-    for name, (dtype, shape, data) in tensors.items():
-        header[name] = {"dtype": dtype, "shape": shape,
-                        "data_offsets": [offset, offset + len(data)]}
-        offset += len(data)
-    text = json.dumps(header).encode()
-    text += b" " * (-len(text) % 8)
-    with open(path, "wb") as f:
-        f.write(struct.pack("<Q", len(text)))
-        f.write(text)
-        for _, _, data in tensors.values():
-            f.write(data)
+    """Writes tensors (name -> (dtype, shape, bytes)) with the package's
+    writer; returns the path."""
+    save_file(tensors, path, metadata)
     return path
 
 
 def write_f32(path: Path, values: "np.ndarray", name: str = "w") -> Path:
-    values = np.ascontiguousarray(values, dtype="<f4")
-    return write_safetensors(path, {name: ("F32", list(values.shape), values.tobytes())})
+    save_file({name: np.asarray(values, dtype="<f4")}, path)
+    return path
 
 
 def data_bytes(path: Path) -> int:
@@ -663,6 +651,79 @@ def test_bad_arguments_raise_invalid_argument(tmp_path):
     with pytest.raises(TypeError):
         store.acquire(42)
     assert store.stats().misses == 0  # nothing reached the store
+
+
+def test_save_file_writes_every_numpy_dtype_as_an_independent_reader_reads_it(tmp_path):
+    rng = np.random.default_rng(7)
+    arrays = {
+        f"{code.lower()}": (rng.integers(0, 2, size=(3, 5)).astype(dt) if code == "BOOL"
+                            else rng.integers(0, 100, size=(3, 5)).astype(dt))
+        for code, dt in NP_DTYPES.items()
+    }
+    # Any byte order and layout: written little-endian and C-contiguous.
+    arrays["big_endian"] = np.arange(6, dtype=">i4").reshape(2, 3)
+    arrays["transposed"] = np.arange(6, dtype="<f8").reshape(2, 3).T
+    arrays["scalar"] = np.array(2.5, dtype="<f4")
+    arrays["empty"] = np.zeros((4, 0), dtype="<i2")
+    path = tmp_path / "all.safetensors"
+    size = save_file(arrays, path, {"format": "np", "note": "ünïcode"})
+    assert size == path.stat().st_size
+    header_bytes, header = read_header(path)
+    assert header_bytes % 8 == 0, "the data buffer starts 8-aligned"
+    assert header["__metadata__"] == {"format": "np", "note": "ünïcode"}
+    for name, info in header.items():
+        if name != "__metadata__":
+            begin = info["data_offsets"][0]
+            assert begin % NP_DTYPES.get(info["dtype"], np.dtype("u1")).itemsize == 0, name
+    got = expected_arrays(path)
+    assert set(got) == set(arrays)
+    for name, want in arrays.items():
+        assert got[name].shape == want.shape, name
+        assert np.array_equal(got[name], want), name
+    assert header["big_endian"]["dtype"] == "I32"
+    assert header["transposed"]["shape"] == [3, 2]
+    # And the library's reader agrees.
+    assert inspect(path)["file_bytes"] == size
+
+
+def test_save_file_rewrites_a_real_file_with_its_exact_tensors(tmp_path):
+    original = real_files()[0]
+    info = inspect(original)
+    store = HostWeightStore(1 << 30)
+    with store.acquire(original) as lease:
+        tensors = {name: (t["dtype"], t["shape"], lease.raw(name))
+                   for name, t in info["tensors"].items()}
+        copy = tmp_path / "copy.safetensors"
+        save_file(tensors, copy, info["metadata"])
+        raw = {name: lease.raw(name).tobytes() for name in info["tensors"]}
+    again = inspect(copy)
+    assert again["metadata"] == info["metadata"]
+    assert again["data_bytes"] == info["data_bytes"]
+    with store.acquire(copy) as lease:
+        for name, t in info["tensors"].items():
+            assert again["tensors"][name]["dtype"] == t["dtype"], name
+            assert again["tensors"][name]["shape"] == t["shape"], name
+            assert lease.raw(name).tobytes() == raw[name], name
+
+
+@pytest.mark.parametrize("tensors, error, match", [
+    ({"a": [1.0, 2.0]}, TypeError, "numpy array or a \\(dtype, shape, data\\) tuple"),
+    ({"a": np.zeros(2, dtype=np.complex64)}, TypeError, "no safetensors equivalent"),
+    ({"a": ("F32", [2])}, TypeError, "\\(dtype, shape, data\\)"),
+    ({"a": ("X9", [1], b"1")}, errors.InvalidArgumentError, "unknown safetensors dtype 'X9'"),
+    ({"a": ("F32", [2], b"1234")}, errors.InvalidArgumentError, "needs 8 bytes, got 4"),
+    ({"__metadata__": np.zeros(1)}, errors.InvalidArgumentError, "__metadata__"),
+])
+def test_save_file_rejects_bad_tensors_and_writes_nothing(tmp_path, tensors, error, match):
+    path = tmp_path / "bad.safetensors"
+    with pytest.raises(error, match=match):
+        save_file(tensors, path)
+    assert not path.exists()
+
+
+def test_save_file_into_a_missing_folder_raises_io_error(tmp_path):
+    with pytest.raises(errors.IoError):
+        save_file({"a": np.zeros(1)}, tmp_path / "missing" / "a.safetensors")
 
 
 def test_the_interpreter_exits_cleanly_with_views_leases_and_waiters_alive(tmp_path):

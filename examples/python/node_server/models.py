@@ -23,6 +23,8 @@ from typing import Dict, Iterator, List, Mapping, Tuple
 import numpy as np
 import torch
 
+from modelcache.weights import save_file
+
 #: Model id -> (input width, hidden width, output width).
 SHAPES: Dict[str, tuple] = {
     "m0": (512, 1024, 128),    #  2.6 MB
@@ -179,18 +181,9 @@ def weights(model_id: str, shape_: "tuple | None" = None
 
 
 def write_safetensors(path: Path, tensors: Mapping[str, np.ndarray]) -> int:
-    header, offset = {}, 0
-    for name, t in tensors.items():
-        header[name] = {"dtype": "F32", "shape": list(t.shape),
-                        "data_offsets": [offset, offset + t.nbytes]}
-        offset += t.nbytes
-    text = json.dumps(header).encode()
-    text += b" " * (-len(text) % 8)
-    with open(path, "wb") as f:
-        f.write(len(text).to_bytes(8, "little") + text)
-        for t in tensors.values():
-            f.write(np.ascontiguousarray(t).tobytes())
-    return offset
+    """Writes `tensors` with modelcache's writer; returns the data bytes."""
+    save_file(tensors, path)
+    return sum(t.nbytes for t in tensors.values())
 
 
 def write_node(folder: Path, shapes: "Mapping[str, tuple] | None" = None

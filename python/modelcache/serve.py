@@ -358,6 +358,21 @@ class Client:
             _args.string(model, "model"), _args.timeout(timeout),
             _args.choice(when_full, "when_full", ("fail", "wait"))))
 
+    def acquire_local(self, model: str) -> Optional[RemoteLease]:
+        """The :meth:`acquire` of ``model`` only where it is local: this
+        process holds the model under that name (in use, kept idle, or
+        waiting to be reclaimed after the daemon went away), so it takes
+        another reference with no message (``load`` "local"). Otherwise
+        None, having sent nothing.
+
+        It never waits for the daemon or for I/O, so it answers at once
+        while the daemon is down: a server can serve the models its
+        process maps through an outage, and answer the others as it
+        chooses (see examples/python/node_server).
+        """
+        lease = self._client.acquire_local(_args.string(model, "model"))
+        return None if lease is None else RemoteLease(lease)
+
     def ping(self, timeout: Timeout = 5.0) -> None:
         """A round trip to the daemon (connecting if needed). Raises
         DaemonUnavailableError when it cannot be reached in time."""

@@ -304,6 +304,14 @@ class PyServeClient {
     return PyRemoteLease(std::move(copy), waited);
   }
 
+  // Client::AcquireLocal, with the GIL held (as in Acquire): None when the
+  // model is not held locally.
+  std::optional<PyRemoteLease> AcquireLocal(const std::string& model) {
+    std::optional<serve::RemoteWeights> local = client_->AcquireLocal(model);
+    if (!local) return std::nullopt;
+    return PyRemoteLease(std::make_shared<RemoteCopy>(std::move(*local)), 0.0);
+  }
+
   void Ping(const py::object& timeout) {
     const std::chrono::milliseconds ms = MillisFrom(timeout, "timeout");
     std::shared_ptr<serve::Client> client = client_;
@@ -415,6 +423,7 @@ void BindServe(py::module_& m) {
                   py::arg("idle_notice_delay"), py::arg("reclaim"))
       .def("acquire", &PyServeClient::Acquire, py::arg("model"),
            py::arg("timeout"), py::arg("when_full"))
+      .def("acquire_local", &PyServeClient::AcquireLocal, py::arg("model"))
       .def("ping", &PyServeClient::Ping, py::arg("timeout"))
       .def("info", &PyServeClient::Info)
       .def("close", &PyServeClient::Close)

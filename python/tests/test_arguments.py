@@ -107,6 +107,7 @@ SWEPT = {
     "modelcache.runtime.ModelLease.read", "modelcache.runtime.SimulatedDevice",
     "modelcache.runtime.HostDevice", "modelcache.runtime.CudaDevice",
     "modelcache.serve.connect", "modelcache.serve.Client.acquire",
+    "modelcache.serve.Client.acquire_local",
     "modelcache.serve.Client.ping", "modelcache.serve.RemoteLease.numpy",
     "modelcache.serve.RemoteLease.raw", "modelcache.serve.RemoteLease.torch",
 }
@@ -240,6 +241,7 @@ def test_serve_functions_name_the_wrong_argument(tmp_path: Path, weights_file: P
             modelcache.serve.connect(daemon.socket, idle_notice_delay=float("inf"))
         with modelcache.serve.connect(daemon.socket) as client:
             check_wrong(client.acquire, dict(model="m", timeout=30, when_full="wait"))
+            check_wrong(client.acquire_local, dict(model="m"))
             check_wrong(client.ping, dict(timeout=5))
             with client.acquire("m", timeout=30) as lease:
                 check_wrong(lease.numpy, dict(name="weight"))

@@ -248,3 +248,32 @@ def test_close_drops_idle_leases_and_keeps_those_in_use(node):
         timeout=120, preexec_fn=die_with_parent)
     assert (done.returncode, done.stdout.split()[-1:]) == (0, ["ok"]), done.stdout
     wait_until(lambda: uses(node, "x") == [], "the daemon ends both leases")
+
+
+def test_acquire_local_answers_only_for_held_models_and_without_the_daemon(node):
+    client = modelcache.serve.connect(node.socket)
+    # Not held: None, and nothing was asked of the daemon.
+    assert client.acquire_local("x") is None
+    assert uses(node, "x") == [] and node.model("x")["loads"] == 0
+    lease = client.acquire("x")
+    local = client.acquire_local("ex")  # not under this name: not local
+    assert local is None
+    local = client.acquire_local("x")
+    assert (local.lease_id, local.load) == (lease.lease_id, "local")
+    local.release()
+    lease.release()
+    wait_until(lambda: client.idle_leases() == 1, "the lease is kept idle")
+    node.kill()
+    # The client's own thread sees the connection end: the idle lease waits
+    # to be reclaimed, still mapped, and serves a local acquire meanwhile.
+    wait_until(lambda: client.reclaims()["pending"] == 1,
+               "the lease waits to be reclaimed")
+    during = client.acquire_local("x")
+    assert (during.lease_id, during.load) == (lease.lease_id, "local")
+    assert during.numpy("w")[0] == 1.0
+    assert client.acquire_local("y") is None
+    during.release()
+    node.start()
+    wait_until(lambda: client.reclaims()["reclaimed"] == 1,
+               "the successor adopts the lease")
+    assert node.model("x")["loads"] == 0

@@ -335,7 +335,7 @@ def test_a_killed_worker_frees_its_leases_and_the_others_answer(node):
     books_match_maps(daemon, server.workers())
 
 
-def test_daemon_killed_and_restarted(node):
+def test_daemon_killed_under_load_fails_no_request_for_a_mapped_model(node):
     daemon = node()
     server = node.server(daemon)
     sent = [0]
@@ -355,35 +355,66 @@ def test_daemon_killed_and_restarted(node):
 
     wait_until(every_worker_holds_a_lease, "every worker holds a lease",
                bound=120)
-    assert all(memfd_maps(pid) for pid in server.workers())  # idle leases
-    daemon.kill()
-    # Every request is refused at once with 503 + Retry-After, not queued.
-    for i in range(10):
-        model_id = list(models.SHAPES)[i % 5]
+    # What each worker maps now. Nothing is recalled (the budget holds every
+    # model), so each still maps these when the daemon dies.
+    mapped = {(l["pid"], m) for m in models.SHAPES for l in daemon.leases(m)}
+
+    def check(results, what: str) -> int:
+        """Every request for a model its worker mapped is answered from the
+        mapping; any other is a 503 at once. Returns how many were served."""
+        served = 0
+        for model_id, status, headers, body, inputs in results:
+            assert status in (200, 503), (what, model_id, status, body)
+            pid = int(headers["X-Worker-Pid"])
+            if status == 503:
+                assert (pid, model_id) not in mapped, (what, model_id, pid, body)
+                assert headers["Retry-After"] == "1" and body["error"] == "UNAVAILABLE", body
+            else:
+                check_answer(model_id, status, headers, body, inputs)
+                served += 1
+        return served
+
+    # Killed under load: requests in flight and after.
+    with concurrent.futures.ThreadPoolExecutor(1) as pool:
+        during = pool.submit(drive, server.uds, CLIENTS, 10, 5)
+        daemon.kill()
+        check(during.result(), "while the daemon dies")
+    # After: each worker serves the models it maps, for as long as the
+    # daemon is away, from the mapping; the others answer 503 at once.
+    local = set()
+    for i in range(40 * WORKERS):
+        pid, model_id = sorted(mapped)[i % len(mapped)]
+        inputs = inputs_for(model_id, 7000 + i)
         start = time.monotonic()
         status, headers, body = request(server.uds, "POST",
                                         f"/v1/models/{model_id}/infer",
-                                        {"inputs": inputs_for(model_id, 7000 + i)})
-        assert status == 503 and headers["Retry-After"] == "1", (status, body)
-        assert body["error"] == "UNAVAILABLE", body
+                                        {"inputs": inputs})
         assert time.monotonic() - start < 10  # not a queue of minutes
-    # Meanwhile each worker keeps its idle leases mapped (for keep_idle at
-    # most), for a successor to reclaim.
+        check([(model_id, status, headers, body, inputs)], "daemon down")
+        if (int(headers["X-Worker-Pid"]), model_id) in mapped:
+            assert status == 200 and headers["X-Load"] == "local", (headers, body)
+            local.add(int(headers["X-Worker-Pid"]))
+        if local >= set(server.workers()):
+            break
+    assert local >= set(server.workers()), "every worker served a mapped model"
+    # Meanwhile each worker keeps its leases mapped for a successor.
     assert all(memfd_maps(pid) for pid in server.workers())
     restarted = node()
-    # Each worker's client reclaims them in the background, with no request:
-    # the successor adopts the copies its predecessor recorded, loading
-    # nothing.
+    # Under load at once: the successor adopts each copy a worker maps (its
+    # client reclaims it, with no request) before it answers an acquire
+    # that would load it again.
+    check(drive(server.uds, CLIENTS, 10, seed=3), "after the restart")
+
     def every_worker_reclaimed() -> bool:
         holders = {l["pid"] for m in models.SHAPES for l in restarted.leases(m)}
         return holders >= set(server.workers())
 
     wait_until(every_worker_reclaimed, "every worker's leases are reclaimed")
-    adopted = [m for m in models.SHAPES if restarted.leases(m)]
-    assert adopted and all(restarted.model(m)["loads"] == 0 for m in adopted)
-    # Every request is answered again.
-    for r in drive(server.uds, CLIENTS, 10, seed=3):
+    for r in drive(server.uds, CLIENTS, 10, seed=4):
         check_answer(*r)
+    # 0 bytes loaded for what was mapped.
+    for m in {m for _, m in mapped}:
+        assert restarted.model(m)["loads"] == 0, (m, restarted.model(m))
     # Nothing leaks: the new daemon's books equal what processes map, and
     # no copy of the old daemon is still mapped (nothing orphaned).
     books_match_maps(restarted, server.workers())

@@ -18,8 +18,9 @@ Endpoints:
       joined (it waited for a load already in flight); X-Wait-Ms (how long
       getting the weights took). X-Worker-Pid says which worker answered.
       503 at once, with Retry-After, when the daemon cannot take the model
-      now (CAPACITY, TOO_LARGE, BUSY) or cannot be reached: a router sends
-      the request to another node instead of queueing it for minutes.
+      now (CAPACITY, TOO_LARGE, BUSY), or cannot be reached and this worker
+      does not map the model: a router sends the request to another node
+      instead of queueing it for minutes.
       404 for a model the catalog does not have.
   GET /readyz                  the daemon's readiness, passed through
                                (DAEMON_HTTP: its /readyz; else a ping).
@@ -45,8 +46,11 @@ evictable and recalls from the worker when it needs the room. A request in
 flight keeps its model mapped while the daemon restarts, and the idle
 leases stay mapped too (for MODELCACHE_KEEP_IDLE at most): the client
 reclaims them from the restarted daemon, which adopts the copies and loads
-nothing. While the daemon is down, a request whose model no other request
-of this worker uses answers 503 at once.
+nothing. While the daemon is down, a request for a model this worker maps
+(in use by another request, kept idle, or waiting to be reclaimed: the
+client keeps those mapped for the successor, whatever keep_idle says) is
+served from that mapping (X-Load: local); only a request for a model it
+does not map answers 503 at once.
 """
 
 from __future__ import annotations
@@ -112,8 +116,6 @@ _connecting = False  # one attempt at a time
 _backoff = 0.0  # seconds; 0 until a connect fails
 _next_connect = 0.0  # time.monotonic() before which none is tried
 _connect_error = ""  # why the last attempt failed
-# Requests of this worker using each model now (see _acquire's ping).
-_using: Dict[str, int] = {}
 _store: Any = None  # WEIGHTS=inprocess
 _stored: set = set()  # models the in-process store has read
 
@@ -190,17 +192,22 @@ def _acquire(model_id: str) -> "tuple[Any, float, str]":
             load = "hit" if model_id in _stored else "miss"
             _stored.add(model_id)
         return lease, (time.perf_counter() - start) * 1000, load
-    with _lock:
-        in_use = _using.get(model_id, 0) > 0
+    # A model this worker maps (another request uses it, the client keeps
+    # it idle, or it waits to be reclaimed while the daemon is away) is
+    # served from that mapping: no round trip, and no daemon needed. The
+    # daemon's copy is sealed, and while the daemon is down nothing can
+    # free it; its successor books the mapping and the client reclaims it.
+    lease = c.acquire_local(model_id)
+    if lease is not None:
+        return lease, (time.perf_counter() - start) * 1000, lease.load
     # An acquire that is a round trip retries an unreachable daemon until
     # ACQUIRE_TIMEOUT; a ping first answers 503 within CONNECT_TIMEOUT. It
-    # is skipped where the acquire is local (another request here uses the
-    # model: that works even without the daemon) or where the connection is
-    # known alive (the client keeps idle leases, and a thread of its own
-    # watches the socket: when the daemon goes, the leases wait to be
-    # reclaimed from its successor, counted as pending, and the ping is
-    # made again; it reconnects, and so reclaims, once the daemon is back).
-    if not in_use and (c.idle_leases() == 0 or c.reclaims()["pending"] > 0):
+    # is skipped where the connection is known alive (the client keeps idle
+    # leases, and a thread of its own watches the socket: when the daemon
+    # goes, the leases wait to be reclaimed from its successor, counted as
+    # pending, and the ping is made again; it reconnects, and so reclaims,
+    # once the daemon is back).
+    if c.idle_leases() == 0 or c.reclaims()["pending"] > 0:
         c.ping(timeout=max(0.0, deadline - time.monotonic()))
     lease = c.acquire(model_id, timeout=ACQUIRE_TIMEOUT, when_full="fail")
     return lease, (time.perf_counter() - start) * 1000, lease.load
@@ -233,7 +240,8 @@ def _unavailable(e: errors.Error, wait_ms: float) -> JSONResponse:
         status_code=503,
         content={"error": e.serve_code or type(e).__name__, "message": str(e)},
         headers={"Retry-After": RETRY_AFTER, "X-Node": NODE,
-                 "X-Wait-Ms": f"{wait_ms:.3f}"})
+                 "X-Wait-Ms": f"{wait_ms:.3f}",
+                 "X-Worker-Pid": str(os.getpid())})
 
 
 @app.post("/v1/models/{model_id}/infer")
@@ -251,8 +259,6 @@ def infer(model_id: str, request: InferRequest) -> Any:
         # CAPACITY, TOO_LARGE, BUSY, and an unreachable daemon
         # (DaemonUnavailableError is an UnavailableError).
         return _unavailable(e, (time.perf_counter() - start) * 1000)
-    with _lock:
-        _using[model_id] = _using.get(model_id, 0) + 1
     try:
         # This thread's module for the model's shape, built once, runs on
         # the lease's tensors for the block only: nothing is built per
@@ -270,8 +276,6 @@ def infer(model_id: str, request: InferRequest) -> Any:
         # they are gone too, then idle in the client.
         tensors = None
         lease.release()
-        with _lock:
-            _using[model_id] -= 1
     return JSONResponse(
         content={"model": model_id, "outputs": outputs},
         headers={"X-Node": NODE, "X-Load": load,

@@ -11,7 +11,7 @@
 //   daemon_handover.cc     takeover: both the old and the new daemon's side
 //   handover.h             the record's and the handover's formats
 //   daemon_threads.cc      the pool, expiry and background threads
-//   daemon_metrics.cc      metric names; http_api.cc renders them
+//   daemon_metrics.cc      the histogram, metric names and /metrics
 //   event_loop.h           the epoll, pidfd and errno wrappers
 //   http_api.cc            the HTTP API
 //
@@ -261,6 +261,8 @@ enum class Use {
   kIdle,      // said "idle": the store may evict its copy, after a recall
   kRecalled,  // idle, and recalled: awaiting "release" or "use"
 };
+// Its name in /v1/models and in modelcache_leases{use=...}.
+const char* UseName(Use use);
 
 struct LeaseEntry {
   // The store's lease: held unless the lease is idle (then the store counts

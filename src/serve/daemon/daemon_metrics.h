@@ -1,7 +1,7 @@
 // The daemon's metric tables: a lock-free Prometheus histogram and the
 // series' label names (daemon_metrics.cc renders /metrics with them).
-#ifndef MODELCACHE_SRC_SERVE_DAEMON_METRICS_H_
-#define MODELCACHE_SRC_SERVE_DAEMON_METRICS_H_
+#ifndef MODELCACHE_SRC_SERVE_DAEMON_DAEMON_METRICS_H_
+#define MODELCACHE_SRC_SERVE_DAEMON_DAEMON_METRICS_H_
 
 #include <atomic>
 #include <cstdint>
@@ -59,4 +59,4 @@ const char* DisconnectName(Disconnect reason);
 
 }  // namespace modelcache::serve::detail
 
-#endif  // MODELCACHE_SRC_SERVE_DAEMON_METRICS_H_
+#endif  // MODELCACHE_SRC_SERVE_DAEMON_DAEMON_METRICS_H_

@@ -86,8 +86,8 @@
 // not loaded (nor does it hold /readyz at 503); it is pinned once it is
 // available again. unavailable_ is written on the loop (and in the
 // constructor) only, under unavailable_mu_ for the HTTP threads.
-#ifndef MODELCACHE_SRC_SERVE_DAEMON_ENTRIES_H_
-#define MODELCACHE_SRC_SERVE_DAEMON_ENTRIES_H_
+#ifndef MODELCACHE_SRC_SERVE_DAEMON_DAEMON_ENTRIES_H_
+#define MODELCACHE_SRC_SERVE_DAEMON_DAEMON_ENTRIES_H_
 
 #include <sys/types.h>
 
@@ -269,4 +269,4 @@ struct ModelStats {
 
 }  // namespace modelcache::serve::detail
 
-#endif  // MODELCACHE_SRC_SERVE_DAEMON_ENTRIES_H_
+#endif  // MODELCACHE_SRC_SERVE_DAEMON_DAEMON_ENTRIES_H_

@@ -155,8 +155,8 @@
 //   name taken by a newer lease   an unreachable idle lease -> gone,
 //     (Keep)                         released; one in use goes at its end
 
-#ifndef MODELCACHE_SRC_SERVE_CLIENT_INTERNAL_H_
-#define MODELCACHE_SRC_SERVE_CLIENT_INTERNAL_H_
+#ifndef MODELCACHE_SRC_SERVE_CLIENT_CLIENT_INTERNAL_H_
+#define MODELCACHE_SRC_SERVE_CLIENT_CLIENT_INTERNAL_H_
 
 #include <fcntl.h>
 #include <poll.h>
@@ -520,4 +520,4 @@ class ClientCore : public std::enable_shared_from_this<ClientCore> {
 
 }  // namespace modelcache::serve::detail
 
-#endif  // MODELCACHE_SRC_SERVE_CLIENT_INTERNAL_H_
+#endif  // MODELCACHE_SRC_SERVE_CLIENT_CLIENT_INTERNAL_H_

@@ -94,8 +94,8 @@
 // Every other mutex is a leaf: nothing is taken while it is held. The
 // orders within one function are declared (MC_ACQUIRED_BEFORE), so clang's
 // -Wthread-safety-beta checks them; those through calls are as above.
-#ifndef MODELCACHE_SRC_SERVE_DAEMON_INTERNAL_H_
-#define MODELCACHE_SRC_SERVE_DAEMON_INTERNAL_H_
+#ifndef MODELCACHE_SRC_SERVE_DAEMON_DAEMON_INTERNAL_H_
+#define MODELCACHE_SRC_SERVE_DAEMON_DAEMON_INTERNAL_H_
 
 #include <sys/types.h>
 
@@ -669,4 +669,4 @@ class Daemon::Impl {
 
 }  // namespace modelcache::serve
 
-#endif  // MODELCACHE_SRC_SERVE_DAEMON_INTERNAL_H_
+#endif  // MODELCACHE_SRC_SERVE_DAEMON_DAEMON_INTERNAL_H_

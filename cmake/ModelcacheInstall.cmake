@@ -15,7 +15,8 @@ include(CMakePackageConfigHelpers)
 function(modelcache_install)
   # Bottom to top: pkg-config lists the libraries in reverse of this order so
   # that a static link resolves every layer after the layers that use it.
-  set(MODELCACHE_LAYERS base core device weights replay runtime serve)
+  set(MODELCACHE_LAYERS base core device weights replay runtime serve
+    serve_client serve_daemon)
 
   # Pre-1.0 we promise no ABI stability between minor versions, so the SONAME
   # carries major.minor (libmodelcache_core.so.0.1): a binary built against

@@ -1,4 +1,5 @@
-// The client alone (client_core.cc, client_mapping.cc), against a fake
+// The client alone (client_connect.cc, client_mux.cc, client_reclaim.cc,
+// client_leases.cc, client_keeper.cc, client_mapping.cc), against a fake
 // daemon in this process: a listening SOCK_SEQPACKET socket whose one
 // connection the test answers by hand, so that every byte the client sends
 // is seen and every reply is the test's. Synchronised on the socket itself:

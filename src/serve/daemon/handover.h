@@ -12,8 +12,8 @@
 // Both parsers take untrusted bytes (the record is a file anyone of the
 // daemon's group may read, the handover comes over a socket) and never
 // throw: they return why the text was refused, or "".
-#ifndef MODELCACHE_SRC_SERVE_HANDOVER_H_
-#define MODELCACHE_SRC_SERVE_HANDOVER_H_
+#ifndef MODELCACHE_SRC_SERVE_DAEMON_HANDOVER_H_
+#define MODELCACHE_SRC_SERVE_DAEMON_HANDOVER_H_
 
 #include <sys/types.h>
 
@@ -105,4 +105,4 @@ std::optional<std::string> ReadSmallFile(const std::string& path);
 
 }  // namespace modelcache::serve::detail
 
-#endif  // MODELCACHE_SRC_SERVE_HANDOVER_H_
+#endif  // MODELCACHE_SRC_SERVE_DAEMON_HANDOVER_H_

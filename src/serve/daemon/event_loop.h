@@ -1,7 +1,7 @@
 // The daemon's small wrappers of epoll, pidfds and errno, and the loop's
 // constants, shared by the daemon_*.cc files (internal to src/serve).
-#ifndef MODELCACHE_SRC_SERVE_EVENT_LOOP_H_
-#define MODELCACHE_SRC_SERVE_EVENT_LOOP_H_
+#ifndef MODELCACHE_SRC_SERVE_DAEMON_EVENT_LOOP_H_
+#define MODELCACHE_SRC_SERVE_DAEMON_EVENT_LOOP_H_
 
 #include <poll.h>
 #include <sys/epoll.h>
@@ -90,4 +90,4 @@ inline int PidfdOpen(pid_t pid) {
 
 }  // namespace modelcache::serve
 
-#endif  // MODELCACHE_SRC_SERVE_EVENT_LOOP_H_
+#endif  // MODELCACHE_SRC_SERVE_DAEMON_EVENT_LOOP_H_

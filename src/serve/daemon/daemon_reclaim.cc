@@ -1,17 +1,7 @@
-// Reclaim: the record of the copies this daemon made, and copies a
-// predecessor made, adopted when a client that still maps them brings
-// their memfds back (design note: daemon_internal.h).
-//
-//   a copy made (LoadForStore, adopted) --> recorded (record_, written to
-//     the state file before its descriptors go out)
-//   its memfds freed (the observer) --> forgotten, the file rewritten on
-//     the background thread; not once the daemon stops or hands over (the
-//     record stays as it is, for a successor)
-//   under systemd (DaemonOptions::systemd): recorded --> its memfds in
-//     systemd's fd store too (FDSTORE=1, FdStoreName); forgotten --> out of
-//     it (FDSTOREREMOVE=1). At start, what systemd passes back is adopted
-//     when the predecessor's record names it and it passes a reclaim's
-//     checks (AdoptStored), and removed from the store otherwise.
+// Reclaim: copies a predecessor made (recorded in daemon_record.cc),
+// adopted when a client that still maps them brings their memfds back, or
+// when systemd's fd store passes them back at start (design note:
+// daemon_internal.h).
 //
 // After a crash, the successor reads the file (predecessor_) and books what
 // live processes still map as orphaned bytes (daemon_orphans.cc). A
@@ -119,69 +109,6 @@ std::string Mismatch(const detail::RecordedFile& want, size_t index,
 
 }  // namespace
 
-// ---- the record ----
-
-void Daemon::Impl::RecordCopy(const detail::ModelCopy& copy, bool later) {
-  detail::RecordedCopy rc;
-  rc.model = copy.model();
-  for (const detail::FileCopy& f : copy.files()) {
-    struct stat st;
-    const uint64_t data_size =
-        ::fstat(f.data_fd(), &st) == 0 ? static_cast<uint64_t>(st.st_size) : 0;
-    rc.files.push_back({f.name, f.data_bytes, f.header_bytes, f.data_id,
-                        data_size, f.header_id, f.header_hash});
-  }
-  if (rc.files.empty()) return;
-  const detail::MemfdId key = rc.files[0].header;
-  bool store = false;
-  {
-    base::MutexLock lock(&record_mu_);
-    record_[key] = RecordEntry{std::move(rc), copy.origin(), copy.bytes()};
-    store = notifier_ && in_fd_store_.insert(key).second;
-  }
-  if (later) {
-    Later([this] { WriteRecord(); });
-  } else {
-    WriteRecord();
-  }
-  if (!store) return;
-  // Duplicates, sent off the caller's thread (the loop's, for an
-  // adoption): the copy may be freed before the chore runs.
-  auto fds = std::make_shared<std::vector<base::UniqueFd>>();
-  for (const detail::FileCopy& f : copy.files()) {
-    fds->emplace_back(::fcntl(f.header.get(), F_DUPFD_CLOEXEC, 0));
-    fds->emplace_back(::fcntl(f.data_fd(), F_DUPFD_CLOEXEC, 0));
-  }
-  Later([this, key, fds] {
-    std::vector<int> raw;
-    for (const base::UniqueFd& fd : *fds) {
-      if (!fd) return;  // out of descriptors: not stored, still recorded
-      raw.push_back(fd.get());
-    }
-    std::string why;
-    if (!notifier_->StoreFds(detail::FdStoreName(key), raw, &why) &&
-        !fd_store_error_logged_.exchange(true)) {
-      Log("systemd's fd store: " + why + " (the copies are still recorded)");
-    }
-  });
-}
-
-void Daemon::Impl::ForgetRecorded(const MemfdId& id) {
-  // Shutting down or handed over: what is recorded and stored stays, for a
-  // successor.
-  if (keep_record_.load() || handed_over_.load()) return;
-  bool stored = false;
-  {
-    base::MutexLock lock(&record_mu_);
-    if (record_.erase(id) == 0) return;
-    stored = in_fd_store_.erase(id) != 0;
-  }
-  Later([this, id, stored] {
-    WriteRecord();
-    if (stored) notifier_->RemoveFds(detail::FdStoreName(id));
-  });
-}
-
 // ---- the fd store ----
 
 void Daemon::Impl::TakeStored() {
@@ -278,59 +205,6 @@ void Daemon::Impl::AdoptStored() {
       " copies adopted (" + FormatBytes(adopted_bytes) + "), " +
       std::to_string(removed.size()) + " names removed");
   stored_.clear();
-}
-
-void Daemon::Impl::WriteRecord() {
-  // Handed over: the successor's now; taking over: the old daemon's still.
-  if (handed_over_.load() || !record_writes_.load()) return;
-  detail::Record record;
-  record.instance = memfd_prefix_;
-  record.pid = ::getpid();
-  // One writer at a time, from the snapshot to the rename: writers sharing
-  // the temporary file lost writes ("No such file or directory" when one
-  // renamed the other's file away), and an older snapshot could land after
-  // a newer one.
-  base::MutexLock write_lock(&record_write_mu_);
-  {
-    base::MutexLock lock(&record_mu_);
-    for (const auto& [id, e] : record_) record.copies.push_back(e.copy);
-  }
-  try {
-    detail::WriteFileAtomically(detail::RecordPath(socket_path_),
-                                detail::EncodeRecord(record));
-  } catch (const Error& e) {
-    // Without it a successor reclaims nothing: it loads again.
-    ++record_write_failures_;
-    if (!record_error_logged_.exchange(true)) Log(e.what());
-  }
-}
-
-void Daemon::Impl::ReadPredecessorRecord() {
-  std::optional<std::string> text;
-  try {
-    text = detail::ReadSmallFile(detail::RecordPath(socket_path_));
-  } catch (const Error& e) {
-    Log(std::string("the predecessor's record is unreadable: ") + e.what());
-    return;
-  }
-  if (!text) return;
-  detail::Record record;
-  const std::string why = detail::ParseRecord(*text, &record);
-  if (!why.empty()) {
-    Log("the predecessor's record is refused (" + why + "): nothing reclaimed");
-    return;
-  }
-  if (record.instance != memfd_prefix_) {
-    Log("the record in " + detail::RecordPath(socket_path_) +
-        " is another instance's: nothing reclaimed");
-    return;
-  }
-  predecessor_ = std::move(record.copies);
-  for (size_t i = 0; i < predecessor_.size(); ++i) {
-    for (size_t f = 0; f < predecessor_[i].files.size(); ++f) {
-      predecessor_by_data_[predecessor_[i].files[f].data] = {i, f};
-    }
-  }
 }
 
 void Daemon::Impl::StartGrace() {
@@ -589,90 +463,6 @@ void Daemon::Impl::HandleReclaim(Connection& c, const protocol::Request& r,
     Send(c, {protocol::EncodeOk(r.id), {}, nullptr, 0});
   }
   EndGrace(&r.model);
-}
-
-void Daemon::Impl::HoldForMappers(const detail::ModelCopy& copy,
-                                  const std::string& model, bool retired,
-                                  const std::set<pid_t>& pids) {
-  if (pids.empty()) return;
-  std::vector<MemfdId> memfds;
-  for (const detail::FileCopy& f : copy.files()) {
-    memfds.push_back(f.data_id);
-    memfds.push_back(f.header_id);
-  }
-  for (const pid_t pid : pids) {
-    base::UniqueFd pidfd(PidfdOpen(pid));
-    if (!pidfd) continue;  // exited: it maps nothing any more
-    ::fcntl(pidfd.get(), F_SETFD, FD_CLOEXEC);
-    const uint64_t id = ++next_lease_;
-    detail::LeaseEntry entry;
-    entry.connection = 0;
-    entry.orphaned = true;
-    entry.held_for_mapper = true;
-    entry.delivered = true;
-    entry.model = model;
-    entry.pid = pid;
-    entry.bytes = copy.bytes();
-    entry.copy = &copy;
-    entry.memfds = memfds;
-    entry.retired = retired;
-    {
-      // No store lease yet: uncovered, so its copy's unloader refuses until
-      // CoverUncovered gives it one (a retired copy's stays refused).
-      base::MutexLock lock(&leases_mu_);
-      auto [it, inserted] = leases_.emplace(id, std::move(entry));
-      IndexCoverage(id, it->second);
-    }
-    const uint64_t group = next_group_++;
-    detail::OrphanGroup g;
-    g.pidfd = std::move(pidfd);
-    g.pid = pid;
-    g.leases = {id};
-    ++orphaned_leases_;
-    EpollAdd(epoll_fd_.get(), g.pidfd.get(), EPOLLIN,
-             Tagged(kOrphanPidTag, group));
-    orphan_groups_.emplace(group, std::move(g));
-    Log("pid " + std::to_string(pid) + " maps the reclaimed copy of '" + model +
-        "' too: held in use for it until it reclaims its lease, lets go "
-        "or exits");
-  }
-  CoverUncovered();
-  ScheduleRescan();
-}
-
-void Daemon::Impl::DropMapperHolds(pid_t pid, const void* copy) {
-  std::vector<uint64_t> drop;
-  {
-    base::MutexLock lock(&leases_mu_);
-    for (const auto& [group_id, g] : orphan_groups_) {
-      if (g.pid != pid) continue;
-      for (const uint64_t id : g.leases) {
-        const auto it = leases_.find(id);
-        if (it != leases_.end() && it->second.held_for_mapper &&
-            it->second.copy == copy) {
-          drop.push_back(id);
-        }
-      }
-    }
-  }
-  if (drop.empty()) return;
-  for (auto g = orphan_groups_.begin(); g != orphan_groups_.end();) {
-    auto& ids = g->second.leases;
-    const size_t before = ids.size();
-    std::erase_if(ids, [&](uint64_t id) {
-      return std::find(drop.begin(), drop.end(), id) != drop.end();
-    });
-    orphaned_leases_ -= static_cast<int>(before - ids.size());
-    if (ids.empty()) {
-      EpollDel(epoll_fd_.get(), g->second.pidfd.get());
-      g = orphan_groups_.erase(g);
-    } else {
-      ++g;
-    }
-  }
-  // After the reclaimed lease took its store lease: the copy never looks
-  // unleased in between.
-  for (const uint64_t id : drop) ReleaseLease(id);
 }
 
 std::optional<Lease> Daemon::Impl::Adopt(detail::AdoptedCopy adopted,

@@ -1,8 +1,8 @@
 // Finding the memfds of a daemon that processes still map, from
 // /proc/PID/maps: how a restarted daemon books the copies its predecessor
 // handed out, and how tests check the daemon's books.
-#ifndef MODELCACHE_SRC_SERVE_PROC_MAPS_H_
-#define MODELCACHE_SRC_SERVE_PROC_MAPS_H_
+#ifndef MODELCACHE_SRC_SERVE_DAEMON_PROC_MAPS_H_
+#define MODELCACHE_SRC_SERVE_DAEMON_PROC_MAPS_H_
 
 #include <sys/types.h>
 
@@ -52,4 +52,4 @@ bool ProcessMemfds(pid_t pid, std::string_view prefix,
 
 }  // namespace modelcache::serve::detail
 
-#endif  // MODELCACHE_SRC_SERVE_PROC_MAPS_H_
+#endif  // MODELCACHE_SRC_SERVE_DAEMON_PROC_MAPS_H_

@@ -9,8 +9,8 @@
 // the validated header as JSON text (weights::SafetensorsHeaderJson), which
 // the worker parses with the same strict parser; it was validated once
 // against the file, and the seal guarantees it is the text the daemon wrote.
-#ifndef MODELCACHE_SRC_SERVE_COPY_H_
-#define MODELCACHE_SRC_SERVE_COPY_H_
+#ifndef MODELCACHE_SRC_SERVE_DAEMON_COPY_H_
+#define MODELCACHE_SRC_SERVE_DAEMON_COPY_H_
 
 #include <sys/types.h>
 
@@ -197,4 +197,4 @@ std::map<std::string, FileProblem> FindFileProblems(const Catalog& catalog,
 
 }  // namespace modelcache::serve::detail
 
-#endif  // MODELCACHE_SRC_SERVE_COPY_H_
+#endif  // MODELCACHE_SRC_SERVE_DAEMON_COPY_H_

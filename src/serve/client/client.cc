@@ -1,5 +1,6 @@
 // The client's public facades: Client, RemoteWeights, RemoteHostWeights.
-// The machinery is in client_core.cc, client_mapping.cc and client_fork.cc
+// The machinery is in client_connect.cc, client_mux.cc, client_reclaim.cc,
+// client_leases.cc, client_keeper.cc, client_mapping.cc and client_fork.cc
 // (design note: client_internal.h).
 #include "client_internal.h"
 

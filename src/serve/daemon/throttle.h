@@ -18,8 +18,8 @@
 // sleeps until the next end the link foresees; an end wakes all (the
 // others speed up), an arrival wakes none (the others only slow down, so
 // they wake early, look again and sleep on).
-#ifndef MODELCACHE_SRC_SERVE_THROTTLE_H_
-#define MODELCACHE_SRC_SERVE_THROTTLE_H_
+#ifndef MODELCACHE_SRC_SERVE_DAEMON_THROTTLE_H_
+#define MODELCACHE_SRC_SERVE_DAEMON_THROTTLE_H_
 
 #include <atomic>
 #include <chrono>
@@ -67,4 +67,4 @@ class LoadThrottle {
 
 }  // namespace modelcache::serve::detail
 
-#endif  // MODELCACHE_SRC_SERVE_THROTTLE_H_
+#endif  // MODELCACHE_SRC_SERVE_DAEMON_THROTTLE_H_

@@ -1,6 +1,12 @@
 // The client's internals, shared by its files:
-//   client_core.cc     the multiplexer: connecting with backoff, request and
-//                      reply matching, the reader, releases and the flusher
+//   client_connect.cc  dialling with backoff, one thread at a time, and hello
+//   client_mux.cc      the multiplexer: request and reply matching, the
+//                      reader, releases and their queue, closing
+//   client_reclaim.cc  a broken connection's leases kept, reclaimed on the
+//                      next one before it is published (ReclaimAndPublish)
+//   client_leases.cc   the table of held leases: local acquires, their ends,
+//                      notices and the answers to recalls
+//   client_keeper.cc   the keeper (flusher) thread and its idle chores
 //   client_mapping.cc  mapping a granted copy (memfds to WeightSets)
 //   client_fork.cc     fork safety: the generation and the socket table
 //   client.cc          the public facades (Client, RemoteWeights, ...)
@@ -98,9 +104,6 @@
 //
 // fork(): a child must not touch its parent's ClientCore, whose mutex may
 // be held by a thread that does not exist in the child. An atfork handler
-#ifndef MODELCACHE_SRC_SERVE_CLIENT_INTERNAL_H_
-#define MODELCACHE_SRC_SERVE_CLIENT_INTERNAL_H_
-
 // bumps a global generation and closes every socket of every core (they are
 // kept in a lock-free table for it). A Client whose core is of an older
 // generation leaves it alone, leaked on purpose, and makes a new one. The
@@ -109,6 +112,52 @@
 // copies and connections of an older generation do nothing when destroyed:
 // the child has no mapping at their addresses (MADV_DONTFORK) and must not
 // close descriptor numbers it may have reused.
+//
+// A held lease's states (an entry of held_; refs: its local references,
+// told: told_idle, i.e. the daemon counts it idle and may recall it):
+//   in use        refs > 0, !told, !reclaim
+//   idle          refs == 0, !told: kept mapped, the daemon still counts it
+//                 in use until the idle notice goes
+//   told idle     refs == 0, told
+//   revived       refs > 0, told: the daemon still counts it idle; a recall
+//                 is answered "use"
+//   to reclaim    reclaim (any refs): its connection broke and a successor
+//                 may adopt it; its copy names the dead connection's serial
+//   gone          not in held_: forgotten (unmapped once its references end)
+// Transitions:
+//   acquire granted (Keep)        -> in use; -> to reclaim when granted on a
+//                                    connection that broke and kept its
+//                                    leases, before the next is published
+//   local acquire (LocalAcquire)  idle -> in use; told idle -> revived
+//   last reference ends (Unref)   in use -> idle (kept: keep_idle > 0, a
+//                                    reachable name, a delegating live
+//                                    connection), or -> told idle at once
+//                                    when idle_notice_delay is 0; revived ->
+//                                    told idle (nothing sent); to reclaim
+//                                    stays while keep_idle > 0; otherwise
+//                                    -> gone, released
+//   keeper (IdleChores)           idle -> told idle after idle_notice_delay
+//                                    ("idle"); revived -> in use after
+//                                    idle_notice_delay ("use"); idle or told
+//                                    idle past keep_idle -> gone, released
+//   recall (AnswerRecalls)        refs == 0 -> gone, released; refs > 0 ->
+//                                    in use ("use")
+//   connection breaks (Broke)     -> to reclaim when it kept its leases,
+//                                    else -> gone (nothing released)
+//   reclaim (ReclaimAndPublish)   adopted -> in use, idle or told idle (as
+//                                    the reclaim said; revived meanwhile:
+//                                    "use" at publication), or -> gone,
+//                                    released, when idle and the daemon does
+//                                    not delegate; refused, or the daemon
+//                                    does not reclaim -> gone (unbacked)
+//   keeper while away             to reclaim with refs == 0 past keep_idle
+//     (ReconnectForReclaims)         -> gone (nothing to release it to)
+//   name taken by a newer lease   an unreachable idle lease -> gone,
+//     (Keep)                         released; one in use goes at its end
+
+#ifndef MODELCACHE_SRC_SERVE_CLIENT_CLIENT_INTERNAL_H_
+#define MODELCACHE_SRC_SERVE_CLIENT_CLIENT_INTERNAL_H_
+
 #include <fcntl.h>
 #include <poll.h>
 #include <pthread.h>
@@ -471,4 +520,4 @@ class ClientCore : public std::enable_shared_from_this<ClientCore> {
 
 }  // namespace modelcache::serve::detail
 
-#endif  // MODELCACHE_SRC_SERVE_CLIENT_INTERNAL_H_
+#endif  // MODELCACHE_SRC_SERVE_CLIENT_CLIENT_INTERNAL_H_

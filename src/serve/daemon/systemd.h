@@ -49,8 +49,8 @@
 // be called from any thread at once (each Notify uses a socket of its own).
 // TakeListenFds reads and changes the environment: call it once, at start,
 // before any thread runs.
-#ifndef MODELCACHE_SRC_SERVE_SYSTEMD_H_
-#define MODELCACHE_SRC_SERVE_SYSTEMD_H_
+#ifndef MODELCACHE_SRC_SERVE_DAEMON_SYSTEMD_H_
+#define MODELCACHE_SRC_SERVE_DAEMON_SYSTEMD_H_
 
 #include <chrono>
 #include <cstddef>
@@ -169,4 +169,4 @@ ListenFds TakeListenFds();
 
 }  // namespace modelcache::serve::detail
 
-#endif  // MODELCACHE_SRC_SERVE_SYSTEMD_H_
+#endif  // MODELCACHE_SRC_SERVE_DAEMON_SYSTEMD_H_

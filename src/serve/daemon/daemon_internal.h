@@ -5,100 +5,24 @@
 //   daemon_leases.cc       leases and orphan groups
 //   daemon_waiters.cc      the waiters and the load queue, load slots
 //   daemon_unavailable.cc  models whose files fail the checks
-//   daemon_orphans.cc      a predecessor's copies (restart orphans), capacity
-//   daemon_reclaim.cc      the record of copies made; reclaim and adoption
-//                          of a predecessor's copies, the grace period
+//   daemon_orphans.cc      a predecessor's copies (restart orphans), capacity;
+//                          the leases held for other mappers of an adopted
+//                          copy
+//   daemon_record.cc       the record of copies made (and systemd's fd store)
+//   daemon_reclaim.cc      reclaim and adoption of a predecessor's copies,
+//                          the grace period
 //   daemon_handover.cc     takeover: both the old and the new daemon's side
 //   handover.h             the record's and the handover's formats
 //   daemon_threads.cc      the pool, expiry and background threads
-//   daemon_metrics.cc      metric names; http_api.cc renders them
+//   daemon_entries.h       leases, connections, waiters, tasks (their states)
+//   daemon_metrics.h/.cc   the histogram, metric names and /metrics
 //   event_loop.h           the epoll, pidfd and errno wrappers
 //   http_api.cc            the HTTP API
 //
 // Design note (states and who owns what).
 //
-// A request of a connection is handled on the loop thread:
-//   hello, ping, release: answered at once.
-//   acquire: a hit (TryAcquire) is answered at once. A miss becomes a
-//     *waiter* of its model: queued on the model, counted against its
-//     connection and against max_waiters, filed by deadline.
-// A model with waiters has one *task*: running on the pool (at most
-// load_slots tasks run) or queued for a slot (by catalog priority, then
-// first come). A task is one blocking ModelCache::Acquire with an interrupt
-// check that ends it when its model has no waiter left or the daemon shuts
-// down. When it completes, the loop gives the task's lease to the first
-// waiter and a TryAcquire lease to each other one; a failure answers them
-// all, except that after CAPACITY under when_full "fail" the waiters that
-// asked to wait get a task of their own. A waiter whose deadline passes gets
-// TIMEOUT; one whose connection closes just goes.
-//
-// A lease (LeaseEntry) is granted on the loop and lives in leases_ until it
-// is released: by its connection's release request, when its connection
-// ends (at once if the reply with its descriptors was never sent or the
-// process is dead; otherwise it is orphaned, owned by an OrphanGroup
-// watching the process's pidfd), or at shutdown.
-//
-//   granted --release/close(dead peer, undelivered)--> released
-//   granted --close(live peer)--> orphaned --pidfd readable, or the process
-//                                            maps and holds none of its
-//                                            memfds--> released
-//
-// Delegation (a lease's use, detail::Use; docs/design.md draws it):
-//
-//   in use --"idle"--> idle --store picks the copy--> recalled
-//     ^                 |     (GateUnload refuses,      |  |
-//     +------"use"------+      marks, loop sends)       |  +--"release"-->
-//     released
-//     +----------"use" (busy), or --recall-timeout------+
-//
-// An idle lease drops its store lease (the copy counts as evictable) and is
-// *uncovered*: listed in uncovered_ under its copy. Every copy's unloader is
-// GateUnload: it passes only when no lease of the copy is uncovered, so no
-// copy is freed while a client may map it; otherwise it throws (the store
-// keeps the record and moves on) after marking the idle ones recalled for
-// the loop to send (to_recall_). It never waits, so it may run on any thread,
-// the loop's included. An uncovered lease in use (revived while its copy was
-// being refused), orphaned or retired takes a store lease again on the loop
-// (CoverUncovered, TryAcquire); one that cannot for now is tried again
-// (next_cover_). Every end of a recall wakes the store's waiters for room
-// (Budget::NotifyEvictable) and WaitForRecalls (a "fail" load, an HTTP
-// unload). Leases of a model being retired (reload, HTTP unload) keep their
-// store lease while idle and are recalled at once (RecallRetired).
-//
-// Copies a predecessor handed out (restart orphans) are not in the store:
-// they are bytes taken off the store's capacity (capacity_ = configured_ -
-// orphaned_), recomputed from /proc/*/maps at start, when a process that
-// maps one exits, and every orphan_rescan while any remain. A reclaim that
-// adopts one moves its bytes into the store for every process that maps
-// it, so each other process that the scan saw mapping it gets an orphaned
-// lease on it (HoldForMappers, owned by an OrphanGroup on its pidfd): the
-// copy is never evicted while it is mapped, and never adopted twice. That
-// lease ends when the process reclaims its own (DropMapperHolds), when the
-// rescan finds it maps the copy no more, or when it exits.
-//
-// Unavailable models (daemon_unavailable.cc). A model whose files fail the
-// checks of --check-catalog (open beneath the root, stat, header length,
-// header parse) is unavailable; it costs that model, not the daemon:
-//
-//   available --start or reload finds a file failing, or a load's
-//     LoadCopy throws FilesUnavailable--> unavailable (logged once, with
-//     the file's error)
-//   unavailable --an acquire with no copy resident, before retry_at-->
-//     UNAVAILABLE at once, naming the file; no load, no wait
-//   unavailable --an acquire at or after retry_at--> its waiter and task as
-//     for any miss: the load checks the files on the pool (never on the
-//     loop); failing --> unavailable, retry_at = now + backoff, backoff
-//     doubled (to kUnavailableRetryMax); a copy made --> available
-//   unavailable --a reload finds every file valid--> available
-//
-// A resident copy (taken over, reclaimed, loaded before the files went) is
-// a hit whatever its files are, and an acquire in the grace period waits
-// for its reclaim as any other. A load failure that is not about the files
-// (no room, no memory, a read that fails) is LOAD_FAILED or the like, as
-// before, and changes nothing here. A pinned model that is unavailable is
-// not loaded (nor does it hold /readyz at 503); it is pinned once it is
-// available again. unavailable_ is written on the loop (and in the
-// constructor) only, under unavailable_mu_ for the HTTP threads.
+// The states of a request, a lease (delegation included), a restart
+// orphan and an unavailable model: daemon_entries.h, with their entries.
 //
 // Lifecycle.
 //   starting (the constructor): options and catalog checked, root opened,
@@ -170,8 +94,8 @@
 // Every other mutex is a leaf: nothing is taken while it is held. The
 // orders within one function are declared (MC_ACQUIRED_BEFORE), so clang's
 // -Wthread-safety-beta checks them; those through calls are as above.
-#ifndef MODELCACHE_SRC_SERVE_DAEMON_INTERNAL_H_
-#define MODELCACHE_SRC_SERVE_DAEMON_INTERNAL_H_
+#ifndef MODELCACHE_SRC_SERVE_DAEMON_DAEMON_INTERNAL_H_
+#define MODELCACHE_SRC_SERVE_DAEMON_DAEMON_INTERNAL_H_
 
 #include <sys/types.h>
 
@@ -192,6 +116,8 @@
 #include <vector>
 
 #include "copy.h"
+#include "daemon_entries.h"
+#include "daemon_metrics.h"
 #include "handover.h"
 #include "modelcache/base/mutex.h"
 #include "modelcache/base/unique_fd.h"
@@ -207,204 +133,9 @@ namespace modelcache::serve {
 
 namespace detail {
 
-// A Prometheus histogram with fixed bounds; lock-free.
-class Histogram {
- public:
-  explicit Histogram(std::vector<double> bounds);
-  void Observe(double value);
-  // Appends the _bucket, _sum and _count samples of `name`.
-  void Render(const std::string& name, std::string* out) const;
-
- private:
-  const std::vector<double> bounds_;
-  std::unique_ptr<std::atomic<uint64_t>[]> buckets_;  // bounds + 1 (+Inf)
-  std::atomic<uint64_t> count_{0};
-  std::atomic<double> sum_{0};
-};
-
 // Set while this thread adopts a copy into the store (daemon_reclaim.cc):
 // the store's kLoaded event it emits is no load (OnEvent).
 extern thread_local bool g_adopting;
-
-// Results of an acquire, for modelcache_acquires_total{result=...}.
-enum class Result {
-  kHit,
-  kLoaded,
-  kNotFound,
-  kTooLarge,
-  kCapacity,
-  kTimeout,
-  kLoadFailed,
-  kBusy,
-  kInvalid,
-  kUnavailable,
-  kCount
-};
-const char* ResultName(Result result);
-Result ResultOf(ServeCode code);
-
-// Why a connection ended, for modelcache_client_disconnects_total.
-enum class Disconnect {
-  kClosed,       // the client closed it
-  kProcessExit,  // its process exited
-  kSlowReader,   // it left more than max_queued_replies replies unread
-  kRefused,      // at accept: too many clients, or a peer not allowed
-  kError,        // a socket error
-  kShutdown,     // the daemon shut down
-  kCount
-};
-const char* DisconnectName(Disconnect reason);
-
-// A lease's use as its client last told it (delegation, protocol.h).
-enum class Use {
-  kInUse,     // granted, or said "use" (or a recall went unanswered)
-  kIdle,      // said "idle": the store may evict its copy, after a recall
-  kRecalled,  // idle, and recalled: awaiting "release" or "use"
-};
-
-struct LeaseEntry {
-  // The store's lease: held unless the lease is idle (then the store counts
-  // the copy as evictable). An entry without one is *uncovered* and listed
-  // in uncovered_ under its copy, whose unloader then refuses.
-  Lease lease;
-  const void* copy = nullptr;  // its ModelCopy: an identity, never read
-  Use use = Use::kInUse;
-  // Its model was retired by a reload: it keeps the store's lease while
-  // idle (a retired record is unloaded when its last store lease ends).
-  bool retired = false;
-  uint64_t connection = 0;  // 0 once orphaned
-  std::string model;
-  pid_t pid = 0;
-  uid_t uid = 0;
-  bool delivered = false;  // its reply (with the descriptors) was sent
-  bool orphaned = false;
-  // Made by HoldForMappers: held for a process that maps an adopted copy
-  // of a predecessor's and has not reclaimed its own lease on it yet.
-  bool held_for_mapper = false;
-  uint64_t bytes = 0;
-  std::vector<MemfdId> memfds;  // of its copy: data and header per file
-};
-
-struct Outgoing {
-  std::string bytes;
-  std::vector<int> fds;
-  std::shared_ptr<const ModelCopy> keep;  // keeps `fds` open until sent
-  uint64_t lease = 0;                     // the lease it delivers, if any
-};
-
-struct Connection {
-  uint64_t id = 0;
-  base::UniqueFd fd;
-  base::UniqueFd pidfd;
-  pid_t pid = 0;
-  uid_t uid = 0;
-  gid_t gid = 0;
-  std::deque<Outgoing> out;
-  bool writing = false;  // EPOLLOUT is armed
-  bool doomed = false;   // closes after the current event
-  Disconnect doom_reason = Disconnect::kClosed;
-  std::set<uint64_t> leases;
-  std::set<uint64_t> waiters;  // waiter sequence numbers
-};
-
-struct Waiter {
-  uint64_t seq = 0;
-  uint64_t connection = 0;
-  uint64_t request_id = 0;
-  std::string model;
-  Clock::time_point start;
-  Clock::time_point deadline;
-  bool fail_when_full = false;
-  // A load of its model was running or queued when it came: it joined that
-  // load rather than starting one.
-  bool joined = false;
-};
-
-// Thrown by a task's interrupt check.
-struct Cancelled {};
-
-// How a prefetch (an HTTP load or pin) ended: an HTTP status and, when it
-// failed, why.
-struct PrefetchResult {
-  int status = 200;
-  std::string error;
-};
-
-struct Task {
-  uint64_t seq = 0;
-  CatalogModel model;
-  WhenFull when_full = WhenFull::kWait;
-  // A prefetch (HTTP load or pin, a pinned model at start): no waiters; it
-  // ends by reporting to `done` (when set) and pins when `pin`.
-  bool prefetch = false;
-  bool pin = false;
-  std::shared_ptr<std::promise<PrefetchResult>> done;
-  std::atomic<bool> cancel{false};
-  uint64_t expected_bytes = 0;  // what the load reserves
-  // Filled by the pool thread.
-  Lease lease;
-  std::exception_ptr error;
-  // Its loader ran and made a copy from the files (not a hit, a join or an
-  // adoption): they are valid.
-  bool loaded = false;
-};
-
-struct ModelQueue {
-  std::deque<uint64_t> waiters;  // sequence numbers, first come first
-  std::shared_ptr<Task> task;    // running
-  bool queued = false;           // waiting for a load slot
-  // Its copy fits the configured capacity but not what orphans leave of
-  // it: the waiters wait for a rescan to free some.
-  bool blocked_by_orphans = false;
-};
-
-struct OrphanGroup {
-  base::UniqueFd pidfd;
-  pid_t pid = 0;
-  std::vector<uint64_t> leases;
-};
-
-// What one process maps or holds of the daemon's memfds (ProcessMemfds);
-// `known` false when its /proc entries could not be read.
-struct PidMemfds {
-  pid_t pid = 0;
-  bool known = false;
-  std::set<std::pair<uint64_t, uint64_t>> held;
-};
-
-// A catalog read for a reload, or why it was refused.
-struct Reloaded {
-  std::shared_ptr<const Catalog> catalog;  // null when refused
-  std::string digest;                      // CatalogDigest of its text
-  std::string error;
-  // The models whose files fail the checks (without --strict-catalog).
-  std::map<std::string, FileProblem> problems;
-};
-
-// A model whose files failed the checks (unavailable): why, and when an
-// acquire may try them again (its load checks them, on the pool).
-struct Unavailable {
-  FileProblem problem;
-  Clock::time_point since;
-  Clock::time_point retry_at;
-  // The wait after the next failed try: unavailable_retry, doubled by each
-  // failed try up to kUnavailableRetryMax.
-  Clock::duration backoff{0};
-};
-inline constexpr std::chrono::seconds kUnavailableRetryMax{60};
-
-struct RestartOrphan {
-  uint64_t bytes = 0;
-  std::string name;
-  std::set<pid_t> pids;
-};
-
-// Per-model counts the HTTP API shows.
-struct ModelStats {
-  uint64_t loads = 0;
-  double last_load_seconds = 0;
-  std::string last_error;
-};
 
 }  // namespace detail
 
@@ -595,7 +326,8 @@ class Daemon::Impl {
   // DaemonOptions::test_pause_reads_fd is readable.
   void PauseHook();
 
-  // ---- reclaim (daemon_reclaim.cc; design note there) ----
+  // ---- the record and reclaim (daemon_record.cc, daemon_reclaim.cc; design
+  // notes there; the holds for other mappers: daemon_orphans.cc) ----
   // Writes `copy` down in the record: before its descriptors go out, or,
   // with `later` (on the loop, which waits on no write), on the background
   // thread.
@@ -937,4 +669,4 @@ class Daemon::Impl {
 
 }  // namespace modelcache::serve
 
-#endif  // MODELCACHE_SRC_SERVE_DAEMON_INTERNAL_H_
+#endif  // MODELCACHE_SRC_SERVE_DAEMON_DAEMON_INTERNAL_H_

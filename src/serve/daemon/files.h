@@ -1,6 +1,6 @@
 // Opening a catalog's files beneath the model root, and nowhere else.
-#ifndef MODELCACHE_SRC_SERVE_FILES_H_
-#define MODELCACHE_SRC_SERVE_FILES_H_
+#ifndef MODELCACHE_SRC_SERVE_DAEMON_FILES_H_
+#define MODELCACHE_SRC_SERVE_DAEMON_FILES_H_
 
 #include <string>
 
@@ -35,4 +35,4 @@ base::UniqueFd OpenRoot(const std::string& path);
 
 }  // namespace modelcache::serve::detail
 
-#endif  // MODELCACHE_SRC_SERVE_FILES_H_
+#endif  // MODELCACHE_SRC_SERVE_DAEMON_FILES_H_

@@ -1,6 +1,7 @@
 // A predecessor's copies (restart orphans) and the store's capacity: the
-// whole machine scanned once at start, then each holder watched by its pid
-// (design note: daemon_internal.h).
+// whole machine scanned once at start, then each holder watched by its pid;
+// and the leases held for the other processes that map a reclaimed copy
+// until they reclaim their own (design note: daemon_internal.h).
 #include <fcntl.h>
 #include <poll.h>
 #include <signal.h>
@@ -21,6 +22,7 @@
 #include <cstring>
 #include <filesystem>
 #include <iostream>
+#include <set>
 #include <utility>
 
 #include "daemon_internal.h"
@@ -241,6 +243,92 @@ std::string Daemon::Impl::OrphanNote() const {
   return "; " + FormatBytes(orphaned) +
          " more are held by copies of a previous daemon that processes still "
          "map (orphaned)";
+}
+
+// ---- processes that map a reclaimed copy ----
+
+void Daemon::Impl::HoldForMappers(const detail::ModelCopy& copy,
+                                  const std::string& model, bool retired,
+                                  const std::set<pid_t>& pids) {
+  if (pids.empty()) return;
+  std::vector<detail::MemfdId> memfds;
+  for (const detail::FileCopy& f : copy.files()) {
+    memfds.push_back(f.data_id);
+    memfds.push_back(f.header_id);
+  }
+  for (const pid_t pid : pids) {
+    base::UniqueFd pidfd(PidfdOpen(pid));
+    if (!pidfd) continue;  // exited: it maps nothing any more
+    ::fcntl(pidfd.get(), F_SETFD, FD_CLOEXEC);
+    const uint64_t id = ++next_lease_;
+    detail::LeaseEntry entry;
+    entry.connection = 0;
+    entry.orphaned = true;
+    entry.held_for_mapper = true;
+    entry.delivered = true;
+    entry.model = model;
+    entry.pid = pid;
+    entry.bytes = copy.bytes();
+    entry.copy = &copy;
+    entry.memfds = memfds;
+    entry.retired = retired;
+    {
+      // No store lease yet: uncovered, so its copy's unloader refuses until
+      // CoverUncovered gives it one (a retired copy's stays refused).
+      base::MutexLock lock(&leases_mu_);
+      auto [it, inserted] = leases_.emplace(id, std::move(entry));
+      IndexCoverage(id, it->second);
+    }
+    const uint64_t group = next_group_++;
+    detail::OrphanGroup g;
+    g.pidfd = std::move(pidfd);
+    g.pid = pid;
+    g.leases = {id};
+    ++orphaned_leases_;
+    EpollAdd(epoll_fd_.get(), g.pidfd.get(), EPOLLIN,
+             Tagged(kOrphanPidTag, group));
+    orphan_groups_.emplace(group, std::move(g));
+    Log("pid " + std::to_string(pid) + " maps the reclaimed copy of '" + model +
+        "' too: held in use for it until it reclaims its lease, lets go "
+        "or exits");
+  }
+  CoverUncovered();
+  ScheduleRescan();
+}
+
+void Daemon::Impl::DropMapperHolds(pid_t pid, const void* copy) {
+  std::vector<uint64_t> drop;
+  {
+    base::MutexLock lock(&leases_mu_);
+    for (const auto& [group_id, g] : orphan_groups_) {
+      if (g.pid != pid) continue;
+      for (const uint64_t id : g.leases) {
+        const auto it = leases_.find(id);
+        if (it != leases_.end() && it->second.held_for_mapper &&
+            it->second.copy == copy) {
+          drop.push_back(id);
+        }
+      }
+    }
+  }
+  if (drop.empty()) return;
+  for (auto g = orphan_groups_.begin(); g != orphan_groups_.end();) {
+    auto& ids = g->second.leases;
+    const size_t before = ids.size();
+    std::erase_if(ids, [&](uint64_t id) {
+      return std::find(drop.begin(), drop.end(), id) != drop.end();
+    });
+    orphaned_leases_ -= static_cast<int>(before - ids.size());
+    if (ids.empty()) {
+      EpollDel(epoll_fd_.get(), g->second.pidfd.get());
+      g = orphan_groups_.erase(g);
+    } else {
+      ++g;
+    }
+  }
+  // After the reclaimed lease took its store lease: the copy never looks
+  // unleased in between.
+  for (const uint64_t id : drop) ReleaseLease(id);
 }
 
 }  // namespace modelcache::serve

@@ -72,8 +72,11 @@ trip again. So a server acquires and releases per request, and pays a round
 trip only when the model was evicted. :meth:`Client.idle_leases` counts
 the leases kept idle; ``keep_idle=0`` releases a lease when its last lease
 object or view ends. A lost connection (a daemon restart) drops every idle
-lease, unless it waits to be reclaimed (above, within ``keep_idle``);
-leases in use keep their mapping.
+lease, unless it waits to be reclaimed (above); leases in use keep their
+mapping. A lease waiting to be reclaimed stays mapped whatever
+``keep_idle`` says, and one whose last lease object ends meanwhile is kept
+idle (``keep_idle=0`` too), so :meth:`Client.acquire_local` serves it while
+the daemon is away; ``keep_idle`` applies again once it is reclaimed.
 
 fork(). A child starts with no connection and no lease: every lease object
 it inherits reads as released (taking a view raises), and its first call on
@@ -433,7 +436,8 @@ def connect(socket_path: PathLike, *, connect_timeout: Timeout = 0,
             when it needs the room. 0 releases a lease when its last lease
             object or view ends (every acquire is then a round trip, unless
             another one of the same model is alive). With a daemon that
-            cannot recall leases, leases are never kept idle.
+            cannot recall leases, leases are never kept idle. A lease
+            waiting to be reclaimed is kept whatever this says.
         idle_notice_delay: how soon (seconds, or a timedelta) after a
             lease goes idle the daemon is told (one message, no reply
             awaited), so that it counts the copy as evictable; until then

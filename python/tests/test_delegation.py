@@ -277,3 +277,28 @@ def test_acquire_local_answers_only_for_held_models_and_without_the_daemon(node)
     wait_until(lambda: client.reclaims()["reclaimed"] == 1,
                "the successor adopts the lease")
     assert node.model("x")["loads"] == 0
+
+
+def test_a_lease_waiting_to_be_reclaimed_stays_mapped_whatever_keep_idle_says(node):
+    # keep_idle=0: with the daemon up, a lease ends with its last reference.
+    client = modelcache.serve.connect(node.socket, keep_idle=0)
+    lease = client.acquire("x")
+    node.kill()
+    wait_until(lambda: client.reclaims()["pending"] == 1,
+               "the lease waits to be reclaimed")
+    # Its last reference ends during the outage: kept idle and mapped, not
+    # lost, and it serves a local acquire.
+    lease.release()
+    assert client.idle_leases() == 1
+    assert len(memfd_maps(os.getpid(), ":x#")) == 1
+    during = client.acquire_local("x")
+    assert during is not None and during.lease_id == lease.lease_id
+    during.release()
+    node.start()
+    # Reclaimed, loading nothing; then keep_idle=0 ends it.
+    wait_until(lambda: client.reclaims()["reclaimed"] == 1,
+               "the successor adopts the lease")
+    assert node.model("x")["loads"] == 0
+    wait_until(lambda: client.idle_leases() == 0 and uses(node, "x") == [],
+               "the reclaimed idle lease ends, keep_idle being 0")
+    assert memfd_maps(os.getpid(), ":x#") == []

@@ -40,8 +40,11 @@
 // of a model held takes another local reference to its mapping (load()
 // "local"), which the reclaim backs or not as it does the lease. Releases not
 // yet sent on the lost connection are dropped (their leases were not
-// reclaimed). An idle lease still waiting past keep_idle is unmapped
-// (unbacked); Close() reclaims nothing (the daemon ends the leases of a
+// reclaimed). A lease waiting to be reclaimed stays mapped whatever
+// keep_idle says, and one whose last reference ends meanwhile is kept idle
+// (keep_idle 0 too): while the daemon is away nothing could free its copy,
+// the successor books the mapping as orphaned either way, and adopts it;
+// keep_idle applies again once it is reclaimed. Close() reclaims nothing (the daemon ends the leases of a
 // closed connection). Reclaims() counts what happened. With a daemon that does
 // not list "reclaim", the leases of a lost connection are unbacked at once (the
 // idle ones unmapped), as the daemon they came from is gone and a new one
@@ -139,7 +142,8 @@ struct ClientOptions {
   std::chrono::milliseconds reply_margin{2000};
   // Delegated leases (see "Local reuse and delegation" above): how long a
   // lease no reference uses any more is kept, mapped, for a local acquire
-  // to revive; 0 releases it when its last reference ends.
+  // to revive; 0 releases it when its last reference ends. A lease waiting
+  // to be reclaimed (the daemon is away) is kept whatever this says.
   std::chrono::milliseconds keep_idle{60'000};
   // False: every Acquire is a round trip and a lease of its own, and the
   // last reference's end releases it (no table, no delegation).

@@ -136,12 +136,16 @@ void ClientCore::Unref(std::shared_ptr<MappedCopy> copy) noexcept {
       release = true;
     } else if (--it->second.refs == 0) {
       Held& held = it->second;
-      // A lease waiting to be reclaimed is kept idle too: its reclaim will
-      // say so.
+      // A lease waiting to be reclaimed is kept idle too, whatever
+      // keep_idle says: while the daemon is away nothing could free its
+      // copy anyway, the successor books the mapping as orphaned either
+      // way, and the reclaim adopts it (then keep_idle applies, counted
+      // from this release).
       const bool keep =
-          options_.keep_idle.count() > 0 && Reachable(lease) && !stop_ &&
-          (held.reclaim || (conn_ && !conn_->broken &&
-                            conn_->serial == serial && conn_->delegation));
+          Reachable(lease) && !stop_ &&
+          (held.reclaim ||
+           (options_.keep_idle.count() > 0 && conn_ && !conn_->broken &&
+            conn_->serial == serial && conn_->delegation));
       ++idle_;
       if (keep) held.idle_since = Clock::now();
       if (keep && held.told_idle && !held.reclaim) {

@@ -195,23 +195,9 @@ std::vector<std::shared_ptr<MappedCopy>> ClientCore::GiveUpReclaims(
 bool ClientCore::ReconnectForReclaims(Clock::time_point* retry_at,
                                       std::chrono::milliseconds* backoff) {
   const Clock::time_point now = Clock::now();
-  // keep_idle still bounds an idle lease while the daemon is away: one
-  // past it is given up (unmapped; nothing to release it to).
-  std::vector<uint64_t> expired;
-  for (const auto& [lease, held] : held_) {
-    if (held.reclaim && held.refs == 0 &&
-        now - held.idle_since >= options_.keep_idle) {
-      expired.push_back(lease);
-    }
-  }
-  if (!expired.empty()) {
-    std::vector<std::shared_ptr<MappedCopy>> drop;
-    for (const uint64_t lease : expired) drop.push_back(Forget(lease));
-    mu_.Unlock();
-    drop.clear();  // unmapped outside mu_
-    mu_.Lock();
-    return true;  // look again
-  }
+  // An idle lease waiting to be reclaimed stays mapped past keep_idle: the
+  // successor books it as orphaned either way, and adopts it, loading
+  // nothing; keep_idle bounds it again once it is reclaimed.
   if (reclaiming_ == 0) return false;
   if (connecting_ || now < *retry_at) {
     // Another thread connects (and reclaims), or we back off.

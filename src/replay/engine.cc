@@ -284,13 +284,11 @@ void Node::TakeLease(uint32_t m, const NodeRequest& request, double arrival) {
   Schedule(now_ + hold, EventKind::kHoldEnd, m, slot);
 }
 
-bool Node::CouldAdmit(uint32_t m) const {
-  // What a reservation could get now: the free bytes and the idle models'
-  // (evictable), and the prewarms' in flight (a demand load cancels them);
-  // the demand loads queued ahead come first.
+uint64_t Node::Obtainable() const {
+  // The free bytes and the idle models' (evictable), and the prewarms' in
+  // flight (a demand load cancels them).
   const uint64_t used = cache_->budget().used();
   uint64_t obtainable = (capacity_ > used ? capacity_ - used : 0) + idle_bytes_;
-  uint64_t needed = Size(m);
   for (uint32_t q = 0; q < models_.size(); ++q) {
     const ModelState& s = models_[q];
     if (s.prewarm_class &&
@@ -298,9 +296,10 @@ bool Node::CouldAdmit(uint32_t m) const {
       obtainable += Size(q);
     }
   }
-  for (uint32_t q : demand_queue_) needed += Size(q);
-  return obtainable >= needed;
+  return obtainable;
 }
+
+bool Node::CouldAdmit(uint32_t m) const { return Obtainable() >= Size(m); }
 
 Node::Admission Node::Arrive(const NodeRequest& r, bool refuse_if_full) {
   const size_t i = r.id;
@@ -364,6 +363,7 @@ Node::Admission Node::Arrive(const NodeRequest& r, bool refuse_if_full) {
 void Node::Enqueue(uint32_t m) {
   models_[m].state = State::kQueued;
   demand_queue_.push_back(m);
+  room_changed_ = true;  // it may fit now
 }
 
 void Node::StartLoads() {
@@ -456,6 +456,7 @@ void Node::EnterTransfer(uint32_t m) {
 void Node::CompleteLoad(uint32_t m) {
   ModelState& s = models_[m];
   (s.prewarm_class ? prewarm_in_flight_ : demand_in_flight_)--;
+  room_changed_ = true;  // a slot is free
   books_.LoadEnded(now_ - s.load_start, s.prewarm_class);
   s.prewarm_class = false;
   s.state = State::kResident;
@@ -492,14 +493,22 @@ void Node::CompleteLoad(uint32_t m) {
 void Node::StartQueuedLoads() {
   const uint32_t slots =
       time_.slots == 0 ? std::numeric_limits<uint32_t>::max() : time_.slots;
-  while (!demand_queue_.empty() && demand_in_flight_ < slots) {
-    const uint32_t m = demand_queue_.front();
-    if (!room_changed_) return;
-    if (!StartLoad(m, /*prewarm=*/false)) {
-      room_changed_ = false;  // wait until something becomes evictable
-      return;
+  // In arrival order, each queued load that can get its room now starts
+  // while a slot is free; one that cannot waits for room without holding
+  // back those behind it, as a miss in the cache does (Budget::Reserve has
+  // no queue): a load that fits never waits behind one that does not.
+  if (room_changed_) {
+    room_changed_ = false;
+    uint64_t obtainable = Obtainable();
+    for (size_t i = 0; i < demand_queue_.size() && demand_in_flight_ < slots;) {
+      const uint32_t m = demand_queue_[i];
+      if (obtainable < Size(m) || !StartLoad(m, /*prewarm=*/false)) {
+        ++i;  // waits for room
+        continue;
+      }
+      demand_queue_.erase(demand_queue_.begin() + static_cast<ptrdiff_t>(i));
+      obtainable = Obtainable();
     }
-    demand_queue_.pop_front();
   }
   while (demand_queue_.empty() && !prewarm_queue_.empty() &&
          demand_in_flight_ + prewarm_in_flight_ < slots) {

@@ -13,8 +13,8 @@
 //
 // Model states (the simulation's view; the cache's in brackets):
 //   absent   [no record]            nothing resident, no load queued
-//   queued   [no record]            a demand load waits in the FIFO queue for
-//                                   a slot, or at its head for room
+//   queued   [no record]            a demand load waits in the queue for a
+//                                   slot or for room
 //   latency  [no record; bytes      started: a demand load reserved its
 //             reserved]             bytes in the budget (Budget::Reserve, as
 //                                   the cache's miss does); a prewarm's
@@ -51,11 +51,14 @@
 // request's arrival (AcquireOptions::arrival), so a policy that learns from
 // request times (next-use) sees arrivals, not load ends.
 //
-// Slots and classes: demand loads start in FIFO order while fewer than
-// `slots` demand loads are in flight and the head fits (a reservation with
-// WhenFull::kFail, which evicts nothing unless evicting makes the room; on
-// kCapacity, in-flight prewarms are cancelled first, then the head waits
-// until a lease ends, and the idle models it could not use stay). Prewarm loads
+// Slots and classes: demand loads queue in arrival order. A scan of the
+// queue in that order starts each load that can get its room now (a
+// reservation with WhenFull::kFail, which evicts nothing unless evicting
+// makes the room; in-flight prewarms are cancelled first) while fewer than
+// `slots` demand loads are in flight. A load that cannot get its room waits
+// for it (until a lease ends) without holding back the loads behind it: the
+// cache's miss has no queue either (Budget::Reserve), so a miss whose model
+// fits loads at once, whatever waits for room. Prewarm loads
 // start only when no demand load is queued, only into free bytes
 // (next-use-prewarm: or in place of idle models the policy expects later,
 // AcquireOptions:: evict_only_lower_ranked), and only on slots demand loads
@@ -263,8 +266,11 @@ class Node {
   void HandleEvent(const Event& e);
 
   // ---- requests and leases ----
+  // The bytes a demand load could get now without waiting for a lease to
+  // end: free, idle (evictable) and held by prewarms in flight.
+  uint64_t Obtainable() const;
   // Whether a load of `m` could get its room now without waiting for a
-  // lease to end, behind the demand loads queued.
+  // lease to end.
   bool CouldAdmit(uint32_t m) const;
   // A hit, or a waiter whose load ended: its lease for its service time.
   void TakeLease(uint32_t m, const NodeRequest& request, double arrival);
@@ -324,7 +330,9 @@ class Node {
   // The transfers, by model: demand loads in the foreground, prewarms in
   // the background (they move only while no demand transfer does).
   LoadLink link_;
-  bool room_changed_ = true;  // worth retrying a head blocked on room
+  // Worth scanning the demand queue again: room, a slot or the queue
+  // changed since the last scan.
+  bool room_changed_ = true;
   uint64_t next_waiter_id_ = 0;
   uint64_t idle_bytes_ = 0;  // resident, no lease, not loading
 };

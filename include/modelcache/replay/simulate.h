@@ -9,6 +9,7 @@
 #include <cstdint>
 #include <functional>
 #include <limits>
+#include <optional>
 #include <string>
 #include <utility>
 #include <vector>
@@ -27,6 +28,34 @@ struct TimeModel {
   uint32_t slots = 4;  // 0: unlimited
 };
 
+// The drain (Simulate only; the rule is the core Budget's): while a demand
+// load waits for room that only leased models can give, requests for those
+// models overtake it (hits are admitted at once). Once the oldest such wait
+// has lasted `drain_after`, the models whose eviction it needs (its drain
+// set: resident models, idle and leased alike, least recently used first,
+// until they cover the bytes it lacks) stop taking leases as a whole: new
+// requests for them queue, in arrival order, and take no lease. When the
+// set's last lease ends the waiter gets that room and loads; the bytes the
+// set frees go only to it, and other loads may use only bytes that no one is
+// owed. The drain ends with its waiter (it loads, or every request for it
+// left after SimulateOptions::max_wait_ms); the requests queued behind it
+// are then admitted in arrival order with their arrival times (a hit, or a
+// miss that may wait for room in its turn, under the same rule). One drain
+// runs at a time, for the oldest waiter. 0: strict arrival order; infinity
+// (kNeverDrain): no drain, requests overtake a wait for room for ever.
+inline constexpr double kNeverDrain = std::numeric_limits<double>::infinity();
+
+// The default drain_after for a waiter whose load takes `load_ms` on an
+// otherwise idle load path: kDrainAfterLoadMultiple times its load time,
+// and at least kDrainAfterFloorMs. So a swap (a drain and the load it
+// admits) costs at most 1 / (1 + kDrainAfterLoadMultiple) of the load
+// path's time, and a small model's waiter does not drain the models in use
+// after a few milliseconds. (How it was chosen: docs/benchmarks.md,
+// "drain-after".)
+inline constexpr double kDrainAfterLoadMultiple = 4;
+inline constexpr double kDrainAfterFloorMs = 1000;
+double DefaultDrainAfterMs(double load_ms);
+
 struct SimulateOptions {
   // Service time of requests whose trace gives none.
   double hold_ms = 0;
@@ -36,6 +65,11 @@ struct SimulateOptions {
   // A request still waiting this long leaves, counted as rejected; a queued
   // load whose every requester left never starts. Infinity: none.
   double max_wait_ms = std::numeric_limits<double>::infinity();
+  // How long the oldest wait for room lets requests overtake it before its
+  // drain set drains (see kNeverDrain above). Empty: DefaultDrainAfterMs of
+  // the waiter's load time alone on the load path (latency + bytes /
+  // bandwidth).
+  std::optional<double> drain_after_ms;
   // Prewarms at fixed times, beside any the policy makes (what-if runs and
   // tests).
   std::vector<Request> prewarms;
@@ -98,6 +132,13 @@ struct RunResult {
   double cold_start_ratio = 0;
   WaitSummary
       wait_ms;  // over the requests served (not too large, not rejected)
+  // SimulateOptions::drain_after_ms of the run (empty: the default), and
+  // the drains it started.
+  std::optional<double> drain_after_ms;
+  uint64_t drains = 0;
+  // Requests that queued behind a drain (their model drained): served as
+  // hits or cold starts when it ended, or rejected.
+  uint64_t drain_queued = 0;
   uint64_t rejected = 0;       // left after ReplayOptions::max_wait_ms
   uint64_t prewarms = 0;       // loads the policy started ahead of demand
   double load_seconds = 0;     // trace time spent loading, summed over loads

@@ -10,6 +10,7 @@
 
 #include "gtest/gtest.h"
 #include "modelcache/replay/replay.h"
+#include "nlohmann/json.hpp"
 
 namespace modelcache::replay {
 namespace {
@@ -206,6 +207,67 @@ TEST(Drain, RequestsQueuedBehindADrainMayLeave) {
   EXPECT_DOUBLE_EQ(r.wait_ms.max, 900 - 301);
   // Each request is a hit or a cold start (those that left among them).
   EXPECT_EQ(r.hits + r.cold_starts, 717u);
+}
+
+// ---- The reports ----
+
+// Each row says its drain_after, its drains and its longest wait; the JSON
+// has the same fields; the HTML report draws p99 wait and bytes loaded
+// against drain_after when several are compared.
+TEST(DrainReport, RowsJsonAndChartsNameTheDrain) {
+  const Trace trace = Starvation();
+  std::vector<RunResult> runs;
+  for (const std::optional<double> drain_after :
+       {std::optional<double>(0), std::optional<double>(),
+        std::optional<double>(kNeverDrain)}) {
+    ReplayOptions options;
+    static_cast<SimulateOptions&>(options) = StarvationOptions(drain_after);
+    for (RunResult& r : ReplayAll(trace, {"lru"}, {kGB, 2 * kGB}, options, 1)) {
+      runs.push_back(std::move(r));
+    }
+  }
+  ASSERT_EQ(runs.size(), 6u);
+  RunInfo info;
+  info.timed = true;
+  info.time = StarvationOptions(0).time;
+
+  const std::string table = ResultsTable(trace, runs, info);
+  EXPECT_NE(table.find("drain_after"), std::string::npos);
+  std::vector<std::string> rows;
+  for (size_t at = 0, end; (end = table.find('\n', at)) != std::string::npos;
+       at = end + 1) {
+    const std::string line = table.substr(at, end - at);
+    if (line.rfind("lru ", 0) == 0) rows.push_back(line);
+  }
+  ASSERT_EQ(rows.size(), 6u);
+  // The row for 0 at 1 GB: drain_after, its 2 drains, and its longest wait.
+  EXPECT_NE(rows[0].find(" 0ms      2 "), std::string::npos) << rows[0];
+  EXPECT_NE(rows[0].find(" 253ms "), std::string::npos) << rows[0];
+  EXPECT_NE(rows[2].find(" default "), std::string::npos) << rows[2];
+  EXPECT_NE(rows[4].find(" inf      0 "), std::string::npos) << rows[4];
+
+  const nlohmann::json doc =
+      nlohmann::json::parse(ResultsJson(trace, runs, info));
+  const nlohmann::json& zero = doc["results"][0];
+  EXPECT_EQ(zero["drain_after"], "0ms");
+  EXPECT_EQ(zero["drain_after_ms"], 0.0);
+  EXPECT_EQ(zero["drains"], 2);
+  EXPECT_EQ(zero["max_wait_ms"], 253.0);
+  EXPECT_EQ(doc["results"][2]["drain_after"], "default");
+  EXPECT_TRUE(doc["results"][2]["drain_after_ms"].is_null());
+  EXPECT_EQ(doc["results"][4]["drain_after"], "inf");
+  EXPECT_TRUE(doc["results"][4]["drain_after_ms"].is_null());
+  EXPECT_EQ(doc["results"][4]["drains"], 0);
+
+  const std::string html = HtmlReport(trace, "drain", runs, info);
+  EXPECT_NE(html.find("id=\"chart-drain-p99\""), std::string::npos);
+  EXPECT_NE(html.find("id=\"chart-drain-loaded\""), std::string::npos);
+  // One line per capacity, each with a point per drain_after.
+  EXPECT_NE(html.find("lru 1"), std::string::npos);
+  // A single drain_after draws no such chart.
+  const std::vector<RunResult> one(runs.begin(), runs.begin() + 2);
+  EXPECT_EQ(HtmlReport(trace, "drain", one, info).find("chart-drain-p99"),
+            std::string::npos);
 }
 
 }  // namespace

@@ -624,7 +624,7 @@ TEST(ReplayCli, ARequestThatIsNeverServedIsFlaggedNotAPerfectRow) {
   ASSERT_EQ(c.status, 0) << c.err;
   EXPECT_THAT(c.out, HasSubstr("unserved"));
   EXPECT_THAT(c.out, ::testing::ContainsRegex(
-                         "lru +16 B +100.00% .* - +- +- +- .*UNSERVED\n"));
+                         "lru +16 B +default +0 +100.00% .* - +- +- +- .*UNSERVED\n"));
   // The SLO search never answers with a capacity that serves nothing.
   EXPECT_THAT(c.out, HasSubstr("lru: 1000 B for p99 wait"));
   EXPECT_EQ(c.err,

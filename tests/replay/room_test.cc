@@ -209,6 +209,26 @@ TEST(Drain, RequestsQueuedBehindADrainMayLeave) {
   EXPECT_EQ(r.hits + r.cold_starts, 717u);
 }
 
+// The bytes a drain frees, and the free bytes its waiter needs beside
+// them, are the waiter's alone. Room for 2 GB: A (1 GB) in continuous use;
+// B (2 GB) at 200 ms drains A at once (drain_after 0) and is owed the free
+// 1 GB as well; C (0.5 GB) at 205 ms would fit in that free gigabyte but
+// may not take it: B loads when A's last lease ends (216 ms), and C only
+// after B.
+TEST(Drain, OtherMissesUseOnlyBytesNoOneIsOwed) {
+  Loads loads;
+  SimulateOptions options = StarvationOptions(0);
+  options.on_event = [&loads](double t, const CacheEvent& e) {
+    if (e.type == EventType::kLoaded) loads.at.emplace_back(t, e.key);
+  };
+  const RunResult r = Simulate(
+      EveryPeriod({kGB, 2 * kGB, kGB / 2}, 7, 1000, {{200, 1}, {205, 2}}),
+      "lru", 2 * kGB, options);
+  EXPECT_EQ(r.rejected, 0u);
+  EXPECT_DOUBLE_EQ(loads.First("B"), 216 + 10 + 200);
+  EXPECT_GT(loads.First("C"), loads.First("B"));
+}
+
 // ---- The reports ----
 
 // Each row says its drain_after, its drains and its longest wait; the JSON

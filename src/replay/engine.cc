@@ -532,9 +532,10 @@ void Node::CompleteLoad(uint32_t m) {
   }
   // A drain whose set could not cover its waiter (bytes held by loads in
   // flight) takes in what they load, after their requesters' leases.
-  if (drain_.active && drain_.set_bytes < Size(drain_.waiter) &&
+  if (drain_.active && drain_.covered < Size(drain_.waiter) &&
       s.state == State::kResident) {
     AddToDrain(m);
+    drain_.covered += Size(m);
   }
   load_lease.Release();
   DropLease(m, /*request_ended=*/!waiters.empty());
@@ -567,6 +568,17 @@ void Node::StartQueuedLoads() {
             }
           }
           started = StartLoad(m, /*prewarm=*/false);
+          if (!started) {
+            // (Not expected: what is obtainable is evictable.) The set
+            // stays the waiter's.
+            for (uint32_t q : drain_.set) {
+              ModelState& d = models_[q];
+              if (d.state == State::kResident && !d.drain_pinned) {
+                d.drain_pinned = true;
+                cache_->Pin(trace_.models[q]);
+              }
+            }
+          }
         }
       } else {
         started =
@@ -688,6 +700,7 @@ void Node::StartDrain(uint32_t waiter) {
     AddToDrain(q);
     covered += Size(q);
   }
+  drain_.covered = covered;
   room_changed_ = true;
 }
 

@@ -396,6 +396,10 @@ class Node {
     uint32_t waiter = 0;
     std::vector<uint32_t> set;
     uint64_t set_bytes = 0;
+    // The free bytes when it began and the set's: while less than the
+    // waiter needs (bytes held by loads in flight), what those loads bring
+    // joins the set.
+    uint64_t covered = 0;
   };
   Drain drain_;
   uint64_t drains_ = 0, drain_queued_ = 0;

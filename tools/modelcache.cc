@@ -191,7 +191,7 @@ int main(int argc, char** argv) {
                          "100ms)");
   replay_cmd
       ->add_option("--load-slots", replay_flags.load_slots,
-                   "Loads in flight at most; more queue in FIFO order; 0 "
+                   "Loads in flight at most; more queue in arrival order; 0 "
                    "for unlimited (default 4)")
       ->check(WholeNumber(std::numeric_limits<uint32_t>::max(),
                           "use 0 for unlimited, or 1 or more"));

@@ -320,7 +320,9 @@ uint64_t Node::Obtainable() const {
   return obtainable;
 }
 
-bool Node::CouldAdmit(uint32_t m) const { return Obtainable() >= Size(m); }
+bool Node::CouldAdmit(uint32_t m) const {
+  return UnowedObtainable() >= Size(m);
+}
 
 Node::Admission Node::Arrive(const NodeRequest& r, bool refuse_if_full) {
   const size_t i = r.id;

@@ -303,7 +303,7 @@ class Node {
   // end: free, idle (evictable) and held by prewarms in flight.
   uint64_t Obtainable() const;
   // Whether a load of `m` could get its room now without waiting for a
-  // lease to end.
+  // lease to end (or for a drain: only the bytes no one is owed).
   bool CouldAdmit(uint32_t m) const;
   // A hit, or a waiter whose load ended: its lease for its service time.
   void TakeLease(uint32_t m, const NodeRequest& request, double arrival);

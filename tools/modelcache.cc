@@ -191,10 +191,18 @@ int main(int argc, char** argv) {
                          "100ms)");
   replay_cmd
       ->add_option("--load-slots", replay_flags.load_slots,
-                   "Loads in flight at most; more queue in FIFO order; 0 "
+                   "Loads in flight at most; more queue in arrival order; 0 "
                    "for unlimited (default 4)")
       ->check(WholeNumber(std::numeric_limits<uint32_t>::max(),
                           "use 0 for unlimited, or 1 or more"));
+  replay_cmd
+      ->add_option(
+          "--drain-after", replay_flags.drain_after,
+          "How long the oldest wait for room lets requests for the models "
+          "holding it overtake it before they drain, comma-separated to "
+          "compare (e.g. 0,1s,10s,inf); 0: strict arrival order; inf: never "
+          "drain (default: default, the library's rule)")
+      ->delimiter(',');
   replay_cmd->add_option("--max-wait", replay_flags.max_wait,
                          "A request still waiting this long leaves, counted as "
                          "rejected (default: none)");

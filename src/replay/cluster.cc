@@ -516,6 +516,7 @@ ClusterResult ClusterRun::Finish() {
   total.policy = policy_name_;
   total.capacity_bytes = capacity_;
   total.timed = true;
+  total.drain_after_ms = simulate_.drain_after_ms;
   total.requests = trace_.requests.size();
   total.hits = hits_;
   total.misses = misses_;
@@ -545,6 +546,8 @@ ClusterResult ClusterRun::Finish() {
     total.bytes_loaded += d.bytes_loaded;
     total.evictions += d.evictions;
     total.prewarms += d.prewarms;
+    total.drains += d.drains;
+    total.drain_queued += d.drain_queued;
     total.load_seconds += d.load_seconds;
     total.idle_gib_hours += d.idle_gib_hours;
     total.load_queue_mean += d.load_queue_mean;

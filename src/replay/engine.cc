@@ -167,7 +167,8 @@ void Node::HandleEvent(const Event& e) {
       if (now_ < s.keep_until) {
         s.keep_alive_event = s.keep_until;
         Schedule(s.keep_until, EventKind::kKeepAliveEnd, e.model, 0);
-      } else if (s.state == State::kResident && s.leases == 0) {
+      } else if (s.state == State::kResident && s.leases == 0 && !s.draining) {
+        // (A draining model's bytes are its waiter's.)
         cache_->Remove(trace_.models[e.model]);
       }
       break;
@@ -177,8 +178,20 @@ void Node::HandleEvent(const Event& e) {
       Prewarm(e.model);
       break;
     case EventKind::kDeadline: {
-      auto it = std::find_if(s.waiters.begin(), s.waiters.end(),
-                             [&](const Waiter& w) { return w.id == e.arg; });
+      auto by_id = [&](const Waiter& w) { return w.id == e.arg; };
+      auto parked = std::find_if(s.parked.begin(), s.parked.end(), by_id);
+      if (parked != s.parked.end()) {
+        // It left while queued behind a drain: counted at its arrival now.
+        const size_t request = parked->request.id;
+        s.parked.erase(parked);
+        books_.ColdStart(e.model);
+        books_.Rejected();
+        if (listener_) {
+          listener_->Ended(request, NodeListener::Outcome::kRejected, now_);
+        }
+        break;
+      }
+      auto it = std::find_if(s.waiters.begin(), s.waiters.end(), by_id);
       if (it == s.waiters.end()) break;
       const size_t request = it->request.id;
       s.waiters.erase(it);
@@ -192,9 +205,16 @@ void Node::HandleEvent(const Event& e) {
             std::find(demand_queue_.begin(), demand_queue_.end(), e.model));
         s.state = State::kAbsent;
         room_changed_ = true;
+        // A drain ends with its waiter.
+        if (drain_.active && drain_.waiter == e.model) EndDrain();
       }
       break;
     }
+    case EventKind::kDrainCheck:
+      if (e.t != next_drain_check_) break;  // superseded
+      next_drain_check_ = kInf;
+      MaybeStartDrain();
+      break;
   }
 }
 
@@ -227,7 +247,7 @@ void Node::BecameIdle(uint32_t m, bool request_ended) {
     s.ttl_check_pending = true;
     Schedule(now_ + ttl_ms_ + kNanosecondMs, EventKind::kTtlCheck, m, 0);
   }
-  if (spec_.keep_alive) PlanKeepAlive(m);
+  if (spec_.keep_alive && !s.draining) PlanKeepAlive(m);
 }
 
 // The model left the cache (evicted, expired or removed).
@@ -269,6 +289,7 @@ void Node::TakeLease(uint32_t m, const NodeRequest& request, double arrival) {
   Lease lease = cache_->Acquire(trace_.models[m], Size(m), loader, acquire);
   const double hold = request.hold_ms;
   AddLease(m);
+  models_[m].last_access = ++access_seq_;
   if (listener_) listener_->Started(request.id, now_);
   if (hold <= 0) {  // taken and given back at once
     lease.Release();
@@ -284,13 +305,11 @@ void Node::TakeLease(uint32_t m, const NodeRequest& request, double arrival) {
   Schedule(now_ + hold, EventKind::kHoldEnd, m, slot);
 }
 
-bool Node::CouldAdmit(uint32_t m) const {
-  // What a reservation could get now: the free bytes and the idle models'
-  // (evictable), and the prewarms' in flight (a demand load cancels them);
-  // the demand loads queued ahead come first.
+uint64_t Node::Obtainable() const {
+  // The free bytes and the idle models' (evictable), and the prewarms' in
+  // flight (a demand load cancels them).
   const uint64_t used = cache_->budget().used();
   uint64_t obtainable = (capacity_ > used ? capacity_ - used : 0) + idle_bytes_;
-  uint64_t needed = Size(m);
   for (uint32_t q = 0; q < models_.size(); ++q) {
     const ModelState& s = models_[q];
     if (s.prewarm_class &&
@@ -298,8 +317,11 @@ bool Node::CouldAdmit(uint32_t m) const {
       obtainable += Size(q);
     }
   }
-  for (uint32_t q : demand_queue_) needed += Size(q);
-  return obtainable >= needed;
+  return obtainable;
+}
+
+bool Node::CouldAdmit(uint32_t m) const {
+  return UnowedObtainable() >= Size(m);
 }
 
 Node::Admission Node::Arrive(const NodeRequest& r, bool refuse_if_full) {
@@ -324,6 +346,17 @@ Node::Admission Node::Arrive(const NodeRequest& r, bool refuse_if_full) {
       std::isfinite(s.last_end)) {
     s.idle.Record(now_ - s.last_end);
   }
+  const uint64_t id = next_waiter_id_++;
+  if (s.draining) {
+    // It takes no lease: it queues behind the drain, and is counted when
+    // the drain ends (or when it leaves).
+    s.parked.push_back(Waiter{r, now_, id});
+    ++drain_queued_;
+    if (std::isfinite(options_.max_wait_ms)) {
+      Schedule(now_ + options_.max_wait_ms, EventKind::kDeadline, m, id);
+    }
+    return Admission::kCold;
+  }
   if (s.state == State::kResident) {
     books_.Hit(m);
     books_.Waited(0);
@@ -331,15 +364,20 @@ Node::Admission Node::Arrive(const NodeRequest& r, bool refuse_if_full) {
     return Admission::kHit;
   }
   books_.ColdStart(m);
-  const uint64_t id = next_waiter_id_++;
-  s.waiters.push_back(Waiter{r, now_, id});
-  ++s.generation;  // no planned prewarm applies now
   if (std::isfinite(options_.max_wait_ms)) {
     Schedule(now_ + options_.max_wait_ms, EventKind::kDeadline, m, id);
   }
+  WaitForLoad(m, Waiter{r, now_, id});
+  return Admission::kCold;
+}
+
+void Node::WaitForLoad(uint32_t m, const Waiter& w) {
+  ModelState& s = models_[m];
+  s.waiters.push_back(w);
+  ++s.generation;  // no planned prewarm applies now
   switch (s.state) {
     case State::kAbsent:
-      Enqueue(m);
+      Enqueue(m, w.arrival);
       break;
     case State::kQueued:
       break;
@@ -356,14 +394,22 @@ Node::Admission Node::Arrive(const NodeRequest& r, bool refuse_if_full) {
     case State::kResident:
       break;
   }
-  return Admission::kCold;
 }
 
 // ---- loads ----
 
-void Node::Enqueue(uint32_t m) {
-  models_[m].state = State::kQueued;
-  demand_queue_.push_back(m);
+void Node::Enqueue(uint32_t m, double at) {
+  ModelState& s = models_[m];
+  s.state = State::kQueued;
+  s.queued_at = at;
+  // After every load queued at or before `at`: arrival order, ties in the
+  // order queued. (Only a request admitted at the end of a drain queues
+  // with an arrival before now.)
+  auto it = std::upper_bound(
+      demand_queue_.begin(), demand_queue_.end(), at,
+      [&](double t, uint32_t q) { return t < models_[q].queued_at; });
+  demand_queue_.insert(it, m);
+  room_changed_ = true;  // it may fit now
 }
 
 void Node::StartLoads() {
@@ -456,6 +502,7 @@ void Node::EnterTransfer(uint32_t m) {
 void Node::CompleteLoad(uint32_t m) {
   ModelState& s = models_[m];
   (s.prewarm_class ? prewarm_in_flight_ : demand_in_flight_)--;
+  room_changed_ = true;  // a slot is free
   books_.LoadEnded(now_ - s.load_start, s.prewarm_class);
   s.prewarm_class = false;
   s.state = State::kResident;
@@ -485,6 +532,13 @@ void Node::CompleteLoad(uint32_t m) {
     books_.Waited(now_ - w.arrival);
     TakeLease(m, w.request, w.arrival);
   }
+  // A drain whose set could not cover its waiter (bytes held by loads in
+  // flight) takes in what they load, after their requesters' leases.
+  if (drain_.active && drain_.covered < Size(drain_.waiter) &&
+      s.state == State::kResident) {
+    AddToDrain(m);
+    drain_.covered += Size(m);
+  }
   load_lease.Release();
   DropLease(m, /*request_ended=*/!waiters.empty());
 }
@@ -492,14 +546,59 @@ void Node::CompleteLoad(uint32_t m) {
 void Node::StartQueuedLoads() {
   const uint32_t slots =
       time_.slots == 0 ? std::numeric_limits<uint32_t>::max() : time_.slots;
-  while (!demand_queue_.empty() && demand_in_flight_ < slots) {
-    const uint32_t m = demand_queue_.front();
-    if (!room_changed_) return;
-    if (!StartLoad(m, /*prewarm=*/false)) {
-      room_changed_ = false;  // wait until something becomes evictable
-      return;
+  // In arrival order, each queued load that can get its room now starts
+  // while a slot is free; one that cannot waits for room without holding
+  // back those behind it, as a miss in the cache does (Budget::Reserve has
+  // no queue): a load that fits never waits behind one that does not.
+  // While a drain runs, its waiter may use the room its set gives (pinned
+  // until then) and the bytes it is owed; every other load only the rest.
+  if (room_changed_) {
+    room_changed_ = false;
+    for (size_t i = 0; i < demand_queue_.size() && demand_in_flight_ < slots;) {
+      const uint32_t m = demand_queue_[i];
+      const bool drain_waiter = drain_.active && drain_.waiter == m;
+      bool started = false;
+      if (drain_waiter) {
+        // Everything obtainable is its: its set's idle bytes once unpinned,
+        // and the bytes it is owed.
+        if (Obtainable() >= Size(m)) {
+          for (uint32_t q : drain_.set) {
+            ModelState& d = models_[q];
+            if (d.drain_pinned) {
+              d.drain_pinned = false;
+              cache_->Unpin(trace_.models[q]);
+            }
+          }
+          started = StartLoad(m, /*prewarm=*/false);
+          if (!started) {
+            // (Not expected: what is obtainable is evictable.) The set
+            // stays the waiter's.
+            for (uint32_t q : drain_.set) {
+              ModelState& d = models_[q];
+              if (d.state == State::kResident && !d.drain_pinned) {
+                d.drain_pinned = true;
+                cache_->Pin(trace_.models[q]);
+              }
+            }
+          }
+        }
+      } else {
+        started =
+            UnowedObtainable() >= Size(m) && StartLoad(m, /*prewarm=*/false);
+      }
+      if (!started) {
+        ++i;  // waits for room
+        continue;
+      }
+      demand_queue_.erase(demand_queue_.begin() + static_cast<ptrdiff_t>(i));
+      if (drain_waiter) {
+        // The requests queued behind it may queue loads before this point:
+        // scan again from the oldest.
+        EndDrain();
+        i = 0;
+      }
     }
-    demand_queue_.pop_front();
+    MaybeStartDrain();
   }
   while (demand_queue_.empty() && !prewarm_queue_.empty() &&
          demand_in_flight_ + prewarm_in_flight_ < slots) {
@@ -520,6 +619,136 @@ void Node::StartQueuedLoads() {
 void Node::Prewarm(uint32_t m) {
   if (models_[m].state != State::kAbsent || Size(m) > capacity_) return;
   prewarm_queue_.push_back(m);
+}
+
+// ---- the drain ----
+
+double Node::DrainAfterMs(uint32_t m) const {
+  if (!timed_) return kInf;  // loads take no time: nothing to bound
+  if (options_.drain_after_ms) return *options_.drain_after_ms;
+  // The waiter's load alone on the load path.
+  const double transfer_ms = std::isfinite(time_.bandwidth_bytes_per_second)
+                                 ? static_cast<double>(Size(m)) /
+                                       time_.bandwidth_bytes_per_second * 1000.0
+                                 : 0.0;
+  return DefaultDrainAfterMs(time_.latency_ms + transfer_ms);
+}
+
+uint64_t Node::DrainIdleBytes() const {
+  uint64_t bytes = 0;
+  for (uint32_t q : drain_.set) {
+    const ModelState& d = models_[q];
+    if (d.state == State::kResident && d.leases == 0) bytes += Size(q);
+  }
+  return bytes;
+}
+
+uint64_t Node::UnowedObtainable() const {
+  const uint64_t obtainable = Obtainable();
+  if (!drain_.active) return obtainable;
+  // The waiter is owed its set's idle bytes, and whatever it needs beyond
+  // its set.
+  const uint64_t waiter = Size(drain_.waiter);
+  const uint64_t owed =
+      DrainIdleBytes() +
+      (waiter > drain_.set_bytes ? waiter - drain_.set_bytes : 0);
+  return obtainable > owed ? obtainable - owed : 0;
+}
+
+void Node::MaybeStartDrain() {
+  if (drain_.active || demand_queue_.empty()) return;
+  // The oldest wait for room: the first queued load (arrival order) that
+  // cannot get its room now. (A load that can waits only for a slot.)
+  const uint64_t obtainable = Obtainable();
+  for (const uint32_t m : demand_queue_) {
+    if (obtainable >= Size(m)) continue;
+    const double at = models_[m].queued_at + DrainAfterMs(m);
+    if (at <= now_) {
+      StartDrain(m);
+    } else if (at < next_drain_check_) {
+      next_drain_check_ = at;
+      Schedule(at, EventKind::kDrainCheck, m, 0);
+    }
+    return;
+  }
+}
+
+void Node::StartDrain(uint32_t waiter) {
+  drain_.active = true;
+  drain_.waiter = waiter;
+  drain_.set.clear();
+  drain_.set_bytes = 0;
+  ++drains_;
+  // The set: resident models, idle and leased alike, least recently used
+  // first, until they and the free bytes cover the waiter.
+  std::vector<uint32_t> resident;
+  for (uint32_t q = 0; q < models_.size(); ++q) {
+    if (models_[q].state == State::kResident) resident.push_back(q);
+  }
+  std::sort(resident.begin(), resident.end(), [&](uint32_t a, uint32_t b) {
+    return models_[a].last_access < models_[b].last_access;
+  });
+  const uint64_t used = cache_->budget().used();
+  uint64_t covered = capacity_ > used ? capacity_ - used : 0;
+  for (uint32_t q = 0; q < models_.size(); ++q) {
+    const ModelState& p = models_[q];
+    if (p.prewarm_class &&
+        (p.state == State::kLatency || p.state == State::kTransfer)) {
+      covered += Size(q);  // cancelled for the waiter
+    }
+  }
+  for (const uint32_t q : resident) {
+    if (covered >= Size(waiter)) break;
+    AddToDrain(q);
+    covered += Size(q);
+  }
+  drain_.covered = covered;
+  room_changed_ = true;
+}
+
+void Node::AddToDrain(uint32_t m) {
+  ModelState& s = models_[m];
+  s.draining = true;
+  drain_.set.push_back(m);
+  drain_.set_bytes += Size(m);
+  if (!s.drain_pinned) {
+    s.drain_pinned = true;
+    cache_->Pin(trace_.models[m]);
+  }
+}
+
+void Node::EndDrain() {
+  assert(drain_.active);
+  std::vector<std::pair<uint32_t, Waiter>> parked;
+  for (const uint32_t q : drain_.set) {
+    ModelState& d = models_[q];
+    d.draining = false;
+    if (d.drain_pinned) {
+      d.drain_pinned = false;
+      if (d.state == State::kResident) cache_->Unpin(trace_.models[q]);
+    }
+    for (Waiter& w : d.parked) parked.emplace_back(q, std::move(w));
+    d.parked.clear();
+  }
+  drain_ = Drain{};
+  room_changed_ = true;
+  // In arrival order, with their arrival times: a hit on what stayed, a
+  // wait for the load of what went.
+  std::sort(parked.begin(), parked.end(), [](const auto& a, const auto& b) {
+    return a.second.arrival != b.second.arrival
+               ? a.second.arrival < b.second.arrival
+               : a.second.request.id < b.second.request.id;
+  });
+  for (const auto& [m, w] : parked) {
+    if (models_[m].state == State::kResident) {
+      books_.Hit(m);
+      books_.Waited(now_ - w.arrival);
+      TakeLease(m, w.request, w.arrival);
+    } else {
+      books_.ColdStart(m);
+      WaitForLoad(m, w);
+    }
+  }
 }
 
 // ---- histogram policies ----
@@ -563,6 +792,7 @@ std::vector<size_t> Node::Kill() {
   for (uint32_t m = 0; m < models_.size(); ++m) {
     ModelState& s = models_[m];
     for (const Waiter& w : s.waiters) requests.push_back(w.request.id);
+    for (const Waiter& w : s.parked) requests.push_back(w.request.id);
     // A demand load's bytes are a bare reservation: back to the budget.
     if (!s.prewarm_class &&
         (s.state == State::kLatency || s.state == State::kTransfer)) {
@@ -597,6 +827,8 @@ std::vector<size_t> Node::Kill() {
   link_.Clear();
   room_changed_ = true;
   idle_bytes_ = 0;
+  drain_ = Drain{};
+  next_drain_check_ = kInf;
   alive_ = false;
   return requests;
 }
@@ -613,7 +845,10 @@ RunResult Node::Finish() && {
   stats.evictions += past_lives_.evictions;
   stats.high_water_bytes =
       std::max(stats.high_water_bytes, past_lives_.high_water_bytes);
-  return std::move(books_).Finish(stats, options_.time, timed_);
+  RunResult result = std::move(books_).Finish(stats, options_.time, timed_);
+  result.drains = drains_;
+  result.drain_queued = drain_queued_;
+  return result;
 }
 
 // ---- Engine: one node, fed the trace ----

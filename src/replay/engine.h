@@ -13,8 +13,8 @@
 //
 // Model states (the simulation's view; the cache's in brackets):
 //   absent   [no record]            nothing resident, no load queued
-//   queued   [no record]            a demand load waits in the FIFO queue for
-//                                   a slot, or at its head for room
+//   queued   [no record]            a demand load waits in the queue for a
+//                                   slot or for room
 //   latency  [no record; bytes      started: a demand load reserved its
 //             reserved]             bytes in the budget (Budget::Reserve, as
 //                                   the cache's miss does); a prewarm's
@@ -51,17 +51,42 @@
 // request's arrival (AcquireOptions::arrival), so a policy that learns from
 // request times (next-use) sees arrivals, not load ends.
 //
-// Slots and classes: demand loads start in FIFO order while fewer than
-// `slots` demand loads are in flight and the head fits (a reservation with
-// WhenFull::kFail, which evicts nothing unless evicting makes the room; on
-// kCapacity, in-flight prewarms are cancelled first, then the head waits
-// until a lease ends, and the idle models it could not use stay). Prewarm loads
+// Slots and classes: demand loads queue in arrival order. A scan of the
+// queue in that order starts each load that can get its room now (a
+// reservation with WhenFull::kFail, which evicts nothing unless evicting
+// makes the room; in-flight prewarms are cancelled first) while fewer than
+// `slots` demand loads are in flight. A load that cannot get its room waits
+// for it (until a lease ends) without holding back the loads behind it: the
+// cache's miss has no queue either (Budget::Reserve), so a miss whose model
+// fits loads at once, whatever waits for room. Prewarm loads
 // start only when no demand load is queued, only into free bytes
 // (next-use-prewarm: or in place of idle models the policy expects later,
 // AcquireOptions:: evict_only_lower_ranked), and only on slots demand loads
 // leave unused; a demand request for a model being prewarmed promotes that
 // load. So a prewarm never delays a demand load. A prewarm's Acquire is not a
 // request (AcquireOptions::request): next-use learns only from requests.
+//
+// The drain (SimulateOptions::drain_after_ms; the rule is the core
+// Budget's, and this models it). Every wait for room has an arrival: the
+// time its load was queued. States of the node:
+//   no drain   hits overtake the waits for room (they are admitted at once)
+//   draining   one drain, for the oldest wait for room, once it has waited
+//              drain_after (a kDrainCheck event fires then, or a scan finds
+//              it). Its set: resident models, least recently used first,
+//              until with the free bytes they cover the waiter (topped up by
+//              loads that complete while they do not). The set's models are
+//              pinned in the cache (so that no other load evicts them) and
+//              take no lease: a request for one is parked, in arrival order
+//              (ModelState::parked). Other loads may use only the bytes the
+//              waiter is not owed (UnowedObtainable).
+// Transitions out of draining, both ending the drain (EndDrain): the waiter
+// gets its room (what is free and evictable covers it, typically when the
+// set's last lease ends): the set is unpinned and its load starts, its
+// reservation evicting the set; or every request for the waiter left
+// (--max-wait) with nothing evicted. Then the parked requests are admitted
+// in arrival order with their arrival times: a hit on a model still
+// resident, else a wait for its load, queued at its arrival (so it may be
+// the oldest wait for room, and drain in its turn).
 //
 // Books (books.h): the engine reports each request's outcome, and before each
 // step of time the state it held (idle bytes, loads in flight, the queue,
@@ -203,6 +228,7 @@ class Node {
     kKeepAliveEnd,
     kPrewarm,
     kDeadline,
+    kDrainCheck,
   };
 
   struct Event {
@@ -231,6 +257,16 @@ class Node {
     Lease load_lease;
     std::vector<Waiter> waiters;
     uint64_t generation = 0;  // stale prewarm events
+    // When its demand load was queued: the arrival of the wait for room.
+    double queued_at = 0;
+    // The order of its latest lease taken (the drain set's ranking).
+    uint64_t last_access = 0;
+    // In the drain set: takes no lease, and is pinned in the cache while
+    // resident so that no other load evicts it.
+    bool draining = false;
+    bool drain_pinned = false;
+    // Requests that arrived while it drained, in arrival order.
+    std::vector<Waiter> parked;
     bool ttl_check_pending = false;
     double idle_since = -kInf;  // when its last lease ended
     double last_end = -kInf;    // ditto, kept across unloads
@@ -263,8 +299,11 @@ class Node {
   void HandleEvent(const Event& e);
 
   // ---- requests and leases ----
+  // The bytes a demand load could get now without waiting for a lease to
+  // end: free, idle (evictable) and held by prewarms in flight.
+  uint64_t Obtainable() const;
   // Whether a load of `m` could get its room now without waiting for a
-  // lease to end, behind the demand loads queued.
+  // lease to end (or for a drain: only the bytes no one is owed).
   bool CouldAdmit(uint32_t m) const;
   // A hit, or a waiter whose load ended: its lease for its service time.
   void TakeLease(uint32_t m, const NodeRequest& request, double arrival);
@@ -275,7 +314,8 @@ class Node {
   void OnEvent(const CacheEvent& e);
 
   // ---- loads ----
-  void Enqueue(uint32_t m);
+  // Queues a demand load of `m` whose wait began at `at`, in arrival order.
+  void Enqueue(uint32_t m, double at);
   void StartQueuedLoads();
   // Counts the queue's length once the loads that could start have started:
   // a load that starts at once never waited in the queue.
@@ -285,6 +325,26 @@ class Node {
   void CompleteLoad(uint32_t m);
   bool CancelOnePrewarm();
   void Prewarm(uint32_t m);
+
+  // ---- the drain (SimulateOptions::drain_after_ms) ----
+  // How long `m`'s wait for room lets requests overtake it.
+  double DrainAfterMs(uint32_t m) const;
+  // Bytes of the drain set resident and idle (pinned, so not Obtainable()
+  // to anyone but its waiter).
+  uint64_t DrainIdleBytes() const;
+  // Of the bytes free or evictable now, those another load than the
+  // drain's waiter may use: all of them when no drain runs.
+  uint64_t UnowedObtainable() const;
+  // Starts the drain of the oldest wait for room once it has lasted
+  // drain_after, or schedules a check for when it will have.
+  void MaybeStartDrain();
+  void StartDrain(uint32_t waiter);
+  void AddToDrain(uint32_t m);
+  // The drain's waiter loads or left: the set takes leases again and the
+  // requests queued behind it are admitted in arrival order.
+  void EndDrain();
+  // A request that waits for `m`'s load (queued, started or joined).
+  void WaitForLoad(uint32_t m, const Waiter& w);
 
   // ---- histogram policies ----
   void PlanKeepAlive(uint32_t m);
@@ -324,9 +384,27 @@ class Node {
   // The transfers, by model: demand loads in the foreground, prewarms in
   // the background (they move only while no demand transfer does).
   LoadLink link_;
-  bool room_changed_ = true;  // worth retrying a head blocked on room
+  // Worth scanning the demand queue again: room, a slot or the queue
+  // changed since the last scan.
+  bool room_changed_ = true;
   uint64_t next_waiter_id_ = 0;
   uint64_t idle_bytes_ = 0;  // resident, no lease, not loading
+
+  // The drain under way, if any: its waiter and its set.
+  struct Drain {
+    bool active = false;
+    uint32_t waiter = 0;
+    std::vector<uint32_t> set;
+    uint64_t set_bytes = 0;
+    // The free bytes when it began and the set's: while less than the
+    // waiter needs (bytes held by loads in flight), what those loads bring
+    // joins the set.
+    uint64_t covered = 0;
+  };
+  Drain drain_;
+  uint64_t drains_ = 0, drain_queued_ = 0;
+  double next_drain_check_ = kInf;
+  uint64_t access_seq_ = 0;
 };
 
 // The replay in trace time of one node: the trace's requests, in order,

@@ -95,6 +95,13 @@ std::string PolicyLabel(const RunResult& r) {
   return r.offline ? r.policy + " (offline)" : r.policy;
 }
 
+std::string DrainAfterText(const RunResult& r) {
+  if (!r.timed) return "-";
+  if (!r.drain_after_ms) return "default";
+  if (std::isinf(*r.drain_after_ms)) return "inf";
+  return FormatMs(*r.drain_after_ms);
+}
+
 nlohmann::json WaitsJson(const WaitSummary& w) {
   return {{"p50", w.p50},
           {"p95", w.p95},
@@ -110,31 +117,43 @@ nlohmann::json TimeModelJson(const TimeModel& time) {
 }
 
 nlohmann::json RunJson(const RunResult& r) {
-  return {{"policy", r.policy},
-          {"capacity_bytes", r.capacity_bytes},
-          {"hits", r.hits},
-          {"misses", r.misses},
-          {"too_large", r.too_large},
-          {"unserved", UnservedRequests(r)},
-          {"unserved_ratio", UnservedRatio(r)},
-          {"bytes_loaded", r.bytes_loaded},
-          {"evictions", r.evictions},
-          {"hit_ratio", r.hit_ratio},
-          {"byte_miss_ratio", r.byte_miss_ratio},
-          {"peak_resident_bytes", r.peak_resident_bytes},
-          {"requests_per_second", r.requests_per_second},
-          {"cold_starts", r.cold_starts},
-          {"cold_start_ratio", r.cold_start_ratio},
-          {"wait_ms", WaitsJson(r.wait_ms)},
-          {"rejected", r.rejected},
-          {"prewarms", r.prewarms},
-          {"load_seconds", r.load_seconds},
-          {"disk_busy_ratio", r.disk_busy_ratio},
-          {"load_queue_peak", r.load_queue_peak},
-          {"load_queue_mean", r.load_queue_mean},
-          {"idle_gib_hours", r.idle_gib_hours},
-          {"p75_model_cold_start_ratio", r.p75_model_cold_start_ratio},
-          {"overloaded", r.overloaded}};
+  nlohmann::json run = {
+      {"policy", r.policy},
+      {"capacity_bytes", r.capacity_bytes},
+      {"hits", r.hits},
+      {"misses", r.misses},
+      {"too_large", r.too_large},
+      {"unserved", UnservedRequests(r)},
+      {"unserved_ratio", UnservedRatio(r)},
+      {"bytes_loaded", r.bytes_loaded},
+      {"evictions", r.evictions},
+      {"hit_ratio", r.hit_ratio},
+      {"byte_miss_ratio", r.byte_miss_ratio},
+      {"peak_resident_bytes", r.peak_resident_bytes},
+      {"requests_per_second", r.requests_per_second},
+      {"cold_starts", r.cold_starts},
+      {"cold_start_ratio", r.cold_start_ratio},
+      {"wait_ms", WaitsJson(r.wait_ms)},
+      {"rejected", r.rejected},
+      {"prewarms", r.prewarms},
+      {"load_seconds", r.load_seconds},
+      {"disk_busy_ratio", r.disk_busy_ratio},
+      {"load_queue_peak", r.load_queue_peak},
+      {"load_queue_mean", r.load_queue_mean},
+      {"idle_gib_hours", r.idle_gib_hours},
+      {"p75_model_cold_start_ratio", r.p75_model_cold_start_ratio},
+      {"overloaded", r.overloaded}};
+  // The drain: drain_after as the table writes it, and in ms when it is one
+  // finite value (null for the default, which depends on each waiter's
+  // load, and for inf); the longest wait beside it.
+  run["drain_after"] = DrainAfterText(r);
+  run["drain_after_ms"] = r.drain_after_ms && std::isfinite(*r.drain_after_ms)
+                              ? nlohmann::json(*r.drain_after_ms)
+                              : nlohmann::json(nullptr);
+  run["drains"] = r.drains;
+  run["drain_queued"] = r.drain_queued;
+  run["max_wait_ms"] = r.wait_ms.max;
+  return run;
 }
 
 std::string ColorOf(size_t index) {

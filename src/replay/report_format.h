@@ -58,6 +58,10 @@ std::string WaitText(const RunResult& r, double ms);
 // The run's policy, with " (offline)" for a policy that knows the future.
 std::string PolicyLabel(const RunResult& r);
 
+// A run's drain_after as rows name it: "default", "0ms", "1.00s", "inf";
+// "-" for an untimed run.
+std::string DrainAfterText(const RunResult& r);
+
 // A wait summary as the JSON writes it: {"p50", "p95", "p99", "p999", "max"}.
 nlohmann::json WaitsJson(const WaitSummary& w);
 

@@ -51,17 +51,19 @@ std::string ResultsTable(const TraceHeader& trace,
   }
   std::snprintf(
       line, sizeof(line),
-      "%-20s %10s %8s %7s %8s %8s %8s %8s %8s %9s %11s %7s %6s %7s %9s\n",
-      "policy", "capacity", "unserved", "cold%", "p50", "p99", "p99.9",
-      "max_wait", "rejected", "idle_GiBh", "loaded", "busy%", "queue",
-      "p75cold", "req/s");
+      "%-20s %10s %11s %6s %8s %7s %8s %8s %8s %8s %8s %9s %11s %7s %6s %7s "
+      "%9s\n",
+      "policy", "capacity", "drain_after", "drains", "unserved", "cold%", "p50",
+      "p99", "p99.9", "max_wait", "rejected", "idle_GiBh", "loaded", "busy%",
+      "queue", "p75cold", "req/s");
   out << line;
   for (const RunResult& r : results) {
     std::snprintf(
         line, sizeof(line),
-        "%-20s %10s %7.2f%% %7.2f %8s %8s %8s %8s %8llu %9.1f %11s %7.1f %6llu "
-        "%7.3f %9.3g%s\n",
+        "%-20s %10s %11s %6llu %7.2f%% %7.2f %8s %8s %8s %8s %8llu %9.1f %11s "
+        "%7.1f %6llu %7.3f %9.3g%s\n",
         PolicyLabel(r).c_str(), FormatBytes(r.capacity_bytes).c_str(),
+        DrainAfterText(r).c_str(), static_cast<unsigned long long>(r.drains),
         UnservedPercent(r), 100 * r.cold_start_ratio,
         WaitText(r, r.wait_ms.p50).c_str(), WaitText(r, r.wait_ms.p99).c_str(),
         WaitText(r, r.wait_ms.p999).c_str(), WaitText(r, r.wait_ms.max).c_str(),

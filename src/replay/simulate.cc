@@ -2,6 +2,7 @@
 // engine with an infinitely fast load path for a policy that keeps models
 // alive by time) and the replay in trace time (engine.h), and ReplayAll,
 // which runs one of them for every (policy, capacity) pair.
+#include <algorithm>
 #include <chrono>
 #include <cmath>
 #include <limits>
@@ -28,6 +29,7 @@ RunResult RunEngine(const TraceSource& trace, const std::string& policy_name,
   result.policy = policy_name;
   result.offline = policy.offline;
   result.capacity_bytes = capacity_bytes;
+  if (timed) result.drain_after_ms = options.drain_after_ms;
   result.seconds =
       std::chrono::duration<double>(std::chrono::steady_clock::now() - start)
           .count();
@@ -37,6 +39,10 @@ RunResult RunEngine(const TraceSource& trace, const std::string& policy_name,
 }
 
 }  // namespace
+
+double DefaultDrainAfterMs(double load_ms) {
+  return std::max(kDrainAfterFloorMs, kDrainAfterLoadMultiple * load_ms);
+}
 
 RunResult ReplayUntimed(const Trace& trace, const std::string& policy_name,
                         uint64_t capacity_bytes,

@@ -12,9 +12,11 @@
 #include <filesystem>
 #include <fstream>
 #include <iostream>
+#include <iterator>
 #include <limits>
 #include <memory>
 #include <numeric>
+#include <optional>
 #include <string>
 #include <thread>
 #include <vector>
@@ -320,6 +322,28 @@ void Warn(const std::string& text) {
   std::fprintf(stderr, "warning: %s\n", text.c_str());
 }
 
+// --drain-after's values: "default" (empty), "inf", or a duration.
+std::vector<std::optional<double>> ParseDrainAfter(
+    const std::vector<std::string>& items) {
+  std::vector<std::optional<double>> values;
+  for (const std::string& item : items) {
+    if (item == "default") {
+      values.emplace_back();
+    } else if (item == "inf") {
+      values.emplace_back(replay::kNeverDrain);
+    } else {
+      values.emplace_back(ParseDurationFlag("--drain-after", item));
+    }
+    for (size_t i = 0; i + 1 < values.size(); ++i) {
+      if (values[i] == values.back()) {
+        throw Error(ErrorCode::kInvalidArgument,
+                    "--drain-after: '" + item + "' is given twice");
+      }
+    }
+  }
+  return values;
+}
+
 // The SLOs the report's chart of capacity against SLO draws.
 const std::vector<double> kCurveSloMs = {100,  200,   500,   1000, 2000,
                                          5000, 10000, 20000, 60000};
@@ -374,6 +398,21 @@ int RunReplay(ReplayFlags flags) {
   if (!flags.max_wait.empty()) {
     options.max_wait_ms = ParseDurationFlag("--max-wait", flags.max_wait);
   }
+  flags.drain_after = TrimmedItems(flags.drain_after);
+  const bool drain_after_given = !flags.drain_after.empty();
+  if (!drain_after_given) flags.drain_after = {"default"};
+  const std::vector<std::optional<double>> drain_after =
+      ParseDrainAfter(flags.drain_after);
+  if (drain_after_given && flags.no_time) {
+    throw Error(ErrorCode::kInvalidArgument,
+                "--drain-after is a rule of the replay in trace time: drop "
+                "--no-time");
+  }
+  if (drain_after.size() > 1 && nodes) {
+    throw Error(ErrorCode::kInvalidArgument,
+                "--drain-after: give one value with --nodes");
+  }
+  options.drain_after_ms = drain_after.front();
   const bool max_wait_zero =
       !flags.max_wait.empty() && options.max_wait_ms == 0 && !flags.no_time;
   replay::RunInfo info;
@@ -582,19 +621,34 @@ int RunReplay(ReplayFlags flags) {
   const replay::TraceHeader& header = source->header();
   std::atomic<uint64_t> requests_done{0};
   options.requests_done = &requests_done;
-  const uint64_t requests_total =
-      header.requests * flags.policies.size() * capacities.size();
+  const uint64_t requests_total = header.requests * flags.policies.size() *
+                                  capacities.size() * drain_after.size();
   progress.StartReplay();
-  std::vector<replay::RunResult> results = replay::ReplayAll(
-      *source, flags.policies, capacities, options, threads,
-      [&](size_t done, size_t total) {
-        progress.Replaying(done, total, requests_done.load(), requests_total);
-      });
+  // One ReplayAll per drain_after, compared in one table as the policies
+  // are; results drain_after-major.
+  std::vector<replay::RunResult> results;
+  const size_t runs_each = flags.policies.size() * capacities.size();
+  for (size_t d = 0; d < drain_after.size(); ++d) {
+    replay::ReplayOptions run_options = options;
+    run_options.drain_after_ms = drain_after[d];
+    std::vector<replay::RunResult> some = replay::ReplayAll(
+        *source, flags.policies, capacities, run_options, threads,
+        [&](size_t done, size_t) {
+          progress.Replaying(d * runs_each + done,
+                             drain_after.size() * runs_each,
+                             requests_done.load(), requests_total);
+        });
+    results.insert(results.end(), std::make_move_iterator(some.begin()),
+                   std::make_move_iterator(some.end()));
+  }
   if (search_slo) {
-    // The table's runs are the search's first probes.
+    // The table's runs of the first drain_after are the search's first
+    // probes; the search replays with that drain_after.
     options.requests_done = nullptr;
+    const std::vector<replay::RunResult> known(
+        results.begin(), results.begin() + static_cast<ptrdiff_t>(runs_each));
     info.slo_answers = replay::FindSloCapacities(
-        *source, flags.policies, options, info.slo, threads, results,
+        *source, flags.policies, options, info.slo, threads, known,
         [&](const replay::SloProgress& p) { progress.Searching(p); });
   }
   progress.Replayed(results.size(), requests_done.load());

@@ -28,6 +28,9 @@ struct ReplayFlags {
   std::string load_latency = "100ms";
   uint32_t load_slots = 4;
   std::string max_wait;
+  // --drain-after: durations, "inf" or "default" (SimulateOptions::
+  // drain_after_ms), each replayed; empty: {"default"}.
+  std::vector<std::string> drain_after;
   std::string arrivals = "even";
   std::string memory;
   double memory_scale = 1;

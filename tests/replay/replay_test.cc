@@ -623,8 +623,9 @@ TEST(ReplayCli, ARequestThatIsNeverServedIsFlaggedNotAPerfectRow) {
   Command c = RunCli("replay " + one.path() + " --capacity 16 --policy lru");
   ASSERT_EQ(c.status, 0) << c.err;
   EXPECT_THAT(c.out, HasSubstr("unserved"));
-  EXPECT_THAT(c.out, ::testing::ContainsRegex(
-                         "lru +16 B +100.00% .* - +- +- +- .*UNSERVED\n"));
+  EXPECT_THAT(c.out,
+              ::testing::ContainsRegex(
+                  "lru +16 B +default +0 +100.00% .* - +- +- +- .*UNSERVED\n"));
   // The SLO search never answers with a capacity that serves nothing.
   EXPECT_THAT(c.out, HasSubstr("lru: 1000 B for p99 wait"));
   EXPECT_EQ(c.err,
@@ -795,6 +796,31 @@ TEST(ReplayCli, EveryCommonMistakeIsAClearError) {
   EXPECT_EQ(nlohmann::json::parse(b.out)["results"][0]["hits"], 1);
   Command bs = RunCli("replay " + bom.path() + " --json --policy lru --stream");
   ASSERT_EQ(bs.status, 0) << bs.err;
+}
+
+// --drain-after: a list compared in one run, one row per value, in the
+// order given; a bad value, a repeated one, or one without the time model
+// is an error.
+TEST(ReplayCli, DrainAfterComparesItsValuesInOneRun) {
+  TempFile trace("t_ms,model,size_bytes\n0,a,1000\n7,a,1000\n200,b,1000\n");
+  const std::string replay =
+      "replay " + trace.path() + " --capacity 1000 --policy lru --hold-ms 20 ";
+  Command c = RunCli(replay + "--drain-after 0,1s,default,inf --slo-ms off");
+  EXPECT_EQ(c.status, 0) << c.err;
+  EXPECT_THAT(c.out,
+              ::testing::ContainsRegex("lru +1000 B +0ms +[0-9]+ .*\n"
+                                       "lru +1000 B +1.00s +[0-9]+ .*\n"
+                                       "lru +1000 B +default +[0-9]+ .*\n"
+                                       "lru +1000 B +inf +0 .*\n"));
+  auto expect_error = [&](const std::string& args, const std::string& message) {
+    Command e = RunCli(replay + args);
+    EXPECT_EQ(e.status, 1) << args;
+    EXPECT_THAT(e.err, StartsWith("error: " + message)) << args;
+  };
+  expect_error("--drain-after 1x", "--drain-after: not a duration: '1x'");
+  expect_error("--drain-after 0,0ms", "--drain-after: '0ms' is given twice");
+  expect_error("--drain-after 0 --no-time",
+               "--drain-after is a rule of the replay in trace time");
 }
 
 TEST(ReplayCli, JsonOnTheSharedTrace) {

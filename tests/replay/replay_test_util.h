@@ -40,6 +40,9 @@ inline void ExpectSameResult(const RunResult& a, const RunResult& b,
   }
   EXPECT_EQ(a.wait_ms.max, b.wait_ms.max);
   EXPECT_EQ(a.rejected, b.rejected);
+  EXPECT_EQ(a.drain_after_ms, b.drain_after_ms);
+  EXPECT_EQ(a.drains, b.drains);
+  EXPECT_EQ(a.drain_queued, b.drain_queued);
   EXPECT_EQ(a.prewarms, b.prewarms);
   EXPECT_EQ(a.load_seconds, b.load_seconds);
   EXPECT_EQ(a.disk_busy_ratio, b.disk_busy_ratio);

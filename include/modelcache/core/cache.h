@@ -128,6 +128,13 @@ struct AcquireOptions {
   // free memory). When that is too little, the call fails (kFail) or waits
   // (kWait) as when nothing is evictable.
   bool evict = true;
+  // Leases (Lease::id(), on any cache of this budget) that the caller holds
+  // while this call waits for room and that it will not let go of before
+  // the call returns. A drain for this call never takes them (it would wait
+  // for itself); room they hold is outside the drain's bound, as pinned room
+  // is. A caller that holds a lease it does not list here can make its own
+  // drain wait for that lease until the deadline.
+  std::vector<uint64_t> holds;
 };
 
 enum class EventType {
@@ -188,6 +195,13 @@ struct CacheOptions {
   // gives one shard and an exact global eviction order; more shards let
   // concurrent hits on different keys proceed without contention.
   int shard_bits = 4;
+  // For the budget the cache makes (when `budget` is null): how long a
+  // request waiting for room may be overtaken by requests for the models
+  // that hold it before they drain (BudgetOptions::drain_after; budget.h,
+  // "Who waits"). Zero: strict arrival order; kDrainNever: today's rule, a
+  // model in use is never made to give up its room. A shared budget has its
+  // own (Budget::set_drain_after). The budget's clock is `now`.
+  std::chrono::nanoseconds drain_after = kDefaultDrainAfter;
   // Called outside every lock, on the thread that caused the event. If it
   // throws, the exception is caught and counted (CacheStats::
   // callback_errors); the cache's state is the same as if it had returned.
@@ -294,7 +308,9 @@ const char* EntryStateName(EntryState state);
   X(EntryState, state, "loading, resident, unloading or retired")           \
   X(uint64_t, bytes, "its size (reserved, while loading)")                  \
   X(int, leases, "leases held on it")                                       \
-  X(int, waiters, "callers blocked on it: waiting for its load or unload")  \
+  X(int, waiters,                                                           \
+    "callers blocked on it: waiting for its load or unload, or queued "     \
+    "behind its drain")                                                     \
   X(bool, pinned, "never evicted while pinned")                             \
   X(uint64_t, accesses, "acquires since it was loaded")                     \
   X(Clock::time_point, last_use,                                            \
@@ -353,6 +369,9 @@ class Lease {
   }
   const std::string& key() const;  // the canonical key
   uint64_t bytes() const;
+  // The leased record's identity, as AcquireOptions::holds and
+  // ReserveOptions::holds take it; 0 for an empty lease.
+  uint64_t id() const;
   void Release();
 
  private:

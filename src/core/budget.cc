@@ -182,6 +182,10 @@ void Budget::Reserve(uint64_t bytes, const ReserveOptions& options) {
                     : options.for_what;
   me.arrival = options.arrival ? *options.arrival : Now();
   uint64_t& evicted = me.evicted;
+  // When an interruptible wait next runs its check.
+  auto next_check =
+      std::chrono::steady_clock::now() +
+      (interruptible ? interrupt->every : std::chrono::milliseconds(0));
   auto leave = [&](bool failed) {
     bool was_draining = false;
     {
@@ -346,10 +350,19 @@ void Budget::Reserve(uint64_t bytes, const ReserveOptions& options) {
                 std::chrono::duration_cast<std::chrono::steady_clock::duration>(
                     drain_after));
       }
+      // The deadline and the interrupt's turn are checked here too, not only
+      // when a wait times out: under a stream of changes (drains starting
+      // and ending, leases ending) a waiter may never sleep long enough.
+      const auto real_now = std::chrono::steady_clock::now();
+      if (real_now >= options.deadline) {
+        timed_out = true;
+      } else if (interruptible && real_now >= next_check) {
+        check_interrupt = true;
+      }
       base::MutexLock lock(&mu_);
       uint64_t since = skip.empty() ? seen_changes : skipped_at;
       if (!me.failed.empty()) since = std::min(since, me.failed_at);
-      while (change_count_ == since) {
+      while (!timed_out && !check_interrupt && change_count_ == since) {
         // An interruptible wait wakes every `every` to run the check, which
         // must run without the budget's lock.
         const auto wake =
@@ -367,7 +380,8 @@ void Budget::Reserve(uint64_t bytes, const ReserveOptions& options) {
         }
       }
     }
-    if (check_interrupt) {
+    if (check_interrupt && !timed_out) {
+      next_check = std::chrono::steady_clock::now() + interrupt->every;
       try {
         interrupt->check();
       } catch (...) {

@@ -206,11 +206,16 @@ Budget::DrainProgress Budget::DrainStep(Waiter* waiter, uint64_t free_bytes,
           owed_ = 0;
           end = true;
         }
+      }
+      // Its set takes leases again (which wakes the waiters) before it is
+      // marked refused, so that those wake-ups do not make it try again.
+      if (end) FinishDrain(waiter);
+      {
+        base::MutexLock lock(&mu_);
         ++change_count_;
         waiter->refused = true;
         waiter->refused_at = change_count_;
       }
-      if (end) FinishDrain(waiter);
       changed_.NotifyAll();
       return DrainProgress::kCannot;
     }

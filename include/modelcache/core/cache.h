@@ -14,6 +14,16 @@
 //    budget: when the room cannot be made by evicting, the caller either
 //    waits (up to its deadline) or gets ErrorCode::kCapacity, as
 //    AcquireOptions says.
+//  * A request that waits for room is never starved by the traffic of the
+//    models that hold it. Requests for those models may overtake it for at
+//    most the budget's drain_after (CacheOptions::drain_after); then those
+//    models drain: an Acquire of a draining model queues (whatever its
+//    WhenFull, up to its deadline) and takes no lease, Lookup and TryAcquire
+//    return nothing for it, the leases out end as their requests finish, and
+//    the waiter gets the room before anyone else. So it is served within
+//    drain_after, plus the longest lease in use when the drain began, plus
+//    its own load (budget.h, "Who waits", says what is outside that bound:
+//    pinned room, and leases the waiter holds itself, AcquireOptions::holds).
 //  * A request evicts only when the eviction makes it fit: when every
 //    unleased, unpinned model on the budget (in every cache sharing it)
 //    could not make room, nothing is evicted for it, whether it fails at
@@ -396,17 +406,23 @@ class ModelCache {
 
   // Returns a lease on `key` (or the key it aliases), loading it with
   // `loader` if it is not resident. `expected_bytes` is reserved before the
-  // loader runs. Throws Error (kTooLarge, kCapacity, kTimeout) or the
+  // loader runs. A model that drains for an older request is not leased: the
+  // call queues until the drain ends (then it takes a lease) or evicts the
+  // model (then it loads it again, keeping its arrival time), and a deadline
+  // that passes meanwhile is kTimeout naming the model and the request it
+  // drains for. Throws Error (kTooLarge, kCapacity, kTimeout) or the
   // loader's own exception; kFailedPrecondition when called from the loader
   // or unloader of that same key on the same thread.
   Lease Acquire(std::string_view key, uint64_t expected_bytes,
                 const Loader& loader, const AcquireOptions& options = {});
 
-  // A lease if `key` is resident, without loading. Counts a hit or a miss.
+  // A lease if `key` is resident (and not draining), without loading.
+  // Counts a hit or a miss.
   std::optional<Lease> Lookup(std::string_view key);
 
   // The hit half of Acquire: a lease if `key` (or the key it aliases) is
-  // resident now, counted as a hit exactly as Acquire would count it;
+  // resident now and not draining, counted as a hit exactly as Acquire would
+  // count it;
   // otherwise nullopt, counting nothing, so that the caller goes on to
   // Acquire, which counts the miss once. Never waits, never loads, never
   // evicts and runs no user code, so it may be called while holding a lock

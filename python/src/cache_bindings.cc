@@ -20,7 +20,9 @@
 #include <pybind11/stl.h>
 
 #include <atomic>
+#include <chrono>
 #include <cmath>
+#include <limits>
 #include <memory>
 #include <optional>
 #include <string>
@@ -386,13 +388,31 @@ NamedPolicy PolicyFrom(const std::string& name) {
   }
 }
 
-std::unique_ptr<CacheHandle> NewCache(const py::object& name_arg,
-                                      const py::object& capacity_arg,
-                                      const py::object& budget_arg,
-                                      const py::object& policy_arg,
-                                      const py::object& idle_ttl,
-                                      const py::object& shard_bits_arg,
-                                      py::object on_event) {
+// drain_after from Python: None is the library's default, math.inf never
+// drains, any other number of seconds (or a timedelta) is the setting.
+std::chrono::nanoseconds DrainAfterFrom(const py::object& value) {
+  const std::optional<double> seconds = SecondsFrom(value, "drain_after");
+  if (!seconds) return kDefaultDrainAfter;
+  if (std::isinf(*seconds) ||
+      *seconds >= std::chrono::duration<double>(kDrainNever).count()) {
+    return kDrainNever;
+  }
+  return std::chrono::duration_cast<std::chrono::nanoseconds>(
+      std::chrono::duration<double>(*seconds));
+}
+
+py::object DrainAfterToPython(std::chrono::nanoseconds drain_after) {
+  if (drain_after == kDrainNever) {
+    return py::float_(std::numeric_limits<double>::infinity());
+  }
+  return py::float_(std::chrono::duration<double>(drain_after).count());
+}
+
+std::unique_ptr<CacheHandle> NewCache(
+    const py::object& name_arg, const py::object& capacity_arg,
+    const py::object& budget_arg, const py::object& policy_arg,
+    const py::object& idle_ttl, const py::object& shard_bits_arg,
+    py::object on_event, const py::object& drain_after_arg) {
   const std::string name = StrArg(name_arg, "name");
   std::optional<uint64_t> capacity_bytes;
   if (!capacity_arg.is_none()) {
@@ -410,6 +430,12 @@ std::unique_ptr<CacheHandle> NewCache(const py::object& name_arg,
       IntArg(shard_bits_arg, "shard_bits", 0, kMaxShardBits);
   on_event = CallableArg(on_event, "on_event", true);
   (void)SecondsFrom(idle_ttl, "idle_ttl");
+  const std::chrono::nanoseconds drain_after = DrainAfterFrom(drain_after_arg);
+  if (budget && !drain_after_arg.is_none()) {
+    RaiseError(ErrorCode::kInvalidArgument,
+               "drain_after belongs to the shared budget: give it to "
+               "modelcache.Budget, not to the cache");
+  }
   if (budget && capacity_bytes) {
     RaiseError(ErrorCode::kInvalidArgument,
                "give capacity_bytes or budget, not both");
@@ -418,7 +444,10 @@ std::unique_ptr<CacheHandle> NewCache(const py::object& name_arg,
     RaiseError(ErrorCode::kInvalidArgument,
                "give capacity_bytes (a new budget) or budget (a shared one)");
   }
-  if (!budget) budget = std::make_shared<Budget>(*capacity_bytes, name);
+  if (!budget) {
+    budget = std::make_shared<Budget>(
+        *capacity_bytes, name, BudgetOptions{.drain_after = drain_after});
+  }
   CacheOptions options;
   options.name = name;
   options.WithPolicy(PolicyFrom(policy));
@@ -589,14 +618,38 @@ A byte budget that one or several caches draw from.
 When a cache on the budget needs room, the budget evicts the lowest-priority
 idle model among all its caches, whichever cache holds it.
 )doc")
-      .def(py::init(
-               [](const py::object& capacity_arg, const py::object& name_arg) {
-                 const uint64_t capacity_bytes =
-                     BytesArg(capacity_arg, "capacity_bytes", false);
-                 return std::make_shared<Budget>(capacity_bytes,
-                                                 StrArg(name_arg, "name"));
-               }),
-           py::arg("capacity_bytes"), py::arg("name") = "budget")
+      .def(py::init([](const py::object& capacity_arg,
+                       const py::object& name_arg,
+                       const py::object& drain_after_arg) {
+             const uint64_t capacity_bytes =
+                 BytesArg(capacity_arg, "capacity_bytes", false);
+             return std::make_shared<Budget>(
+                 capacity_bytes, StrArg(name_arg, "name"),
+                 BudgetOptions{.drain_after = DrainAfterFrom(drain_after_arg)});
+           }),
+           py::arg("capacity_bytes"), py::arg("name") = "budget",
+           py::arg("drain_after") = py::none())
+      .def_property_readonly(
+          "drain_after",
+          [](const Budget& b) { return DrainAfterToPython(b.drain_after()); },
+          "Seconds an acquire waiting for room may be overtaken by requests "
+          "for the models that hold it before they drain (math.inf: never).")
+      .def(
+          "set_drain_after",
+          [](Budget& b, const py::object& drain_after_arg) {
+            const std::chrono::nanoseconds drain_after =
+                DrainAfterFrom(drain_after_arg);
+            WithoutGil([&] { b.set_drain_after(drain_after); });
+          },
+          py::arg("drain_after"),
+          "Sets drain_after (seconds, a timedelta or math.inf; None: the "
+          "library's default); waiters already waiting judge their wait "
+          "against the new value.")
+      .def_property_readonly("drains", &Budget::drains,
+                             "Drains started since the budget was made.")
+      .def_property_readonly(
+          "queued_behind_drain", &Budget::queued_behind_drain,
+          "Acquires that queued behind a draining model since it was made.")
       .def_property_readonly("name", &Budget::name)
       .def_property_readonly("capacity", &Budget::capacity,
                              "Capacity in bytes.")
@@ -651,7 +704,7 @@ threads race for it, kept resident within a byte budget, never evicted while
 a lease on it is held, and never cached when its loader fails.
 
 ``Cache(name="models", capacity_bytes=None, budget=None, policy="lru",
-idle_ttl=None, shard_bits=4, on_event=None)``: give ``capacity_bytes`` (an
+idle_ttl=None, shard_bits=4, on_event=None, drain_after=None)``: give ``capacity_bytes`` (an
 int or a size such as "16GiB") for a budget of its own or ``budget`` to share
 one. ``policy`` is a name from
 ``modelcache.policy_names()`` ("lru", "gdsf", "next-use", "ttl-10m",
@@ -661,6 +714,11 @@ and prewarms them ahead of their expected next request, on a thread of the
 cache's, with the loader and size of each model's last acquire or prefetch.
 ``shard_bits`` is within 0..12.
 ``idle_ttl`` (seconds or a timedelta) unloads models idle that long.
+``drain_after`` (seconds, a timedelta or ``math.inf``; for a budget of the
+cache's own) bounds how long an acquire waiting for room may be overtaken by
+requests for the models that hold it: after that they drain (new requests
+for them queue, the leases out end, the waiter gets its room). 0 is strict
+arrival order, ``math.inf`` never drains; None is the library's default.
 ``on_event`` is called with an Event for every load, failure, eviction and
 removal, outside the cache's locks.
 )doc")
@@ -668,7 +726,8 @@ removal, outside the cache's locks.
            py::arg("capacity_bytes") = py::none(),
            py::arg("budget") = py::none(), py::arg("policy") = "lru",
            py::arg("idle_ttl") = py::none(), py::arg("shard_bits") = 4,
-           py::arg("on_event") = py::none())
+           py::arg("on_event") = py::none(),
+           py::arg("drain_after") = py::none())
       .def_property_readonly("name",
                              [](CacheHandle& h) { return h.cache().name(); })
       .def_property_readonly(

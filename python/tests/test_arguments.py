@@ -95,7 +95,8 @@ SWEPT = {
     "modelcache.Cache.pin", "modelcache.Cache.unpin", "modelcache.Cache.add_alias",
     "modelcache.Cache.remove_alias", "modelcache.Cache.resolve",
     "modelcache.Cache.set_capacity", "modelcache.Cache.entry",
-    "modelcache.Budget", "modelcache.Budget.set_capacity", "modelcache.Loaded",
+    "modelcache.Budget", "modelcache.Budget.set_capacity",
+    "modelcache.Budget.set_drain_after", "modelcache.Loaded",
     "modelcache.policy_names", "modelcache.torch_bytes",
     "modelcache.weights.inspect", "modelcache.weights.save_file",
     "modelcache.weights.HostWeightStore",
@@ -152,9 +153,10 @@ def test_the_sweep_covers_every_public_function_with_parameters():
 def test_cache_budget_and_loaded_name_the_wrong_argument():
     check_wrong(modelcache.Cache, dict(name="c", capacity_bytes=1000, budget=None,
                                        policy="lru", idle_ttl=None, shard_bits=4,
-                                       on_event=None))
-    check_wrong(modelcache.Budget, dict(capacity_bytes=100, name="b"))
+                                       on_event=None, drain_after=None))
+    check_wrong(modelcache.Budget, dict(capacity_bytes=100, name="b", drain_after=None))
     check_wrong(modelcache.Budget(100).set_capacity, dict(capacity_bytes=100))
+    check_wrong(modelcache.Budget(100).set_drain_after, dict(drain_after=1))
     check_wrong(modelcache.Loaded, dict(value=1, bytes=10, unload=None), skip=("value",))
     check_wrong(modelcache.policy_names, dict(offline=False))
     check_wrong(modelcache.torch_bytes, dict(module_or_state_dict={}))

@@ -34,22 +34,36 @@
 #include <algorithm>
 #include <cassert>
 #include <limits>
+#include <optional>
 #include <string>
 #include <utility>
 
+#include "budget_waiter.h"
 #include "format.h"
 #include "modelcache/base/errors.h"
 #include "test_hooks.h"
 
 namespace modelcache {
+namespace {
+
+uint64_t SaturatingAdd(uint64_t a, uint64_t b) {
+  return b > std::numeric_limits<uint64_t>::max() - a
+             ? std::numeric_limits<uint64_t>::max()
+             : a + b;
+}
+
+}  // namespace
 
 using detail::BudgetMember;
 using detail::EvictOutcome;
 using detail::FormatBytes;
 using detail::VictimCandidate;
 
-Budget::Budget(uint64_t capacity_bytes, std::string name)
-    : name_(std::move(name)), capacity_(capacity_bytes) {}
+Budget::Budget(uint64_t capacity_bytes, std::string name, BudgetOptions options)
+    : name_(std::move(name)),
+      capacity_(capacity_bytes),
+      now_(std::move(options.now)),
+      drain_after_ns_(std::max<int64_t>(0, options.drain_after.count())) {}
 
 Budget::~Budget() {
   base::MutexLock lock(&mu_);
@@ -152,24 +166,41 @@ void Budget::Reserve(uint64_t bytes, const ReserveOptions& options) {
   const uint64_t already_reserved = options.already_reserved;
   const WaitInterrupt* interrupt = options.interrupt;
   const bool interruptible = interrupt != nullptr && interrupt->check;
+  const bool waits = options.when_full == WhenFull::kWait;
   std::unordered_set<uint64_t> skip;  // victims whose unload failed
   // change_count_ when the first of them failed: a wait for room ends at
   // any change since (NotifyEvictable, say, even one that came before the
   // wait began), and then they are tried again, since an unloader may
   // refuse until the model's holders let go (a store that recalls them).
   uint64_t skipped_at = 0;
-  bool registered = false;
-  uint64_t evicted = 0;  // by this call
-  // Leaves the waiters; on failure, the victims this call evicted were for
-  // nothing.
+  Waiter me;
+  me.waits = waits;
+  me.bytes = bytes;
+  me.holds = &options.holds;
+  me.for_what = options.for_what.empty()
+                    ? FormatBytes(bytes) + " in budget '" + name_ + "'"
+                    : options.for_what;
+  me.arrival = options.arrival ? *options.arrival : Now();
+  uint64_t& evicted = me.evicted;
+  // When an interruptible wait next runs its check.
+  auto next_check =
+      std::chrono::steady_clock::now() +
+      (interruptible ? interrupt->every : std::chrono::milliseconds(0));
   auto leave = [&](bool failed) {
-    if (registered) waiters_.fetch_sub(1);
-    registered = false;
-    if (failed && evicted > 0) wasted_evictions_.fetch_add(evicted);
+    bool was_draining = false;
+    {
+      base::MutexLock lock(&mu_);
+      was_draining = LeaveLocked(&me, failed);
+    }
+    if (was_draining) FinishDrain(&me);
   };
   for (;;) {
+    const auto now = waits ? Now() : std::chrono::steady_clock::time_point{};
     uint64_t seen_changes = 0;
-    uint64_t capacity = 0, used = 0, shortfall = 0;
+    uint64_t capacity = 0, used = 0, shortfall = 0, free_bytes = 0;
+    bool draining = false;
+    bool finish_drain = false;
+    std::optional<Error> too_large;
     {
       base::MutexLock lock(&mu_);
       // The bytes moving in from outside (ReserveOptions::grow_capacity)
@@ -184,69 +215,118 @@ void Budget::Reserve(uint64_t bytes, const ReserveOptions& options) {
       // Written so that no sum can wrap: already_reserved + bytes may pass
       // 2^64, and used_ may exceed capacity_ after a shrink.
       if (bytes > grown_capacity || already_reserved > grown_capacity - bytes) {
-        leave(/*failed=*/true);
         const std::string needs =
             already_reserved == 0
                 ? FormatBytes(bytes)
                 : FormatBytes(already_reserved) + " + " + FormatBytes(bytes);
-        throw Error(
+        too_large.emplace(
             ErrorCode::kTooLarge,
             "needs " + needs + " but budget '" + name_ +
                 "' has a capacity of " + FormatBytes(capacity_) +
                 (grow == 0 ? std::string()
                            : " (" + FormatBytes(grown_capacity) + " with the " +
                                  FormatBytes(grow) + " moving in)"));
+        finish_drain = LeaveLocked(&me, /*failed=*/true);
       }
-      if (used_ <= grown_capacity - bytes) {
+      // The room another's drain is owed is not this call's to take.
+      draining = drain_ == &me;
+      const uint64_t owed = drain_ != nullptr && !draining ? owed_ : 0;
+      // used_ + owed + bytes against the capacity, written so that no sum
+      // can wrap (used_ may exceed capacity_ after a shrink).
+      const uint64_t room = grown_capacity > used_ ? grown_capacity - used_ : 0;
+      const uint64_t room_not_owed = room > owed ? room - owed : 0;
+      if (too_large) {
+        // Refused above.
+      } else if (bytes <= room_not_owed) {
         capacity_ = grown_capacity;
         used_ += bytes;
         high_water_ = std::max(high_water_, used_);
         // over_capacity_ is already false: usage was within the capacity
         // before (the growth is at most `bytes`), and the release or resize
         // that made it so cleared the flag.
-        leave(/*failed=*/false);
-        return;
+        finish_drain = LeaveLocked(&me, /*failed=*/false);
+      } else {
+        if (!me.registered) {
+          waiters_.fetch_add(1);
+          me.registered = true;
+          if (waits) EnqueueLocked(&me);
+        }
+        seen_changes = change_count_;
+        capacity = grown_capacity;
+        used = used_;
+        // What evicting must free: the bytes beyond the room, plus what
+        // usage is over the capacity, plus what is owed beyond the room.
+        const uint64_t over_capacity =
+            used_ > grown_capacity ? used_ - grown_capacity : 0;
+        const uint64_t owed_beyond_room = owed > room ? owed - room : 0;
+        shortfall =
+            SaturatingAdd(SaturatingAdd(bytes - room_not_owed, over_capacity),
+                          owed_beyond_room);
+        free_bytes = grown_capacity > used_ ? grown_capacity - used_ : 0;
       }
-      if (!registered) {
-        waiters_.fetch_add(1);
-        registered = true;
-      }
-      seen_changes = change_count_;
-      capacity = grown_capacity;
-      used = used_;
-      shortfall = used_ - (grown_capacity - bytes);  // > 0: checked above
     }
-    // Evict only when evicting can make the room: never for a reservation
-    // that would fall short anyway. The check repeats before every victim.
-    uint64_t evictable = EvictableBytes(skip, options.evict_below);
-    if (evictable >= shortfall) {
-      switch (EvictOne(&skip, options.evict_below)) {
-        case EvictStep::kEvicted:
-          ++evicted;
+    if (!me.registered) {
+      if (finish_drain) FinishDrain(&me);
+      if (too_large) throw *too_large;
+      return;
+    }
+    if (draining) {
+      // This call's drain: its set's evictions are its room.
+      switch (DrainStep(&me, free_bytes, &evicted)) {
+        case DrainProgress::kAgain:
           continue;
-        case EvictStep::kUnloadFailed:
-          if (skip.size() == 1) skipped_at = seen_changes;
-          continue;  // look again without it
-        case EvictStep::kNone:
-          // What was counted was leased, pinned or evicted meanwhile.
-          evictable = 0;
+        case DrainProgress::kWait:
+        case DrainProgress::kCannot:
           break;
       }
-    }
+    } else {
+      // Evict only when evicting can make the room: never for a reservation
+      // that would fall short anyway. The check repeats before every victim.
+      uint64_t evictable = EvictableBytes(skip, options.evict_below);
+      if (evictable >= shortfall) {
+        switch (EvictOne(&skip, options.evict_below)) {
+          case EvictStep::kEvicted:
+            ++evicted;
+            continue;
+          case EvictStep::kUnloadFailed:
+            if (skip.size() == 1) skipped_at = seen_changes;
+            continue;  // look again without it
+          case EvictStep::kNone:
+            // What was counted was leased, pinned or evicted meanwhile.
+            evictable = 0;
+            break;
+        }
+      }
 
-    if (options.when_full == WhenFull::kFail) {
-      leave(/*failed=*/true);
-      const bool ranked =
-          options.evict_below != std::numeric_limits<double>::infinity();
-      throw Error(
-          ErrorCode::kCapacity,
-          "cannot reserve " + FormatBytes(bytes) + " in budget '" + name_ +
-              "' (capacity " + FormatBytes(capacity) + ", " +
-              FormatBytes(used) + " in use) and " +
-              (evictable == 0 ? std::string("nothing")
-                              : "only " + FormatBytes(evictable)) +
-              (ranked ? " ranked below it" : "") +
-              " is evictable; held by: " + HoldersMessage(options.for_record));
+      if (!waits) {
+        leave(/*failed=*/true);
+        const bool ranked =
+            options.evict_below != std::numeric_limits<double>::infinity();
+        throw Error(ErrorCode::kCapacity,
+                    "cannot reserve " + FormatBytes(bytes) + " in budget '" +
+                        name_ + "' (capacity " + FormatBytes(capacity) + ", " +
+                        FormatBytes(used) + " in use) and " +
+                        (evictable == 0 ? std::string("nothing")
+                                        : "only " + FormatBytes(evictable)) +
+                        (ranked ? " ranked below it" : "") +
+                        " is evictable; held by: " +
+                        HoldersMessage(options.for_record));
+      }
+      // Room only leased models can give: overtaken until drain_after has
+      // passed, then their drain, if no older waiter is owed one first.
+      bool start = false;
+      {
+        base::MutexLock lock(&mu_);
+        if (options.evict_below == std::numeric_limits<double>::infinity() &&
+            MayStartDrainLocked(me, now)) {
+          drain_ = &me;
+          owed_ = bytes;
+          me.refused = false;
+          ++change_count_;  // the others' room shrank by what is owed
+          start = true;
+        }
+      }
+      if (start) continue;
     }
     if (auto hook = detail::reservation_waits_for_room.load(
             std::memory_order_acquire)) {
@@ -255,27 +335,53 @@ void Budget::Reserve(uint64_t bytes, const ReserveOptions& options) {
     bool timed_out = false;
     bool check_interrupt = false;
     {
+      // Until drain_after has passed, wake when it does (with the real
+      // clock; an injected one calls ClockAdvanced).
+      auto wake_at = options.deadline;
+      const std::chrono::nanoseconds drain_after(
+          drain_after_ns_.load(std::memory_order_relaxed));
+      if (!draining && !now_ && drain_after != kDrainNever &&
+          now - me.arrival < drain_after &&
+          drain_after <
+              std::chrono::steady_clock::time_point::max() - me.arrival) {
+        wake_at = std::min(
+            wake_at,
+            me.arrival +
+                std::chrono::duration_cast<std::chrono::steady_clock::duration>(
+                    drain_after));
+      }
+      // The deadline and the interrupt's turn are checked here too, not only
+      // when a wait times out: under a stream of changes (drains starting
+      // and ending, leases ending) a waiter may never sleep long enough.
+      const auto real_now = std::chrono::steady_clock::now();
+      if (real_now >= options.deadline) {
+        timed_out = true;
+      } else if (interruptible && real_now >= next_check) {
+        check_interrupt = true;
+      }
       base::MutexLock lock(&mu_);
-      const uint64_t since = skip.empty() ? seen_changes : skipped_at;
-      while (change_count_ == since) {
+      uint64_t since = skip.empty() ? seen_changes : skipped_at;
+      if (!me.failed.empty()) since = std::min(since, me.failed_at);
+      while (!timed_out && !check_interrupt && change_count_ == since) {
         // An interruptible wait wakes every `every` to run the check, which
         // must run without the budget's lock.
         const auto wake =
-            interruptible
-                ? std::min(options.deadline,
-                           std::chrono::steady_clock::now() + interrupt->every)
-                : options.deadline;
+            interruptible ? std::min(wake_at, std::chrono::steady_clock::now() +
+                                                  interrupt->every)
+                          : wake_at;
         if (!changed_.WaitUntil(&mu_, wake) && change_count_ == since) {
-          if (wake < options.deadline) {
-            check_interrupt = true;
-          } else {
+          if (wake >= options.deadline) {
             timed_out = true;
+          } else {
+            // The interrupt's turn, or drain_after has passed.
+            check_interrupt = interruptible;
           }
           break;
         }
       }
     }
-    if (check_interrupt) {
+    if (check_interrupt && !timed_out) {
+      next_check = std::chrono::steady_clock::now() + interrupt->every;
       try {
         interrupt->check();
       } catch (...) {
@@ -292,6 +398,7 @@ void Budget::Reserve(uint64_t bytes, const ReserveOptions& options) {
                       "'; held by: " + HoldersMessage(options.for_record));
     }
     skip.clear();  // something changed: the refused victims may go now
+    me.failed.clear();
   }
 }
 

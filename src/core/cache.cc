@@ -28,6 +28,8 @@ const std::string& Lease::key() const {
 
 uint64_t Lease::bytes() const { return record_ ? record_->bytes : 0; }
 
+uint64_t Lease::id() const { return record_ ? record_->id : 0; }
+
 void Lease::Release() {
   if (record_ == nullptr) return;
   detail::CacheCore* core = core_;

@@ -22,6 +22,22 @@
 //   kLoading --Invalidate--> kLoading, stale --load ok--> retired at once
 //       (the waiters that joined before the invalidation hold it)
 //
+// Draining (Record::draining; the budget's scheduler, budget_drain.cc,
+// decides, drain.cc carries it out) is a flag on a kResident record in the
+// map, not a state of its own:
+//
+//   kResident --chosen for an overdue waiter's drain set--> kResident,
+//       draining: no new lease (Acquire queues on the shard's condvar,
+//       Lookup and TryAcquire miss), not evictable but by its drain
+//   draining --the drain ends (its waiter served, timed out, interrupted)
+//       --> kResident, leased again by the acquires queued behind it
+//   draining, no lease, the whole set idle --the waiter evicts it-->
+//       kUnloading --> kGone (the queued acquires load it again, with their
+//       arrival) or, if the unloader threw, kResident at its place
+//   draining --Remove, leased--> retired (queued acquires look again);
+//       --Remove, unleased--> kUnloading as any removal
+//   draining --pinned meanwhile--> left out of the set, the flag cleared
+//
 // Single flight: a new record is created only when the map has no slot for
 // the key, and it leaves the map only in a transition above, under the shard
 // mutex. So at most one record per key is in the map, at most one load runs
@@ -105,6 +121,10 @@
 //       "would evicting make it fit" check reads these counts instead of
 //       scanning every record, so it costs the same at 100 resident models
 //       as at 100,000.
+//   I10. A draining record is kResident, in the map, not retired and not
+//       pinned when it is chosen; it takes no lease while it drains, so a
+//       set all of whose leases ended stays idle until its waiter evicts
+//       it, and a waiter that gives up first has evicted nothing of it.
 //
 // Locking: shard mutexes are never nested and never held while user code
 // runs (loader, unloader, value deleter, event callback) or while the budget
@@ -114,12 +134,12 @@
 // Files: CacheCore's members are defined by concern. Every transition above
 // is in lifecycle.cc (a record's way in: acquire, join, load, fail, lookup)
 // and lifecycle_unload.cc (its way out: release, retire, unload, evict,
-// remove, expire, prune, shutdown); victims.cc answers the budget's victim
-// search, aliases.cc mutates aliases, keep_alive_actions.cc runs the
-// keep-alive driver's actions, introspection.cc reports. None of them
-// changes a record's state but through the lifecycle (EvictIfEvictable,
-// Prefetch).
-// src/core/CMakeLists.txt lists the files.
+// remove, expire, prune, shutdown), but a drain's, which are in drain.cc
+// (mark, unmark, evict a drained record, queue behind it); victims.cc
+// answers the budget's victim search, aliases.cc mutates aliases,
+// keep_alive_actions.cc runs the keep-alive driver's actions, introspection.cc
+// reports. None of them changes a record's state but through the lifecycle
+// (EvictIfEvictable, Prefetch). src/core/CMakeLists.txt lists the files.
 #ifndef MODELCACHE_SRC_CORE_CACHE_INTERNAL_H_
 #define MODELCACHE_SRC_CORE_CACHE_INTERNAL_H_
 
@@ -313,6 +333,12 @@ class CacheCore final : public BudgetMember {
   void DescribeHolders(std::vector<std::string>* out,
                        uint64_t exclude) override;
   uint64_t UnevictableBytes() override;
+  bool BestDrainVictim(const std::unordered_set<uint64_t>& skip,
+                       VictimCandidate* out) override;
+  bool SetDraining(const VictimCandidate& victim, bool draining,
+                   const std::string& for_what) override;
+  DrainState DrainStateOf(const VictimCandidate& victim) override;
+  EvictOutcome EvictDrained(const VictimCandidate& victim) override;
 
  private:
   Shard& ShardFor(std::string_view key) {
@@ -344,7 +370,7 @@ class CacheCore final : public BudgetMember {
 
   static bool Evictable(const Record& r) {
     return r.state == RecordState::kResident && !r.retired && r.leases == 0 &&
-           !r.pinned;
+           !r.pinned && !r.draining;
   }
   // Brings `r`'s share of its shard's running count of evictable bytes in
   // line with Evictable(r). Called after every change of a record's state,
@@ -404,12 +430,25 @@ class CacheCore final : public BudgetMember {
   void WaitWhileBusy(Shard& shard, const std::shared_ptr<Record>& rec,
                      const AcquireOptions& options, const char* what)
       MC_REQUIRES(shard.mu);
+  // Waits, up to the deadline, while `rec` drains (drain.cc): the acquire
+  // queues behind the drain and takes no lease. Stamps `arrival` with the
+  // budget's clock if it is unset, so that the acquire keeps its place when
+  // it goes on to load.
+  void WaitWhileDraining(Shard& shard, const std::shared_ptr<Record>& rec,
+                         const AcquireOptions& options,
+                         std::optional<Clock::time_point>* arrival)
+      MC_REQUIRES(shard.mu);
+  // The lowest ranked record for which usable(record) holds, as BestVictim
+  // ranks them (victims.cc).
+  template <typename Usable>
+  bool LowestRanked(Usable&& usable, VictimCandidate* out);
   Lease JoinLoad(Shard& shard, const std::shared_ptr<Record>& rec,
                  const std::shared_future<void>& done,
                  const AcquireOptions& options);
   Lease LoadAsOwner(Shard& shard, const std::shared_ptr<Record>& rec,
                     uint64_t expected_bytes, const Loader& loader,
-                    const AcquireOptions& options);
+                    const AcquireOptions& options,
+                    const std::optional<Clock::time_point>& arrival);
   void FailLoad(Shard& shard, const std::shared_ptr<Record>& rec,
                 std::exception_ptr error, uint64_t reserved, bool loader_threw);
   // A load of `rec` ended, after `seconds` (< 0: it failed): the demand

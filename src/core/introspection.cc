@@ -62,9 +62,14 @@ EntryInfo InfoOf(const Record& r) {
   } else if (r.state == RecordState::kUnloading) {
     state = EntryState::kUnloading;
   }
-  return EntryInfo{
-      r.key,    state,      r.bytes,   r.leases, r.waiters + r.unload_waiters,
-      r.pinned, r.accesses, r.last_use};
+  return EntryInfo{r.key,
+                   state,
+                   r.bytes,
+                   r.leases,
+                   r.waiters + r.unload_waiters + r.drain_waiters,
+                   r.pinned,
+                   r.accesses,
+                   r.last_use};
 }
 }  // namespace
 
@@ -137,6 +142,10 @@ uint64_t CacheCore::CheckInvariants() {
       if (r.state == RecordState::kUnloading) {  // I5, as of now
         MC_INVARIANT(r.leases == 0, "lease on a record being unloaded", key);
       }
+      // I10: only a resident record drains (the eviction for its drain
+      // clears the flag as it starts the unload).
+      MC_INVARIANT(!r.draining || r.state == RecordState::kResident,
+                   "a record drains while not resident", key);
       accounted += r.bytes;  // I4 (a loading record's bytes = reservation)
       MC_INVARIANT(r.counted_evictable == Evictable(r),
                    "record's evictability miscounted", key);  // I9
@@ -185,6 +194,10 @@ void CacheCore::DescribeHolders(std::vector<std::string>* out,
       if (r.pinned) why += (why.empty() ? "" : ", ") + std::string("pinned");
       if (r.retired) why += (why.empty() ? "" : ", ") + std::string("retired");
       if (r.unload_failed) why += ", unload failed";
+      if (r.draining) {
+        why += (why.empty() ? "" : ", ") + std::string("draining for ") +
+               r.drain_for;
+      }
       if (why.empty()) why = "evictable";
       out->push_back("'" + r.key + "' (" + FormatBytes(r.bytes) + ", " + why +
                      ")");

@@ -30,9 +30,12 @@ std::atomic<uint64_t> next_record_id{1};
 
 CacheCore::CacheCore(CacheOptions options)
     : options_(std::move(options)),
-      budget_(options_.budget ? options_.budget
-                              : std::make_shared<Budget>(
-                                    options_.capacity_bytes, options_.name)),
+      budget_(options_.budget
+                  ? options_.budget
+                  : std::make_shared<Budget>(
+                        options_.capacity_bytes, options_.name,
+                        BudgetOptions{.drain_after = options_.drain_after,
+                                      .now = options_.now})),
       policy_(options_.policy ? options_.policy : NewLruPolicy()),
       policy_monotone_(policy_->monotone()),
       history_length_(policy_->history_length()),
@@ -139,6 +142,9 @@ void CacheCore::CheckNotOwnThread(const Record& r, const char* what) const {
 Lease CacheCore::Acquire(std::string_view key, uint64_t expected_bytes,
                          const Loader& loader, const AcquireOptions& options) {
   std::string alias_target;
+  // When this request came: the caller's, or stamped when it first queues
+  // behind a drain, so that it keeps its place when it goes on to load.
+  std::optional<Clock::time_point> arrival = options.arrival;
   for (;;) {
     const HashedKey hashed(key);
     Shard& shard = ShardFor(hashed);
@@ -168,6 +174,12 @@ Lease CacheCore::Acquire(std::string_view key, uint64_t expected_bytes,
         Record* r = it->second.record.get();
         switch (r->state) {
           case RecordState::kResident:
+            if (r->draining) [[unlikely]] {
+              // Its room is owed to an older request: queue, no lease.
+              busy = it->second.record;
+              WaitWhileDraining(shard, busy, options, &arrival);
+              continue;
+            }
             NoteRequestLocked(shard, key, options.request, options.arrival,
                               /*in_progress=*/r->leases > 0);
             TouchLocked(shard, r, options.policy_hint);
@@ -212,7 +224,8 @@ Lease CacheCore::Acquire(std::string_view key, uint64_t expected_bytes,
       }
     }
     if (owned) {
-      return LoadAsOwner(shard, owned, expected_bytes, loader, options);
+      return LoadAsOwner(shard, owned, expected_bytes, loader, options,
+                         arrival);
     }
     if (joined) return JoinLoad(shard, joined, done, options);
     // An alias: look the canonical key up. Targets are never aliases, but
@@ -321,7 +334,8 @@ Lease CacheCore::JoinLoad(Shard& shard, const std::shared_ptr<Record>& rec,
 
 Lease CacheCore::LoadAsOwner(Shard& shard, const std::shared_ptr<Record>& rec,
                              uint64_t expected_bytes, const Loader& loader,
-                             const AcquireOptions& options) {
+                             const AcquireOptions& options,
+                             const std::optional<Clock::time_point>& arrival) {
   if (options_.idle_ttl.count() > 0) EvictExpired();
   double evict_below = std::numeric_limits<double>::infinity();
   if (!options.evict) {
@@ -335,6 +349,8 @@ Lease CacheCore::LoadAsOwner(Shard& shard, const std::shared_ptr<Record>& rec,
     own.accesses = 1;
     evict_below = policy_->Priority(own, budget_->policy_clock());
   }
+  const std::string for_what =
+      "'" + rec->key + "' in cache '" + options_.name + "'";
   try {
     budget_->Reserve(expected_bytes,
                      ReserveOptions{.when_full = options.when_full,
@@ -342,7 +358,10 @@ Lease CacheCore::LoadAsOwner(Shard& shard, const std::shared_ptr<Record>& rec,
                                     .interrupt = &options.interrupt,
                                     .evict_below = evict_below,
                                     .for_record = rec->id,
-                                    .grow_capacity = options.grow_capacity});
+                                    .grow_capacity = options.grow_capacity,
+                                    .arrival = arrival,
+                                    .holds = options.holds,
+                                    .for_what = for_what});
   } catch (...) {
     FailLoad(shard, rec, std::current_exception(), 0, false);
     throw;
@@ -374,7 +393,10 @@ Lease CacheCore::LoadAsOwner(Shard& shard, const std::shared_ptr<Record>& rec,
                                       .already_reserved = expected_bytes,
                                       .interrupt = &options.interrupt,
                                       .evict_below = evict_below,
-                                      .for_record = rec->id});
+                                      .for_record = rec->id,
+                                      .arrival = arrival,
+                                      .holds = options.holds,
+                                      .for_what = for_what});
     } catch (const Error& e) {
       refused = e.code() != ErrorCode::kTooLarge
                     ? std::current_exception()
@@ -501,7 +523,9 @@ std::optional<Lease> CacheCore::Lookup(std::string_view key, bool count_miss,
   base::MutexLock lock(&shard.mu);
   auto it = shard.map.find(key);
   if (it == shard.map.end() || !it->second.record ||
-      it->second.record->state != RecordState::kResident) {
+      it->second.record->state != RecordState::kResident ||
+      it->second.record->draining) {
+    // A draining model is not leased: it is owed to an older request.
     if (count_miss) ++shard.counters.misses;
     return std::nullopt;
   }

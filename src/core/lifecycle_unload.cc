@@ -210,6 +210,9 @@ RemoveOutcome CacheCore::Remove(std::string_view key,
         continue;
       }
       assert(rec->state == RecordState::kResident);
+      // A removal ends the record's part in a drain: its bytes come back
+      // with no eviction of the drain's, and its queued acquires look again.
+      rec->draining = false;
       if (rec->leases > 0) {
         RetireLocked(shard, rec);
         retired = true;
@@ -222,6 +225,8 @@ RemoveOutcome CacheCore::Remove(std::string_view key,
     }
   }
   if (retired) {
+    // Acquires queued behind its drain, if it drained, look again.
+    shard.changed.NotifyAll();
     if (Observed()) Emit({EventType::kRetired, rec->key, rec->bytes, 0, {}});
     return RemoveOutcome::kRetired;
   }

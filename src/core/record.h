@@ -47,6 +47,9 @@ struct alignas(64) Record {
   // CacheCore::RecountLocked after every change of state, leases, pin or
   // retirement.
   bool counted_evictable = false;
+  // In a drain set (budget_drain.cc): takes no new lease until the drain
+  // ends or evicts it. Read by every hit, so it lives here.
+  bool draining = false;
   int leases = 0;
   uint64_t bytes = 0;  // reserved while loading, resident size after
   uint64_t accesses = 0;
@@ -62,6 +65,10 @@ struct alignas(64) Record {
   const uint64_t id;
   const uint32_t shard;
   int waiters = 0;  // acquires waiting for this record's load
+  // While draining: the request the drain is for, as a timeout names it.
+  std::string drain_for;
+  // Acquires queued behind this record's drain.
+  int drain_waiters = 0;
   // Its load was started by a request (the owner's AcquireOptions::request),
   // not a Prefetch: a demand load.
   bool for_request = false;

@@ -1,6 +1,7 @@
 // Victim choice: the BudgetMember side of a cache that the budget's
 // reservations use to find room. BestVictim offers this cache's lowest
-// ranked evictable record, EvictableBytes tells whether evicting could make
+// ranked evictable record (BestDrainVictim the lowest ranked one a drain may
+// take, leased or not), EvictableBytes tells whether evicting could make
 // a reservation fit (ranking a record as BestVictim does, so the two must
 // change together), and TryEvict evicts the chosen victim through the
 // lifecycle's eviction step (EvictIfEvictable, lifecycle_unload.cc). What a
@@ -15,15 +16,12 @@
 
 namespace modelcache::detail {
 
-bool CacheCore::BestVictim(const std::unordered_set<uint64_t>& skip,
-                           VictimCandidate* out) {
+template <typename Usable>
+bool CacheCore::LowestRanked(Usable&& usable, VictimCandidate* out) {
   bool found = false;
   const double now_seconds = policy_time_dependent_ ? NowSeconds() : 0;
   ForEachShard([&](Shard& shard, size_t) {
     shard.mu.AssertHeld();
-    auto usable = [&](const Record& candidate) {
-      return Evictable(candidate) && skip.count(candidate.id) == 0;
-    };
     Record* r = nullptr;
     double priority = 0;
     if (policy_time_dependent_) {
@@ -52,11 +50,33 @@ bool CacheCore::BestVictim(const std::unordered_set<uint64_t>& skip,
       out->priority = priority;
       out->seq = r->seq;
       out->record_id = r->id;
+      out->bytes = r->bytes;
       out->handle = std::shared_ptr<void>(owner, owner.get());
       found = true;
     }
   });
   return found;
+}
+
+bool CacheCore::BestVictim(const std::unordered_set<uint64_t>& skip,
+                           VictimCandidate* out) {
+  return LowestRanked(
+      [&](const Record& candidate) {
+        return Evictable(candidate) && skip.count(candidate.id) == 0;
+      },
+      out);
+}
+
+bool CacheCore::BestDrainVictim(const std::unordered_set<uint64_t>& skip,
+                                VictimCandidate* out) {
+  // Leased records too: a drain waits for their leases to end.
+  return LowestRanked(
+      [&](const Record& candidate) {
+        return candidate.state == RecordState::kResident &&
+               !candidate.retired && !candidate.pinned && !candidate.draining &&
+               skip.count(candidate.id) == 0;
+      },
+      out);
 }
 
 EvictOutcome CacheCore::TryEvict(const VictimCandidate& victim) {

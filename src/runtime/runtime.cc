@@ -93,6 +93,7 @@ CacheOptions DeviceCacheOptionsOf(const device::Device& device,
   cache.policy = options.policy;
   cache.on_event = options.on_event;
   cache.shard_bits = 2;
+  cache.drain_after = options.drain_after;
   return cache;
 }
 
@@ -156,9 +157,18 @@ ModelLease DeviceCache::Acquire(const std::string& id,
     const bool sole_holder = entry && entry->leases == 1;
     const uint64_t freed = sole_holder ? lease->bytes() : 0;
     const uint64_t more = want > freed ? want - freed : 0;
-    cache_.budget().Reserve(more, {.when_full = options.when_full,
-                                   .deadline = options.deadline,
-                                   .already_reserved = freed});
+    // The old copy's lease is held across the wait: a drain for this
+    // placement must not take it (it would wait for itself).
+    std::vector<uint64_t> holds = options.holds;
+    holds.push_back(lease->id());
+    cache_.budget().Reserve(more,
+                            {.when_full = options.when_full,
+                             .deadline = options.deadline,
+                             .already_reserved = freed,
+                             .interrupt = &options.interrupt,
+                             .arrival = options.arrival,
+                             .holds = std::move(holds),
+                             .for_what = "'" + key + "' on " + device_.name()});
     cache_.budget().Release(more);
     lease->Release();
     cache_.Invalidate(key);
@@ -208,8 +218,11 @@ ModelRuntime::ModelRuntime(ModelRegistry registry, RuntimeOptions options)
     source_ = std::move(options.host_source);
   } else {
     weights::HostStoreOptions host;
-    host.budget = std::move(options.host_budget);
-    host.capacity_bytes = options.host_capacity_bytes;
+    host.budget = options.host_budget
+                      ? std::move(options.host_budget)
+                      : std::make_shared<Budget>(
+                            options.host_capacity_bytes, host.name,
+                            BudgetOptions{.drain_after = kDrainNever});
     host.load = options.load;
     host_ = std::make_unique<weights::HostWeightStore>(std::move(host));
     // Not owning: host_ outlives every use of source_.

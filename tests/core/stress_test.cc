@@ -14,11 +14,19 @@
 //     them (CheckInvariants' I6), and acquires through them resolve;
 //   * every exception thrown by the event callback (which throws at random)
 //     was caught and counted, and changed nothing above.
+//
+// Each policy runs twice: with drain_after = 0, where every wait for room
+// drains the models that hold it at once (so acquires queue behind drains,
+// and threads that hold a lease of a draining set acquire others), and with
+// kDrainNever, where nothing drains.
+#include <algorithm>
 #include <array>
 #include <barrier>
+#include <chrono>
 #include <random>
 #include <stdexcept>
 #include <thread>
+#include <tuple>
 #include <vector>
 
 #include "gtest/gtest.h"
@@ -101,14 +109,17 @@ Loader MakeChurnLoader(Shared* shared) {
   };
 }
 
-class CacheStress : public ::testing::TestWithParam<std::string> {};
+class CacheStress : public ::testing::TestWithParam<
+                        std::tuple<std::string, std::chrono::nanoseconds>> {};
 
 TEST_P(CacheStress, MixedOperationsKeepTheInvariants) {
   Shared shared;
-  auto budget = std::make_shared<Budget>(kCapacity, "stress");
+  const auto& [policy, drain_after] = GetParam();
+  auto budget = std::make_shared<Budget>(
+      kCapacity, "stress", BudgetOptions{.drain_after = drain_after});
   CacheOptions options;
   options.budget = budget;
-  options.policy = PolicyByName(GetParam()).eviction;
+  options.policy = PolicyByName(policy).eviction;
   options.shard_bits = 2;
   options.name = "a";
   std::atomic<uint64_t> callback_throws{0};
@@ -302,9 +313,19 @@ TEST_P(CacheStress, MixedOperationsKeepTheInvariants) {
   EXPECT_LE(budget->high_water(), kCapacity);
 }
 
-INSTANTIATE_TEST_SUITE_P(EveryPolicy, CacheStress,
-                         ::testing::Values("lru", "gdsf", "gdsf-time",
-                                           "gdsf-uniform"));
+INSTANTIATE_TEST_SUITE_P(
+    EveryPolicy, CacheStress,
+    ::testing::Combine(
+        ::testing::Values("lru", "gdsf", "gdsf-time", "gdsf-uniform"),
+        ::testing::Values(std::chrono::nanoseconds(0), kDrainNever)),
+    [](const auto& info) {
+      std::string name =
+          std::get<0>(info.param) + (std::get<1>(info.param) == kDrainNever
+                                         ? "_NeverDrains"
+                                         : "_DrainsAtOnce");
+      std::replace(name.begin(), name.end(), '-', '_');
+      return name;
+    });
 
 }  // namespace
 }  // namespace modelcache

@@ -13,6 +13,29 @@
 // So one large request that cannot fit while others are leased never flushes
 // the idle models it could not use.
 //
+// Who waits (swap scheduling): a reservation that must wait for room waits
+// in arrival order (ReserveOptions::arrival). While it waits for room that
+// only leased models can give, requests for those models are admitted at
+// once: they overtake it, which groups requests by model and saves swaps.
+// That lasts at most `drain_after` (BudgetOptions, set_drain_after): once the
+// oldest such waiter has waited that long, the models whose eviction it needs
+// drain. They are chosen in eviction-policy order, idle and leased alike,
+// until they cover its shortfall, leaving out what the waiter holds itself
+// (ReserveOptions::holds) and what is pinned. A draining model takes no new
+// lease (an Acquire of it queues until the drain ends; TryAcquire and Lookup
+// return nothing), its leases out end as their requests finish, and when the
+// last of them ends the whole set is evicted in one step for the waiter,
+// which alone may use the bytes: while a drain runs, other reservations get
+// only the room no one is owed. A drain ends with its waiter (served, timed
+// out, interrupted); a waiter that did not get its room has evicted nothing.
+// One drain runs at a time, for the oldest waiter that a drain can serve.
+//
+// The bound: a waiter that can be served by draining is served within
+// drain_after, plus the longest lease in use when its drain began, plus its
+// own load (the k-th waiter adds up the drains ahead of it). Outside it: a
+// request too large for the budget (kTooLarge at once), and room held by
+// pins or by leases the waiter holds itself, where it waits to its deadline.
+//
 // Locking: the budget's mutex is a leaf, and the budget never calls a member
 // while holding it, so no lock-order inversion is possible. A member may call
 // Release (and Resize, which calls no member) while holding its own locks.
@@ -28,6 +51,7 @@
 #include <functional>
 #include <limits>
 #include <memory>
+#include <optional>
 #include <string>
 #include <unordered_set>
 #include <vector>
@@ -36,6 +60,17 @@
 #include "modelcache/core/policy.h"
 
 namespace modelcache {
+
+// How long a request waiting for room may be overtaken by requests for the
+// models that hold it before those models drain (see above). The value is
+// chosen on the replay sweeps reported in docs/benchmarks.md ("Swap
+// scheduling"); change it there and here together.
+inline constexpr std::chrono::nanoseconds kDefaultDrainAfter =
+    std::chrono::seconds(2);
+// drain_after = kDrainNever: models in use never drain (a waiter waits for
+// them to fall idle, however long their traffic lasts).
+inline constexpr std::chrono::nanoseconds kDrainNever =
+    std::chrono::nanoseconds::max();
 
 // What an acquire does when evicting cannot make the room it needs. Either
 // way it evicts nothing meanwhile.
@@ -69,10 +104,20 @@ struct VictimCandidate {
   double priority = 0;
   uint64_t seq = 0;
   uint64_t record_id = 0;
+  uint64_t bytes = 0;
   std::shared_ptr<void> handle;  // keeps the member's record alive
 };
 
 enum class EvictOutcome { kEvicted, kChanged, kUnloadFailed };
+
+// Where a record of a drain set stands (BudgetMember::DrainState).
+enum class DrainState {
+  kGone,     // its bytes are back in the budget, or will be with no eviction
+  kLeased,   // leases still out: the drain waits for them
+  kIdle,     // no lease: ready to be evicted with the rest of the set
+  kBlocked,  // pinned, or a retired record whose unloader failed: no drain
+             // can free it
+};
 
 // Implemented by every ModelCache on the budget (the host weight store and
 // the device caches are ModelCaches too).
@@ -98,6 +143,23 @@ class BudgetMember {
                                uint64_t exclude) = 0;
   // Bytes no eviction could free now: leased, pinned, retired, or in flight.
   virtual uint64_t UnevictableBytes() = 0;
+
+  // ---- Draining (see "Who waits" above). ----
+  // Like BestVictim, but leased records count too: the member's lowest
+  // ranked record that is resident, unpinned, not retired, not draining and
+  // not in `skip`, with its bytes.
+  virtual bool BestDrainVictim(const std::unordered_set<uint64_t>& skip,
+                               VictimCandidate* out) = 0;
+  // Marks `victim` draining for the request `for_what` (true), or ends its
+  // drain (false), waking the acquires queued behind it. Returns false (and
+  // marks nothing) when starting a drain of a record that is no longer
+  // resident, or that is pinned.
+  virtual bool SetDraining(const VictimCandidate& victim, bool draining,
+                           const std::string& for_what) = 0;
+  virtual DrainState DrainStateOf(const VictimCandidate& victim) = 0;
+  // Evicts a draining victim whose last lease ended (kIdle), as TryEvict
+  // does an evictable one; kChanged when it is not idle and draining.
+  virtual EvictOutcome EvictDrained(const VictimCandidate& victim) = 0;
 };
 
 }  // namespace detail
@@ -129,11 +191,35 @@ struct ReserveOptions {
   // the capacity still leaves it over, and SetCapacity's eviction goes on),
   // and one that fails leaves the capacity as it was.
   uint64_t grow_capacity = 0;
+  // When the request arrived, in the budget's clock (BudgetOptions::now):
+  // waiters for room are served, and drain, in this order. Unset: the time
+  // of the call. A request that queued before (behind a drain, in a
+  // server's queue) passes the time it came.
+  std::optional<std::chrono::steady_clock::time_point> arrival;
+  // Records (VictimCandidate::record_id) the caller holds leases on while it
+  // waits: they count as pins for its drain (draining them would make it
+  // wait for itself), and room they hold is outside the drain's bound.
+  std::vector<uint64_t> holds;
+  // What the bytes are for, as a drain names its waiter to the requests
+  // queued behind it ("'B' in cache 'gpu0'"); empty: the byte count.
+  std::string for_what;
+};
+
+struct BudgetOptions {
+  // See "Who waits" above: how long a waiter for room may be overtaken by
+  // requests for the models that hold it before they drain. Zero: strict
+  // arrival order; kDrainNever: they never drain.
+  std::chrono::nanoseconds drain_after = kDefaultDrainAfter;
+  // The clock of arrivals and of drain_after; steady_clock::now when empty.
+  // With another clock, call ClockAdvanced after moving it, so that waiters
+  // look again. Called with no lock held.
+  std::function<std::chrono::steady_clock::time_point()> now;
 };
 
 class Budget {
  public:
-  explicit Budget(uint64_t capacity_bytes, std::string name = "budget");
+  explicit Budget(uint64_t capacity_bytes, std::string name = "budget",
+                  BudgetOptions options = {});
   ~Budget();  // REQUIRES: no member is registered
   Budget(const Budget&) = delete;
   Budget& operator=(const Budget&) = delete;
@@ -187,6 +273,34 @@ class Budget {
 
   PolicyClock& policy_clock() { return clock_; }
 
+  // See BudgetOptions::drain_after. A change applies to waiters already
+  // waiting as well (measured from their arrival).
+  std::chrono::nanoseconds drain_after() const {
+    return std::chrono::nanoseconds(
+        drain_after_ns_.load(std::memory_order_relaxed));
+  }
+  void set_drain_after(std::chrono::nanoseconds drain_after) MC_EXCLUDES(mu_);
+  // The budget's clock (BudgetOptions::now).
+  std::chrono::steady_clock::time_point Now() const {
+    return now_ ? now_() : std::chrono::steady_clock::now();
+  }
+  // For an injected clock (BudgetOptions::now): wakes the waiters, which
+  // look again whether drain_after has passed.
+  void ClockAdvanced() MC_EXCLUDES(mu_);
+  // Drains started since the budget was made, and the requests queued
+  // behind one (CountQueuedBehindDrain) since.
+  uint64_t drains() const { return drains_.load(std::memory_order_relaxed); }
+  uint64_t queued_behind_drain() const {
+    return queued_behind_drain_.load(std::memory_order_relaxed);
+  }
+  void CountQueuedBehindDrain() {
+    queued_behind_drain_.fetch_add(1, std::memory_order_relaxed);
+  }
+  // When the oldest reservation now waiting for room arrived (budget clock);
+  // nullopt when none waits.
+  std::optional<std::chrono::steady_clock::time_point> OldestWaitArrival() const
+      MC_EXCLUDES(mu_);
+
   // ---- For cache and store implementations. ----
 
   // Reserves `bytes` more for a reservation that already holds
@@ -215,6 +329,12 @@ class Budget {
   // or a victim's unloader throws. The check is repeated before every
   // eviction, so at most the victims evicted before such a change are lost;
   // each of them is counted in wasted_evictions().
+  //
+  // A reservation that waits (WhenFull::kWait) waits in arrival order and
+  // may drain the models that hold its room, as "Who waits" above says;
+  // while another's drain runs, it gets only the room that drain's waiter
+  // is not owed. One that fails or times out has evicted nothing for a
+  // drain, and its drain, if it had one, ends with it.
   //
   // REQUIRES: the caller holds no lock of any member.
   void Reserve(uint64_t bytes, const ReserveOptions& options = {})
@@ -257,6 +377,33 @@ class Budget {
   std::vector<std::shared_ptr<detail::BudgetMember>> Members() MC_EXCLUDES(mu_);
   std::string HoldersMessage(uint64_t exclude) MC_EXCLUDES(mu_);
 
+  // ---- The drain scheduler (budget_drain.cc). ----
+  struct Waiter;
+  enum class DrainProgress { kAgain, kWait, kCannot };
+  // Takes a reservation out of the waiters (mu_ held); on failure, the
+  // victims it evicted were for nothing. True when it was draining: the
+  // caller then ends that drain with FinishDrain, without the lock.
+  bool LeaveLocked(Waiter* waiter, bool failed) MC_REQUIRES(mu_);
+  // Files `waiter` among the waiters, in arrival order.
+  void EnqueueLocked(Waiter* waiter) MC_REQUIRES(mu_);
+  // Takes `waiter` out of the waiters. True when it was draining: the
+  // caller then ends its drain with FinishDrain, without the lock.
+  bool DequeueLocked(Waiter* waiter) MC_REQUIRES(mu_);
+  // Whether `waiter` may start a drain now: none runs, it has waited
+  // drain_after, and every older waiter is one that no drain can serve.
+  bool MayStartDrainLocked(const Waiter& waiter,
+                           std::chrono::steady_clock::time_point now) const
+      MC_REQUIRES(mu_);
+  bool RefusedLocked(const Waiter& waiter) const MC_REQUIRES(mu_);
+  // One step of `waiter`'s drain: extend its set until it covers the
+  // waiter's bytes, and evict the whole set once no lease of it is left.
+  // `free_bytes`: capacity (with any growth) minus what is used.
+  DrainProgress DrainStep(Waiter* waiter, uint64_t free_bytes,
+                          uint64_t* evicted) MC_EXCLUDES(mu_);
+  // Ends the drain of a waiter no longer filed: every record of its set
+  // takes leases again, and the acquires queued behind them go on.
+  void FinishDrain(Waiter* waiter) MC_EXCLUDES(mu_);
+
   const std::string name_;
   PolicyClock clock_;
 
@@ -279,6 +426,19 @@ class Budget {
   // release); written under mu_.
   std::atomic<bool> over_capacity_{false};
   std::atomic<uint64_t> wasted_evictions_{0};
+
+  // The drain scheduler's state (budget_drain.cc).
+  const std::function<std::chrono::steady_clock::time_point()> now_;
+  std::atomic<int64_t> drain_after_ns_;
+  // Reservations waiting for room (WhenFull::kWait), oldest arrival first.
+  std::vector<Waiter*> queue_ MC_GUARDED_BY(mu_);
+  uint64_t next_ticket_ MC_GUARDED_BY(mu_) = 0;
+  // The waiter whose drain runs, if any, and the bytes it is owed: no other
+  // reservation may use them.
+  Waiter* drain_ MC_GUARDED_BY(mu_) = nullptr;
+  uint64_t owed_ MC_GUARDED_BY(mu_) = 0;
+  std::atomic<uint64_t> drains_{0};
+  std::atomic<uint64_t> queued_behind_drain_{0};
 };
 
 }  // namespace modelcache

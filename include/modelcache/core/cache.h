@@ -14,6 +14,16 @@
 //    budget: when the room cannot be made by evicting, the caller either
 //    waits (up to its deadline) or gets ErrorCode::kCapacity, as
 //    AcquireOptions says.
+//  * A request that waits for room is never starved by the traffic of the
+//    models that hold it. Requests for those models may overtake it for at
+//    most the budget's drain_after (CacheOptions::drain_after); then those
+//    models drain: an Acquire of a draining model queues (whatever its
+//    WhenFull, up to its deadline) and takes no lease, Lookup and TryAcquire
+//    return nothing for it, the leases out end as their requests finish, and
+//    the waiter gets the room before anyone else. So it is served within
+//    drain_after, plus the longest lease in use when the drain began, plus
+//    its own load (budget.h, "Who waits", says what is outside that bound:
+//    pinned room, and leases the waiter holds itself, AcquireOptions::holds).
 //  * A request evicts only when the eviction makes it fit: when every
 //    unleased, unpinned model on the budget (in every cache sharing it)
 //    could not make room, nothing is evicted for it, whether it fails at
@@ -128,6 +138,13 @@ struct AcquireOptions {
   // free memory). When that is too little, the call fails (kFail) or waits
   // (kWait) as when nothing is evictable.
   bool evict = true;
+  // Leases (Lease::id(), on any cache of this budget) that the caller holds
+  // while this call waits for room and that it will not let go of before
+  // the call returns. A drain for this call never takes them (it would wait
+  // for itself); room they hold is outside the drain's bound, as pinned room
+  // is. A caller that holds a lease it does not list here can make its own
+  // drain wait for that lease until the deadline.
+  std::vector<uint64_t> holds;
 };
 
 enum class EventType {
@@ -188,6 +205,13 @@ struct CacheOptions {
   // gives one shard and an exact global eviction order; more shards let
   // concurrent hits on different keys proceed without contention.
   int shard_bits = 4;
+  // For the budget the cache makes (when `budget` is null): how long a
+  // request waiting for room may be overtaken by requests for the models
+  // that hold it before they drain (BudgetOptions::drain_after; budget.h,
+  // "Who waits"). Zero: strict arrival order; kDrainNever: today's rule, a
+  // model in use is never made to give up its room. A shared budget has its
+  // own (Budget::set_drain_after). The budget's clock is `now`.
+  std::chrono::nanoseconds drain_after = kDefaultDrainAfter;
   // Called outside every lock, on the thread that caused the event. If it
   // throws, the exception is caught and counted (CacheStats::
   // callback_errors); the cache's state is the same as if it had returned.
@@ -294,7 +318,9 @@ const char* EntryStateName(EntryState state);
   X(EntryState, state, "loading, resident, unloading or retired")           \
   X(uint64_t, bytes, "its size (reserved, while loading)")                  \
   X(int, leases, "leases held on it")                                       \
-  X(int, waiters, "callers blocked on it: waiting for its load or unload")  \
+  X(int, waiters,                                                           \
+    "callers blocked on it: waiting for its load or unload, or queued "     \
+    "behind its drain")                                                     \
   X(bool, pinned, "never evicted while pinned")                             \
   X(uint64_t, accesses, "acquires since it was loaded")                     \
   X(Clock::time_point, last_use,                                            \
@@ -353,6 +379,9 @@ class Lease {
   }
   const std::string& key() const;  // the canonical key
   uint64_t bytes() const;
+  // The leased record's identity, as AcquireOptions::holds and
+  // ReserveOptions::holds take it; 0 for an empty lease.
+  uint64_t id() const;
   void Release();
 
  private:
@@ -377,17 +406,23 @@ class ModelCache {
 
   // Returns a lease on `key` (or the key it aliases), loading it with
   // `loader` if it is not resident. `expected_bytes` is reserved before the
-  // loader runs. Throws Error (kTooLarge, kCapacity, kTimeout) or the
+  // loader runs. A model that drains for an older request is not leased: the
+  // call queues until the drain ends (then it takes a lease) or evicts the
+  // model (then it loads it again, keeping its arrival time), and a deadline
+  // that passes meanwhile is kTimeout naming the model and the request it
+  // drains for. Throws Error (kTooLarge, kCapacity, kTimeout) or the
   // loader's own exception; kFailedPrecondition when called from the loader
   // or unloader of that same key on the same thread.
   Lease Acquire(std::string_view key, uint64_t expected_bytes,
                 const Loader& loader, const AcquireOptions& options = {});
 
-  // A lease if `key` is resident, without loading. Counts a hit or a miss.
+  // A lease if `key` is resident (and not draining), without loading.
+  // Counts a hit or a miss.
   std::optional<Lease> Lookup(std::string_view key);
 
   // The hit half of Acquire: a lease if `key` (or the key it aliases) is
-  // resident now, counted as a hit exactly as Acquire would count it;
+  // resident now and not draining, counted as a hit exactly as Acquire would
+  // count it;
   // otherwise nullopt, counting nothing, so that the caller goes on to
   // Acquire, which counts the miss once. Never waits, never loads, never
   // evicts and runs no user code, so it may be called while holding a lock

@@ -130,6 +130,11 @@ struct DeviceCacheOptions {
   uint64_t working_reserve_bytes = 0;
   std::shared_ptr<const EvictionPolicy> policy;  // LRU when null
   std::function<void(const CacheEvent&)> on_event;
+  // How long a placement waiting for device room may be overtaken by
+  // requests for the models that hold it before they drain
+  // (CacheOptions::drain_after; budget.h, "Who waits"). A placement never
+  // drains the copy it is replacing (the lease it holds while it reserves).
+  std::chrono::nanoseconds drain_after = kDefaultDrainAfter;
 };
 
 // The models placed on one device.
@@ -174,7 +179,11 @@ struct RuntimeDevice {
 };
 
 struct RuntimeOptions {
-  // The host RAM budget; when null, one of host_capacity_bytes.
+  // The host RAM budget; when null, one of host_capacity_bytes whose models
+  // never drain (kDrainNever): every model placed on a device holds its host
+  // copies' leases for as long as it stays there, so a drain of them would
+  // wait for device evictions that only device pressure makes. A budget
+  // given here keeps its own drain_after.
   std::shared_ptr<Budget> host_budget;
   uint64_t host_capacity_bytes = 0;
   weights::LoadOptions load;

@@ -1,0 +1,354 @@
+// Swap scheduling (budget.h, "Who waits"): a request that needs room held by
+// models in use may be overtaken for at most drain_after; then those models
+// drain (no new lease, their leases end, the whole set is evicted for the
+// waiter), and the requests queued behind the drain go on after it. Time is
+// a fake clock the tests advance (BudgetOptions::now, ClockAdvanced);
+// interleavings are pinned by the budget's own counters (waiters, drains,
+// queued_behind_drain), never by sleeping.
+#include <atomic>
+#include <chrono>
+#include <memory>
+#include <optional>
+#include <string>
+#include <thread>
+
+#include "../test_util.h"
+#include "gmock/gmock.h"
+#include "gtest/gtest.h"
+#include "modelcache/core/budget.h"
+#include "modelcache/core/cache.h"
+
+namespace modelcache {
+namespace {
+
+using std::chrono::seconds;
+using ::testing::HasSubstr;
+using testing::SimpleLoader;
+using testing::SpinUntil;
+using testing::WaitForRoom;
+
+// A clock that moves only when the test moves it.
+class FakeClock {
+ public:
+  Clock::time_point Now() const {
+    return Clock::time_point(std::chrono::nanoseconds(ns_.load()));
+  }
+  void Advance(std::chrono::nanoseconds by) { ns_.fetch_add(by.count()); }
+  std::function<Clock::time_point()> AsFunction() {
+    return [this] { return Now(); };
+  }
+
+ private:
+  std::atomic<int64_t> ns_{int64_t{1} << 40};
+};
+
+std::shared_ptr<Budget> MakeBudget(uint64_t capacity,
+                                   std::chrono::nanoseconds drain_after,
+                                   FakeClock* clock) {
+  return std::make_shared<Budget>(
+      capacity, "gpu",
+      BudgetOptions{.drain_after = drain_after, .now = clock->AsFunction()});
+}
+
+CacheOptions On(std::shared_ptr<Budget> budget, const std::string& name,
+                FakeClock* clock) {
+  CacheOptions options;
+  options.name = name;
+  options.budget = std::move(budget);
+  options.shard_bits = 1;
+  options.now = clock->AsFunction();
+  return options;
+}
+
+// Acquires `key` on a thread of its own, waiting for room; the lease (or
+// the error) is there once Join returns.
+class Request {
+ public:
+  Request(ModelCache& cache, std::string key, uint64_t bytes,
+          AcquireOptions options = WaitForRoom())
+      : thread_([this, &cache, key, bytes, options] {
+          try {
+            lease_ =
+                cache.Acquire(key, bytes, SimpleLoader(key, bytes), options);
+          } catch (const Error& e) {
+            code_ = e.code();
+            message_ = e.what();
+          }
+        }) {}
+  ~Request() {
+    if (thread_.joinable()) thread_.join();
+  }
+  void Join() { thread_.join(); }
+  Lease& lease() { return lease_; }
+  std::optional<ErrorCode> code() const { return code_; }
+  const std::string& message() const { return message_; }
+
+ private:
+  Lease lease_;
+  std::optional<ErrorCode> code_;
+  std::string message_;
+  std::thread thread_;
+};
+
+TEST(Drain, AModelInContinuousUseDrainsForTheWaiterAndItsRequestsGoOnAfter) {
+  FakeClock clock;
+  auto budget = MakeBudget(100, seconds(2), &clock);
+  ModelCache cache(On(budget, "models", &clock));
+  // A is in continuous use: one lease always out, the next taken before
+  // the last ends.
+  Lease a1 = cache.Acquire("A", 60, SimpleLoader("A", 60));
+  Request b(cache, "B", 60);
+  SpinUntil([&] { return budget->waiters() == 1; }, "B waits for room");
+
+  // Within drain_after, A's requests overtake B.
+  clock.Advance(seconds(1));
+  budget->ClockAdvanced();
+  std::optional<Lease> a2 = cache.TryAcquire("A");
+  ASSERT_TRUE(a2.has_value()) << "a hit overtakes within drain_after";
+  a1.Release();
+  EXPECT_EQ(budget->drains(), 0u);
+
+  // B has waited drain_after: A drains. No new lease, no lookup.
+  clock.Advance(seconds(1));
+  budget->ClockAdvanced();
+  SpinUntil([&] { return budget->drains() == 1; }, "A drains");
+  EXPECT_FALSE(cache.TryAcquire("A").has_value());
+  EXPECT_FALSE(cache.Lookup("A").has_value());
+  Request a3(cache, "A", 60);
+  SpinUntil([&] { return budget->queued_behind_drain() == 1; },
+            "A's request queues behind the drain");
+  EXPECT_EQ(cache.Entry("A")->leases, 1);  // only the lease already out
+
+  // The lease out ends: A is evicted for B, which is served.
+  a2->Release();
+  b.Join();
+  ASSERT_FALSE(b.code().has_value()) << b.message();
+  ASSERT_TRUE(b.lease());
+  EXPECT_EQ(cache.Stats().evictions, 1u);
+
+  // A's request goes on after B, under the same rule, keeping its arrival:
+  // once it has waited drain_after, B drains for it.
+  SpinUntil([&] { return budget->waiters() == 1; }, "A's request waits");
+  EXPECT_TRUE(cache.TryAcquire("B").has_value()) << "B's requests overtake";
+  clock.Advance(seconds(2));
+  budget->ClockAdvanced();
+  SpinUntil([&] { return budget->drains() == 2; }, "B drains for A");
+  EXPECT_FALSE(cache.TryAcquire("B").has_value());
+  b.lease().Release();
+  a3.Join();
+  ASSERT_FALSE(a3.code().has_value()) << a3.message();
+  EXPECT_EQ(a3.lease().key(), "A");
+  a3.lease().Release();
+  EXPECT_EQ(cache.CheckInvariants(), budget->used());
+  EXPECT_EQ(budget->used(), 60u);
+}
+
+TEST(Drain, DrainAfterZeroIsStrictArrivalOrder) {
+  FakeClock clock;
+  auto budget = MakeBudget(100, std::chrono::nanoseconds(0), &clock);
+  ModelCache cache(On(budget, "models", &clock));
+  Lease a = cache.Acquire("A", 60, SimpleLoader("A", 60));
+  Request b(cache, "B", 60);
+  // Without the clock moving at all.
+  SpinUntil([&] { return budget->drains() == 1; }, "A drains at once");
+  EXPECT_FALSE(cache.TryAcquire("A").has_value());
+  a.Release();
+  b.Join();
+  ASSERT_FALSE(b.code().has_value()) << b.message();
+  EXPECT_EQ(cache.CheckInvariants(), 60u);
+}
+
+TEST(Drain, DrainNeverIsTheOldRuleModelsInUseAreNeverMadeToGiveUpTheirRoom) {
+  FakeClock clock;
+  auto budget = MakeBudget(100, kDrainNever, &clock);
+  ModelCache cache(On(budget, "models", &clock));
+  Lease a = cache.Acquire("A", 60, SimpleLoader("A", 60));
+  Request b(cache, "B", 60);
+  SpinUntil([&] { return budget->waiters() == 1; }, "B waits for room");
+  clock.Advance(std::chrono::hours(24));
+  budget->ClockAdvanced();
+  std::optional<Lease> again = cache.TryAcquire("A");
+  EXPECT_TRUE(again.has_value());
+  EXPECT_EQ(budget->drains(), 0u);
+  again.reset();
+  a.Release();
+  b.Join();
+  ASSERT_FALSE(b.code().has_value()) << b.message();
+}
+
+TEST(Drain, ADeadlinePassingWhileQueuedBehindADrainNamesWhatItWaitedFor) {
+  FakeClock clock;
+  auto budget = MakeBudget(100, std::chrono::nanoseconds(0), &clock);
+  ModelCache cache(On(budget, "models", &clock));
+  Lease a = cache.Acquire("A", 60, SimpleLoader("A", 60));
+  Request b(cache, "B", 60);
+  SpinUntil([&] { return budget->drains() == 1; }, "A drains");
+  const std::string e = testing::ErrorMessage(
+      [&] {
+        cache.Acquire("A", 60, SimpleLoader("A", 60),
+                      WaitForRoom(Clock::now()));
+      },
+      ErrorCode::kTimeout);
+  EXPECT_THAT(e, HasSubstr("'A'"));
+  EXPECT_THAT(e, HasSubstr("draining for 'B' in cache 'models'"));
+  EXPECT_EQ(cache.Entry("A")->leases, 1);  // it took no lease
+  a.Release();
+  b.Join();
+  ASSERT_FALSE(b.code().has_value()) << b.message();
+  EXPECT_EQ(cache.CheckInvariants(), budget->used());
+}
+
+TEST(Drain, AWaiterThatGivesUpFirstEvictedNothingAndItsQueueTakesLeases) {
+  FakeClock clock;
+  auto budget = MakeBudget(100, std::chrono::nanoseconds(0), &clock);
+  ModelCache cache(On(budget, "models", &clock));
+  // An idle model the drain also needs (B: 80 = 10 free + I + A).
+  cache.Prefetch("I", 30, SimpleLoader("I", 30));
+  Lease a = cache.Acquire("A", 60, SimpleLoader("A", 60));
+  std::atomic<bool> give_up{false};
+  AcquireOptions options = WaitForRoom();
+  options.interrupt.every = std::chrono::milliseconds(1);
+  options.interrupt.check = [&] {
+    if (give_up.load()) throw std::runtime_error("interrupted");
+  };
+  std::optional<std::string> b_error;
+  std::thread b([&] {
+    try {
+      cache.Acquire("B", 80, SimpleLoader("B", 80), options);
+    } catch (const std::runtime_error& e) {
+      b_error = e.what();
+    }
+  });
+  SpinUntil([&] { return budget->drains() == 1; }, "I and A drain");
+  EXPECT_FALSE(cache.Lookup("I").has_value()) << "an idle model drains too";
+  Request queued(cache, "A", 60);
+  SpinUntil([&] { return budget->queued_behind_drain() == 1; },
+            "A's request queues");
+  give_up = true;
+  b.join();
+  ASSERT_EQ(b_error, "interrupted");
+  // The drain ended with its waiter: nothing was evicted, the queued
+  // request got its lease, and the set takes leases again.
+  queued.Join();
+  ASSERT_FALSE(queued.code().has_value()) << queued.message();
+  EXPECT_EQ(cache.Stats().evictions, 0u);
+  EXPECT_EQ(cache.Stats().loads, 2u);
+  EXPECT_TRUE(cache.Lookup("I").has_value());
+  EXPECT_EQ(cache.CheckInvariants(), 90u);
+}
+
+TEST(Drain, PinnedRoomIsNeverDrainedTheWaiterWaitsToItsDeadline) {
+  FakeClock clock;
+  auto budget = MakeBudget(100, std::chrono::nanoseconds(0), &clock);
+  ModelCache cache(On(budget, "models", &clock));
+  cache.Prefetch("P", 60, SimpleLoader("P", 60));
+  cache.Pin("P");
+  const std::string e = testing::ErrorMessage(
+      [&] {
+        cache.Acquire("B", 60, SimpleLoader("B", 60),
+                      WaitForRoom(Clock::now()));
+      },
+      ErrorCode::kTimeout);
+  EXPECT_THAT(e, HasSubstr("'P'"));
+  EXPECT_EQ(budget->drains(), 0u);
+  EXPECT_TRUE(cache.Lookup("P").has_value());
+  EXPECT_EQ(cache.Stats().evictions, 0u);
+}
+
+TEST(Drain, LeasesTheWaiterHoldsCountAsPins) {
+  FakeClock clock;
+  auto budget = MakeBudget(100, std::chrono::nanoseconds(0), &clock);
+  ModelCache cache(On(budget, "models", &clock));
+  Lease a = cache.Acquire("A", 60, SimpleLoader("A", 60));
+  AcquireOptions options = WaitForRoom(Clock::now());
+  options.holds = {a.id()};
+  testing::ErrorMessage(
+      [&] { cache.Acquire("B", 60, SimpleLoader("B", 60), options); },
+      ErrorCode::kTimeout);
+  EXPECT_EQ(budget->drains(), 0u);
+  EXPECT_TRUE(cache.TryAcquire("A").has_value());
+}
+
+TEST(Drain, ARequestTooLargeForTheBudgetIsRefusedAtOnceAndDrainsNothing) {
+  FakeClock clock;
+  auto budget = MakeBudget(100, std::chrono::nanoseconds(0), &clock);
+  ModelCache cache(On(budget, "models", &clock));
+  Lease a = cache.Acquire("A", 60, SimpleLoader("A", 60));
+  testing::ErrorMessage(
+      [&] { cache.Acquire("B", 200, SimpleLoader("B", 200), WaitForRoom()); },
+      ErrorCode::kTooLarge);
+  EXPECT_EQ(budget->drains(), 0u);
+  EXPECT_EQ(budget->waiters(), 0);
+  EXPECT_TRUE(cache.TryAcquire("A").has_value());
+}
+
+TEST(Drain, ADrainSpansTheCachesOfASharedBudget) {
+  FakeClock clock;
+  auto budget = MakeBudget(100, std::chrono::nanoseconds(0), &clock);
+  ModelCache checkpoints(On(budget, "checkpoints", &clock));
+  ModelCache adapters(On(budget, "adapters", &clock));
+  Lease a = checkpoints.Acquire("A", 60, SimpleLoader("A", 60));
+  Request b(adapters, "B", 60);
+  SpinUntil([&] { return budget->drains() == 1; }, "A drains");
+  EXPECT_FALSE(checkpoints.TryAcquire("A").has_value());
+  a.Release();
+  b.Join();
+  ASSERT_FALSE(b.code().has_value()) << b.message();
+  EXPECT_FALSE(checkpoints.Entry("A").has_value());
+  EXPECT_EQ(checkpoints.CheckInvariants() + adapters.CheckInvariants(),
+            budget->used());
+}
+
+TEST(Drain, OtherMissesGetOnlyTheRoomNoDrainIsOwed) {
+  FakeClock clock;
+  auto budget = MakeBudget(100, std::chrono::nanoseconds(0), &clock);
+  ModelCache cache(On(budget, "models", &clock));
+  Lease a = cache.Acquire("A", 50, SimpleLoader("A", 50));
+  Request b(cache, "B", 80);
+  SpinUntil([&] { return budget->drains() == 1; }, "A drains");
+  // 50 bytes are free, but B is owed them (and A's).
+  testing::ErrorMessage([&] { cache.Acquire("C", 20, SimpleLoader("C", 20)); },
+                        ErrorCode::kCapacity);
+  a.Release();
+  b.Join();
+  ASSERT_FALSE(b.code().has_value()) << b.message();
+  // Now the 20 bytes nobody is owed are anyone's.
+  Lease c = cache.Acquire("C", 20, SimpleLoader("C", 20));
+  EXPECT_EQ(budget->used(), 100u);
+}
+
+TEST(Drain, TheOldestWaiterDrainsFirst) {
+  FakeClock clock;
+  auto budget = MakeBudget(100, seconds(2), &clock);
+  ModelCache cache(On(budget, "models", &clock));
+  Lease a = cache.Acquire("A", 50, SimpleLoader("A", 50));
+  Lease z = cache.Acquire("Z", 50, SimpleLoader("Z", 50));
+  Request b(cache, "B", 50);
+  SpinUntil([&] { return budget->waiters() == 1; }, "B waits");
+  clock.Advance(seconds(1));
+  Request c(cache, "C", 50);
+  SpinUntil([&] { return budget->waiters() == 2; }, "C waits");
+  clock.Advance(seconds(1));
+  budget->ClockAdvanced();
+  SpinUntil([&] { return budget->drains() == 1; }, "a drain for B");
+  // B's drain takes the lowest ranked (A, the least recently used) only.
+  EXPECT_FALSE(cache.TryAcquire("A").has_value());
+  std::optional<Lease> z2 = cache.TryAcquire("Z");
+  EXPECT_TRUE(z2.has_value());
+  a.Release();
+  b.Join();
+  ASSERT_FALSE(b.code().has_value()) << b.message();
+  // C has waited drain_after too: Z (or B) drains for it next.
+  clock.Advance(seconds(1));
+  budget->ClockAdvanced();
+  SpinUntil([&] { return budget->drains() == 2; }, "a drain for C");
+  z.Release();
+  z2.reset();
+  b.lease().Release();
+  c.Join();
+  ASSERT_FALSE(c.code().has_value()) << c.message();
+  EXPECT_EQ(cache.CheckInvariants(), budget->used());
+}
+
+}  // namespace
+}  // namespace modelcache

@@ -37,7 +37,7 @@
 //     background thread frees copies, reads the orphan holders'
 //     /proc/PID/maps every orphan_rescan and SIGHUP's catalog (and checks
 //     its files), handing results back through the eventfd (completed_,
-//     rechecked_, reloaded_).
+//     rechecked_, reloaded_, adopted_).
 //   stopping (SIGTERM, Shutdown()): the socket is unlinked, waiters get
 //     UNAVAILABLE, slot waits and throttle holds end, and every load in
 //     flight stops at its next interrupt check or file; Run() returns once
@@ -56,11 +56,14 @@
 // reads is atomic or under one of these mutexes:
 //   capacity_mu_      the store's capacity and orphaned_, changed together
 //                     (ApplyCapacity: PUT /v1/budget's HTTP thread, the
-//                     background thread, the loop at start; Adopt: the
-//                     loop). No thread holds it across the evictions of a
-//                     shrink: ApplyCapacity only resizes (Budget::Resize)
-//                     and its caller evicts after letting go. Adopt holds
-//                     it across its reservation, which may evict.
+//                     background thread, the constructor; Adopt: the
+//                     background thread, the constructor). Never taken on
+//                     the loop: a reclaim's adoption leaves it (Adoption,
+//                     daemon_entries.h). No thread holds it across the
+//                     evictions of a shrink: ApplyCapacity only resizes
+//                     (Budget::Resize) and its caller evicts after letting
+//                     go. Adopt holds it across its reservation, which may
+//                     evict.
 //   leases_mu_        leases_, uncovered_, to_recall_ and the recall counts.
 //   catalog_mu_       the catalog, its digest, the last reload's error.
 //   orphans_mu_       restart_orphans_ and the unreadable count.
@@ -70,7 +73,7 @@
 //   record_mu_        record_, in_fd_store_.
 //   handover_mu_      the listeners a takeover hands over, or took.
 //   inbox_mu_         what other threads hand the loop (completed_,
-//                     rechecked_, reloaded_).
+//                     rechecked_, reloaded_, adopted_).
 //   pool_mu_          the pool's queue of tasks.
 //   expiry_mu_        the expiry thread's next wake-up.
 //   background_mu_    the background thread's chores (Later).
@@ -306,7 +309,8 @@ class Daemon::Impl {
   void RestartPidExited(pid_t pid) MC_EXCLUDES(orphans_mu_);
   // Books `orphans` as the predecessor's copies still mapped: the orphaned
   // bytes, the pidfds watched, the store's capacity (now when `now`, else
-  // on the background thread: after start the bytes only shrink).
+  // on the background thread: after start the bytes only shrink; after the
+  // last adoption in flight ends, while any is).
   void BookRestartOrphans(
       std::map<detail::MemfdId, detail::RestartOrphan> orphans, int unreadable,
       bool now) MC_EXCLUDES(orphans_mu_, capacity_mu_);
@@ -325,6 +329,9 @@ class Daemon::Impl {
   uint32_t ConnectionEvents(const detail::Connection& c) const;
   // DaemonOptions::test_pause_reads_fd is readable.
   void PauseHook();
+  // DaemonOptions::test_capacity_hold_fd: says it holds capacity_mu_, and
+  // waits for the test's byte.
+  void CapacityHoldHook() MC_REQUIRES(capacity_mu_);
 
   // ---- the record and reclaim (daemon_record.cc, daemon_reclaim.cc; design
   // notes there; the holds for other mappers: daemon_orphans.cc) ----
@@ -345,10 +352,28 @@ class Daemon::Impl {
   // The grace period ends for `model` (reclaimed), or for all (null).
   void EndGrace(const std::string* model);
   // Puts an adopted copy in the store and returns a lease on it, or null
-  // with `why`. `from_orphans`: its bytes were booked as orphaned.
-  std::optional<Lease> Adopt(detail::AdoptedCopy adopted, bool from_orphans,
-                             std::string* why)
-      MC_EXCLUDES(capacity_mu_, orphans_mu_);
+  // with `why`. `booked`: its bytes booked as orphaned, which move into the
+  // store's capacity with its reservation. Takes capacity_mu_: never on the
+  // loop (the constructor, the background thread).
+  std::optional<Lease> Adopt(const detail::AdoptedCopy& adopted,
+                             uint64_t booked, std::string* why)
+      MC_EXCLUDES(capacity_mu_);
+  // On the loop: queues a reclaim's adoption for the background thread,
+  // pausing its connection's reads; FinishReclaim, on the loop, takes the
+  // result (daemon_entries.h's note).
+  void AdoptLater(detail::Connection& c, detail::Adoption adoption);
+  void FinishReclaim(detail::Adoption adoption);
+  // Files a reclaimed lease on `c` and answers the reclaim.
+  void FileReclaimedLease(detail::Connection& c, const protocol::Request& r,
+                          Lease lease, const std::set<pid_t>& mappers)
+      MC_EXCLUDES(leases_mu_);
+  void SetAdopting(detail::Connection& c, bool adopting);
+  // Loop-only: the predecessor's copies (by index) whose adoption is in
+  // flight, each with the reclaims of it that wait; how many are in flight,
+  // and whether an orphan booking waits for the last to end.
+  std::map<size_t, std::vector<detail::DeferredReclaim>> adopting_;
+  int adoptions_in_flight_ = 0;
+  bool rebook_after_adoptions_ = false;
   // On the loop, after a reclaim adopted `copy`: an orphaned lease on it
   // for each other process in `pids` that maps it (the start's scan saw
   // them), so that it stays in use, and in the books, until that process
@@ -432,7 +457,8 @@ class Daemon::Impl {
   void SendHandover(detail::Connection& c);
   void AbandonHandover(const std::string& why);
   bool ReadsPaused(const detail::Connection& c) const {
-    return reads_paused_ || (handover_conn_ != 0 && c.id != handover_conn_);
+    return reads_paused_ || c.adopting ||
+           (handover_conn_ != 0 && c.id != handover_conn_);
   }
   uint64_t handover_conn_ = 0;
   uint64_t handover_request_ = 0;
@@ -621,6 +647,11 @@ class Daemon::Impl {
   bool recheck_in_flight_ = false;  // loop-only
   uint64_t booked_orphaned_ = 0;    // loop-only: orphaned_ once applied
   std::vector<detail::Reloaded> reloaded_ MC_GUARDED_BY(inbox_mu_);
+  // Adoptions done on the background thread, and those queued and not yet
+  // done (the destructor waits for them before it drops the store).
+  std::vector<detail::Adoption> adopted_ MC_GUARDED_BY(inbox_mu_);
+  int adoptions_queued_ MC_GUARDED_BY(inbox_mu_) = 0;
+  base::CondVar adoptions_cv_;
   bool reload_in_flight_ = false;  // loop-only
   bool reload_again_ = false;      // loop-only
   // The background thread applied a capacity that grew.

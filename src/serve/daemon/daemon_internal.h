@@ -96,7 +96,13 @@
 //   handover_mu_ -> the HTTP servers' own locks (disowning the listeners)
 // Every other mutex is a leaf: nothing is taken while it is held. The
 // orders within one function are declared (MC_ACQUIRED_BEFORE), so clang's
-// -Wthread-safety-beta checks them; those through calls are as above.
+// -Wthread-safety-beta checks them (plain -Wthread-safety ignores them).
+// Those through calls (the store's user code) are beyond it, so each mutex
+// has a lock rank (base::LockRank), which debug builds check at every lock:
+// kOuterLockRank for capacity_mu_, record_write_mu_ and handover_mu_,
+// kLeafLockRank for the rest. A thread that takes a leaf while holding
+// one, or an outer mutex while holding any, aborts naming both; the daemon
+// tests run the daemon so in the debug and sanitizer builds.
 #ifndef MODELCACHE_SRC_SERVE_DAEMON_DAEMON_INTERNAL_H_
 #define MODELCACHE_SRC_SERVE_DAEMON_DAEMON_INTERNAL_H_
 
@@ -135,6 +141,10 @@
 namespace modelcache::serve {
 
 namespace detail {
+
+// The daemon's lock ranks (the order in the note above).
+inline constexpr int kOuterLockRank = 1;
+inline constexpr int kLeafLockRank = 2;
 
 // Set while this thread adopts a copy into the store (daemon_reclaim.cc):
 // the store's kLoaded event it emits is no load (OnEvent).
@@ -398,7 +408,8 @@ class Daemon::Impl {
   std::atomic<bool> keep_record_{false};
   std::atomic<bool> fd_store_error_logged_{false};
 
-  mutable base::Mutex record_mu_;
+  mutable base::Mutex record_mu_{
+      base::LockRank{detail::kLeafLockRank, "record_mu_"}};
   // The copies whose memfds systemd's store holds, by first header memfd.
   std::set<detail::MemfdId> in_fd_store_ MC_GUARDED_BY(record_mu_);
   // This daemon's copies, by their first header memfd.
@@ -420,7 +431,8 @@ class Daemon::Impl {
   // never share the temporary file, and the file ends with the newest
   // snapshot. Never taken on the loop (its writes go through Later).
   // Order: record_write_mu_ -> record_mu_.
-  base::Mutex record_write_mu_ MC_ACQUIRED_BEFORE(record_mu_);
+  base::Mutex record_write_mu_ MC_ACQUIRED_BEFORE(record_mu_){
+      base::LockRank{detail::kOuterLockRank, "record_write_mu_"}};
   std::atomic<bool> record_writes_{true};
   // Loop-only after start: the predecessor's copies, by each data memfd
   // (copy, file index); the models awaiting a reclaim and until when.
@@ -439,7 +451,8 @@ class Daemon::Impl {
   std::atomic<double> takeover_seconds_{0};
   std::atomic<bool> handed_over_{false};
   // ---- takeover (daemon_handover.cc) ----
-  base::Mutex handover_mu_;
+  base::Mutex handover_mu_{
+      base::LockRank{detail::kOuterLockRank, "handover_mu_"}};
   std::vector<std::pair<std::string, int>> handover_listeners_
       MC_GUARDED_BY(handover_mu_);
   std::function<void()> disown_listeners_ MC_GUARDED_BY(handover_mu_);
@@ -524,12 +537,14 @@ class Daemon::Impl {
 
   std::unique_ptr<ModelCache> store_;
 
-  mutable base::Mutex catalog_mu_;
+  mutable base::Mutex catalog_mu_{
+      base::LockRank{detail::kLeafLockRank, "catalog_mu_"}};
   std::shared_ptr<const Catalog> catalog_ MC_GUARDED_BY(catalog_mu_);
   std::string reload_error_ MC_GUARDED_BY(catalog_mu_);
   std::string catalog_digest_ MC_GUARDED_BY(catalog_mu_);
 
-  mutable base::Mutex leases_mu_;
+  mutable base::Mutex leases_mu_{
+      base::LockRank{detail::kLeafLockRank, "leases_mu_"}};
   std::map<uint64_t, detail::LeaseEntry> leases_ MC_GUARDED_BY(leases_mu_);
   // Uncovered leases by copy (LeaseEntry::lease), the recalls GateUnload
   // asked the loop to send, and whether some uncovered lease in use needs
@@ -552,37 +567,42 @@ class Daemon::Impl {
   // capacity_mu_ serialises the store's capacity changes (ApplyCapacity,
   // Adopt; see the note at the top for who takes it and the order). The
   // two numbers it applies are read anywhere without it.
-  mutable base::Mutex capacity_mu_ MC_ACQUIRED_BEFORE(leases_mu_, live_mu_,
-                                                      record_mu_,
-                                                      background_mu_,
-                                                      stats_mu_);
+  mutable base::Mutex capacity_mu_ MC_ACQUIRED_BEFORE(
+      leases_mu_, live_mu_, record_mu_, background_mu_,
+      stats_mu_){base::LockRank{detail::kOuterLockRank, "capacity_mu_"}};
   std::atomic<uint64_t> configured_{0};
   std::atomic<uint64_t> orphaned_{0};
 
-  mutable base::Mutex orphans_mu_;
+  mutable base::Mutex orphans_mu_{
+      base::LockRank{detail::kLeafLockRank, "orphans_mu_"}};
   std::map<detail::MemfdId, detail::RestartOrphan> restart_orphans_
       MC_GUARDED_BY(orphans_mu_);
   int unreadable_maps_ MC_GUARDED_BY(orphans_mu_) = 0;
 
   // Memfds of the copies this daemon holds now.
-  mutable base::Mutex live_mu_;
+  mutable base::Mutex live_mu_{
+      base::LockRank{detail::kLeafLockRank, "live_mu_"}};
   std::set<detail::MemfdId> live_ MC_GUARDED_BY(live_mu_);
 
-  mutable base::Mutex slots_mu_;
+  mutable base::Mutex slots_mu_{
+      base::LockRank{detail::kLeafLockRank, "slots_mu_"}};
   base::CondVar slots_cv_;
   int slots_used_ MC_GUARDED_BY(slots_mu_) = 0;
 
-  mutable base::Mutex reading_mu_;
+  mutable base::Mutex reading_mu_{
+      base::LockRank{detail::kLeafLockRank, "reading_mu_"}};
   std::map<std::string, int> reading_ MC_GUARDED_BY(reading_mu_);
 
-  mutable base::Mutex stats_mu_;
+  mutable base::Mutex stats_mu_{
+      base::LockRank{detail::kLeafLockRank, "stats_mu_"}};
   std::map<std::string, detail::ModelStats> model_stats_
       MC_GUARDED_BY(stats_mu_);
 
   // The unavailable models, by id: written on the loop (and in the
   // constructor), read by the HTTP threads and the store's prewarm source.
   // A leaf: nothing else is taken under it.
-  mutable base::Mutex unavailable_mu_;
+  mutable base::Mutex unavailable_mu_{
+      base::LockRank{detail::kLeafLockRank, "unavailable_mu_"}};
   std::map<std::string, detail::Unavailable> unavailable_
       MC_GUARDED_BY(unavailable_mu_);
 
@@ -633,7 +653,7 @@ class Daemon::Impl {
   std::atomic<bool> shutdown_requested_{false};
   std::atomic<bool> reload_requested_{false};
   std::atomic<bool> shutting_down_{false};  // read by tasks' checks
-  base::Mutex inbox_mu_;
+  base::Mutex inbox_mu_{base::LockRank{detail::kLeafLockRank, "inbox_mu_"}};
   std::vector<std::shared_ptr<detail::Task>> completed_
       MC_GUARDED_BY(inbox_mu_);
   struct Command {
@@ -665,7 +685,7 @@ class Daemon::Impl {
   void Wake();
 
   // The pool.
-  base::Mutex pool_mu_;
+  base::Mutex pool_mu_{base::LockRank{detail::kLeafLockRank, "pool_mu_"}};
   base::CondVar pool_cv_;
   std::deque<std::shared_ptr<detail::Task>> pool_queue_ MC_GUARDED_BY(pool_mu_);
   bool pool_stop_ MC_GUARDED_BY(pool_mu_) = false;
@@ -676,7 +696,7 @@ class Daemon::Impl {
   // asks every expiry_period_, off the loop (an unload frees a copy's pages).
   void ExpiryThread() MC_EXCLUDES(expiry_mu_);
   std::chrono::nanoseconds expiry_period_{0};  // 0: no TTL, no thread
-  base::Mutex expiry_mu_;
+  base::Mutex expiry_mu_{base::LockRank{detail::kLeafLockRank, "expiry_mu_"}};
   base::CondVar expiry_cv_;
   bool expiry_stop_ MC_GUARDED_BY(expiry_mu_) = false;
   std::thread expiry_;
@@ -687,7 +707,8 @@ class Daemon::Impl {
   void BackgroundThread() MC_EXCLUDES(background_mu_);
   // Runs `chore` on the background thread (here, now, when it is stopped).
   void Later(std::function<void()> chore) MC_EXCLUDES(background_mu_);
-  base::Mutex background_mu_;
+  base::Mutex background_mu_{
+      base::LockRank{detail::kLeafLockRank, "background_mu_"}};
   base::CondVar background_cv_;
   std::deque<std::function<void()>> chores_ MC_GUARDED_BY(background_mu_);
   bool background_running_ MC_GUARDED_BY(background_mu_) = false;

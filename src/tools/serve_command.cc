@@ -361,6 +361,7 @@ void AddServeOptions(CLI::App& c, ServeFlags& f) {
   // For tests: a gate on loads.
   c.add_option("--test-load-gate-fd", f.test_load_gate_fd)->group("");
   c.add_option("--test-pause-reads-fd", f.test_pause_reads_fd)->group("");
+  c.add_option("--test-capacity-hold-fd", f.test_capacity_hold_fd)->group("");
   c.add_flag("--test-per-component-open", f.test_per_component_open)->group("");
 }
 
@@ -495,6 +496,7 @@ int RunServe(const ServeFlags& flags, std::ostream& out, std::ostream& err) {
     }
     options.test_load_gate_fd = flags.test_load_gate_fd;
     options.test_pause_reads_fd = flags.test_pause_reads_fd;
+    options.test_capacity_hold_fd = flags.test_capacity_hold_fd;
     options.test_per_component_open = flags.test_per_component_open;
 
     std::string http_host;

@@ -67,6 +67,7 @@ struct ServeFlags {
   // Tests only (hidden flags).
   int test_load_gate_fd = -1;
   int test_pause_reads_fd = -1;
+  int test_capacity_hold_fd = -1;
   bool test_per_component_open = false;
 };
 

@@ -13,10 +13,56 @@
 #include "modelcache/base/csv.h"
 #include "modelcache/base/duration.h"
 #include "modelcache/base/errors.h"
+#include "modelcache/base/mutex.h"
 #include "modelcache/base/text.h"
 
 namespace modelcache {
 namespace {
+
+// Debug builds check ranked mutexes' order at run time: a lower rank taken
+// while a higher (or equal) one is held aborts, naming both, even where no
+// deadlock happens in the run.
+TEST(LockRank, ATakenOutOfOrderAbortsNamingBoth) {
+#ifdef NDEBUG
+  GTEST_SKIP() << "lock ranks are checked without NDEBUG only";
+#else
+  base::Mutex outer(base::LockRank{1, "outer"});
+  base::Mutex inner(base::LockRank{2, "inner"});
+  base::Mutex peer(base::LockRank{2, "peer"});
+  base::Mutex unranked;
+  {
+    base::MutexLock a(&outer);
+    base::MutexLock b(&inner);
+    base::MutexLock c(&unranked);  // never checked
+  }
+  {
+    base::MutexLock b(&inner);
+    base::MutexLock c(&unranked);
+  }
+  // Unlocks need not nest: letting go of the outer one first leaves the
+  // inner one held, and the outer one may not be taken under it.
+  outer.Lock();
+  inner.Lock();
+  outer.Unlock();
+  inner.Unlock();
+  {
+    base::MutexLock a(&outer);  // nothing is held any more
+  }
+  EXPECT_DEATH(
+      {
+        base::MutexLock b(&inner);
+        base::MutexLock a(&outer);
+      },
+      "lock order broken: outer \\(rank 1\\) taken while holding inner "
+      "\\(rank 2\\)");
+  EXPECT_DEATH(
+      {
+        base::MutexLock b(&inner);
+        base::MutexLock c(&peer);
+      },
+      "peer \\(rank 2\\) taken while holding inner");
+#endif
+}
 
 TEST(ParseBytes, UnitsSpacesAndRounding) {
   EXPECT_EQ(ParseBytes("4096"), 4096u);

@@ -5,12 +5,15 @@
 // test process, which maps the data memfds as a worker does.
 #include <fcntl.h>
 #include <gmock/gmock.h>
+#include <linux/sockios.h>
+#include <sys/ioctl.h>
 #include <sys/mman.h>
 #include <sys/socket.h>
 #include <sys/un.h>
 #include <sys/wait.h>
 
 #include <cstring>
+#include <thread>
 
 #include "handover.h"
 #include "modelcache/weights/memfd.h"
@@ -725,6 +728,161 @@ TEST_F(Reclaim, ARestartWithAFileGoneStartsAndTheReclaimedCopyServes) {
   EXPECT_EQ(reply->code, ServeCode::kUnavailable);
   EXPECT_EQ(reply->cause, "io");
   EXPECT_THAT(reply->message, ::testing::HasSubstr("a/model.safetensors"));
+}
+
+// Bytes sent on `raw` that the daemon has not read yet.
+int Unread(const Raw& raw) {
+  int bytes = -1;
+  return ::ioctl(raw.fd(), SIOCOUTQ, &bytes) == 0 ? bytes : -1;
+}
+
+// A reclaim's adoption changes the store's capacity, whose lock another
+// thread may hold for long (PUT /v1/budget holds it; an adoption holds it
+// across its evictions): the loop never waits for it. While the lock is
+// held, the reclaim waits and another client is answered; once it goes,
+// the reclaim is accepted, and the request sent after it on its connection
+// is answered after it and sees its lease.
+TEST_F(Reclaim, TheLoopAnswersOthersWhileAReclaimWaitsForTheCapacitysLock) {
+  AddModel("a", 2 * kMiB, 1);
+  DaemonOptions options;
+  options.catalog = catalog_;
+  options.root = root_;
+  options.socket = socket_;
+  options.capacity = "16MiB";
+  options.capacity_hook = true;
+  daemon_ = std::make_unique<Daemon>(options);
+  auto first = Connect();
+  Held a = Acquire(*first, "a", 2);
+  const uint64_t copy_a = CopyBytes("a");
+  Crash();
+  first->Close();
+  daemon_->Start();
+  auto holder = Connect();
+  auto other = Connect();
+
+  // Another thread's PUT /v1/budget takes the capacity's lock and keeps it
+  // until the test lets it go (however the test ends).
+  int budget_status = 0;
+  std::thread put([&] {
+    budget_status =
+        daemon_->Send("PUT", "/v1/budget", R"({"capacity_bytes": "16MiB"})")
+            .status;
+  });
+  struct LetGo {
+    Daemon& daemon;
+    std::thread& put;
+    void Now() {
+      if (!put.joinable()) return;
+      daemon.LetCapacityGo();
+      put.join();
+    }
+    ~LetGo() { Now(); }
+  } let_go{*daemon_, put};
+  daemon_->AwaitCapacityHeld();
+
+  ASSERT_TRUE(
+      holder->Send(protocol::EncodeReclaim(3, a.lease, "a", false), a.Fds()));
+  Eventually([&] { return Unread(*holder) == 0; },
+             "the daemon reads the reclaim");
+  // Its connection's next request; and another client's.
+  ::munmap(a.map, a.bytes);
+  a.map = nullptr;
+  ASSERT_TRUE(holder->Send(protocol::EncodeRelease(4, a.lease)));
+  ASSERT_TRUE(other->Send(protocol::EncodePing(5)));
+  const auto pong = other->Reply(std::chrono::seconds(30));
+  ASSERT_TRUE(pong) << "the loop waits for the capacity's lock";
+  EXPECT_TRUE(pong->ok);
+  EXPECT_EQ(pong->id, 5u);
+
+  let_go.Now();
+  EXPECT_EQ(budget_status, 200);
+  auto reply = holder->Reply();
+  ASSERT_TRUE(reply);
+  EXPECT_EQ(reply->id, 3u);
+  EXPECT_TRUE(reply->ok) << reply->message;
+  reply = holder->Reply();
+  ASSERT_TRUE(reply);
+  EXPECT_EQ(reply->id, 4u);
+  EXPECT_TRUE(reply->ok) << reply->message;
+
+  EXPECT_EQ(daemon_->Metric("modelcache_reclaims_total{result=\"accepted\"}"),
+            1);
+  EXPECT_EQ(daemon_->Metric("modelcache_loads_total"), 0);
+  EXPECT_EQ(daemon_->Metric("modelcache_orphaned_bytes"), 0);
+  EXPECT_EQ(daemon_->Metric("modelcache_leases"), 0);
+  EXPECT_EQ(daemon_->Budget()["used_bytes"].get<uint64_t>(), copy_a);
+  EXPECT_EQ(Origins(), (std::set<std::string>{"a:reclaimed"}));
+}
+
+// Two processes bring the same copy back at once: the second reclaim comes
+// while the first one's adoption waits for the capacity's lock. It waits
+// for that adoption and gets a lease on the copy it adopted: one copy in
+// the books, adopted once, both reclaims accepted.
+TEST_F(Reclaim, TwoReclaimsOfOneCopyAtOnceAdoptItOnce) {
+  AddModel("a", 2 * kMiB, 1);
+  DaemonOptions options;
+  options.catalog = catalog_;
+  options.root = root_;
+  options.socket = socket_;
+  options.capacity = "16MiB";
+  options.capacity_hook = true;
+  daemon_ = std::make_unique<Daemon>(options);
+  auto first = Connect();
+  Held a = Acquire(*first, "a", 2);
+  const uint64_t copy_a = CopyBytes("a");
+  Crash();
+  first->Close();
+  daemon_->Start();
+  auto one = Connect();
+  auto two = Connect();
+
+  int budget_status = 0;
+  std::thread put([&] {
+    budget_status =
+        daemon_->Send("PUT", "/v1/budget", R"({"capacity_bytes": "16MiB"})")
+            .status;
+  });
+  struct LetGo {
+    Daemon& daemon;
+    std::thread& put;
+    void Now() {
+      if (!put.joinable()) return;
+      daemon.LetCapacityGo();
+      put.join();
+    }
+    ~LetGo() { Now(); }
+  } let_go{*daemon_, put};
+  daemon_->AwaitCapacityHeld();
+
+  // This process reclaims the one lease on two connections, as two
+  // processes that map the copy would reclaim theirs.
+  ASSERT_TRUE(
+      one->Send(protocol::EncodeReclaim(3, a.lease, "a", false), a.Fds()));
+  Eventually([&] { return Unread(*one) == 0; }, "the daemon reads the first");
+  ASSERT_TRUE(
+      two->Send(protocol::EncodeReclaim(3, a.lease - 1, "a", false), a.Fds()));
+  Eventually([&] { return Unread(*two) == 0; }, "the daemon reads the second");
+  let_go.Now();
+  EXPECT_EQ(budget_status, 200);
+  for (Raw* raw : {one.get(), two.get()}) {
+    const auto reply = raw->Reply();
+    ASSERT_TRUE(reply);
+    EXPECT_TRUE(reply->ok) << reply->message;
+  }
+  EXPECT_EQ(daemon_->Metric("modelcache_reclaims_total{result=\"accepted\"}"),
+            2);
+  EXPECT_EQ(
+      daemon_->Metric("modelcache_adopted_bytes_total{origin=\"reclaimed\"}"),
+      static_cast<double>(copy_a));
+  EXPECT_EQ(daemon_->Metric("modelcache_leases"), 2);
+  EXPECT_EQ(daemon_->Metric("modelcache_orphaned_bytes"), 0);
+  EXPECT_EQ(daemon_->Budget()["used_bytes"].get<uint64_t>(), copy_a);
+  for (auto [raw, lease] : std::vector<std::pair<Raw*, uint64_t>>{
+           {one.get(), a.lease}, {two.get(), a.lease - 1}}) {
+    ASSERT_TRUE(raw->Send(protocol::EncodeRelease(9, lease)));
+    const auto released = raw->Reply();
+    ASSERT_TRUE(released && released->ok);
+  }
 }
 
 TEST_F(Reclaim, ALeaseIdTheDaemonHandedOutItselfCannotBeReclaimedByAnother) {

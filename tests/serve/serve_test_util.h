@@ -350,6 +350,7 @@ struct DaemonOptions {
   std::vector<std::string> args;  // more flags
   bool gate = false;              // --test-load-gate-fd
   bool pause_hook = false;        // --test-pause-reads-fd
+  bool capacity_hook = false;     // --test-capacity-hold-fd
   std::vector<std::string> env;   // NAME=value for the daemon
   // When set, the daemon's standard error (its log) is appended to this
   // file, for tests that read what it says.
@@ -369,6 +370,7 @@ class Daemon {
   ~Daemon() {
     CloseGate();
     if (pause_hook_ >= 0) ::close(pause_hook_);
+    if (capacity_hook_ >= 0) ::close(capacity_hook_);
     if (process_ && !process_->Exited()) {
       process_->Signal(SIGTERM);
       process_->Wait();
@@ -387,7 +389,7 @@ class Daemon {
   // throws, and the old one serves on as this Daemon. Not with `gate` or
   // `pause_hook` (their descriptors are the old process's).
   int Takeover() {
-    if (options_.gate || options_.pause_hook) {
+    if (options_.gate || options_.pause_hook || options_.capacity_hook) {
       throw std::runtime_error("Takeover: not with gate or pause_hook");
     }
     std::unique_ptr<Process> old = std::move(process_);
@@ -417,7 +419,7 @@ class Daemon {
       names += (names.empty() ? "" : ":") + name;
     }
     if (!passed.empty()) {
-      if (options_.gate || options_.pause_hook) {
+      if (options_.gate || options_.pause_hook || options_.capacity_hook) {
         throw std::runtime_error("listen_fds: not with gate or pause_hook");
       }
       spec.env.push_back("LISTEN_FDS=" + std::to_string(passed.size()));
@@ -459,6 +461,19 @@ class Daemon {
       spec.argv.push_back("--test-pause-reads-fd");
       spec.argv.push_back("5");
     }
+    int capacity_there = -1;
+    if (options_.capacity_hook) {
+      int pair[2];
+      if (::socketpair(AF_UNIX, SOCK_STREAM | SOCK_CLOEXEC, 0, pair) != 0) {
+        throw std::runtime_error("socketpair");
+      }
+      if (capacity_hook_ >= 0) ::close(capacity_hook_);
+      capacity_hook_ = pair[0];
+      capacity_there = High(pair[1]);
+      spec.fds.push_back({capacity_there, 6});
+      spec.argv.push_back("--test-capacity-hold-fd");
+      spec.argv.push_back("6");
+    }
     for (const std::string& a : options_.args) spec.argv.push_back(a);
     if (takeover) spec.argv.push_back("--takeover");
     int log = -1;
@@ -477,6 +492,7 @@ class Daemon {
       gate_read_ = -1;
     }
     if (hook_there >= 0) ::close(hook_there);
+    if (capacity_there >= 0) ::close(capacity_there);
     std::string line;
     char buffer[1024];
     ssize_t n;
@@ -596,6 +612,22 @@ class Daemon {
   // returns once it is in effect (the hook answers).
   void PauseReads() { Hook('p'); }
   void ResumeReads() { Hook('r'); }
+  // With capacity_hook: returns once a PUT /v1/budget (sent by another
+  // thread) holds the lock of the store's capacity; it holds it until
+  // LetCapacityGo.
+  void AwaitCapacityHeld() {
+    ASSERT_GE(capacity_hook_, 0) << "started without capacity_hook";
+    char held = 0;
+    pollfd p{capacity_hook_, POLLIN, 0};
+    ASSERT_GT(::poll(&p, 1, static_cast<int>(kBound.count() * 1000)), 0)
+        << "no PUT /v1/budget took the capacity's lock";
+    ASSERT_EQ(::read(capacity_hook_, &held, 1), 1);
+    ASSERT_EQ(held, 'h');
+  }
+  void LetCapacityGo() {
+    const char go = 'g';
+    ASSERT_EQ(::write(capacity_hook_, &go, 1), 1);
+  }
   // Lets every load proceed from now on.
   void CloseGate() {
     if (gate_ >= 0) {
@@ -619,6 +651,7 @@ class Daemon {
   DaemonOptions options_;
   std::unique_ptr<Process> process_;
   int pause_hook_ = -1;
+  int capacity_hook_ = -1;
   int gate_ = -1;
   int gate_read_ = -1;
   int http_port_ = 0;

@@ -190,6 +190,11 @@ struct DaemonOptions {
   // unread in the sockets (replies already queued are still sent); end of
   // file resumes.
   int test_pause_reads_fd = -1;
+  // A socket (-1: none) through which a test holds the lock of the store's
+  // capacity as a slow holder would: PUT /v1/budget, once it holds it,
+  // writes 'h' to it and reads one byte (or the end of file) before it
+  // goes on.
+  int test_capacity_hold_fd = -1;
 };
 
 struct HttpRequest {

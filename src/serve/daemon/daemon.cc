@@ -217,9 +217,11 @@ void Daemon::Impl::DrainEvents() {
   std::vector<Command> commands;
   std::vector<std::vector<detail::PidMemfds>> rechecked;
   std::vector<detail::Reloaded> reloaded;
+  std::vector<detail::Adoption> adopted;
   {
     base::MutexLock lock(&inbox_mu_);
     reloaded.swap(reloaded_);
+    adopted.swap(adopted_);
     completed.swap(completed_);
     commands.swap(commands_);
     rechecked.swap(rechecked_);
@@ -230,6 +232,7 @@ void Daemon::Impl::DrainEvents() {
   }
   ProcessRecalls();
   for (auto& task : completed) Complete(std::move(task));
+  for (detail::Adoption& a : adopted) FinishReclaim(std::move(a));
   for (const auto& found : rechecked) ApplyRecheck(found);
   for (detail::Reloaded& r : reloaded) ApplyReload(std::move(r));
   if (capacity_applied_.exchange(false)) RetryBlockedByOrphans();

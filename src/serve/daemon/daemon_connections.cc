@@ -130,7 +130,9 @@ void Daemon::Impl::Accept() {
 void Daemon::Impl::Readable(Connection& c) {
   detail::Datagram datagram;
   bool reset = false;
-  for (int i = 0; i < kReadsPerWakeup && !c.doomed; ++i) {
+  // A request may pause this connection's reads (a reclaim that adopts):
+  // the next is read once they resume, after its answer.
+  for (int i = 0; i < kReadsPerWakeup && !c.doomed && !ReadsPaused(c); ++i) {
     const int r = detail::ReceiveDatagram(
         c.fd.get(), protocol::kMaxMessageBytes, 2 * protocol::kMaxFilesPerModel,
         MSG_DONTWAIT, &datagram);
@@ -397,6 +399,16 @@ void Daemon::Impl::PauseHook() {
   }
   if (n == 1) {
     [[maybe_unused]] const ssize_t w = ::write(fd, &command, 1);
+  }
+}
+
+void Daemon::Impl::CapacityHoldHook() {
+  const int fd = options_.test_capacity_hold_fd;
+  if (fd < 0) return;
+  const char held = 'h';
+  if (::write(fd, &held, 1) != 1) return;
+  char go;
+  while (::read(fd, &go, 1) < 0 && errno == EINTR) {
   }
 }
 

@@ -63,6 +63,30 @@
 // lease ends when the process reclaims its own (DropMapperHolds), when the
 // rescan finds it maps the copy no more, or when it exits.
 //
+// A reclaim that adopts a predecessor's copy (daemon_reclaim.cc) changes
+// the store's capacity, which takes capacity_mu_; the loop never waits on
+// it, so the adoption runs on the background thread (an Adoption):
+//
+//   checked on the loop --the copy's adoption queued (Later); its
+//     connection's reads paused, so its next request is read after the
+//     answer--> adopting
+//   adopting --on the background thread: capacity_mu_, the reservation
+//     grown by the copy's orphaned bytes in the same step (no other load
+//     can take that room), the orphaned bytes less them; the result handed
+//     to the loop (adopted_)--> adopted or refused
+//   adopted --on the loop: the lease filed on its connection and answered
+//     "ok" (the connection gone: an orphaned hold for its process, as for
+//     any other mapper), the rest of the orphans booked again--> a lease
+//   refused --on the loop: CAPACITY, the descriptors closed--> done
+//
+// A reclaim of a copy whose adoption is in flight waits for it (a
+// DeferredReclaim, its connection paused too) and is handled again once it
+// ends: it then finds the copy in the store and gets a lease on it, so a
+// copy is never adopted twice. While any adoption is in flight, the orphan
+// bookings change no capacity (what a rescan finds is applied after the
+// last one ends), so the orphaned bytes an adoption moved into the store
+// are never taken off the capacity a second time.
+//
 // Unavailable models (daemon_unavailable.cc). A model whose files fail the
 // checks of --check-catalog (open beneath the root, stat, header length,
 // header parse) is unavailable; it costs that model, not the daemon:
@@ -99,6 +123,7 @@
 #include <future>
 #include <map>
 #include <memory>
+#include <optional>
 #include <set>
 #include <string>
 #include <utility>
@@ -111,6 +136,7 @@
 #include "modelcache/serve/catalog.h"
 #include "modelcache/serve/daemon.h"
 #include "modelcache/serve/errors.h"
+#include "protocol.h"
 
 namespace modelcache::serve::detail {
 
@@ -166,6 +192,8 @@ struct Connection {
   Disconnect doom_reason = Disconnect::kClosed;
   std::set<uint64_t> leases;
   std::set<uint64_t> waiters;  // waiter sequence numbers
+  // A reclaim of its waits for an adoption (Adoption): its reads pause.
+  bool adopting = false;
 };
 
 struct Waiter {
@@ -258,6 +286,28 @@ struct RestartOrphan {
   uint64_t bytes = 0;
   std::string name;
   std::set<pid_t> pids;
+};
+
+// A reclaim whose copy is adopted off the loop (the note above).
+struct Adoption {
+  // Set on the loop.
+  uint64_t connection = 0;
+  protocol::Request request;
+  pid_t pid = 0;
+  size_t predecessor = 0;   // the copy's index in predecessor_
+  std::set<pid_t> mappers;  // other processes that map it
+  uint64_t booked = 0;      // its bytes booked as orphaned
+  std::shared_ptr<AdoptedCopy> copy;
+  // Set on the background thread: the lease, or why there is none.
+  std::optional<Lease> lease;
+  std::string why;
+};
+
+// A reclaim of a copy whose adoption is in flight: handled again after it.
+struct DeferredReclaim {
+  uint64_t connection = 0;
+  protocol::Request request;
+  std::vector<base::UniqueFd> fds;
 };
 
 // Per-model counts the HTTP API shows.

@@ -117,7 +117,8 @@ void Daemon::Impl::ContinueHandover(Clock::time_point now) {
     AbandonHandover("it took longer than the takeover timeout");
     return;
   }
-  if (handover_sent_ || running_ > 0) return;  // loads still running
+  // Loads still running, or adoptions (their copies join the store).
+  if (handover_sent_ || running_ > 0 || adoptions_in_flight_ > 0) return;
   const auto it = conns_.find(handover_conn_);
   if (it == conns_.end()) return;
   SendHandover(*it->second);

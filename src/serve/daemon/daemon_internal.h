@@ -37,7 +37,7 @@
 //     background thread frees copies, reads the orphan holders'
 //     /proc/PID/maps every orphan_rescan and SIGHUP's catalog (and checks
 //     its files), handing results back through the eventfd (completed_,
-//     rechecked_, reloaded_).
+//     rechecked_, reloaded_, adopted_).
 //   stopping (SIGTERM, Shutdown()): the socket is unlinked, waiters get
 //     UNAVAILABLE, slot waits and throttle holds end, and every load in
 //     flight stops at its next interrupt check or file; Run() returns once
@@ -56,11 +56,14 @@
 // reads is atomic or under one of these mutexes:
 //   capacity_mu_      the store's capacity and orphaned_, changed together
 //                     (ApplyCapacity: PUT /v1/budget's HTTP thread, the
-//                     background thread, the loop at start; Adopt: the
-//                     loop). No thread holds it across the evictions of a
-//                     shrink: ApplyCapacity only resizes (Budget::Resize)
-//                     and its caller evicts after letting go. Adopt holds
-//                     it across its reservation, which may evict.
+//                     background thread, the constructor; Adopt: the
+//                     background thread, the constructor). Never taken on
+//                     the loop: a reclaim's adoption leaves it (Adoption,
+//                     daemon_entries.h). No thread holds it across the
+//                     evictions of a shrink: ApplyCapacity only resizes
+//                     (Budget::Resize) and its caller evicts after letting
+//                     go. Adopt holds it across its reservation, which may
+//                     evict.
 //   leases_mu_        leases_, uncovered_, to_recall_ and the recall counts.
 //   catalog_mu_       the catalog, its digest, the last reload's error.
 //   orphans_mu_       restart_orphans_ and the unreadable count.
@@ -70,7 +73,7 @@
 //   record_mu_        record_, in_fd_store_.
 //   handover_mu_      the listeners a takeover hands over, or took.
 //   inbox_mu_         what other threads hand the loop (completed_,
-//                     rechecked_, reloaded_).
+//                     rechecked_, reloaded_, adopted_).
 //   pool_mu_          the pool's queue of tasks.
 //   expiry_mu_        the expiry thread's next wake-up.
 //   background_mu_    the background thread's chores (Later).
@@ -93,7 +96,13 @@
 //   handover_mu_ -> the HTTP servers' own locks (disowning the listeners)
 // Every other mutex is a leaf: nothing is taken while it is held. The
 // orders within one function are declared (MC_ACQUIRED_BEFORE), so clang's
-// -Wthread-safety-beta checks them; those through calls are as above.
+// -Wthread-safety-beta checks them (plain -Wthread-safety ignores them).
+// Those through calls (the store's user code) are beyond it, so each mutex
+// has a lock rank (base::LockRank), which debug builds check at every lock:
+// kOuterLockRank for capacity_mu_, record_write_mu_ and handover_mu_,
+// kLeafLockRank for the rest. A thread that takes a leaf while holding
+// one, or an outer mutex while holding any, aborts naming both; the daemon
+// tests run the daemon so in the debug and sanitizer builds.
 #ifndef MODELCACHE_SRC_SERVE_DAEMON_DAEMON_INTERNAL_H_
 #define MODELCACHE_SRC_SERVE_DAEMON_DAEMON_INTERNAL_H_
 
@@ -132,6 +141,10 @@
 namespace modelcache::serve {
 
 namespace detail {
+
+// The daemon's lock ranks (the order in the note above).
+inline constexpr int kOuterLockRank = 1;
+inline constexpr int kLeafLockRank = 2;
 
 // Set while this thread adopts a copy into the store (daemon_reclaim.cc):
 // the store's kLoaded event it emits is no load (OnEvent).
@@ -306,7 +319,8 @@ class Daemon::Impl {
   void RestartPidExited(pid_t pid) MC_EXCLUDES(orphans_mu_);
   // Books `orphans` as the predecessor's copies still mapped: the orphaned
   // bytes, the pidfds watched, the store's capacity (now when `now`, else
-  // on the background thread: after start the bytes only shrink).
+  // on the background thread: after start the bytes only shrink; after the
+  // last adoption in flight ends, while any is).
   void BookRestartOrphans(
       std::map<detail::MemfdId, detail::RestartOrphan> orphans, int unreadable,
       bool now) MC_EXCLUDES(orphans_mu_, capacity_mu_);
@@ -325,6 +339,9 @@ class Daemon::Impl {
   uint32_t ConnectionEvents(const detail::Connection& c) const;
   // DaemonOptions::test_pause_reads_fd is readable.
   void PauseHook();
+  // DaemonOptions::test_capacity_hold_fd: says it holds capacity_mu_, and
+  // waits for the test's byte.
+  void CapacityHoldHook() MC_REQUIRES(capacity_mu_);
 
   // ---- the record and reclaim (daemon_record.cc, daemon_reclaim.cc; design
   // notes there; the holds for other mappers: daemon_orphans.cc) ----
@@ -345,10 +362,28 @@ class Daemon::Impl {
   // The grace period ends for `model` (reclaimed), or for all (null).
   void EndGrace(const std::string* model);
   // Puts an adopted copy in the store and returns a lease on it, or null
-  // with `why`. `from_orphans`: its bytes were booked as orphaned.
-  std::optional<Lease> Adopt(detail::AdoptedCopy adopted, bool from_orphans,
-                             std::string* why)
-      MC_EXCLUDES(capacity_mu_, orphans_mu_);
+  // with `why`. `booked`: its bytes booked as orphaned, which move into the
+  // store's capacity with its reservation. Takes capacity_mu_: never on the
+  // loop (the constructor, the background thread).
+  std::optional<Lease> Adopt(const detail::AdoptedCopy& adopted,
+                             uint64_t booked, std::string* why)
+      MC_EXCLUDES(capacity_mu_);
+  // On the loop: queues a reclaim's adoption for the background thread,
+  // pausing its connection's reads; FinishReclaim, on the loop, takes the
+  // result (daemon_entries.h's note).
+  void AdoptLater(detail::Connection& c, detail::Adoption adoption);
+  void FinishReclaim(detail::Adoption adoption);
+  // Files a reclaimed lease on `c` and answers the reclaim.
+  void FileReclaimedLease(detail::Connection& c, const protocol::Request& r,
+                          Lease lease, const std::set<pid_t>& mappers)
+      MC_EXCLUDES(leases_mu_);
+  void SetAdopting(detail::Connection& c, bool adopting);
+  // Loop-only: the predecessor's copies (by index) whose adoption is in
+  // flight, each with the reclaims of it that wait; how many are in flight,
+  // and whether an orphan booking waits for the last to end.
+  std::map<size_t, std::vector<detail::DeferredReclaim>> adopting_;
+  int adoptions_in_flight_ = 0;
+  bool rebook_after_adoptions_ = false;
   // On the loop, after a reclaim adopted `copy`: an orphaned lease on it
   // for each other process in `pids` that maps it (the start's scan saw
   // them), so that it stays in use, and in the books, until that process
@@ -373,7 +408,8 @@ class Daemon::Impl {
   std::atomic<bool> keep_record_{false};
   std::atomic<bool> fd_store_error_logged_{false};
 
-  mutable base::Mutex record_mu_;
+  mutable base::Mutex record_mu_{
+      base::LockRank{detail::kLeafLockRank, "record_mu_"}};
   // The copies whose memfds systemd's store holds, by first header memfd.
   std::set<detail::MemfdId> in_fd_store_ MC_GUARDED_BY(record_mu_);
   // This daemon's copies, by their first header memfd.
@@ -395,7 +431,8 @@ class Daemon::Impl {
   // never share the temporary file, and the file ends with the newest
   // snapshot. Never taken on the loop (its writes go through Later).
   // Order: record_write_mu_ -> record_mu_.
-  base::Mutex record_write_mu_ MC_ACQUIRED_BEFORE(record_mu_);
+  base::Mutex record_write_mu_ MC_ACQUIRED_BEFORE(record_mu_){
+      base::LockRank{detail::kOuterLockRank, "record_write_mu_"}};
   std::atomic<bool> record_writes_{true};
   // Loop-only after start: the predecessor's copies, by each data memfd
   // (copy, file index); the models awaiting a reclaim and until when.
@@ -414,7 +451,8 @@ class Daemon::Impl {
   std::atomic<double> takeover_seconds_{0};
   std::atomic<bool> handed_over_{false};
   // ---- takeover (daemon_handover.cc) ----
-  base::Mutex handover_mu_;
+  base::Mutex handover_mu_{
+      base::LockRank{detail::kOuterLockRank, "handover_mu_"}};
   std::vector<std::pair<std::string, int>> handover_listeners_
       MC_GUARDED_BY(handover_mu_);
   std::function<void()> disown_listeners_ MC_GUARDED_BY(handover_mu_);
@@ -432,7 +470,8 @@ class Daemon::Impl {
   void SendHandover(detail::Connection& c);
   void AbandonHandover(const std::string& why);
   bool ReadsPaused(const detail::Connection& c) const {
-    return reads_paused_ || (handover_conn_ != 0 && c.id != handover_conn_);
+    return reads_paused_ || c.adopting ||
+           (handover_conn_ != 0 && c.id != handover_conn_);
   }
   uint64_t handover_conn_ = 0;
   uint64_t handover_request_ = 0;
@@ -498,12 +537,14 @@ class Daemon::Impl {
 
   std::unique_ptr<ModelCache> store_;
 
-  mutable base::Mutex catalog_mu_;
+  mutable base::Mutex catalog_mu_{
+      base::LockRank{detail::kLeafLockRank, "catalog_mu_"}};
   std::shared_ptr<const Catalog> catalog_ MC_GUARDED_BY(catalog_mu_);
   std::string reload_error_ MC_GUARDED_BY(catalog_mu_);
   std::string catalog_digest_ MC_GUARDED_BY(catalog_mu_);
 
-  mutable base::Mutex leases_mu_;
+  mutable base::Mutex leases_mu_{
+      base::LockRank{detail::kLeafLockRank, "leases_mu_"}};
   std::map<uint64_t, detail::LeaseEntry> leases_ MC_GUARDED_BY(leases_mu_);
   // Uncovered leases by copy (LeaseEntry::lease), the recalls GateUnload
   // asked the loop to send, and whether some uncovered lease in use needs
@@ -526,37 +567,42 @@ class Daemon::Impl {
   // capacity_mu_ serialises the store's capacity changes (ApplyCapacity,
   // Adopt; see the note at the top for who takes it and the order). The
   // two numbers it applies are read anywhere without it.
-  mutable base::Mutex capacity_mu_ MC_ACQUIRED_BEFORE(leases_mu_, live_mu_,
-                                                      record_mu_,
-                                                      background_mu_,
-                                                      stats_mu_);
+  mutable base::Mutex capacity_mu_ MC_ACQUIRED_BEFORE(
+      leases_mu_, live_mu_, record_mu_, background_mu_,
+      stats_mu_){base::LockRank{detail::kOuterLockRank, "capacity_mu_"}};
   std::atomic<uint64_t> configured_{0};
   std::atomic<uint64_t> orphaned_{0};
 
-  mutable base::Mutex orphans_mu_;
+  mutable base::Mutex orphans_mu_{
+      base::LockRank{detail::kLeafLockRank, "orphans_mu_"}};
   std::map<detail::MemfdId, detail::RestartOrphan> restart_orphans_
       MC_GUARDED_BY(orphans_mu_);
   int unreadable_maps_ MC_GUARDED_BY(orphans_mu_) = 0;
 
   // Memfds of the copies this daemon holds now.
-  mutable base::Mutex live_mu_;
+  mutable base::Mutex live_mu_{
+      base::LockRank{detail::kLeafLockRank, "live_mu_"}};
   std::set<detail::MemfdId> live_ MC_GUARDED_BY(live_mu_);
 
-  mutable base::Mutex slots_mu_;
+  mutable base::Mutex slots_mu_{
+      base::LockRank{detail::kLeafLockRank, "slots_mu_"}};
   base::CondVar slots_cv_;
   int slots_used_ MC_GUARDED_BY(slots_mu_) = 0;
 
-  mutable base::Mutex reading_mu_;
+  mutable base::Mutex reading_mu_{
+      base::LockRank{detail::kLeafLockRank, "reading_mu_"}};
   std::map<std::string, int> reading_ MC_GUARDED_BY(reading_mu_);
 
-  mutable base::Mutex stats_mu_;
+  mutable base::Mutex stats_mu_{
+      base::LockRank{detail::kLeafLockRank, "stats_mu_"}};
   std::map<std::string, detail::ModelStats> model_stats_
       MC_GUARDED_BY(stats_mu_);
 
   // The unavailable models, by id: written on the loop (and in the
   // constructor), read by the HTTP threads and the store's prewarm source.
   // A leaf: nothing else is taken under it.
-  mutable base::Mutex unavailable_mu_;
+  mutable base::Mutex unavailable_mu_{
+      base::LockRank{detail::kLeafLockRank, "unavailable_mu_"}};
   std::map<std::string, detail::Unavailable> unavailable_
       MC_GUARDED_BY(unavailable_mu_);
 
@@ -607,7 +653,7 @@ class Daemon::Impl {
   std::atomic<bool> shutdown_requested_{false};
   std::atomic<bool> reload_requested_{false};
   std::atomic<bool> shutting_down_{false};  // read by tasks' checks
-  base::Mutex inbox_mu_;
+  base::Mutex inbox_mu_{base::LockRank{detail::kLeafLockRank, "inbox_mu_"}};
   std::vector<std::shared_ptr<detail::Task>> completed_
       MC_GUARDED_BY(inbox_mu_);
   struct Command {
@@ -621,6 +667,11 @@ class Daemon::Impl {
   bool recheck_in_flight_ = false;  // loop-only
   uint64_t booked_orphaned_ = 0;    // loop-only: orphaned_ once applied
   std::vector<detail::Reloaded> reloaded_ MC_GUARDED_BY(inbox_mu_);
+  // Adoptions done on the background thread, and those queued and not yet
+  // done (the destructor waits for them before it drops the store).
+  std::vector<detail::Adoption> adopted_ MC_GUARDED_BY(inbox_mu_);
+  int adoptions_queued_ MC_GUARDED_BY(inbox_mu_) = 0;
+  base::CondVar adoptions_cv_;
   bool reload_in_flight_ = false;  // loop-only
   bool reload_again_ = false;      // loop-only
   // The background thread applied a capacity that grew.
@@ -634,7 +685,7 @@ class Daemon::Impl {
   void Wake();
 
   // The pool.
-  base::Mutex pool_mu_;
+  base::Mutex pool_mu_{base::LockRank{detail::kLeafLockRank, "pool_mu_"}};
   base::CondVar pool_cv_;
   std::deque<std::shared_ptr<detail::Task>> pool_queue_ MC_GUARDED_BY(pool_mu_);
   bool pool_stop_ MC_GUARDED_BY(pool_mu_) = false;
@@ -645,7 +696,7 @@ class Daemon::Impl {
   // asks every expiry_period_, off the loop (an unload frees a copy's pages).
   void ExpiryThread() MC_EXCLUDES(expiry_mu_);
   std::chrono::nanoseconds expiry_period_{0};  // 0: no TTL, no thread
-  base::Mutex expiry_mu_;
+  base::Mutex expiry_mu_{base::LockRank{detail::kLeafLockRank, "expiry_mu_"}};
   base::CondVar expiry_cv_;
   bool expiry_stop_ MC_GUARDED_BY(expiry_mu_) = false;
   std::thread expiry_;
@@ -656,7 +707,8 @@ class Daemon::Impl {
   void BackgroundThread() MC_EXCLUDES(background_mu_);
   // Runs `chore` on the background thread (here, now, when it is stopped).
   void Later(std::function<void()> chore) MC_EXCLUDES(background_mu_);
-  base::Mutex background_mu_;
+  base::Mutex background_mu_{
+      base::LockRank{detail::kLeafLockRank, "background_mu_"}};
   base::CondVar background_cv_;
   std::deque<std::function<void()>> chores_ MC_GUARDED_BY(background_mu_);
   bool background_running_ MC_GUARDED_BY(background_mu_) = false;

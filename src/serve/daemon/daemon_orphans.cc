@@ -82,14 +82,21 @@ void Daemon::Impl::BookRestartOrphans(
   for (const pid_t pid : pids) WatchPid(pid);
   const uint64_t before = booked_orphaned_;
   booked_orphaned_ = total;
-  if (before != total) {
+  if (before != total || (!now && rebook_after_adoptions_)) {
     if (now) {
       {
         base::MutexLock lock(&capacity_mu_);
         ApplyCapacity(total);
       }
       store_->budget().EvictOverCapacity();  // only at start can it shrink
+    } else if (adoptions_in_flight_ > 0) {
+      // An adoption in flight moves some orphaned bytes into the store on
+      // the background thread: a capacity computed from these orphans,
+      // which still hold them, would take them off the capacity a second
+      // time. The last adoption to end books again (FinishReclaim).
+      rebook_after_adoptions_ = true;
     } else {
+      rebook_after_adoptions_ = false;
       // Off the loop. The orphaned bytes only shrink after start, and
       // /v1/budget shows the new figure only once the store's capacity has
       // grown by it, so used + orphaned stays within the capacity, and room

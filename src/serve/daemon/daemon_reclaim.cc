@@ -178,7 +178,7 @@ void Daemon::Impl::AdoptStored() {
       base::MutexLock lock(&record_mu_);
       in_fd_store_.insert(key);
     }
-    std::optional<Lease> lease = Adopt(std::move(adopted), false, &why);
+    std::optional<Lease> lease = Adopt(adopted, /*booked=*/0, &why);
     if (!lease) {
       base::MutexLock lock(&record_mu_);
       in_fd_store_.erase(key);
@@ -348,6 +348,20 @@ void Daemon::Impl::HandleReclaim(Connection& c, const protocol::Request& r,
     return;
   }
 
+  // A copy whose adoption is in flight: this reclaim is handled again once
+  // that ends (FinishReclaim), and then finds the copy in the store, held
+  // for this process among its other mappers. (The store may hold it
+  // already, but its mappers are held only once the adoption ends.)
+  if (const auto p = predecessor_by_data_.find(seen[1].id);
+      p != predecessor_by_data_.end()) {
+    if (const auto in_flight = adopting_.find(p->second.first);
+        in_flight != adopting_.end()) {
+      SetAdopting(c, true);
+      in_flight->second.push_back({c.id, r, std::move(fds)});
+      return;
+    }
+  }
+
   // A copy in the store already (another holder reclaimed it first, or a
   // takeover brought it): a lease on it.
   std::optional<Lease> lease;
@@ -394,16 +408,18 @@ void Daemon::Impl::HandleReclaim(Connection& c, const protocol::Request& r,
              "these memfds are not a copy the predecessor made");
       return;
     }
-    const detail::RecordedCopy& rc = predecessor_[p->second.first];
+    const size_t index = p->second.first;
+    const detail::RecordedCopy& rc = predecessor_[index];
     if (rc.model != r.model || rc.files.size() != files) {
       refuse(ServeCode::kInvalid,
              "the predecessor made that copy of '" + rc.model + "' with " +
                  std::to_string(rc.files.size()) + " files");
       return;
     }
-    detail::AdoptedCopy adopted;
-    adopted.model = rc.model;
-    adopted.origin = "reclaimed";
+    detail::Adoption adoption;
+    adoption.copy = std::make_shared<detail::AdoptedCopy>();
+    adoption.copy->model = rc.model;
+    adoption.copy->origin = "reclaimed";
     for (size_t f = 0; f < files; ++f) {
       const detail::RecordedFile& want = rc.files[f];
       const Seen& data = seen[2 * f + 1];
@@ -414,32 +430,49 @@ void Daemon::Impl::HandleReclaim(Connection& c, const protocol::Request& r,
         refuse(ServeCode::kInvalid, why);
         return;
       }
-      adopted.files.push_back({want.name, want.data_bytes, want.header_bytes,
-                               want.header_hash, std::move(fds[2 * f]),
-                               std::move(fds[2 * f + 1])});
+      adoption.copy->files.push_back(
+          {want.name, want.data_bytes, want.header_bytes, want.header_hash,
+           std::move(fds[2 * f]), std::move(fds[2 * f + 1])});
     }
-    std::string why;
-    lease = Adopt(std::move(adopted), /*from_orphans=*/true, &why);
-    if (!lease) {
-      refuse(ServeCode::kCapacity, why);
-      return;
+    // The bytes of its memfds booked as orphaned: they move into the
+    // store's capacity with its reservation.
+    {
+      base::MutexLock lock(&orphans_mu_);
+      std::set<MemfdId> counted;
+      for (const Seen& s : seen) {
+        const auto o = restart_orphans_.find(s.id);
+        if (o != restart_orphans_.end() && counted.insert(s.id).second) {
+          adoption.booked += o->second.bytes;
+        }
+      }
     }
-    copy = lease->get<detail::ModelCopy>();
-    bytes_reclaimed_ += copy->bytes();
+    adoption.connection = c.id;
+    adoption.request = r;
+    adoption.pid = c.pid;
+    adoption.predecessor = index;
+    adoption.mappers = std::move(mappers);
+    AdoptLater(c, std::move(adoption));
+    return;
   }
   fds.clear();
+  FileReclaimedLease(c, r, std::move(*lease), mappers);
+}
 
+void Daemon::Impl::FileReclaimedLease(Connection& c, const protocol::Request& r,
+                                      Lease lease,
+                                      const std::set<pid_t>& mappers) {
   // The lease, as Grant files one (already delivered: the client maps it).
+  const auto* copy = lease.get<detail::ModelCopy>();
   std::shared_ptr<const detail::ModelCopy> keep = copy->shared_from_this();
   detail::LeaseEntry entry;
   entry.connection = c.id;
   entry.model = r.model;
   entry.pid = c.pid;
   entry.uid = c.uid;
-  entry.bytes = lease->bytes();
+  entry.bytes = lease.bytes();
   entry.copy = copy;
   entry.delivered = true;
-  entry.lease = std::move(*lease);
+  entry.lease = std::move(lease);
   for (const detail::FileCopy& f : keep->files()) {
     entry.memfds.push_back(f.data_id);
     entry.memfds.push_back(f.header_id);
@@ -465,26 +498,103 @@ void Daemon::Impl::HandleReclaim(Connection& c, const protocol::Request& r,
   EndGrace(&r.model);
 }
 
-std::optional<Lease> Daemon::Impl::Adopt(detail::AdoptedCopy adopted,
-                                         bool from_orphans, std::string* why) {
+// ---- adoption, off the loop ----
+
+void Daemon::Impl::SetAdopting(Connection& c, bool adopting) {
+  if (c.adopting == adopting) return;
+  c.adopting = adopting;
+  EpollMod(epoll_fd_.get(), c.fd.get(), ConnectionEvents(c),
+           Tagged(kConnTag, c.id));
+}
+
+void Daemon::Impl::AdoptLater(Connection& c, detail::Adoption adoption) {
+  SetAdopting(c, true);
+  adopting_[adoption.predecessor];
+  ++adoptions_in_flight_;
+  {
+    base::MutexLock lock(&inbox_mu_);
+    ++adoptions_queued_;
+  }
+  auto job = std::make_shared<detail::Adoption>(std::move(adoption));
+  Later([this, job] {
+    job->lease = Adopt(*job->copy, job->booked, &job->why);
+    job->copy.reset();  // the descriptors the adoption did not take close
+    {
+      base::MutexLock lock(&inbox_mu_);
+      adopted_.push_back(std::move(*job));
+      --adoptions_queued_;
+      adoptions_cv_.NotifyAll();
+    }
+    Wake();
+  });
+}
+
+void Daemon::Impl::FinishReclaim(detail::Adoption adoption) {
+  --adoptions_in_flight_;
+  std::vector<detail::DeferredReclaim> deferred;
+  if (const auto it = adopting_.find(adoption.predecessor);
+      it != adopting_.end()) {
+    deferred = std::move(it->second);
+    adopting_.erase(it);
+  }
+  const protocol::Request& r = adoption.request;
+  const auto conn = conns_.find(adoption.connection);
+  Connection* c = conn == conns_.end() ? nullptr : conn->second.get();
+  if (c != nullptr) SetAdopting(*c, false);
+  std::map<MemfdId, detail::RestartOrphan> orphans;
+  int unreadable;
+  {
+    base::MutexLock lock(&orphans_mu_);
+    orphans = restart_orphans_;
+    unreadable = unreadable_maps_;
+  }
+  if (adoption.lease) {
+    const auto* copy = adoption.lease->get<detail::ModelCopy>();
+    bytes_reclaimed_ += copy->bytes();
+    // Its bytes left the orphaned ones with the reservation; the rest are
+    // booked again (the pids watched for them, too).
+    for (const detail::FileCopy& f : copy->files()) {
+      orphans.erase(f.data_id);
+      orphans.erase(f.header_id);
+    }
+  }
+  // Applies what waited for the adoptions in flight, once none is.
+  BookRestartOrphans(std::move(orphans), unreadable, /*now=*/false);
+  if (!adoption.lease) {
+    ++reclaims_refused_;
+    if (c != nullptr) {
+      SendError(*c, r.id, ServeCode::kCapacity,
+                "reclaim of lease " + std::to_string(r.lease) + " ('" +
+                    r.model + "') refused: " + adoption.why);
+    }
+  } else if (c != nullptr) {
+    FileReclaimedLease(*c, r, std::move(*adoption.lease), adoption.mappers);
+  } else {
+    // Its connection ended meanwhile: its process, if it still maps the
+    // copy, is held for as any other mapper, before the lease goes.
+    const auto* copy = adoption.lease->get<detail::ModelCopy>();
+    const std::shared_ptr<const Catalog> cat = catalog();
+    const CatalogModel* spec = cat->Find(r.model);
+    adoption.mappers.insert(adoption.pid);
+    HoldForMappers(*copy, r.model, spec == nullptr || spec->id != r.model,
+                   adoption.mappers);
+    adoption.lease.reset();
+    EndGrace(&r.model);
+  }
+  for (detail::DeferredReclaim& d : deferred) {
+    const auto other = conns_.find(d.connection);
+    if (other == conns_.end()) continue;  // its descriptors close
+    SetAdopting(*other->second, false);
+    HandleReclaim(*other->second, d.request, std::move(d.fds));
+  }
+}
+
+std::optional<Lease> Daemon::Impl::Adopt(const detail::AdoptedCopy& adopted,
+                                         uint64_t booked, std::string* why) {
   std::shared_ptr<detail::ModelCopy> made =
       detail::AdoptCopy(copy_options_, adopted);
   const uint64_t bytes = made->bytes();
   const std::string model = adopted.model;
-  // The bytes of its memfds booked as orphaned: they move into the store.
-  std::set<MemfdId> ids;
-  for (const detail::FileCopy& f : made->files()) {
-    ids.insert(f.data_id);
-    ids.insert(f.header_id);
-  }
-  uint64_t booked = 0;
-  if (from_orphans) {
-    base::MutexLock lock(&orphans_mu_);
-    for (const MemfdId& id : ids) {
-      const auto o = restart_orphans_.find(id);
-      if (o != restart_orphans_.end()) booked += o->second.bytes;
-    }
-  }
   bool used = false;
   const void* id = made.get();
   const Loader loader = [&]() -> Loaded {
@@ -494,9 +604,8 @@ std::optional<Lease> Daemon::Impl::Adopt(detail::AdoptedCopy adopted,
   std::optional<Lease> lease;
   {
     // capacity_mu_: the store's capacity and the orphaned bytes change
-    // together (lock order: capacity_mu_, then the store's). No other
-    // thread holds it across evictions (ApplyCapacity evicts nothing), so
-    // the loop waits here for short steps only.
+    // together (lock order: capacity_mu_, then the store's). Held across
+    // the reservation, which may evict: never on the loop.
     base::MutexLock lock(&capacity_mu_);
     detail::g_adopting = true;
     struct Done {
@@ -505,9 +614,9 @@ std::optional<Lease> Daemon::Impl::Adopt(detail::AdoptedCopy adopted,
     AcquireOptions options;
     options.when_full = WhenFull::kFail;
     options.request = false;
-    // Never waits, on the loop, for a load or an unload of the model in
-    // progress: the adoption is refused instead (it would be refused after
-    // the load anyway, a copy being resident).
+    // Never waits for a load or an unload of the model in progress: the
+    // adoption is refused instead (it would be refused after the load
+    // anyway, a copy being resident).
     options.deadline = Clock::now();
     options.grow_capacity = std::min(booked, orphaned_.load());
     try {
@@ -516,10 +625,7 @@ std::optional<Lease> Daemon::Impl::Adopt(detail::AdoptedCopy adopted,
         lease = std::move(l);
         ++adoptions_;
         adopted_bytes_ += bytes;
-        if (options.grow_capacity > 0) {
-          orphaned_ -= options.grow_capacity;
-          booked_orphaned_ -= std::min(booked_orphaned_, options.grow_capacity);
-        }
+        orphaned_ -= options.grow_capacity;
       } else {
         *why = "another copy of '" + model + "' is resident";
       }
@@ -528,19 +634,6 @@ std::optional<Lease> Daemon::Impl::Adopt(detail::AdoptedCopy adopted,
     }
   }
   if (!lease) return std::nullopt;
-  if (from_orphans) {
-    // Its bytes left the orphaned ones with the reservation; the rest are
-    // booked again (the pids watched for them, too).
-    std::map<MemfdId, detail::RestartOrphan> orphans;
-    int unreadable;
-    {
-      base::MutexLock lock(&orphans_mu_);
-      orphans = restart_orphans_;
-      unreadable = unreadable_maps_;
-    }
-    for (const MemfdId& i : ids) orphans.erase(i);
-    BookRestartOrphans(std::move(orphans), unreadable, /*now=*/true);
-  }
   const std::shared_ptr<const Catalog> cat = catalog();
   const CatalogModel* spec = cat->Find(model);
   if (spec == nullptr || spec->id != model) {

@@ -379,10 +379,13 @@ Daemon::Impl::~Impl() {
   if (expiry_.joinable()) expiry_.join();
   conns_.clear();
   orphan_groups_.clear();
-  // Completed tasks never collected hold leases.
+  // Completed tasks and adoptions never collected hold leases; adoptions
+  // still queued on the background thread use the store.
   {
     base::MutexLock lock(&inbox_mu_);
+    while (adoptions_queued_ > 0) adoptions_cv_.Wait(&inbox_mu_);
     completed_.clear();
+    adopted_.clear();
   }
   std::map<uint64_t, detail::LeaseEntry> leases;
   {

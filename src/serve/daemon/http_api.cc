@@ -420,6 +420,7 @@ HttpResponse Daemon::Impl::BudgetEndpoint(const HttpRequest& request) {
     if (capacity == 0) return Problem(400, "capacity_bytes must be above 0");
     {
       base::MutexLock lock(&capacity_mu_);
+      CapacityHoldHook();
       configured_ = capacity;
       ApplyCapacity(orphaned_.load());
     }

@@ -92,11 +92,19 @@
 // gets that copy; once the recall is answered, the next Acquire is a round
 // trip for the current one.
 //
-// Releases: ~RemoteWeights never waits for the daemon. A release the
-// socket has no room for now (the daemon is slow to read) is queued and
-// sent, in order, by a thread of the Client's own as the socket becomes
-// writable; it is never dropped while the connection lives, and a request
-// made after it is sent after it.
+// Releases: ~RemoteWeights never waits for the daemon's answer, but it
+// returns only once its release (or, with idle_notice_delay 0, its idle
+// notice) is on the socket: a release the socket has no room for now (the
+// daemon is slow to read) is sent, in order, by a thread of the Client's
+// own as the socket becomes writable, and the call waits for that (or for
+// the connection's end). So an acquire that another process makes after
+// this call returns finds the room (the daemon reads every socket before it
+// refuses a "fail" acquire, and recalls a delegated lease it still counts
+// in use). It is never dropped while the connection lives, and a request
+// made after it is sent after it. A daemon that lists "recall_in_use" is
+// told, at connection, that this Client delegates (local_reuse with
+// keep_idle > 0), so that it may recall a lease whose last reference ended
+// before its idle notice went.
 //
 // Thread safety: a Client may be used from any number of threads at once;
 // replies are matched to requests by id, so a long acquire does not hold up

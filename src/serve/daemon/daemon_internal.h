@@ -113,6 +113,7 @@
 #include <string>
 #include <thread>
 #include <unordered_map>
+#include <unordered_set>
 #include <vector>
 
 #include "copy.h"
@@ -231,6 +232,21 @@ class Daemon::Impl {
   uint64_t RecallsStarted() const MC_EXCLUDES(leases_mu_);
   bool WaitForRecalls(uint64_t since, Clock::time_point deadline)
       MC_EXCLUDES(leases_mu_);
+  // Off the loop, for a "fail" load of `model` that found no room for
+  // `needed` bytes: recalls leases in use of delegating connections
+  // (delegating_) when their copies, with the free and the evictable bytes,
+  // would cover it; the least recently used first, no more than it takes.
+  // They keep their store leases until "release" arrives. Not those whose
+  // recall ended in use at or after `since` (the load's start): their
+  // holders use them. False when it recalled nothing (nothing would cover
+  // it, or nothing to recall).
+  bool RecallInUse(const std::string& model, uint64_t needed,
+                   Clock::time_point since) MC_EXCLUDES(leases_mu_);
+  // Off the loop: returns once the loop has finished an iteration whose
+  // epoll_wait began after this call and that read every readable socket
+  // to its end (so every request sent before this call is read), at
+  // shutdown, or after the recall timeout (a loop that never drains).
+  void AwaitLoopPass() MC_EXCLUDES(inbox_mu_);
   // Before a reload or an HTTP unload retires `model`: its leases are
   // marked retired, its idle ones take a store lease again and are
   // recalled. Any thread.
@@ -513,6 +529,8 @@ class Daemon::Impl {
   std::vector<uint64_t> to_recall_ MC_GUARDED_BY(leases_mu_);
   bool cover_again_ MC_GUARDED_BY(leases_mu_) = false;
   int recalls_outstanding_ MC_GUARDED_BY(leases_mu_) = 0;
+  // Connections that said "delegate": their leases in use may be recalled.
+  std::unordered_set<uint64_t> delegating_ MC_GUARDED_BY(leases_mu_);
   uint64_t recalls_started_ MC_GUARDED_BY(leases_mu_) = 0;
   base::CondVar recalls_cv_;
   // Loop-only: recalls sent, by deadline.
@@ -631,6 +649,16 @@ class Daemon::Impl {
   uint64_t health_asked_ MC_GUARDED_BY(inbox_mu_) = 0;
   uint64_t health_answered_ MC_GUARDED_BY(inbox_mu_) = 0;
   base::CondVar health_cv_;
+  // AwaitLoopPass: passes asked for, and the last one the loop finished
+  // (health_cv_ wakes the askers). pass_serving_: what was asked when the
+  // current iteration's epoll_wait began (loop-only).
+  // (Written under inbox_mu_, read anywhere.)
+  std::atomic<uint64_t> passes_asked_{0};
+  std::atomic<uint64_t> passes_done_{0};
+  uint64_t pass_serving_ = 0;
+  // Loop-only: a read this iteration stopped at kReadsPerWakeup, leaving
+  // datagrams in a socket; such an iteration answers no pass.
+  bool capped_read_ = false;
   void Wake();
 
   // The pool.

@@ -44,11 +44,12 @@
 // keep_idle says, and one whose last reference ends meanwhile is kept idle
 // (keep_idle 0 too): while the daemon is away nothing could free its copy,
 // the successor books the mapping as orphaned either way, and adopts it;
-// keep_idle applies again once it is reclaimed. Close() reclaims nothing (the daemon ends the leases of a
-// closed connection). Reclaims() counts what happened. With a daemon that does
-// not list "reclaim", the leases of a lost connection are unbacked at once (the
-// idle ones unmapped), as the daemon they came from is gone and a new one
-// counts their copies as orphaned until they are unmapped.
+// keep_idle applies again once it is reclaimed. Close() reclaims nothing (the
+// daemon ends the leases of a closed connection). Reclaims() counts what
+// happened. With a daemon that does not list "reclaim", the leases of a lost
+// connection are unbacked at once (the idle ones unmapped), as the daemon they
+// came from is gone and a new one counts their copies as orphaned until they
+// are unmapped.
 //
 // fork(): mappings are made with MADV_DONTFORK, so a child has none of its
 // parent's copies (its RemoteWeights objects are hollow: their spans must

@@ -107,8 +107,8 @@ void ClientCore::Flusher() {
     if (c->broken) continue;
     const bool in_use_recallable = c->delegates && held_.size() > idle_;
     if (c->unsent.empty() && c->unanswered.empty() && idle_ == 0 && !watch &&
-        !in_use_recallable &&
-        next == Clock::time_point::max() && expired.empty()) {
+        !in_use_recallable && next == Clock::time_point::max() &&
+        expired.empty()) {
       break;
     }
     if (!expired.empty()) {

@@ -118,8 +118,7 @@ uint64_t ClientCore::SendRelease(const std::shared_ptr<Connection>& c,
   return id;
 }
 
-void ClientCore::AwaitSent(const std::shared_ptr<Connection>& c,
-                           uint64_t id) {
+void ClientCore::AwaitSent(const std::shared_ptr<Connection>& c, uint64_t id) {
   const auto queued = [&] {
     return std::any_of(c->unsent.begin(), c->unsent.end(),
                        [id](const auto& m) { return m.first == id; });

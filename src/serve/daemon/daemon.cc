@@ -227,9 +227,9 @@ void Daemon::Impl::AwaitLoopPass() {
   base::MutexLock lock(&inbox_mu_);
   while (passes_done_.load() < ticket && !loop_done_ &&
          !shutting_down_.load() && Clock::now() < deadline) {
-    health_cv_.WaitUntil(&inbox_mu_,
-                         std::min(deadline, Clock::now() +
-                                                std::chrono::milliseconds(100)));
+    health_cv_.WaitUntil(
+        &inbox_mu_,
+        std::min(deadline, Clock::now() + std::chrono::milliseconds(100)));
   }
 }
 

@@ -268,12 +268,14 @@ void Daemon::Impl::HandleDatagram(Connection& c, std::string_view bytes,
       HandleCommit(c, r);
       return;
     case protocol::Op::kDelegate: {
-      // Its leases may be recalled in use (RecallInUse).
-      base::MutexLock lock(&leases_mu_);
-      delegating_.insert(c.id);
-    }
+      {
+        // Its leases may be recalled in use (RecallInUse).
+        base::MutexLock lock(&leases_mu_);
+        delegating_.insert(c.id);
+      }
       Send(c, {protocol::EncodeOk(r.id), {}, nullptr, 0});
       return;
+    }
   }
 }
 

@@ -96,8 +96,7 @@ void Daemon::Impl::RunTask(Task& task) {
         task.lease = store_->Acquire(model.id, expected, loader, options);
         break;
       } catch (const Error& e) {
-        if (e.code() != ErrorCode::kCapacity || task.prefetch ||
-            attempt >= 6) {
+        if (e.code() != ErrorCode::kCapacity || task.prefetch || attempt >= 6) {
           throw;
         }
         const Clock::time_point answers_by =

@@ -371,27 +371,35 @@ TEST_F(DelegationTest, AFailAcquireFindsTheRoomOfAReleaseNotToldIdleYet) {
   ExpectBooksCoverMaps(d);
 }
 
-// A worker that does not delegate releases 101 leases while the daemon
-// reads nothing, 'm' last: its call returns once they are on its socket.
-// Then an acquire under "fail" is written on another connection (this
-// test's own, so that it is surely on the socket before the daemon reads
-// again). The daemon reads it first, or at least long before 'm''s release
-// (16 datagrams a connection each time round the loop), and reads every
-// socket to its end before it refuses: the acquire is served.
+// Workers that do not delegate release leases while the daemon reads
+// nothing: 8 of them 120 each, and one 101, 'm' last. Each call returns once
+// its releases are on its socket. Then an acquire under "fail" is written on
+// another connection (this test's own, so that it is surely on the socket
+// before the daemon reads again). The daemon reads 16 datagrams of each
+// connection each time round its loop, so it reads the acquire long before
+// 'm''s release; it reads every socket to its end before it refuses, and the
+// acquire is served.
 TEST_F(DelegationTest, AReleaseOnTheSocketBeforeAFailAcquireIsReadFirst) {
   AddModel("s", 64 * kKiB, 23);
   AddModel("m", 1 * kMiB, 24);
   AddModel("n", 1 * kMiB, 25);
   Daemon& d = StartDaemon("1500KiB", {}, /*gate=*/false, /*pause_hook=*/true);
+  // Each under its window of unanswered releases (max_queued_replies / 2):
+  // they all go on the socket at once, in any build.
+  std::vector<std::unique_ptr<Worker>> fillers;
+  for (int i = 0; i < 8; ++i) {
+    fillers.push_back(Connected(" reuse=0 keep_idle_ms=0"));
+    EXPECT_EQ(fillers.back()->Ok("acquire-many s 120"),
+              std::vector<std::string>{"120"});
+  }
   auto a = Connected(" reuse=0 keep_idle_ms=0");
-  // Under the window of unanswered releases (max_queued_replies / 2): all
-  // of them go on the socket at once, in any build.
   EXPECT_EQ(a->Ok("acquire-many s 100"), std::vector<std::string>{"100"});
   leases_.Add(a->Ok("acquire m")[0]);
   Raw b(d.socket());
   ASSERT_TRUE(b.Send(protocol::EncodeHello(1)));
   ASSERT_TRUE(b.Receive());
   d.PauseReads();
+  for (auto& filler : fillers) EXPECT_EQ(filler->Do("release-all"), "ok");
   EXPECT_EQ(a->Do("release-all"), "ok");  // in the order acquired: 'm' last
   ASSERT_TRUE(b.Send(protocol::EncodeAcquire(2, "n", 60000, true)));
   d.ResumeReads();

@@ -61,7 +61,8 @@
 //                     shrink: ApplyCapacity only resizes (Budget::Resize)
 //                     and its caller evicts after letting go. Adopt holds
 //                     it across its reservation, which may evict.
-//   leases_mu_        leases_, uncovered_, to_recall_ and the recall counts.
+//   leases_mu_        leases_, uncovered_, to_recall_, the recall counts and
+//                     delegating_ (the connections that said "delegate").
 //   catalog_mu_       the catalog, its digest, the last reload's error.
 //   orphans_mu_       restart_orphans_ and the unreadable count.
 //   live_mu_          live_: the memfds of the copies held now.
@@ -70,7 +71,8 @@
 //   record_mu_        record_, in_fd_store_.
 //   handover_mu_      the listeners a takeover hands over, or took.
 //   inbox_mu_         what other threads hand the loop (completed_,
-//                     rechecked_, reloaded_).
+//                     rechecked_, reloaded_), and the loop passes a "fail"
+//                     load waits for (passes_done_, AwaitLoopPass).
 //   pool_mu_          the pool's queue of tasks.
 //   expiry_mu_        the expiry thread's next wake-up.
 //   background_mu_    the background thread's chores (Later).

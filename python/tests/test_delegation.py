@@ -215,6 +215,39 @@ def test_another_process_needing_the_room_recalls_an_idle_lease(node):
     assert node.model("x")["loads"] == 2
 
 
+FAIL_CHILD = """
+import sys
+import modelcache.errors
+import modelcache.serve
+client = modelcache.serve.connect(sys.argv[1], keep_idle=0)
+try:
+    with client.acquire(sys.argv[2], timeout=60, when_full="fail") as lease:
+        print(lease.load, float(lease.numpy("w")[0]), flush=True)
+except modelcache.errors.CapacityError as e:
+    print("CAPACITY", e, flush=True)
+"""
+
+
+def test_an_acquire_after_a_release_returned_finds_its_room(node):
+    # The issue's case: this worker's `with` block ends (the call returns)
+    # before its idle notice goes (10 s later); then another worker,
+    # started after, acquires the other model with when_full="fail".
+    client = modelcache.serve.connect(node.socket, idle_notice_delay=10.0)
+    with client.acquire("x") as x:
+        held = x.lease_id
+    assert uses(node, "x") == [(os.getpid(), held, "in_use")]
+    child = subprocess.run(
+        [sys.executable, "-c", textwrap.dedent(FAIL_CHILD), node.socket, "y"],
+        stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+        timeout=60, preexec_fn=die_with_parent)
+    # The daemon recalled the lease it counted in use; this process had no
+    # reference left, so it unmapped the copy and answered release.
+    assert child.stdout.split() == ["miss", "2.0"], child.stdout
+    assert metric(node, "modelcache_recalls_total", 'answer="release"') == 1
+    assert client.idle_leases() == 0
+    assert not memfd_maps(os.getpid(), ":x#")
+
+
 CLOSER = """
 import os, sys
 import modelcache.serve

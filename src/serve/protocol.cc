@@ -138,6 +138,7 @@ const std::vector<OpSpec>& Ops() {
       {Op::kReclaim, "reclaim", {"lease", "model", "use"}},
       {Op::kTakeover, "takeover", {"handover", "catalog"}},
       {Op::kCommit, "commit", {}},
+      {Op::kDelegate, "delegate", {}},
   };
   return ops;
 }
@@ -243,7 +244,7 @@ ParsedRequest ParseRequest(std::string_view message) {
   if (spec == nullptr) {
     out.error = "unknown op " + base::Quoted(op->second.text, kQuotedBytes) +
                 " (known: hello, acquire, release, ping, idle, use, reclaim, "
-                "takeover, commit)";
+                "takeover, commit, delegate)";
     return out;
   }
   for (const auto& [name, value] : fields) {
@@ -357,6 +358,7 @@ ParsedRequest ParseRequest(std::string_view message) {
     }
     case Op::kPing:
     case Op::kCommit:
+    case Op::kDelegate:
       break;
   }
   out.id = request.id;
@@ -483,6 +485,10 @@ std::string EncodeAcquire(uint64_t id, std::string_view model,
          ",\"model\":" + Dump(json(std::string(model))) +
          ",\"timeout_ms\":" + std::to_string(timeout_ms) +
          (fail_when_full ? ",\"when_full\":\"fail\"}" : "}");
+}
+
+std::string EncodeDelegate(uint64_t id) {
+  return "{\"op\":\"delegate\",\"id\":" + std::to_string(id) + "}";
 }
 
 std::string EncodeRelease(uint64_t id, uint64_t lease) {

@@ -16,6 +16,7 @@
 //     gave them: the header memfd, then the data memfd
 //   {"op":"takeover","id":8,"handover":1,"catalog":"<sha256 hex>"}
 //   {"op":"commit","id":9}
+//   {"op":"delegate","id":10}
 //
 // `id` is the client's, >= 1, echoed in the reply; replies may come in any
 // order. `timeout_ms` (default kDefaultTimeoutMs) bounds the whole acquire:
@@ -52,6 +53,27 @@
 // answered within recall_timeout_ms is taken as "use". Both ops are
 // answered {"id":N,"ok":true} (NOT_FOUND for a lease this connection does
 // not hold), and a client need not wait for that answer.
+//
+// Recalls of leases in use (a daemon whose hello limits list
+// "recall_in_use"): a client that keeps leases after their last local
+// reference ends (it delegates) says so with "delegate", right after hello
+// and before any other request; answered {"id":N,"ok":true}, and a client
+// need not wait for that answer. When an acquire under when_full "fail"
+// finds no room, and the copies of such a connection's leases would cover
+// what is missing (with the free and the evictable bytes), the daemon
+// recalls those leases too, whether or not they were said "idle": a client
+// answers "release" when no local reference uses the lease (it may have
+// ended before its idle notice went), else "use". The lease keeps its
+// copy's bytes in use until "release" arrives. No recall goes out for an
+// acquire that their room would not save.
+//
+// What a "fail" acquire waits for before it answers CAPACITY: the recalls
+// it started (of idle or delegated leases; each bounded by
+// recall_timeout_ms, unanswered is "use"), and one more pass of the
+// daemon's reads over every connection, so that a release a client had
+// sent before this acquire was sent (on its own connection) is read first.
+// Then it looks for room again. So an acquire made after another
+// process's release call returned finds that room.
 //
 // Reclaim (a daemon whose hello limits list "reclaim"): after a reconnect
 // to a successor (a crash, a takeover), a client re-asserts each lease it
@@ -138,7 +160,8 @@ enum class Op {
   kUse,
   kReclaim,
   kTakeover,
-  kCommit
+  kCommit,
+  kDelegate
 };
 const char* OpName(Op op);
 
@@ -215,6 +238,7 @@ std::string EncodeReclaim(uint64_t id, uint64_t lease, std::string_view model,
 std::string EncodeTakeover(uint64_t id, uint64_t handover,
                            std::string_view catalog_digest);
 std::string EncodeCommit(uint64_t id);
+std::string EncodeDelegate(uint64_t id);
 // The daemon's recall of `lease` (an id-0 message).
 std::string EncodeRecall(uint64_t lease);
 

@@ -60,9 +60,10 @@ TEST_F(ServeTest, AnotherProcessLeasesMapsAndReleasesACopy) {
 }
 
 // A release the client cannot send now (the daemon reads nothing, the
-// socket fills) is queued and sent once the socket is writable, in order,
-// never dropped, and without the daemon's answers piling up past its limit.
-TEST_F(ServeTest, ReleasesTheSocketHasNoRoomForAreQueuedAndAllReachTheDaemon) {
+// socket fills) is sent once the socket is writable, in order, never
+// dropped, and without the daemon's answers piling up past its limit; the
+// release call returns once it is on the socket.
+TEST_F(ServeTest, ReleasesTheSocketHasNoRoomForAreSentAndAllReachTheDaemon) {
   AddModel("tiny", 64 * kKiB, 3);
   Daemon& d = StartDaemon("1GiB", {}, /*gate=*/false, /*pause_hook=*/true);
   // Far more releases than a socket's send buffer holds (a few hundred).
@@ -73,9 +74,12 @@ TEST_F(ServeTest, ReleasesTheSocketHasNoRoomForAreQueuedAndAllReachTheDaemon) {
               std::vector<std::string>{std::to_string(kLeases)});
     EXPECT_EQ(d.Metric("modelcache_leases"), kLeases);
     d.PauseReads();
-    worker.Ok("release-all");  // every release made while nothing is read
+    // Every release made while nothing is read: the call returns only once
+    // the last is on the socket, so after the daemon reads again.
+    worker.Send("release-all");
     EXPECT_EQ(d.Metric("modelcache_leases"), kLeases);
     d.ResumeReads();
+    EXPECT_EQ(worker.Receive(), "ok");
     // A request made after the releases is sent after them: its answer
     // means the daemon has had every one.
     worker.Ok("ping");

@@ -338,6 +338,121 @@ TEST_F(DelegationTest,
   EXPECT_EQ(again[1], std::to_string(checksums_["m"]));
 }
 
+// ---- Release causality (protocol.h): an acquire made after another
+// process's release call returned finds that room. The order between the
+// two processes is this test's: it reads the first worker's answer on its
+// pipe (the call returned) before it writes the second worker's acquire.
+
+// A delegating worker whose reference ended before its idle notice went
+// (the daemon still counts the lease in use): the "fail" acquire recalls
+// it, the worker answers "release", and the acquire is served.
+TEST_F(DelegationTest, AFailAcquireFindsTheRoomOfAReleaseNotToldIdleYet) {
+  AddModel("m", 1 * kMiB, 21);
+  AddModel("n", 1 * kMiB, 22);
+  // A long recall timeout: the answer, not the clock, serves the acquire.
+  Daemon& d = StartDaemon("1500KiB", {"--recall-timeout", "120s"});
+  auto a = Connected(" reuse=1 keep_idle_ms=600000 notice_us=10000000");
+  auto b = Connected(" reuse=0 keep_idle_ms=0");
+  leases_.Add(a->Ok("acquire m")[0]);
+  a->Ok("release m");
+  EXPECT_EQ(a->Ok("idle"), std::vector<std::string>{"1"});
+  EXPECT_EQ(d.Model("m")["leases"][0]["use"], "in_use")
+      << "no idle notice has gone";
+  const std::vector<std::string> n = b->Ok("acquire n 60000 fail");
+  ASSERT_EQ(n.size(), 3u);
+  leases_.Add(n[0]);
+  EXPECT_EQ(n[1], std::to_string(checksums_["n"]));
+  EXPECT_EQ(d.Metric("modelcache_recalls_sent_total"), 1);
+  EXPECT_EQ(Recalls("release"), 1);
+  EXPECT_EQ(a->Ok("idle"), std::vector<std::string>{"0"});
+  EXPECT_EQ(a->Ok("maps " + d.memfd_prefix()), std::vector<std::string>{"0"})
+      << "unmapped before its release";
+  ExpectWithinBudget(d);
+  ExpectBooksCoverMaps(d);
+}
+
+// Workers that do not delegate release leases while the daemon reads
+// nothing: 8 of them 120 each, and one 101, 'm' last. Each call returns once
+// its releases are on its socket. Then an acquire under "fail" is written on
+// another connection (this test's own, so that it is surely on the socket
+// before the daemon reads again). The daemon reads 16 datagrams of each
+// connection each time round its loop, so it reads the acquire long before
+// 'm''s release; it reads every socket to its end before it refuses, and the
+// acquire is served.
+TEST_F(DelegationTest, AReleaseOnTheSocketBeforeAFailAcquireIsReadFirst) {
+  AddModel("s", 64 * kKiB, 23);
+  AddModel("m", 1 * kMiB, 24);
+  AddModel("n", 1 * kMiB, 25);
+  Daemon& d = StartDaemon("1500KiB", {}, /*gate=*/false, /*pause_hook=*/true);
+  // Each under its window of unanswered releases (max_queued_replies / 2):
+  // they all go on the socket at once, in any build.
+  std::vector<std::unique_ptr<Worker>> fillers;
+  for (int i = 0; i < 8; ++i) {
+    fillers.push_back(Connected(" reuse=0 keep_idle_ms=0"));
+    EXPECT_EQ(fillers.back()->Ok("acquire-many s 120"),
+              std::vector<std::string>{"120"});
+  }
+  auto a = Connected(" reuse=0 keep_idle_ms=0");
+  EXPECT_EQ(a->Ok("acquire-many s 100"), std::vector<std::string>{"100"});
+  leases_.Add(a->Ok("acquire m")[0]);
+  Raw b(d.socket());
+  ASSERT_TRUE(b.Send(protocol::EncodeHello(1)));
+  ASSERT_TRUE(b.Receive());
+  d.PauseReads();
+  for (auto& filler : fillers) EXPECT_EQ(filler->Do("release-all"), "ok");
+  EXPECT_EQ(a->Do("release-all"), "ok");  // in the order acquired: 'm' last
+  ASSERT_TRUE(b.Send(protocol::EncodeAcquire(2, "n", 60000, true)));
+  d.ResumeReads();
+  std::optional<detail::Datagram> granted = b.Receive();
+  ASSERT_TRUE(granted);
+  const protocol::ParsedReply reply = protocol::ParseReply(granted->bytes);
+  ASSERT_TRUE(reply.reply && reply.reply->ok) << granted->bytes;
+  leases_.Add(std::to_string(reply.reply->lease));
+  EXPECT_EQ(d.Metric("modelcache_recalls_sent_total"), 0);
+  ExpectWithinBudget(d);
+}
+
+// Room that even the recallable leases would not make: no recall goes out,
+// and the delegating worker keeps its lease.
+TEST_F(DelegationTest, AFailAcquireThatCannotBeServedRecallsNothing) {
+  AddModel("m", 1 * kMiB, 26);
+  AddModel("n", 1 * kMiB, 27);
+  AddModel("big", 2 * kMiB, 28);
+  Daemon& d = StartDaemon("2600KiB", {"--recall-timeout", "120s"});
+  auto a = Connected(" reuse=1 keep_idle_ms=600000 notice_us=10000000");
+  auto b = Connected(" reuse=0 keep_idle_ms=0");
+  auto c = Connected(" reuse=0 keep_idle_ms=0");
+  leases_.Add(a->Ok("acquire m")[0]);
+  a->Ok("release m");
+  leases_.Add(c->Ok("acquire n")[0]);  // held, by one that does not delegate
+  const std::string refused = b->Do("acquire big 60000 fail");
+  EXPECT_THAT(refused, HasSubstr("CAPACITY"));
+  EXPECT_EQ(d.Metric("modelcache_recalls_sent_total"), 0);
+  EXPECT_EQ(a->Ok("idle"), std::vector<std::string>{"1"}) << "still warm";
+  EXPECT_EQ(a->Ok("maps " + d.memfd_prefix()), std::vector<std::string>{"1"});
+  EXPECT_EQ(d.Model("m")["leases"].size(), 1u);
+}
+
+// A holder still using its lease answers the recall "use": the acquire is
+// refused with CAPACITY once that answer is in, not at the recall timeout.
+TEST_F(DelegationTest, AFailAcquireRecallsALeaseInUseAndIsRefusedWhenBusy) {
+  AddModel("m", 1 * kMiB, 29);
+  AddModel("n", 1 * kMiB, 30);
+  Daemon& d = StartDaemon("1500KiB", {"--recall-timeout", "120s"});
+  auto a = Connected(" reuse=1 keep_idle_ms=600000 notice_us=10000000");
+  auto b = Connected(" reuse=0 keep_idle_ms=0");
+  leases_.Add(a->Ok("acquire m")[0]);  // and used
+  const std::string refused = b->Do("acquire n 60000 fail");
+  EXPECT_THAT(refused, HasSubstr("CAPACITY"));
+  EXPECT_THAT(refused, HasSubstr("'m'"));
+  EXPECT_EQ(d.Metric("modelcache_recalls_sent_total"), 1);
+  EXPECT_EQ(Recalls("busy"), 1);
+  EXPECT_EQ(Recalls("unanswered"), 0);
+  EXPECT_EQ(a->Ok("checksum"),
+            std::vector<std::string>{std::to_string(checksums_["m"])});
+  EXPECT_EQ(d.Model("m")["leases"][0]["use"], "in_use");
+}
+
 // A stateful test of the protocol: random acquires, releases, recalls
 // (forced by a fourth client's loads into a full budget) and kills, across
 // three delegating workers; after every step the daemon's books cover every

@@ -44,11 +44,12 @@
 // keep_idle says, and one whose last reference ends meanwhile is kept idle
 // (keep_idle 0 too): while the daemon is away nothing could free its copy,
 // the successor books the mapping as orphaned either way, and adopts it;
-// keep_idle applies again once it is reclaimed. Close() reclaims nothing (the daemon ends the leases of a
-// closed connection). Reclaims() counts what happened. With a daemon that does
-// not list "reclaim", the leases of a lost connection are unbacked at once (the
-// idle ones unmapped), as the daemon they came from is gone and a new one
-// counts their copies as orphaned until they are unmapped.
+// keep_idle applies again once it is reclaimed. Close() reclaims nothing (the
+// daemon ends the leases of a closed connection). Reclaims() counts what
+// happened. With a daemon that does not list "reclaim", the leases of a lost
+// connection are unbacked at once (the idle ones unmapped), as the daemon they
+// came from is gone and a new one counts their copies as orphaned until they
+// are unmapped.
 //
 // fork(): mappings are made with MADV_DONTFORK, so a child has none of its
 // parent's copies (its RemoteWeights objects are hollow: their spans must
@@ -92,11 +93,19 @@
 // gets that copy; once the recall is answered, the next Acquire is a round
 // trip for the current one.
 //
-// Releases: ~RemoteWeights never waits for the daemon. A release the
-// socket has no room for now (the daemon is slow to read) is queued and
-// sent, in order, by a thread of the Client's own as the socket becomes
-// writable; it is never dropped while the connection lives, and a request
-// made after it is sent after it.
+// Releases: ~RemoteWeights never waits for the daemon's answer, but it
+// returns only once its release (or, with idle_notice_delay 0, its idle
+// notice) is on the socket: a release the socket has no room for now (the
+// daemon is slow to read) is sent, in order, by a thread of the Client's
+// own as the socket becomes writable, and the call waits for that (or for
+// the connection's end). So an acquire that another process makes after
+// this call returns finds the room (the daemon reads every socket before it
+// refuses a "fail" acquire, and recalls a delegated lease it still counts
+// in use). It is never dropped while the connection lives, and a request
+// made after it is sent after it. A daemon that lists "recall_in_use" is
+// told, at connection, that this Client delegates (local_reuse with
+// keep_idle > 0), so that it may recall a lease whose last reference ended
+// before its idle notice went.
 //
 // Thread safety: a Client may be used from any number of threads at once;
 // replies are matched to requests by id, so a long acquire does not hold up

@@ -73,6 +73,25 @@ std::shared_ptr<Connection> ClientCore::Dial(Clock::time_point deadline) {
         c->window =
             static_cast<size_t>(std::clamp<uint64_t>(it->second / 2, 1, 1024));
       }
+      // A process that keeps leases past their last reference says so,
+      // before any other request, so that the daemon may recall them while
+      // it counts them in use: a lease whose reference ended before its
+      // idle notice went is then still found by the next acquire that
+      // needs its room (protocol.h). Its answer is awaited by no one.
+      if (c->delegation && c->info.limits.count("recall_in_use") != 0 &&
+          options_.local_reuse && options_.keep_idle.count() > 0) {
+        uint64_t id;
+        {
+          base::MutexLock lock(&mu_);
+          id = next_id_++;
+          c->unanswered.insert(id);
+        }
+        if (!SendOn(*c, protocol::EncodeDelegate(id), hello_deadline)) {
+          throw DaemonUnavailableError("the daemon at " + path_ +
+                                       " closed the connection");
+        }
+        c->delegates = true;
+      }
       return c;
     }
     // A peer that closed with our hello unread reports ECONNRESET once,

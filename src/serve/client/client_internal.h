@@ -34,7 +34,11 @@
 //
 // Releases do not wait for their reply: RemoteWeights sends the release
 // and drains, without blocking, whatever replies are waiting, so a client
-// that only releases never lets the daemon's reply queue grow. A release
+// that only releases never lets the daemon's reply queue grow. They do wait
+// for the release (or the idle notice of idle_notice_delay 0) to be on the
+// socket (AwaitSent, on the releasing thread, never the reader's or the
+// flusher's): another process's acquire made after the call returned is
+// then read after it. A release
 // the socket has no room for (the daemon is slow to read) is never dropped:
 // it joins the connection's queue of unsent releases, which the *flusher*
 // thread (started when the queue first fills, gone when it is empty and
@@ -44,7 +48,11 @@
 // reply to it means the daemon has had them all. All sends on a connection
 // happen under mu_ (without blocking), which keeps that order.
 //
-// Local reuse and delegation: held_ maps each lease this process holds to
+// Local reuse and delegation: a connection on which this process keeps
+// leases past their last reference (local_reuse, keep_idle > 0) says
+// "delegate" right after hello when the daemon lists "recall_in_use" (Dial),
+// so that the daemon may recall a lease it still counts in use; the answer
+// is the same as to any recall. held_ maps each lease this process holds to
 // its MappedCopy (mapped once), its count of local references (Grants) and
 // whether the daemon was told it is idle; by_name_ finds it by the names it
 // was acquired as. An acquire of a held name is a new Grant (no round trip and
@@ -59,7 +67,10 @@
 // The flusher thread is also the *keeper*: while any lease is idle it sends
 // the idle and use notices due (idle_notice_delay), ends leases idle past
 // keep_idle, and reads the socket when no other thread does, so that a
-// recall is answered even by a process making no calls. On a connection
+// recall is answered even by a process making no calls; on a connection that
+// said "delegate" it reads so while any lease is held at all (a lease in use
+// may be recalled: it answers "use" at once, at the cost of a hop through
+// this thread for a reply it reads before its caller does). On a connection
 // whose leases a successor could adopt it lives as long as the connection
 // (so that no acquire starts a thread): with nothing to read it polls the
 // socket for its end only (POLLHUP), so that the daemon's end is noticed
@@ -269,6 +280,9 @@ struct Connection {
   std::string note;  // the daemon's last id-0 message (core's mu_)
   // The daemon recalls idle leases (hello's limits had recall_timeout_ms).
   bool delegation = false;
+  // This connection said "delegate": the daemon may recall its leases in
+  // use too, so the keeper reads while any is held.
+  bool delegates = false;
   // The daemon adopts leases of its predecessor (hello's limits had
   // "reclaim"), so a successor of it may adopt this connection's.
   bool reclaim = false;
@@ -378,7 +392,12 @@ class ClientCore : public std::enable_shared_from_this<ClientCore> {
   bool SendOn(Connection& c, std::string_view message,
               Clock::time_point deadline) MC_EXCLUDES(mu_);
   // Sends a release of `lease` on `c`, or queues it when the socket is full.
-  void SendRelease(const std::shared_ptr<Connection>& c, uint64_t lease)
+  // Its request id; 0 when nothing went (the connection is gone).
+  uint64_t SendRelease(const std::shared_ptr<Connection>& c, uint64_t lease)
+      MC_REQUIRES(mu_);
+  // Returns once the message `id` queued on `c` is written to the socket,
+  // or `c` broke (0: at once). Lets go of mu_ while it waits.
+  void AwaitSent(const std::shared_ptr<Connection>& c, uint64_t id)
       MC_REQUIRES(mu_);
   // Sends what `c` has queued until the socket is full; false on a socket
   // error.
@@ -411,8 +430,9 @@ class ClientCore : public std::enable_shared_from_this<ClientCore> {
       MC_REQUIRES(mu_);
   // Sends `op` ("idle", "use") of `lease` on `c` without awaiting the reply,
   // after the queued releases (as SendRelease).
-  void SendNotice(const std::shared_ptr<Connection>& c, protocol::Op op,
-                  uint64_t lease) MC_REQUIRES(mu_);
+  // Its request id; 0 when nothing went (the connection is gone).
+  uint64_t SendNotice(const std::shared_ptr<Connection>& c, protocol::Op op,
+                      uint64_t lease) MC_REQUIRES(mu_);
   // A local acquire: a new reference to a lease held as `name`, or null.
   std::shared_ptr<Grant> LocalAcquire(const std::string& name) MC_EXCLUDES(mu_);
   // Files a new lease's copy, granted on `from`, in the table, under

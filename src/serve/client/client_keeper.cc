@@ -105,8 +105,10 @@ void ClientCore::Flusher() {
     std::vector<std::shared_ptr<MappedCopy>> expired;
     const Clock::time_point next = IdleChores(c, &expired);
     if (c->broken) continue;
+    const bool in_use_recallable = c->delegates && held_.size() > idle_;
     if (c->unsent.empty() && c->unanswered.empty() && idle_ == 0 && !watch &&
-        next == Clock::time_point::max() && expired.empty()) {
+        !in_use_recallable && next == Clock::time_point::max() &&
+        expired.empty()) {
       break;
     }
     if (!expired.empty()) {
@@ -131,8 +133,12 @@ void ClientCore::Flusher() {
     // Otherwise the socket is polled for its end only (POLLHUP), and a
     // caller reads its own reply with no hop through this thread (the
     // answers to releases are drained by the next call).
+    // A connection that said "delegate" may be recalled a lease in use
+    // (answered "use" at once, rather than at the daemon's recall timeout
+    // while its "fail" acquire waits): read while one is held.
     const bool need_read = idle_ != 0 || !c->unsent.empty() || hung_up ||
-                           (!watch && !c->unanswered.empty());
+                           (!watch && !c->unanswered.empty()) ||
+                           in_use_recallable;
     const bool read = !reading_ && need_read;
     const bool hangup_only = !reading_ && !need_read && watch;
     hung_up = false;

@@ -93,10 +93,11 @@ void ClientCore::Keep(const std::shared_ptr<MappedCopy>& copy,
       held.reclaim = true;
       ++reclaiming_;
       StartFlusher();
-    } else if (reclaimable) {
+    } else if (reclaimable || from.delegates) {
       // The keeper watches the connection while leases are held, so that
       // a daemon's end is noticed (and the leases reclaimed within the
-      // successor's grace period) without waiting for a call.
+      // successor's grace period) without waiting for a call, and reads it
+      // when the daemon may recall a lease in use (it said "delegate").
       StartFlusher();
     }
     if (!options_.local_reuse) return;
@@ -127,6 +128,10 @@ void ClientCore::Unref(std::shared_ptr<MappedCopy> copy) noexcept {
   bool release = false;
   {
     base::MutexLock lock(&mu_);
+    // The idle notice sent now (idle_notice_delay 0), and its connection:
+    // the reference's end returns once it is on the socket.
+    uint64_t notice = 0;
+    std::shared_ptr<Connection> noticed_on;
     serial = copy->serial;  // a reclaim changes it
     const auto it = held_.find(lease);
     if (it == held_.end() || it->second.copy != copy) {
@@ -169,8 +174,8 @@ void ClientCore::Unref(std::shared_ptr<MappedCopy> copy) noexcept {
           held.told_idle = true;
           // A failed send breaks the connection, which forgets or marks
           // `held` (erasing nothing from held_ while marking).
-          const std::shared_ptr<Connection> c = conn_;
-          SendNotice(c, protocol::Op::kIdle, lease);
+          noticed_on = conn_;
+          notice = SendNotice(noticed_on, protocol::Op::kIdle, lease);
         }
         const bool running = flushing_;
         StartFlusher();
@@ -180,6 +185,8 @@ void ClientCore::Unref(std::shared_ptr<MappedCopy> copy) noexcept {
         release = true;
       }
     }
+    // Last: it may let go of mu_ (`held` is not used past here).
+    if (notice != 0) AwaitSent(noticed_on, notice);
   }
   copy.reset();
   drop.reset();  // unmapped before the release
@@ -198,9 +205,9 @@ ReclaimStats ClientCore::Reclaims() const {
   return stats;
 }
 
-void ClientCore::SendNotice(const std::shared_ptr<Connection>& c,
-                            protocol::Op op, uint64_t lease) {
-  if (c->broken) return;
+uint64_t ClientCore::SendNotice(const std::shared_ptr<Connection>& c,
+                                protocol::Op op, uint64_t lease) {
+  if (c->broken) return 0;
   const uint64_t id = next_id_++;
   c->unsent.emplace_back(id, op == protocol::Op::kIdle
                                  ? protocol::EncodeIdle(id, lease)
@@ -208,9 +215,10 @@ void ClientCore::SendNotice(const std::shared_ptr<Connection>& c,
   if (!FlushUnsent(*c)) {
     last_break_ = "the connection failed: " + base::ErrnoText(errno);
     Broke(c);
-    return;
+    return 0;
   }
   if (!c->unsent.empty()) StartFlusherToSend();
+  return id;
 }
 
 void ClientCore::AnswerRecalls(const std::shared_ptr<Connection>& c,

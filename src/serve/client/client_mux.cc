@@ -104,17 +104,38 @@ void ClientCore::ReadAndFile(const std::shared_ptr<Connection>& c,
   if (!recalls.empty()) AnswerRecalls(c, recalls);
 }
 
-void ClientCore::SendRelease(const std::shared_ptr<Connection>& c,
-                             uint64_t lease) {
-  if (c->broken) return;  // the lease died with the connection
+uint64_t ClientCore::SendRelease(const std::shared_ptr<Connection>& c,
+                                 uint64_t lease) {
+  if (c->broken) return 0;  // the lease died with the connection
   const uint64_t id = next_id_++;
   c->unsent.emplace_back(id, protocol::EncodeRelease(id, lease));
   if (!FlushUnsent(*c)) {
     last_break_ = "the connection failed: " + base::ErrnoText(errno);
     Broke(c);
-    return;
+    return 0;
   }
   if (!c->unsent.empty()) StartFlusherToSend();
+  return id;
+}
+
+void ClientCore::AwaitSent(const std::shared_ptr<Connection>& c, uint64_t id) {
+  const auto queued = [&] {
+    return std::any_of(c->unsent.begin(), c->unsent.end(),
+                       [id](const auto& m) { return m.first == id; });
+  };
+  while (id != 0 && !c->broken && !stop_ && queued()) {
+    if (!FlushUnsent(*c)) {
+      last_break_ = "the connection failed: " + base::ErrnoText(errno);
+      Broke(c);
+      return;
+    }
+    if (!queued()) return;
+    // The flusher sends it as the socket takes it (and reads the answers
+    // that hold back the window); every send it makes wakes us. The slice
+    // only bounds a wake missed on a break.
+    StartFlusherToSend();
+    cv_.WaitUntil(&mu_, Clock::now() + kUseNoticeLag);
+  }
 }
 
 bool ClientCore::FlushUnsent(Connection& c) {
@@ -129,7 +150,7 @@ bool ClientCore::FlushUnsent(Connection& c) {
     c.unsent.pop_front();
     sent = true;
   }
-  if (sent && c.unsent.empty()) cv_.NotifyAll();  // for SendOn
+  if (sent) cv_.NotifyAll();  // for SendOn and AwaitSent
   return true;
 }
 
@@ -270,7 +291,10 @@ void ClientCore::Release(uint64_t serial, uint64_t lease) noexcept {
     base::MutexLock lock(&mu_);
     if (!conn_ || conn_->broken || conn_->serial != serial) return;
     c = conn_;
-    SendRelease(c, lease);  // sent, or queued for the flusher
+    // Returns once the release is on the socket (or the connection is
+    // gone, and the lease with it): an acquire another process makes after
+    // this call returns is read after it (protocol.h).
+    AwaitSent(c, SendRelease(c, lease));
     read = !reading_ && !c->broken;
     if (read) reading_ = true;
   }

@@ -107,6 +107,11 @@ void Daemon::Impl::Run() {
       const auto ms = std::chrono::ceil<std::chrono::milliseconds>(next - now);
       timeout = static_cast<int>(std::clamp<int64_t>(ms.count(), 0, 60'000));
     }
+    // A pass asked for (AwaitLoopPass) is this iteration: it must not
+    // sleep, as the wake that asked may have been drained already.
+    pass_serving_ = passes_asked_.load();
+    if (pass_serving_ > passes_done_.load()) timeout = 0;
+    capped_read_ = false;
     if (iteration_started) {
       loop_iteration_seconds_.Observe(
           std::chrono::duration<double>(Clock::now() - iteration_start)
@@ -192,6 +197,11 @@ void Daemon::Impl::Run() {
     }
     CloseDoomed();
     FlushRoomChanged();
+    if (pass_serving_ > passes_done_.load() && !capped_read_) {
+      base::MutexLock lock(&inbox_mu_);
+      passes_done_ = pass_serving_;
+      health_cv_.NotifyAll();
+    }
   }
   // Every load is over: close what is left.
   std::vector<uint64_t> ids;
@@ -207,6 +217,20 @@ void Daemon::Impl::Run() {
     command.done->set_value({503, "the daemon is shutting down"});
   }
   Log("stopped");
+}
+
+void Daemon::Impl::AwaitLoopPass() {
+  const uint64_t ticket = ++passes_asked_;
+  Wake();
+  // Bounded: before Run() (a pinned model's load) no loop answers.
+  const Clock::time_point deadline = Clock::now() + options_.recall_timeout;
+  base::MutexLock lock(&inbox_mu_);
+  while (passes_done_.load() < ticket && !loop_done_ &&
+         !shutting_down_.load() && Clock::now() < deadline) {
+    health_cv_.WaitUntil(
+        &inbox_mu_,
+        std::min(deadline, Clock::now() + std::chrono::milliseconds(100)));
+  }
 }
 
 void Daemon::Impl::DrainEvents() {

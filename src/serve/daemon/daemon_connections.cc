@@ -169,6 +169,8 @@ void Daemon::Impl::Readable(Connection& c) {
     HandleDatagram(c, datagram.bytes, datagram.truncated, datagram.real_bytes,
                    std::move(datagram.fds));
   }
+  // Left datagrams unread (fairness): this iteration is no full pass.
+  if (!c.doomed) capped_read_ = true;
 }
 
 void Daemon::Impl::HandleDatagram(Connection& c, std::string_view bytes,
@@ -222,6 +224,9 @@ void Daemon::Impl::HandleDatagram(Connection& c, std::string_view bytes,
            static_cast<uint64_t>(options_.recall_timeout.count())},
           // Says that this daemon adopts copies a predecessor made.
           {"reclaim", 1},
+          // Says that this daemon takes "delegate" and then recalls leases
+          // in use too, for an acquire that needs their room (protocol.h).
+          {"recall_in_use", 1},
       };
       Send(c, {protocol::EncodeHelloReply(
                    r.id, "modelcache " MODELCACHE_VERSION, limits),
@@ -264,6 +269,15 @@ void Daemon::Impl::HandleDatagram(Connection& c, std::string_view bytes,
     case protocol::Op::kCommit:
       HandleCommit(c, r);
       return;
+    case protocol::Op::kDelegate: {
+      {
+        // Its leases may be recalled in use (RecallInUse).
+        base::MutexLock lock(&leases_mu_);
+        delegating_.insert(c.id);
+      }
+      Send(c, {protocol::EncodeOk(r.id), {}, nullptr, 0});
+      return;
+    }
   }
 }
 
@@ -458,6 +472,7 @@ void Daemon::Impl::Close(uint64_t id, Disconnect reason) {
   bool recalled = false;
   {
     base::MutexLock lock(&leases_mu_);
+    delegating_.erase(id);
     for (const uint64_t lease : c->leases) {
       const auto l = leases_.find(lease);
       if (l == leases_.end()) continue;

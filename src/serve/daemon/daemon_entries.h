@@ -38,6 +38,11 @@
 //     released
 //     +----------"use" (busy), or --recall-timeout------+
 //
+//   in use --a "fail" load needs its room (RecallInUse)--> recalled, keeping
+//     its store lease (only of a connection that said "delegate", and only
+//     when the recalls would make the room; not one that answered "use" to
+//     a recall since that load began)
+//
 // An idle lease drops its store lease (the copy counts as evictable) and is
 // *uncovered*: listed in uncovered_ under its copy. Every copy's unloader is
 // GateUnload: it passes only when no lease of the copy is uncovered, so no
@@ -168,6 +173,10 @@ struct LeaseEntry {
   // Made by HoldForMappers: held for a process that maps an adopted copy
   // of a predecessor's and has not reclaimed its own lease on it yet.
   bool held_for_mapper = false;
+  // When a recall of it last ended with the lease in use (answered "use",
+  // or unanswered): a "fail" load that saw that does not recall it again
+  // (RecallInUse).
+  Clock::time_point busy_since{};
   uint64_t bytes = 0;
   std::vector<MemfdId> memfds;  // of its copy: data and header per file
 };

@@ -64,7 +64,8 @@
 //                     (Budget::Resize) and its caller evicts after letting
 //                     go. Adopt holds it across its reservation, which may
 //                     evict.
-//   leases_mu_        leases_, uncovered_, to_recall_ and the recall counts.
+//   leases_mu_        leases_, uncovered_, to_recall_, the recall counts and
+//                     delegating_ (the connections that said "delegate").
 //   catalog_mu_       the catalog, its digest, the last reload's error.
 //   orphans_mu_       restart_orphans_ and the unreadable count.
 //   live_mu_          live_: the memfds of the copies held now.
@@ -73,7 +74,9 @@
 //   record_mu_        record_, in_fd_store_.
 //   handover_mu_      the listeners a takeover hands over, or took.
 //   inbox_mu_         what other threads hand the loop (completed_,
-//                     rechecked_, reloaded_, adopted_).
+//                     rechecked_, reloaded_, adopted_), and the loop
+//                     passes a "fail" load waits for (passes_done_,
+//                     AwaitLoopPass).
 //   pool_mu_          the pool's queue of tasks.
 //   expiry_mu_        the expiry thread's next wake-up.
 //   background_mu_    the background thread's chores (Later).
@@ -122,6 +125,7 @@
 #include <string>
 #include <thread>
 #include <unordered_map>
+#include <unordered_set>
 #include <vector>
 
 #include "copy.h"
@@ -244,6 +248,21 @@ class Daemon::Impl {
   uint64_t RecallsStarted() const MC_EXCLUDES(leases_mu_);
   bool WaitForRecalls(uint64_t since, Clock::time_point deadline)
       MC_EXCLUDES(leases_mu_);
+  // Off the loop, for a "fail" load of `model` that found no room for
+  // `needed` bytes: recalls leases in use of delegating connections
+  // (delegating_) when their copies, with the free and the evictable bytes,
+  // would cover it; the least recently used first, no more than it takes.
+  // They keep their store leases until "release" arrives. Not those whose
+  // recall ended in use at or after `since` (the load's start): their
+  // holders use them. False when it recalled nothing (nothing would cover
+  // it, or nothing to recall).
+  bool RecallInUse(const std::string& model, uint64_t needed,
+                   Clock::time_point since) MC_EXCLUDES(leases_mu_);
+  // Off the loop: returns once the loop has finished an iteration whose
+  // epoll_wait began after this call and that read every readable socket
+  // to its end (so every request sent before this call is read), at
+  // shutdown, or after the recall timeout (a loop that never drains).
+  void AwaitLoopPass() MC_EXCLUDES(inbox_mu_);
   // Before a reload or an HTTP unload retires `model`: its leases are
   // marked retired, its idle ones take a store lease again and are
   // recalled. Any thread.
@@ -554,6 +573,8 @@ class Daemon::Impl {
   std::vector<uint64_t> to_recall_ MC_GUARDED_BY(leases_mu_);
   bool cover_again_ MC_GUARDED_BY(leases_mu_) = false;
   int recalls_outstanding_ MC_GUARDED_BY(leases_mu_) = 0;
+  // Connections that said "delegate": their leases in use may be recalled.
+  std::unordered_set<uint64_t> delegating_ MC_GUARDED_BY(leases_mu_);
   uint64_t recalls_started_ MC_GUARDED_BY(leases_mu_) = 0;
   base::CondVar recalls_cv_;
   // Loop-only: recalls sent, by deadline.
@@ -682,6 +703,16 @@ class Daemon::Impl {
   uint64_t health_asked_ MC_GUARDED_BY(inbox_mu_) = 0;
   uint64_t health_answered_ MC_GUARDED_BY(inbox_mu_) = 0;
   base::CondVar health_cv_;
+  // AwaitLoopPass: passes asked for, and the last one the loop finished
+  // (health_cv_ wakes the askers). pass_serving_: what was asked when the
+  // current iteration's epoll_wait began (loop-only).
+  // (Written under inbox_mu_, read anywhere.)
+  std::atomic<uint64_t> passes_asked_{0};
+  std::atomic<uint64_t> passes_done_{0};
+  uint64_t pass_serving_ = 0;
+  // Loop-only: a read this iteration stopped at kReadsPerWakeup, leaving
+  // datagrams in a socket; such an iteration answers no pass.
+  bool capped_read_ = false;
   void Wake();
 
   // The pool.

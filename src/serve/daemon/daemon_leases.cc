@@ -219,6 +219,7 @@ void Daemon::Impl::HandleUse(Connection& c, const protocol::Request& r) {
     base::MutexLock lock(&leases_mu_);
     detail::LeaseEntry& e = leases_.find(r.lease)->second;
     recalled = e.use == Use::kRecalled;
+    if (recalled) e.busy_since = Clock::now();
     SetUse(e, Use::kInUse);
     uncovered = !e.lease;
   }
@@ -329,6 +330,7 @@ void Daemon::Impl::ExpireRecalls(Clock::time_point now) {
     if (it == leases_.end() || it->second.use != Use::kRecalled) continue;
     // Taken as "use": the daemon waits on no client.
     SetUse(it->second, Use::kInUse);
+    it->second.busy_since = now;
     ++recalls_unanswered_;
     any = true;
   }
@@ -368,6 +370,70 @@ bool Daemon::Impl::WaitForRecalls(uint64_t since, Clock::time_point deadline) {
       break;
     }
   }
+  return true;
+}
+
+bool Daemon::Impl::RecallInUse(const std::string& model, uint64_t needed,
+                               Clock::time_point since) {
+  const Budget& budget = store_->budget();
+  const uint64_t capacity = budget.capacity();
+  const uint64_t used = budget.used();
+  uint64_t room = capacity > used ? capacity - used : 0;
+  const std::vector<EntryInfo> entries = store_->Entries();
+  base::MutexLock lock(&leases_mu_);
+  // The leases whose holders would let go at a recall: in use as the
+  // daemon knows, with a store lease, of a live delegating connection.
+  std::map<std::string, std::vector<uint64_t>> recallable;
+  for (const auto& [id, e] : leases_) {
+    if (e.use != Use::kInUse || !e.lease || e.retired || e.orphaned ||
+        e.held_for_mapper || e.connection == 0 ||
+        delegating_.count(e.connection) == 0 || e.busy_since >= since) {
+      continue;
+    }
+    recallable[e.model].push_back(id);
+  }
+  struct Candidate {
+    Clock::time_point last_use;
+    uint64_t bytes;
+    const std::vector<uint64_t>* leases;
+  };
+  std::vector<Candidate> candidates;
+  for (const EntryInfo& info : entries) {
+    if (info.state != EntryState::kResident || info.pinned ||
+        info.key == model) {
+      continue;
+    }
+    if (info.leases == 0) {
+      room += info.bytes;  // evictable (after the recalls of idle leases)
+      continue;
+    }
+    // Only when every store lease on it is one that a recall may end.
+    const auto r = recallable.find(info.key);
+    if (r == recallable.end() ||
+        r->second.size() != static_cast<size_t>(info.leases)) {
+      continue;
+    }
+    candidates.push_back({info.last_use, info.bytes, &r->second});
+  }
+  std::sort(candidates.begin(), candidates.end(),
+            [](const Candidate& a, const Candidate& b) {
+              return a.last_use < b.last_use;
+            });
+  size_t take = 0;
+  while (room < needed && take < candidates.size()) {
+    room += candidates[take++].bytes;
+  }
+  // An acquire refused anyway costs no one a warm lease.
+  if (room < needed || take == 0) return false;
+  for (size_t i = 0; i < take; ++i) {
+    for (const uint64_t id : *candidates[i].leases) {
+      // It keeps its store lease: its bytes count as in use until its
+      // holder's "release" arrives.
+      SetUse(leases_.at(id), Use::kRecalled);
+      to_recall_.push_back(id);
+    }
+  }
+  Wake();  // the loop sends them (ProcessRecalls)
   return true;
 }
 

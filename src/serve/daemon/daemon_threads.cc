@@ -76,20 +76,43 @@ void Daemon::Impl::RunTask(Task& task) {
       task.loaded = true;
       return loaded;
     };
+    // Under "fail", CAPACITY is answered only once nothing on its way
+    // could make the room (protocol.h): after each refusal, in turn,
+    //   - the recalls of idle leases that the look started (GateUnload):
+    //     their answers, bounded by the recall timeout;
+    //   - one pass of the loop over every socket, so that a release sent
+    //     before this acquire was is read (it may come on another
+    //     connection, read after this one's acquire);
+    //   - the recalls of leases in use of delegating holders, when their
+    //     room would be enough (RecallInUse), and their answers.
+    // Each is followed by another look; each is tried once but the first,
+    // which follows every look that started recalls.
+    const Clock::time_point began = Clock::now();
+    bool passed = false;
+    bool recalled_in_use = false;
     for (int attempt = 0;; ++attempt) {
       const uint64_t recalls = RecallsStarted();
       try {
         task.lease = store_->Acquire(model.id, expected, loader, options);
         break;
       } catch (const Error& e) {
-        // Under "fail", room that the recalls this attempt started are
-        // making is not "nothing evictable": wait for their answers
-        // (bounded by the recall timeout), then look again.
-        if (e.code() != ErrorCode::kCapacity || attempt >= 3 ||
-            !WaitForRecalls(recalls,
-                            Clock::now() + 2 * options_.recall_timeout)) {
+        if (e.code() != ErrorCode::kCapacity || task.prefetch || attempt >= 6) {
           throw;
         }
+        const Clock::time_point answers_by =
+            Clock::now() + 2 * options_.recall_timeout;
+        if (WaitForRecalls(recalls, answers_by)) continue;
+        if (!passed) {
+          passed = true;
+          AwaitLoopPass();
+          continue;
+        }
+        if (!recalled_in_use && RecallInUse(model.id, expected, began)) {
+          recalled_in_use = true;
+          WaitForRecalls(recalls, answers_by);
+          continue;
+        }
+        throw;
       }
     }
     if (task.pin) store_->Pin(model.id);

@@ -1167,6 +1167,9 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     ap.add_argument("--seed", type=int, default=1)
     ap.add_argument("--keep", action="store_true", help="keep the temporary folder")
     args = ap.parse_args(argv)
+    # The catalog's models are written with the package's safetensors writer
+    # (models.write_node), from this build.
+    sys.path.insert(0, str(Path(args.build) / "python"))
     if not 1 <= args.nodes <= 250:
         ap.error("--nodes: 1 to 250")
     count = args.requests or (800 if args.quick else 2000)

@@ -1,9 +1,10 @@
 """The example's models: small torch MLPs whose weights live in safetensors
 files that `modelcache serve` hands out, and the catalog naming them.
 
-    /usr/bin/python3 examples/python/node_server/models.py /tmp/mc-node
+    PYTHONPATH=build/python /usr/bin/python3 examples/python/node_server/models.py /tmp/mc-node
     # writes /tmp/mc-node/models/m0.safetensors ... and /tmp/mc-node/catalog.json
-    /usr/bin/python3 examples/python/node_server/models.py /tmp/mc-node --count 32
+    PYTHONPATH=build/python /usr/bin/python3 examples/python/node_server/models.py \
+        /tmp/mc-node --count 32
     # a catalog of 32 small models c0 ... c31 instead (the cluster's, below)
 
 The same module builds the network a worker runs on the daemon's tensors
@@ -22,8 +23,6 @@ from typing import Dict, Iterator, List, Mapping, Tuple
 
 import numpy as np
 import torch
-
-from modelcache.weights import save_file
 
 #: Model id -> (input width, hidden width, output width).
 SHAPES: Dict[str, tuple] = {
@@ -181,7 +180,11 @@ def weights(model_id: str, shape_: "tuple | None" = None
 
 
 def write_safetensors(path: Path, tensors: Mapping[str, np.ndarray]) -> int:
-    """Writes `tensors` with modelcache's writer; returns the data bytes."""
+    """Writes `tensors` with modelcache's writer; returns the data bytes.
+    (Imported here: the rest of the module, the networks, needs no
+    modelcache.)"""
+    from modelcache.weights import save_file
+
     save_file(tensors, path)
     return sum(t.nbytes for t in tensors.values())
 

@@ -557,7 +557,8 @@ void BindWeights(py::module_& m) {
          const std::map<std::string, std::string>& metadata) {
         const std::string file = PathFrom(path);
         weights::SafetensorsWriter writer;
-        for (const auto& [key, value] : metadata) writer.SetMetadata(key, value);
+        for (const auto& [key, value] : metadata)
+          writer.SetMetadata(key, value);
         // Each entry is (name, dtype name, shape, buffer). The buffers stay
         // referenced by `tensors` (the caller's list) for the whole write,
         // which reads them without the GIL: the caller passes contiguous
@@ -588,10 +589,9 @@ void BindWeights(py::module_& m) {
                            "': its data must be contiguous bytes");
           }
           const auto size = static_cast<size_t>(info.size * info.itemsize);
-          writer.AddTensor(
-              name, *dtype, entry[2].cast<std::vector<uint64_t>>(),
-              std::span<const std::byte>(
-                  static_cast<const std::byte*>(info.ptr), size));
+          writer.AddTensor(name, *dtype, entry[2].cast<std::vector<uint64_t>>(),
+                           std::span<const std::byte>(
+                               static_cast<const std::byte*>(info.ptr), size));
         }
         return WithoutGil([&] { return writer.Write(file); });
       },

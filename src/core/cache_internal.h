@@ -247,9 +247,12 @@ struct ShardCounters {
 };
 
 // A hit locks `mu` and bumps `seq` and `hits`: they share the first cache
-// line, so a hit moves one shard line between cores, not three.
+// line, so a hit moves one shard line between cores, not three. They come
+// before `mu` because the mutex's lock word (a pthread_mutex_t) is all a
+// release build touches of it: its LockRank, which only debug builds read,
+// follows the lock word and may spill into the next line (static_assert
+// below).
 struct alignas(64) Shard {
-  base::Mutex mu;
   uint64_t seq MC_GUARDED_BY(mu) = 0;
   uint64_t hits MC_GUARDED_BY(mu) = 0;
   // Bytes of the shard's evictable records (resident, unleased, unpinned,
@@ -259,6 +262,7 @@ struct alignas(64) Shard {
   // budget's check is (budget.h). Beside the hit counter because a hit that
   // takes a model's first lease changes it.
   std::atomic<uint64_t> evictable_bytes{0};
+  base::Mutex mu;
   absl::flat_hash_map<std::string, Slot, KeyHash, KeyEqual> map
       MC_GUARDED_BY(mu);
   base::CondVar changed;  // a record of this shard changed state
@@ -272,6 +276,12 @@ struct alignas(64) Shard {
   absl::flat_hash_map<std::string, RequestHistory, KeyHash, KeyEqual> history
       MC_GUARDED_BY(mu);
 };
+
+#pragma GCC diagnostic push
+#pragma GCC diagnostic ignored "-Winvalid-offsetof"
+static_assert(offsetof(Shard, mu) + sizeof(pthread_mutex_t) <= 64,
+              "a hit must touch only the shard's first cache line");
+#pragma GCC diagnostic pop
 
 // Bounds the request histories a shard keeps: past it, the half least
 // recently requested are forgotten (a forgotten key looks new: it is

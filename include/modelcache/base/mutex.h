@@ -129,6 +129,9 @@ class MC_CAPABILITY("mutex") Mutex {
 
  private:
   friend class CondVar;
+  // The lock word first, the rank after it: a release build touches only
+  // the lock word, so a struct may keep its hot fields in the lock word's
+  // cache line and let the rank spill into the next (the cache's shards).
   pthread_mutex_t mu_;
   const LockRank rank_;
 };

@@ -631,7 +631,7 @@ double Node::DrainAfterMs(uint32_t m) const {
                                  ? static_cast<double>(Size(m)) /
                                        time_.bandwidth_bytes_per_second * 1000.0
                                  : 0.0;
-  return DefaultDrainAfterMs(time_.latency_ms + transfer_ms);
+  return DefaultDrainAfterMs(time_.latency_ms + transfer_ms, recent_drain_ms_);
 }
 
 uint64_t Node::DrainIdleBytes() const {
@@ -678,6 +678,7 @@ void Node::StartDrain(uint32_t waiter) {
   drain_.waiter = waiter;
   drain_.set.clear();
   drain_.set_bytes = 0;
+  drain_.started_ms = now_;
   ++drains_;
   // The set: resident models, idle and leased alike, least recently used
   // first, until they and the free bytes cover the waiter.
@@ -719,6 +720,8 @@ void Node::AddToDrain(uint32_t m) {
 
 void Node::EndDrain() {
   assert(drain_.active);
+  recent_drain_ms_ =
+      NextRecentDrainMs(recent_drain_ms_, now_ - drain_.started_ms);
   std::vector<std::pair<uint32_t, Waiter>> parked;
   for (const uint32_t q : drain_.set) {
     ModelState& d = models_[q];
@@ -828,6 +831,7 @@ std::vector<size_t> Node::Kill() {
   room_changed_ = true;
   idle_bytes_ = 0;
   drain_ = Drain{};
+  recent_drain_ms_ = 0;
   next_drain_check_ = kInf;
   alive_ = false;
   return requests;

@@ -400,8 +400,11 @@ class Node {
     // waiter needs (bytes held by loads in flight), what those loads bring
     // joins the set.
     uint64_t covered = 0;
+    double started_ms = 0;
   };
   Drain drain_;
+  // How long drains last (NextRecentDrainMs), for the default drain_after.
+  double recent_drain_ms_ = 0;
   uint64_t drains_ = 0, drain_queued_ = 0;
   double next_drain_check_ = kInf;
   uint64_t access_seq_ = 0;

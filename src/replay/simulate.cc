@@ -40,8 +40,15 @@ RunResult RunEngine(const TraceSource& trace, const std::string& policy_name,
 
 }  // namespace
 
-double DefaultDrainAfterMs(double load_ms) {
-  return std::max(kDrainAfterFloorMs, kDrainAfterLoadMultiple * load_ms);
+double DefaultDrainAfterMs(double load_ms, double recent_drain_ms) {
+  return std::max({kDrainAfterFloorMs, kDrainAfterLoadMultiple * load_ms,
+                   kDrainAfterDrainMultiple * recent_drain_ms});
+}
+
+double NextRecentDrainMs(double recent_drain_ms, double drain_ms) {
+  if (recent_drain_ms == 0) return drain_ms;
+  return (1 - kDrainDurationWeight) * recent_drain_ms +
+         kDrainDurationWeight * drain_ms;
 }
 
 RunResult ReplayUntimed(const Trace& trace, const std::string& policy_name,

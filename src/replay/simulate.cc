@@ -41,7 +41,14 @@ RunResult RunEngine(const TraceSource& trace, const std::string& policy_name,
 }  // namespace
 
 double DefaultDrainAfterMs(double load_ms) {
-  return std::max(kDrainAfterFloorMs, kDrainAfterLoadMultiple * load_ms);
+  // The core's rule on the core's clock (whole nanoseconds); a load time
+  // beyond its range drains never, as the core's would.
+  const double load_ns = load_ms * 1e6;
+  if (!(load_ns < static_cast<double>(kDrainNever.count()))) return kNeverDrain;
+  const std::chrono::nanoseconds after = DefaultDrainAfter(
+      std::chrono::nanoseconds(static_cast<int64_t>(std::max(0.0, load_ns))));
+  if (after == kDrainNever) return kNeverDrain;
+  return std::chrono::duration<double, std::milli>(after).count();
 }
 
 RunResult ReplayUntimed(const Trace& trace, const std::string& policy_name,

@@ -17,7 +17,8 @@
 // in arrival order (ReserveOptions::arrival). While it waits for room that
 // only leased models can give, requests for those models are admitted at
 // once: they overtake it, which groups requests by model and saves swaps.
-// That lasts at most `drain_after` (BudgetOptions, set_drain_after): once the
+// That lasts at most `drain_after` (BudgetOptions, set_drain_after; by
+// default a multiple of the waiter's load time, kDrainAfterAuto): once the
 // oldest such waiter has waited that long, the models whose eviction it needs
 // drain. They are chosen in eviction-policy order, idle and leased alike,
 // until they cover its shortfall, leaving out what the waiter holds itself
@@ -61,16 +62,42 @@
 
 namespace modelcache {
 
-// How long a request waiting for room may be overtaken by requests for the
-// models that hold it before those models drain (see above). The value is
-// chosen on the replay sweeps reported in docs/benchmarks.md ("Swap
-// scheduling"); change it there and here together.
-inline constexpr std::chrono::nanoseconds kDefaultDrainAfter =
-    std::chrono::seconds(2);
+// The default drain_after (kDrainAfterAuto) adapts to the swap it admits:
+// kDrainAfterLoadMultiple times the waiter's expected load time
+// (ReserveOptions::expected_load: a cache passes what it last measured
+// loading that key, on the budget's clock), and at least kDrainAfterFloor,
+// which is also the value for a key never loaded. So a swap (a drain and
+// the load it admits) takes at most 1 / (1 + kDrainAfterLoadMultiple) of the
+// time, and a small model's waiter does not drain the models in use after a
+// few milliseconds. Chosen on the replay's sweeps of max(floor, k x load) on
+// two workloads at five capacities each (docs/benchmarks.md,
+// "drain-after"); `modelcache replay` uses the same constants
+// (replay/simulate.h). Change them there and here together.
+inline constexpr int64_t kDrainAfterLoadMultiple = 4;
+inline constexpr std::chrono::milliseconds kDrainAfterFloor{1000};
+// drain_after = kDrainAfterAuto: the rule above, per waiter. The default.
+inline constexpr std::chrono::nanoseconds kDrainAfterAuto{-1};
+inline constexpr std::chrono::nanoseconds kDefaultDrainAfter = kDrainAfterAuto;
 // drain_after = kDrainNever: models in use never drain (a waiter waits for
 // them to fall idle, however long their traffic lasts).
 inline constexpr std::chrono::nanoseconds kDrainNever =
     std::chrono::nanoseconds::max();
+
+// What kDrainAfterAuto means for a waiter whose load is expected to take
+// `expected_load` (zero or less: unknown): max(kDrainAfterFloor,
+// kDrainAfterLoadMultiple x expected_load), kDrainNever where that would
+// overflow.
+constexpr std::chrono::nanoseconds DefaultDrainAfter(
+    std::chrono::nanoseconds expected_load) {
+  const std::chrono::nanoseconds floor = kDrainAfterFloor;
+  if (expected_load.count() <= 0) return floor;
+  if (expected_load > kDrainNever / kDrainAfterLoadMultiple) {
+    return kDrainNever;
+  }
+  const std::chrono::nanoseconds scaled =
+      expected_load * kDrainAfterLoadMultiple;
+  return scaled > floor ? scaled : floor;
+}
 
 // What an acquire does when evicting cannot make the room it needs. Either
 // way it evicts nothing meanwhile.
@@ -203,12 +230,17 @@ struct ReserveOptions {
   // What the bytes are for, as a drain names its waiter to the requests
   // queued behind it ("'B' in cache 'gpu0'"); empty: the byte count.
   std::string for_what;
+  // How long the load the bytes are for is expected to take, on the
+  // budget's clock: its drain_after under kDrainAfterAuto is
+  // DefaultDrainAfter(expected_load). Zero: unknown (kDrainAfterFloor).
+  std::chrono::nanoseconds expected_load{0};
 };
 
 struct BudgetOptions {
   // See "Who waits" above: how long a waiter for room may be overtaken by
   // requests for the models that hold it before they drain. Zero: strict
-  // arrival order; kDrainNever: they never drain.
+  // arrival order; kDrainNever: they never drain; kDrainAfterAuto (the
+  // default): DefaultDrainAfter of each waiter's expected load time.
   std::chrono::nanoseconds drain_after = kDefaultDrainAfter;
   // The clock of arrivals and of drain_after; steady_clock::now when empty.
   // With another clock, call ClockAdvanced after moving it, so that waiters
@@ -273,8 +305,9 @@ class Budget {
 
   PolicyClock& policy_clock() { return clock_; }
 
-  // See BudgetOptions::drain_after. A change applies to waiters already
-  // waiting as well (measured from their arrival).
+  // See BudgetOptions::drain_after (kDrainAfterAuto: the adaptive default).
+  // A change applies to waiters already waiting as well (measured from
+  // their arrival).
   std::chrono::nanoseconds drain_after() const {
     return std::chrono::nanoseconds(
         drain_after_ns_.load(std::memory_order_relaxed));
@@ -395,6 +428,9 @@ class Budget {
                            std::chrono::steady_clock::time_point now) const
       MC_REQUIRES(mu_);
   bool RefusedLocked(const Waiter& waiter) const MC_REQUIRES(mu_);
+  // The drain_after that applies to `waiter` (kDrainAfterAuto resolved by
+  // its expected load time).
+  std::chrono::nanoseconds DrainAfterOf(const Waiter& waiter) const;
   // One step of `waiter`'s drain: extend its set until it covers the
   // waiter's bytes, and evict the whole set once no lease of it is left.
   // `free_bytes`: capacity (with any growth) minus what is used.

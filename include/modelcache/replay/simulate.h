@@ -6,6 +6,7 @@
 #define MODELCACHE_REPLAY_SIMULATE_H_
 
 #include <atomic>
+#include <chrono>
 #include <cstdint>
 #include <functional>
 #include <limits>
@@ -46,18 +47,21 @@ struct TimeModel {
 inline constexpr double kNeverDrain = std::numeric_limits<double>::infinity();
 
 // The default drain_after for a waiter whose load takes `load_ms` on an
-// otherwise idle load path: kDrainAfterLoadMultiple times its load time,
-// and at least kDrainAfterFloorMs. So a swap (a drain and the load it
-// admits) costs at most 1 / (1 + kDrainAfterLoadMultiple) of the load
-// path's time, and a small model's waiter does not drain the models in use
-// after a few milliseconds. Chosen by sweeping max(floor, k * load) on two
-// workloads at five capacities each (docs/benchmarks.md, "drain-after"):
-// these meet the goal (p99 within 1.1x, +1 s, of the better of 0 and
-// infinity) at every capacity of the embedded trace with 2 s leases, and on
-// the Azure Functions trace at 1 and 16 GiB; at 2, 4 and 8 GiB, whose leases
-// last up to minutes, no rule on the load time alone does.
-inline constexpr double kDrainAfterLoadMultiple = 4;
-inline constexpr double kDrainAfterFloorMs = 1000;
+// otherwise idle load path: the core's rule (budget.h, kDrainAfterAuto and
+// DefaultDrainAfter, one definition for both): kDrainAfterLoadMultiple times
+// its load time, and at least kDrainAfterFloor. Chosen by sweeping
+// max(floor, k * load) on two workloads at five capacities each
+// (docs/benchmarks.md, "drain-after"): these meet the goal (p99 within 1.1x,
+// +1 s, of the better of 0 and infinity) at every capacity of the embedded
+// trace with 2 s leases, and on the Azure Functions trace at 1 and 16 GiB;
+// at 2, 4 and 8 GiB, whose leases last up to minutes, no rule on the load
+// time alone does. The replay knows each load's time from the time model;
+// a cache judges it by what it last measured loading the key (the floor
+// before its first load), so the two agree where the floor rules or the
+// key loaded before in the same time.
+using ::modelcache::kDrainAfterLoadMultiple;
+inline constexpr double kDrainAfterFloorMs =
+    std::chrono::duration<double, std::milli>(kDrainAfterFloor).count();
 double DefaultDrainAfterMs(double load_ms);
 
 struct SimulateOptions {

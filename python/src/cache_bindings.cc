@@ -402,6 +402,8 @@ std::chrono::nanoseconds DrainAfterFrom(const py::object& value) {
 }
 
 py::object DrainAfterToPython(std::chrono::nanoseconds drain_after) {
+  // The adaptive default has no one value: None, as it is given.
+  if (drain_after == kDrainAfterAuto) return py::none();
   if (drain_after == kDrainNever) {
     return py::float_(std::numeric_limits<double>::infinity());
   }
@@ -633,7 +635,9 @@ idle model among all its caches, whichever cache holds it.
           "drain_after",
           [](const Budget& b) { return DrainAfterToPython(b.drain_after()); },
           "Seconds an acquire waiting for room may be overtaken by requests "
-          "for the models that hold it before they drain (math.inf: never).")
+          "for the models that hold it before they drain (math.inf: never; "
+          "None: the library's default, four times the load time last "
+          "measured for the waiter's model and at least 1 s).")
       .def(
           "set_drain_after",
           [](Budget& b, const py::object& drain_after_arg) {
@@ -718,7 +722,9 @@ cache's, with the loader and size of each model's last acquire or prefetch.
 cache's own) bounds how long an acquire waiting for room may be overtaken by
 requests for the models that hold it: after that they drain (new requests
 for them queue, the leases out end, the waiter gets its room). 0 is strict
-arrival order, ``math.inf`` never drains; None is the library's default.
+arrival order, ``math.inf`` never drains; None is the library's default:
+four times what the cache last measured loading the waiting model, and at
+least 1 s (also for a model never loaded).
 ``on_event`` is called with an Event for every load, failure, eviction and
 removal, outside the cache's locks.
 )doc")

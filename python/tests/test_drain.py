@@ -69,12 +69,15 @@ def test_a_model_in_continuous_use_gives_way_to_a_waiting_acquire():
 def test_drain_after_settings():
     assert modelcache.Cache(capacity_bytes=10, drain_after=math.inf).budget.drain_after == math.inf
     assert modelcache.Cache(capacity_bytes=10, drain_after=0).budget.drain_after == 0
-    default = modelcache.Cache(capacity_bytes=10).budget.drain_after
-    assert 0 < default < math.inf
+    # The default adapts to each waiter's load time: it has no one value.
+    assert modelcache.Cache(capacity_bytes=10).budget.drain_after is None
+    assert modelcache.Cache(capacity_bytes=10, drain_after=None).budget.drain_after is None
     budget = modelcache.Budget(10, drain_after=1.5)
     assert budget.drain_after == 1.5
     budget.set_drain_after(math.inf)
     assert budget.drain_after == math.inf
+    budget.set_drain_after(None)
+    assert budget.drain_after is None
     with pytest.raises(modelcache.InvalidArgumentError, match="drain_after"):
         modelcache.Cache(budget=budget, drain_after=1)
     with pytest.raises(modelcache.InvalidArgumentError, match="drain_after"):

@@ -63,7 +63,10 @@ Budget::Budget(uint64_t capacity_bytes, std::string name, BudgetOptions options)
     : name_(std::move(name)),
       capacity_(capacity_bytes),
       now_(std::move(options.now)),
-      drain_after_ns_(std::max<int64_t>(0, options.drain_after.count())) {}
+      drain_after_ns_(options.drain_after == kDrainAfterAuto
+                          ? kDrainAfterAuto.count()
+                          : std::max<int64_t>(0, options.drain_after.count())) {
+}
 
 Budget::~Budget() {
   base::MutexLock lock(&mu_);
@@ -177,6 +180,7 @@ void Budget::Reserve(uint64_t bytes, const ReserveOptions& options) {
   me.waits = waits;
   me.bytes = bytes;
   me.holds = &options.holds;
+  me.expected_load = options.expected_load;
   me.for_what = options.for_what.empty()
                     ? FormatBytes(bytes) + " in budget '" + name_ + "'"
                     : options.for_what;
@@ -320,6 +324,7 @@ void Budget::Reserve(uint64_t bytes, const ReserveOptions& options) {
         if (options.evict_below == std::numeric_limits<double>::infinity() &&
             MayStartDrainLocked(me, now)) {
           drain_ = &me;
+          drain_started_ = now;
           owed_ = bytes;
           me.refused = false;
           ++change_count_;  // the others' room shrank by what is owed
@@ -338,8 +343,7 @@ void Budget::Reserve(uint64_t bytes, const ReserveOptions& options) {
       // Until drain_after has passed, wake when it does (with the real
       // clock; an injected one calls ClockAdvanced).
       auto wake_at = options.deadline;
-      const std::chrono::nanoseconds drain_after(
-          drain_after_ns_.load(std::memory_order_relaxed));
+      const std::chrono::nanoseconds drain_after = DrainAfterOf(me);
       if (!draining && !now_ && drain_after != kDrainNever &&
           now - me.arrival < drain_after &&
           drain_after <

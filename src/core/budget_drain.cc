@@ -63,7 +63,9 @@ using detail::EvictOutcome;
 using detail::VictimCandidate;
 
 void Budget::set_drain_after(std::chrono::nanoseconds drain_after) {
-  drain_after_ns_.store(std::max<int64_t>(0, drain_after.count()),
+  drain_after_ns_.store(drain_after == kDrainAfterAuto
+                            ? kDrainAfterAuto.count()
+                            : std::max<int64_t>(0, drain_after.count()),
                         std::memory_order_relaxed);
   ClockAdvanced();  // waiters judge their age against the new value
 }
@@ -98,6 +100,11 @@ bool Budget::DequeueLocked(Waiter* waiter) {
   if (drain_ != waiter) return false;
   drain_ = nullptr;
   owed_ = 0;
+  // The drain ends with its waiter: how long it stopped its set is what
+  // kDrainAfterAuto weighs next.
+  recent_drains_ns_.store(
+      NextRecentDrains(recent_drains(), Now() - drain_started_).count(),
+      std::memory_order_relaxed);
   ++change_count_;  // the room it was owed is anyone's now
   return true;
 }
@@ -119,11 +126,18 @@ bool Budget::RefusedLocked(const Waiter& waiter) const {
   return waiter.refused && waiter.refused_at == change_count_;
 }
 
+std::chrono::nanoseconds Budget::DrainAfterOf(const Waiter& waiter) const {
+  const std::chrono::nanoseconds drain_after(
+      drain_after_ns_.load(std::memory_order_relaxed));
+  return drain_after == kDrainAfterAuto
+             ? DefaultDrainAfter(waiter.expected_load, recent_drains())
+             : drain_after;
+}
+
 bool Budget::MayStartDrainLocked(
     const Waiter& waiter, std::chrono::steady_clock::time_point now) const {
   if (drain_ != nullptr || RefusedLocked(waiter)) return false;
-  const std::chrono::nanoseconds drain_after(
-      drain_after_ns_.load(std::memory_order_relaxed));
+  const std::chrono::nanoseconds drain_after = DrainAfterOf(waiter);
   if (drain_after == kDrainNever || now - waiter.arrival < drain_after) {
     return false;
   }

@@ -27,6 +27,7 @@ struct Budget::Waiter {
   bool registered = false;  // counted in waiters_
   uint64_t evicted = 0;     // victims this call evicted
   const std::vector<uint64_t>* holds = nullptr;
+  std::chrono::nanoseconds expected_load{0};  // ReserveOptions::expected_load
   std::string for_what;
   // No drain can serve it (what it needs is pinned or its own), as of
   // change_count_ == refused_at: older than it, it does not hold back the

@@ -275,6 +275,13 @@ struct alignas(64) Shard {
   // at most kHistoryKeysPerShard of them.
   absl::flat_hash_map<std::string, RequestHistory, KeyHash, KeyEqual> history
       MC_GUARDED_BY(mu);
+  // What each key's last load took on the budget's clock, kept after it is
+  // evicted: a load's expected time, from which the budget's default
+  // drain_after is judged (budget.h, kDrainAfterAuto). At most
+  // kHistoryKeysPerShard keys; past that it starts afresh (a forgotten key
+  // gets the floor).
+  absl::flat_hash_map<std::string, std::chrono::nanoseconds, KeyHash, KeyEqual>
+      load_times MC_GUARDED_BY(mu);
 };
 
 #pragma GCC diagnostic push

@@ -163,6 +163,10 @@ Lease CacheCore::Acquire(std::string_view key, uint64_t expected_bytes,
             static_cast<uint32_t>(&shard - shards_.get()));
         owned->owner = std::this_thread::get_id();
         owned->for_request = options.request;
+        if (auto load = shard.load_times.find(hashed);
+            load != shard.load_times.end()) {
+          owned->expected_load = load->second;
+        }
         if (options.request) demand_loads_.fetch_add(1);
         shard.map.emplace(owned->key, Slot{owned, {}});
         ++shard.counters.misses;
@@ -361,7 +365,8 @@ Lease CacheCore::LoadAsOwner(Shard& shard, const std::shared_ptr<Record>& rec,
                                     .grow_capacity = options.grow_capacity,
                                     .arrival = arrival,
                                     .holds = options.holds,
-                                    .for_what = for_what});
+                                    .for_what = for_what,
+                                    .expected_load = rec->expected_load});
   } catch (...) {
     FailLoad(shard, rec, std::current_exception(), 0, false);
     throw;
@@ -372,6 +377,7 @@ Lease CacheCore::LoadAsOwner(Shard& shard, const std::shared_ptr<Record>& rec,
   }
 
   const auto start = Clock::now();
+  const auto budget_start = budget_->Now();
   Loaded loaded;
   try {
     loaded = loader();
@@ -381,6 +387,7 @@ Lease CacheCore::LoadAsOwner(Shard& shard, const std::shared_ptr<Record>& rec,
   }
   const double seconds =
       std::chrono::duration<double>(Clock::now() - start).count();
+  const std::chrono::nanoseconds budget_seconds = budget_->Now() - budget_start;
 
   // Adjust the reservation to the real size. A real size over the whole
   // budget can never fit: Reserve refuses it before evicting anything.
@@ -396,7 +403,8 @@ Lease CacheCore::LoadAsOwner(Shard& shard, const std::shared_ptr<Record>& rec,
                                       .for_record = rec->id,
                                       .arrival = arrival,
                                       .holds = options.holds,
-                                      .for_what = for_what});
+                                      .for_what = for_what,
+                                      .expected_load = rec->expected_load});
     } catch (const Error& e) {
       refused = e.code() != ErrorCode::kTooLarge
                     ? std::current_exception()
@@ -431,6 +439,11 @@ Lease CacheCore::LoadAsOwner(Shard& shard, const std::shared_ptr<Record>& rec,
     rec->value = std::move(loaded.value);
     rec->unload = std::move(loaded.unload);
     rec->load_seconds = seconds;
+    if (shard.load_times.size() >= kHistoryKeysPerShard &&
+        !shard.load_times.contains(rec->key)) {
+      shard.load_times.clear();
+    }
+    shard.load_times[rec->key] = budget_seconds;
     // One lease for this caller and one for every waiter, granted together
     // with residency so that nothing can evict the model before they use it.
     rec->leases = 1 + rec->waiters;

@@ -4,6 +4,7 @@
 #define MODELCACHE_SRC_CORE_RECORD_H_
 
 #include <atomic>
+#include <chrono>
 #include <cstddef>
 #include <cstdint>
 #include <exception>
@@ -69,6 +70,10 @@ struct alignas(64) Record {
   std::string drain_for;
   // Acquires queued behind this record's drain.
   int drain_waiters = 0;
+  // While loading: what its key's last load took, on the budget's clock
+  // (Shard::load_times; zero when never measured), as its reservation's
+  // ReserveOptions::expected_load.
+  std::chrono::nanoseconds expected_load{0};
   // Its load was started by a request (the owner's AcquireOptions::request),
   // not a Prefetch: a demand load.
   bool for_request = false;

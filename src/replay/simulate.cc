@@ -40,15 +40,36 @@ RunResult RunEngine(const TraceSource& trace, const std::string& policy_name,
 
 }  // namespace
 
+namespace {
+
+// A duration in ms as the core's clock counts it (whole nanoseconds); one
+// beyond its range is kDrainNever.
+std::chrono::nanoseconds CoreNanoseconds(double ms) {
+  const double ns = ms * 1e6;
+  if (!(ns < static_cast<double>(kDrainNever.count()))) return kDrainNever;
+  return std::chrono::nanoseconds(static_cast<int64_t>(std::max(0.0, ns)));
+}
+
+double Milliseconds(std::chrono::nanoseconds d) {
+  return std::chrono::duration<double, std::milli>(d).count();
+}
+
+}  // namespace
+
 double DefaultDrainAfterMs(double load_ms, double recent_drain_ms) {
-  return std::max({kDrainAfterFloorMs, kDrainAfterLoadMultiple * load_ms,
-                   kDrainAfterDrainMultiple * recent_drain_ms});
+  // The core's rule on the core's clock; a time beyond its range drains
+  // never, as the core's would.
+  const std::chrono::nanoseconds load = CoreNanoseconds(load_ms);
+  const std::chrono::nanoseconds recent = CoreNanoseconds(recent_drain_ms);
+  if (load == kDrainNever || recent == kDrainNever) return kNeverDrain;
+  const std::chrono::nanoseconds after = DefaultDrainAfter(load, recent);
+  if (after == kDrainNever) return kNeverDrain;
+  return Milliseconds(after);
 }
 
 double NextRecentDrainMs(double recent_drain_ms, double drain_ms) {
-  if (recent_drain_ms == 0) return drain_ms;
-  return (1 - kDrainDurationWeight) * recent_drain_ms +
-         kDrainDurationWeight * drain_ms;
+  return Milliseconds(NextRecentDrains(CoreNanoseconds(recent_drain_ms),
+                                       CoreNanoseconds(drain_ms)));
 }
 
 RunResult ReplayUntimed(const Trace& trace, const std::string& policy_name,

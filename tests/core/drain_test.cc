@@ -12,6 +12,7 @@
 #include <string>
 #include <thread>
 
+#include "../../src/core/test_hooks.h"
 #include "../test_util.h"
 #include "gmock/gmock.h"
 #include "gtest/gtest.h"
@@ -347,6 +348,146 @@ TEST(Drain, TheOldestWaiterDrainsFirst) {
   b.lease().Release();
   c.Join();
   ASSERT_FALSE(c.code().has_value()) << c.message();
+  EXPECT_EQ(cache.CheckInvariants(), budget->used());
+}
+
+// ---- The default drain_after (kDrainAfterAuto) ----
+
+static_assert(DefaultDrainAfter(std::chrono::nanoseconds(0)) == seconds(1));
+static_assert(DefaultDrainAfter(std::chrono::milliseconds(100)) == seconds(1));
+static_assert(DefaultDrainAfter(seconds(2)) == seconds(8));
+static_assert(DefaultDrainAfter(kDrainNever / 2) == kDrainNever);
+static_assert(DefaultDrainAfter(seconds(2), seconds(9)) == seconds(72));
+static_assert(DefaultDrainAfter(seconds(30), seconds(9)) == seconds(120));
+static_assert(DefaultDrainAfter(std::chrono::nanoseconds(0), kDrainNever / 4) ==
+              kDrainNever);
+static_assert(NextRecentDrains(std::chrono::nanoseconds(0), seconds(9)) ==
+              seconds(9));
+static_assert(NextRecentDrains(seconds(9), seconds(1)) == seconds(7));
+
+// Counts the waiter's looks for room that end in going back to sleep
+// (detail::reservation_waits_for_room): a look after the clock moved that
+// started no drain shows that drain_after has not passed yet.
+std::atomic<int> looks{0};
+class CountLooks {
+ public:
+  CountLooks() {
+    detail::reservation_waits_for_room.store([] { looks.fetch_add(1); });
+  }
+  ~CountLooks() { detail::reservation_waits_for_room.store(nullptr); }
+};
+
+// Moves the clock by `by` and waits until the waiter has looked again.
+void AdvanceAndLook(FakeClock& clock, Budget& budget,
+                    std::chrono::nanoseconds by) {
+  const int before = looks.load();
+  clock.Advance(by);
+  budget.ClockAdvanced();
+  SpinUntil([&] { return looks.load() > before; }, "the waiter looks again");
+}
+
+// A loader that takes `load` on the fake clock.
+Loader SlowLoader(FakeClock& clock, const std::string& key, uint64_t bytes,
+                  std::chrono::nanoseconds load) {
+  return [&clock, key, bytes, load] {
+    clock.Advance(load);
+    return SimpleLoader(key, bytes)();
+  };
+}
+
+// The default: four times what the cache last measured loading the
+// waiter's key. B loaded in 2 s before, so a wait for B's room is
+// overtaken for 8 s, not for the 1 s floor.
+TEST(Drain, ByDefaultAWaiterIsOvertakenForFourTimesItsKeysLastLoad) {
+  CountLooks counting;
+  FakeClock clock;
+  auto budget = MakeBudget(100, kDrainAfterAuto, &clock);
+  EXPECT_EQ(budget->drain_after(), kDrainAfterAuto);
+  ModelCache cache(On(budget, "models", &clock));
+  cache.Acquire("B", 60, SlowLoader(clock, "B", 60, seconds(2))).Release();
+  Lease a = cache.Acquire("A", 60, SimpleLoader("A", 60));  // evicts B
+  ASSERT_FALSE(cache.Entry("B").has_value());
+  Request b(cache, "B", 60);
+  SpinUntil([&] { return budget->waiters() == 1; }, "B waits for room");
+  AdvanceAndLook(clock, *budget, seconds(1));
+  AdvanceAndLook(clock, *budget, std::chrono::milliseconds(6999));
+  EXPECT_EQ(budget->drains(), 0u) << "drained before 8 s";
+  std::optional<Lease> a2 = cache.TryAcquire("A");
+  EXPECT_TRUE(a2.has_value()) << "A's requests overtake B for 8 s";
+  a.Release();
+  clock.Advance(std::chrono::milliseconds(1));
+  budget->ClockAdvanced();
+  SpinUntil([&] { return budget->drains() == 1; }, "A drains at 8 s");
+  EXPECT_FALSE(cache.TryAcquire("A").has_value());
+  a2.reset();
+  b.Join();
+  ASSERT_FALSE(b.code().has_value()) << b.message();
+  EXPECT_EQ(cache.CheckInvariants(), budget->used());
+}
+
+// A key never loaded has no measured load: its waiter is overtaken for the
+// floor, 1 s.
+TEST(Drain, ByDefaultAKeyNeverLoadedIsOvertakenForTheFloor) {
+  CountLooks counting;
+  FakeClock clock;
+  ModelCache cache([&] {
+    CacheOptions options = On(nullptr, "models", &clock);
+    options.capacity_bytes = 100;  // a budget of its own, default drain_after
+    return options;
+  }());
+  Budget& budget = cache.budget();
+  EXPECT_EQ(budget.drain_after(), kDrainAfterAuto);
+  Lease a = cache.Acquire("A", 60, SlowLoader(clock, "A", 60, seconds(2)));
+  Request c(cache, "C", 60);
+  SpinUntil([&] { return budget.waiters() == 1; }, "C waits for room");
+  AdvanceAndLook(clock, budget, std::chrono::milliseconds(999));
+  EXPECT_EQ(budget.drains(), 0u) << "drained before 1 s";
+  clock.Advance(std::chrono::milliseconds(1));
+  budget.ClockAdvanced();
+  SpinUntil([&] { return budget.drains() == 1; }, "A drains at 1 s");
+  a.Release();
+  c.Join();
+  ASSERT_FALSE(c.code().has_value()) << c.message();
+  EXPECT_EQ(c.lease().key(), "C");
+}
+
+// The default also weighs how long the budget's drains lasted: eight times
+// its recent drains. B's drain starts at the 1 s floor and ends 9 s later,
+// when A's lease does; so C, a key never loaded, is then overtaken for
+// 72 s, not for the floor.
+TEST(Drain, ByDefaultAWaiterIsOvertakenForEightTimesTheRecentDrains) {
+  CountLooks counting;
+  FakeClock clock;
+  auto budget = MakeBudget(100, kDrainAfterAuto, &clock);
+  ModelCache cache(On(budget, "models", &clock));
+  Lease a = cache.Acquire("A", 60, SimpleLoader("A", 60));
+  Request b(cache, "B", 60);
+  SpinUntil([&] { return budget->waiters() == 1; }, "B waits for room");
+  EXPECT_EQ(budget->recent_drains(), seconds(0));
+  clock.Advance(seconds(1));
+  budget->ClockAdvanced();
+  SpinUntil([&] { return budget->drains() == 1; }, "A drains at 1 s");
+  clock.Advance(seconds(9));
+  a.Release();
+  b.Join();
+  ASSERT_FALSE(b.code().has_value()) << b.message();
+  EXPECT_EQ(budget->recent_drains(), seconds(9));
+
+  Request c(cache, "C", 60);
+  SpinUntil([&] { return budget->waiters() == 1; }, "C waits for room");
+  AdvanceAndLook(clock, *budget, seconds(1));
+  AdvanceAndLook(clock, *budget, std::chrono::milliseconds(70999));
+  EXPECT_EQ(budget->drains(), 1u) << "drained before 72 s";
+  EXPECT_TRUE(cache.TryAcquire("B").has_value()) << "B's requests overtake";
+  clock.Advance(std::chrono::milliseconds(1));
+  budget->ClockAdvanced();
+  SpinUntil([&] { return budget->drains() == 2; }, "B drains at 72 s");
+  b.lease().Release();
+  c.Join();
+  ASSERT_FALSE(c.code().has_value()) << c.message();
+  EXPECT_EQ(c.lease().key(), "C");
+  // That drain was immediate: the recent drains move a quarter of the way.
+  EXPECT_EQ(budget->recent_drains(), std::chrono::milliseconds(6750));
   EXPECT_EQ(cache.CheckInvariants(), budget->used());
 }
 

@@ -17,7 +17,9 @@
 // in arrival order (ReserveOptions::arrival). While it waits for room that
 // only leased models can give, requests for those models are admitted at
 // once: they overtake it, which groups requests by model and saves swaps.
-// That lasts at most `drain_after` (BudgetOptions, set_drain_after): once the
+// That lasts at most `drain_after` (BudgetOptions, set_drain_after; by
+// default kDrainAfterAuto, which weighs the waiter's load time and how long
+// the budget's recent drains lasted): once the
 // oldest such waiter has waited that long, the models whose eviction it needs
 // drain. They are chosen in eviction-policy order, idle and leased alike,
 // until they cover its shortfall, leaving out what the waiter holds itself
@@ -54,6 +56,7 @@
 #include <optional>
 #include <string>
 #include <unordered_set>
+#include <utility>
 #include <vector>
 
 #include "modelcache/base/mutex.h"
@@ -61,16 +64,63 @@
 
 namespace modelcache {
 
-// How long a request waiting for room may be overtaken by requests for the
-// models that hold it before those models drain (see above). The value is
-// chosen on the replay sweeps reported in docs/benchmarks.md ("Swap
-// scheduling"); change it there and here together.
-inline constexpr std::chrono::nanoseconds kDefaultDrainAfter =
-    std::chrono::seconds(2);
+// The default drain_after (kDrainAfterAuto) adapts to the swap it admits
+// and to what drains have cost: the largest of kDrainAfterFloor (also the
+// load term for a key never loaded), kDrainAfterLoadMultiple times the
+// waiter's expected load time (ReserveOptions::expected_load: a cache passes
+// what it last measured loading that key, on the budget's clock), and
+// kDrainAfterDrainMultiple times the budget's recent drains (recent_drains():
+// how long its drains lasted, from the start of each to its waiter getting
+// the room or leaving, an average weighted 1 / kRecentDrainsWeight to the
+// latest). So a swap (a drain and the load it admits) takes at most
+// 1 / (1 + kDrainAfterLoadMultiple) of the time, the models a drain stops
+// are stopped at most about 1 / (1 + kDrainAfterDrainMultiple) of the time
+// (a drain lasts as long as the longest lease in its set, minutes where
+// requests take minutes), and a small model's waiter does not drain the
+// models in use after a few milliseconds. Nothing of it costs a hit: a
+// drain measures its own length. Chosen on the replay's sweeps of the
+// multiples and the weight on two workloads at five capacities each, and
+// checked on four more (docs/benchmarks.md, "drain-after"); `modelcache
+// replay` uses the same function (replay/simulate.h). Change them there and
+// here together.
+inline constexpr int64_t kDrainAfterLoadMultiple = 4;
+inline constexpr std::chrono::milliseconds kDrainAfterFloor{1000};
+inline constexpr int64_t kDrainAfterDrainMultiple = 8;
+inline constexpr int64_t kRecentDrainsWeight = 4;
+// drain_after = kDrainAfterAuto: the rule above, per waiter. The default.
+inline constexpr std::chrono::nanoseconds kDrainAfterAuto{-1};
+inline constexpr std::chrono::nanoseconds kDefaultDrainAfter = kDrainAfterAuto;
 // drain_after = kDrainNever: models in use never drain (a waiter waits for
 // them to fall idle, however long their traffic lasts).
 inline constexpr std::chrono::nanoseconds kDrainNever =
     std::chrono::nanoseconds::max();
+
+// What kDrainAfterAuto means for a waiter whose load is expected to take
+// `expected_load` (zero or less: unknown), on a budget whose drains lasted
+// `recent_drains` of late (zero: none yet): max(kDrainAfterFloor,
+// kDrainAfterLoadMultiple x expected_load, kDrainAfterDrainMultiple x
+// recent_drains), kDrainNever where that would overflow.
+constexpr std::chrono::nanoseconds DefaultDrainAfter(
+    std::chrono::nanoseconds expected_load,
+    std::chrono::nanoseconds recent_drains = std::chrono::nanoseconds(0)) {
+  std::chrono::nanoseconds after = kDrainAfterFloor;
+  for (const auto& [time, multiple] :
+       {std::pair{expected_load, kDrainAfterLoadMultiple},
+        std::pair{recent_drains, kDrainAfterDrainMultiple}}) {
+    if (time.count() <= 0) continue;
+    if (time > kDrainNever / multiple) return kDrainNever;
+    if (time * multiple > after) after = time * multiple;
+  }
+  return after;
+}
+
+// The budget's recent drains (see above) after one that lasted `drain`.
+constexpr std::chrono::nanoseconds NextRecentDrains(
+    std::chrono::nanoseconds recent, std::chrono::nanoseconds drain) {
+  if (drain.count() < 0) drain = std::chrono::nanoseconds(0);
+  if (recent.count() <= 0) return drain;
+  return recent + (drain - recent) / kRecentDrainsWeight;
+}
 
 // What an acquire does when evicting cannot make the room it needs. Either
 // way it evicts nothing meanwhile.
@@ -203,12 +253,17 @@ struct ReserveOptions {
   // What the bytes are for, as a drain names its waiter to the requests
   // queued behind it ("'B' in cache 'gpu0'"); empty: the byte count.
   std::string for_what;
+  // How long the load the bytes are for is expected to take, on the
+  // budget's clock: its drain_after under kDrainAfterAuto is
+  // DefaultDrainAfter(expected_load). Zero: unknown (kDrainAfterFloor).
+  std::chrono::nanoseconds expected_load{0};
 };
 
 struct BudgetOptions {
   // See "Who waits" above: how long a waiter for room may be overtaken by
   // requests for the models that hold it before they drain. Zero: strict
-  // arrival order; kDrainNever: they never drain.
+  // arrival order; kDrainNever: they never drain; kDrainAfterAuto (the
+  // default): DefaultDrainAfter of each waiter's expected load time.
   std::chrono::nanoseconds drain_after = kDefaultDrainAfter;
   // The clock of arrivals and of drain_after; steady_clock::now when empty.
   // With another clock, call ClockAdvanced after moving it, so that waiters
@@ -273,8 +328,9 @@ class Budget {
 
   PolicyClock& policy_clock() { return clock_; }
 
-  // See BudgetOptions::drain_after. A change applies to waiters already
-  // waiting as well (measured from their arrival).
+  // See BudgetOptions::drain_after (kDrainAfterAuto: the adaptive default).
+  // A change applies to waiters already waiting as well (measured from
+  // their arrival).
   std::chrono::nanoseconds drain_after() const {
     return std::chrono::nanoseconds(
         drain_after_ns_.load(std::memory_order_relaxed));
@@ -290,6 +346,13 @@ class Budget {
   // Drains started since the budget was made, and the requests queued
   // behind one (CountQueuedBehindDrain) since.
   uint64_t drains() const { return drains_.load(std::memory_order_relaxed); }
+  // How long its drains lasted of late, from the start of each until its
+  // waiter got the room or left (NextRecentDrains); zero before the first.
+  // kDrainAfterAuto weighs it (DefaultDrainAfter).
+  std::chrono::nanoseconds recent_drains() const {
+    return std::chrono::nanoseconds(
+        recent_drains_ns_.load(std::memory_order_relaxed));
+  }
   uint64_t queued_behind_drain() const {
     return queued_behind_drain_.load(std::memory_order_relaxed);
   }
@@ -395,6 +458,9 @@ class Budget {
                            std::chrono::steady_clock::time_point now) const
       MC_REQUIRES(mu_);
   bool RefusedLocked(const Waiter& waiter) const MC_REQUIRES(mu_);
+  // The drain_after that applies to `waiter` (kDrainAfterAuto resolved by
+  // its expected load time).
+  std::chrono::nanoseconds DrainAfterOf(const Waiter& waiter) const;
   // One step of `waiter`'s drain: extend its set until it covers the
   // waiter's bytes, and evict the whole set once no lease of it is left.
   // `free_bytes`: capacity (with any growth) minus what is used.
@@ -438,6 +504,9 @@ class Budget {
   Waiter* drain_ MC_GUARDED_BY(mu_) = nullptr;
   uint64_t owed_ MC_GUARDED_BY(mu_) = 0;
   std::atomic<uint64_t> drains_{0};
+  std::atomic<int64_t> recent_drains_ns_{0};
+  // When the drain that runs began (drain_ set and its set covering it).
+  std::chrono::steady_clock::time_point drain_started_ MC_GUARDED_BY(mu_){};
   std::atomic<uint64_t> queued_behind_drain_{0};
 };
 

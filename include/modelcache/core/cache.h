@@ -208,9 +208,14 @@ struct CacheOptions {
   // For the budget the cache makes (when `budget` is null): how long a
   // request waiting for room may be overtaken by requests for the models
   // that hold it before they drain (BudgetOptions::drain_after; budget.h,
-  // "Who waits"). Zero: strict arrival order; kDrainNever: today's rule, a
-  // model in use is never made to give up its room. A shared budget has its
-  // own (Budget::set_drain_after). The budget's clock is `now`.
+  // "Who waits"). The default, kDrainAfterAuto: the largest of 1 s (also
+  // the load term for a key never loaded), four times what this cache last
+  // measured loading the waiter's key (on the budget's clock), and eight
+  // times how long the budget's recent drains lasted (DefaultDrainAfter,
+  // chosen on the sweeps in docs/benchmarks.md). Zero:
+  // strict arrival order; kDrainNever: today's rule, a model in use is never
+  // made to give up its room. A shared budget has its own
+  // (Budget::set_drain_after). The budget's clock is `now`.
   std::chrono::nanoseconds drain_after = kDefaultDrainAfter;
   // Called outside every lock, on the thread that caused the event. If it
   // throws, the exception is caught and counted (CacheStats::

@@ -6,6 +6,7 @@
 #define MODELCACHE_REPLAY_SIMULATE_H_
 
 #include <atomic>
+#include <chrono>
 #include <cstdint>
 #include <functional>
 #include <limits>
@@ -46,26 +47,24 @@ struct TimeModel {
 inline constexpr double kNeverDrain = std::numeric_limits<double>::infinity();
 
 // The default drain_after for a waiter whose load takes `load_ms` on an
-// otherwise idle load path, when the drains before it lasted
-// `recent_drain_ms` (an average weighted kDrainDurationWeight to the latest,
-// from a drain's start until its waiter got its room; 0 before the first):
-// the largest of kDrainAfterFloorMs, kDrainAfterLoadMultiple times its load
-// time and kDrainAfterDrainMultiple times the recent drains. So a swap (a
-// drain and the load it admits) costs at most 1 / (1 + 4) of the load path's
-// time, the models a drain stops are stopped at most about 1 / (1 + 8) of
-// the time, and a small model's waiter does not drain the models in use
-// after a few milliseconds. The load term alone met the goal (p99 within
-// 1.1x, +1 s, of the better of 0 and infinity) on the embedded trace but
-// missed it by up to 5.3x on the Azure Functions trace, whose leases last
-// minutes and so whose drains do; the drain term was chosen on those two
-// workloads and checked on four more (docs/benchmarks.md, "drain-after").
-inline constexpr double kDrainAfterLoadMultiple = 4;
-inline constexpr double kDrainAfterFloorMs = 1000;
-inline constexpr double kDrainAfterDrainMultiple = 8;
-inline constexpr double kDrainDurationWeight = 0.25;
+// otherwise idle load path, on a node whose drains lasted `recent_drain_ms`
+// of late (NextRecentDrainMs; 0 before the first): the core's rule
+// (budget.h, kDrainAfterAuto and DefaultDrainAfter, one definition for
+// both), the largest of kDrainAfterFloor, kDrainAfterLoadMultiple times the
+// load time and kDrainAfterDrainMultiple times the recent drains. Chosen on
+// the sweeps in docs/benchmarks.md ("drain-after"). The replay knows each
+// load's time from the time model; a cache judges it by what it last
+// measured loading the key (the floor before its first load), so the two
+// agree where the floor rules or the key loaded before in the same time.
+// A drain lasts from its start until its waiter gets the room or leaves,
+// in both.
+using ::modelcache::kDrainAfterDrainMultiple;
+using ::modelcache::kDrainAfterLoadMultiple;
+inline constexpr double kDrainAfterFloorMs =
+    std::chrono::duration<double, std::milli>(kDrainAfterFloor).count();
 double DefaultDrainAfterMs(double load_ms, double recent_drain_ms = 0);
-// The average of drain durations that DefaultDrainAfterMs takes, after a
-// drain of `drain_ms`.
+// The node's recent drains after one of `drain_ms` (the core's
+// NextRecentDrains, in ms).
 double NextRecentDrainMs(double recent_drain_ms, double drain_ms);
 
 struct SimulateOptions {

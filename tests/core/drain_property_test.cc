@@ -43,6 +43,7 @@
 #include <atomic>
 #include <chrono>
 #include <cstdint>
+#include <functional>
 #include <map>
 #include <memory>
 #include <optional>
@@ -509,8 +510,9 @@ class DrainCase {
   // it needs is neither pinned nor held by an unloader that throws, and every
   // lease out when its drain began has ended, it is served within the step.
   // The test cannot see which waiter a drain is for, so it counts from the
-  // latest step at which a drain began or this waiter became the one due
-  // (leases held then are a superset of those its drain waits for).
+  // latest step at which a drain began, its set grew, or this waiter became
+  // the one due (leases held then are a superset of those its drain waits
+  // for).
   void CheckBound() {
     if (bound_waiter_ >= 0 &&
         std::none_of(waiters_.begin(), waiters_.end(),
@@ -542,13 +544,24 @@ class DrainCase {
       bound_waiter_ = -1;
       return;
     }
+    // A drain's set grows when what it had no longer covers its waiter (the
+    // capacity shrank, a victim was pinned): the leases out on what joins it
+    // then are the ones it waits for, so the bound counts from there too.
+    std::set<std::string> draining;
+    for (const EntryInfo& e : cache_.Entries()) {
+      if (e.draining) draining.insert(e.key);
+    }
+    const bool grew =
+        !std::includes(bound_draining_.begin(), bound_draining_.end(),
+                       draining.begin(), draining.end());
     auto snapshot = [&] {
       bound_waiter_ = due->id;
       bound_drains_ = budget.drains();
+      bound_draining_ = draining;
       bound_leases_.clear();
       for (const HeldLease& h : held_) bound_leases_.insert(h.serial);
     };
-    if (bound_waiter_ != due->id || bound_drains_ != budget.drains()) {
+    if (bound_waiter_ != due->id || bound_drains_ != budget.drains() || grew) {
       snapshot();
       return;
     }
@@ -580,6 +593,7 @@ class DrainCase {
   int bound_met_ = 0;
   uint64_t bound_drains_ = 0;
   std::set<uint64_t> bound_leases_;
+  std::set<std::string> bound_draining_;
 };
 
 void RunDrainCase(int drain_after_choice, const std::vector<Op>& ops) {
@@ -598,6 +612,43 @@ RC_GTEST_PROP(DrainProperty, WaitersAreServedWithinTheBoundAndKeepTheInvariants,
               (const std::vector<Op>& ops)) {
   const int drain_after = *rc::gen::inRange(0, 3);
   RunDrainCase(drain_after, ops);
+}
+
+// ---- Regressions: counterexamples `make property` found, replayed. ----
+
+int K(Kind kind) { return static_cast<int>(kind); }
+constexpr int kNoFault = 3;  // neither the loader nor the unloader throws
+
+void ExpectPasses(const std::function<void()>& run) {
+  try {
+    run();
+  } catch (const rc::detail::CaseResult& result) {
+    ADD_FAILURE() << result.description;
+  }
+}
+
+// drain_after 0: Wait(m2, 20), Wait(m3, 40), Wait(m0, 60), Acquire(m3, 20),
+// Lookup(m3), SetCapacity(60), Release(lease #5), Release(lease #0)
+// -> step 7: the bound counted from m0's drain of m2 alone; the shrink at
+// step 5 made the drain take m3 too, with the two leases taken on m3 since.
+TEST(DrainProperty, RegressionTheBoundCountsFromASetThatGrew) {
+  ExpectPasses([] {
+    RunDrainCase(
+        0,
+        {
+            {.kind = K(Kind::kWait), .name = 2, .size = 0, .fault = kNoFault},
+            {.kind = K(Kind::kWait), .name = 3, .size = 1, .fault = kNoFault},
+            {.kind = K(Kind::kWait), .name = 0, .size = 2, .fault = kNoFault},
+            {.kind = K(Kind::kAcquire),
+             .name = 3,
+             .size = 0,
+             .fault = kNoFault},
+            {.kind = K(Kind::kLookup), .name = 3},
+            {.kind = K(Kind::kSetCapacity), .other = 0},
+            {.kind = K(Kind::kRelease), .other = 5},
+            {.kind = K(Kind::kRelease), .other = 0},
+        });
+  });
 }
 
 }  // namespace

@@ -316,6 +316,9 @@ class DrainCase {
       }
       const std::string now = Fingerprint();
       if (round > 0 && now == last) break;
+      if (std::chrono::steady_clock::now() > give_up) {
+        RC_FAIL(where_ + ": the cache never settled");
+      }
       last = now;
     }
     // Collect the finished waiters' leases.

@@ -7,6 +7,7 @@ DEPS_STAMP := build/.deps-installed
 	test-fuzz fuzz property bench bench-stream cluster soak clean
 FUZZ_SECONDS ?= 600
 PROPERTY_CASES ?= 100000
+DRAIN_PROPERTY_CASES ?= 20000
 
 all: build
 
@@ -80,10 +81,14 @@ test: deps
 
 # The stateful property test of the cache API, far longer than in `make
 # test` and with a fresh random seed each time (printed, with the minimal
-# failing sequence, if it finds one).
+# failing sequence, if it finds one). The drain property runs
+# DRAIN_PROPERTY_CASES: each of its cases runs threads and settles after
+# every step, some milliseconds a case.
 property: build
 	RC_PARAMS="max_success=$(PROPERTY_CASES) max_size=100" \
 	  ./build/bin/property_test
+	RC_PARAMS="max_success=$(DRAIN_PROPERTY_CASES) max_size=100" \
+	  ./build/bin/drain_property_test
 
 bench: build
 	mkdir -p build/bench-results

@@ -12,6 +12,7 @@
 
 #include "cache_internal.h"
 #include "format.h"
+#include "test_hooks.h"
 
 namespace modelcache::detail {
 
@@ -107,6 +108,10 @@ void CacheCore::WaitWhileDraining(Shard& shard,
            !rec->retired;
   };
   while (queued()) {
+    if (auto hook =
+            acquire_waits_behind_drain.load(std::memory_order_acquire)) {
+      hook();
+    }
     const Clock::time_point wake =
         options.interrupt.check
             ? std::min(options.deadline, Clock::now() + options.interrupt.every)

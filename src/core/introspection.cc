@@ -69,7 +69,8 @@ EntryInfo InfoOf(const Record& r) {
                    r.waiters + r.unload_waiters + r.drain_waiters,
                    r.pinned,
                    r.accesses,
-                   r.last_use};
+                   r.last_use,
+                   r.draining};
 }
 }  // namespace
 

@@ -26,6 +26,11 @@ inline std::atomic<void (*)()> shutdown_waits_for_unload{nullptr};
 // after this call still wakes it.
 inline std::atomic<void (*)()> reservation_waits_for_room{nullptr};
 
+// Called by an acquire queued behind a draining record each time it is about
+// to wait for the drain to end, under the record's shard mutex (it must not
+// call into the cache). A drain that ends after this call still wakes it.
+inline std::atomic<void (*)()> acquire_waits_behind_drain{nullptr};
+
 }  // namespace modelcache::detail
 
 #endif  // MODELCACHE_SRC_CORE_TEST_HOOKS_H_

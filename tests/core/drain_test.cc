@@ -113,6 +113,7 @@ TEST(Drain, AModelInContinuousUseDrainsForTheWaiterAndItsRequestsGoOnAfter) {
   clock.Advance(seconds(1));
   budget->ClockAdvanced();
   SpinUntil([&] { return budget->drains() == 1; }, "A drains");
+  EXPECT_TRUE(cache.Entry("A")->draining);
   EXPECT_FALSE(cache.TryAcquire("A").has_value());
   EXPECT_FALSE(cache.Lookup("A").has_value());
   Request a3(cache, "A", 60);

@@ -330,7 +330,10 @@ const char* EntryStateName(EntryState state);
   X(uint64_t, accesses, "acquires since it was loaded")                     \
   X(Clock::time_point, last_use,                                            \
     "when it last became idle: its load, or the end of its last lease (an " \
-    "idle TTL counts from here)")
+    "idle TTL counts from here)")                                           \
+  X(bool, draining,                                                         \
+    "draining for an older request for room: it takes no new lease "        \
+    "(budget.h, \"Who waits\")")
 
 struct EntryInfo {
 #define MODELCACHE_DECLARE_ENTRY_FIELD(type, name, doc) type name{};

@@ -395,6 +395,11 @@ class ClientCore : public std::enable_shared_from_this<ClientCore> {
   // Its request id; 0 when nothing went (the connection is gone).
   uint64_t SendRelease(const std::shared_ptr<Connection>& c, uint64_t lease)
       MC_REQUIRES(mu_);
+  // Queues `datagram` (request `id`, not awaited) after c's unsent
+  // messages and writes what the socket takes now; the flusher writes the
+  // rest. Returns `id`, or 0 when the write broke the connection.
+  uint64_t QueueAndFlush(const std::shared_ptr<Connection>& c, uint64_t id,
+                         std::string datagram) MC_REQUIRES(mu_);
   // Returns once the message `id` queued on `c` is written to the socket,
   // or `c` broke (0: at once). Lets go of mu_ while it waits.
   void AwaitSent(const std::shared_ptr<Connection>& c, uint64_t id)

@@ -209,16 +209,10 @@ uint64_t ClientCore::SendNotice(const std::shared_ptr<Connection>& c,
                                 protocol::Op op, uint64_t lease) {
   if (c->broken) return 0;
   const uint64_t id = next_id_++;
-  c->unsent.emplace_back(id, op == protocol::Op::kIdle
-                                 ? protocol::EncodeIdle(id, lease)
-                                 : protocol::EncodeUse(id, lease));
-  if (!FlushUnsent(*c)) {
-    last_break_ = "the connection failed: " + base::ErrnoText(errno);
-    Broke(c);
-    return 0;
-  }
-  if (!c->unsent.empty()) StartFlusherToSend();
-  return id;
+  return QueueAndFlush(c, id,
+                       op == protocol::Op::kIdle
+                           ? protocol::EncodeIdle(id, lease)
+                           : protocol::EncodeUse(id, lease));
 }
 
 void ClientCore::AnswerRecalls(const std::shared_ptr<Connection>& c,

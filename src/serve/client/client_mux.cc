@@ -108,7 +108,12 @@ uint64_t ClientCore::SendRelease(const std::shared_ptr<Connection>& c,
                                  uint64_t lease) {
   if (c->broken) return 0;  // the lease died with the connection
   const uint64_t id = next_id_++;
-  c->unsent.emplace_back(id, protocol::EncodeRelease(id, lease));
+  return QueueAndFlush(c, id, protocol::EncodeRelease(id, lease));
+}
+
+uint64_t ClientCore::QueueAndFlush(const std::shared_ptr<Connection>& c,
+                                   uint64_t id, std::string datagram) {
+  c->unsent.emplace_back(id, std::move(datagram));
   if (!FlushUnsent(*c)) {
     last_break_ = "the connection failed: " + base::ErrnoText(errno);
     Broke(c);

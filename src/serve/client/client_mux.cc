@@ -64,7 +64,7 @@ void ClientCore::ReadAndFile(const std::shared_ptr<Connection>& c,
     break;
   }
   std::vector<uint64_t> stray_leases;
-  std::vector<uint64_t> recalls;
+  std::vector<protocol::Recall> recalls;
   {
     base::MutexLock lock(&mu_);
     for (Datagram& d : got) {
@@ -77,7 +77,7 @@ void ClientCore::ReadAndFile(const std::shared_ptr<Connection>& c,
       protocol::Reply& reply = *parsed.reply;
       if (reply.id == 0) {  // the daemon's own: news, not the end
         if (reply.ok && reply.recall != 0) {
-          recalls.push_back(reply.recall);
+          recalls.push_back({reply.recall, reply.retired});
         } else {
           c->note = reply.message;
         }

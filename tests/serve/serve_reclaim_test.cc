@@ -182,13 +182,21 @@ class Reclaim : public ServeTest {
     options.capacity = "16MiB";
     options.capacity_hook = true;
     daemon_ = std::make_unique<Daemon>(options);
+    return HoldThroughACrash("a", copy_bytes);
+  }
+
+  // A lease of `model` that a client holds from the running daemon, which
+  // then crashes; the client's connection is closed and the successor
+  // started. Sets `*copy_bytes`, when given, to the copy's bytes.
+  Held HoldThroughACrash(const std::string& model,
+                         uint64_t* copy_bytes = nullptr) {
     auto first = Connect();
-    Held a = Acquire(*first, "a", 2);
-    *copy_bytes = CopyBytes("a");
+    Held held = Acquire(*first, model, 2);
+    if (copy_bytes != nullptr) *copy_bytes = CopyBytes(model);
     Crash();
     first->Close();
     daemon_->Start();
-    return a;
+    return held;
   }
 
   // In the grace period: an acquire of `held`'s model on `waiting` waits,
@@ -572,11 +580,7 @@ TEST_F(Reclaim, SystemdsFdStoreBringsBackCopiesNoWorkerMaps) {
 TEST_F(Reclaim, AForgedMemfdIsRefusedAndNoOtherClientEverReceivesIt) {
   AddModel("a", 2 * kMiB, 1);
   StartDaemon("16MiB");
-  auto first = Connect();
-  Held a = Acquire(*first, "a", 2);
-  Crash();
-  first->Close();
-  daemon_->Start();
+  Held a = HoldThroughACrash("a");
 
   // The right name, a sealed copy of the right sizes, other bytes.
   Held forged;
@@ -651,11 +655,7 @@ TEST_F(Reclaim, ACopyOfAModelNoLongerInTheCatalogIsAdoptedRetired) {
 TEST_F(Reclaim, AnAcquireInTheGracePeriodWaitsForTheReclaimAndLoadsNothing) {
   AddModel("a", 2 * kMiB, 1);
   StartDaemon("16MiB", {"--reclaim-grace", "120s"});
-  auto first = Connect();
-  Held a = Acquire(*first, "a", 2);
-  Crash();
-  first->Close();
-  daemon_->Start();
+  Held a = HoldThroughACrash("a");
 
   auto waiting = Connect();
   auto holder = Connect();
@@ -666,11 +666,7 @@ TEST_F(Reclaim, AnAcquireInTheGracePeriodWaitsForTheReclaimAndLoadsNothing) {
 TEST_F(Reclaim, WithoutAReclaimTheGracePeriodEndsAndTheModelLoads) {
   AddModel("a", 2 * kMiB, 1);
   StartDaemon("16MiB", {"--reclaim-grace", "1ms"});
-  auto first = Connect();
-  Held a = Acquire(*first, "a", 2);
-  Crash();
-  first->Close();
-  daemon_->Start();
+  Held a = HoldThroughACrash("a");
   auto raw = Connect();
   std::string load;
   Held loaded = Acquire(*raw, "a", 2, &load);

@@ -34,11 +34,16 @@ class RetireTest : public ServeTest {
     EXPECT_EQ(worker->Do("connect " + daemon_->socket() + kDelegating), "ok");
     return worker;
   }
+  // `worker`'s acquire of `model`, held: its lease, checksum and bytes.
+  std::vector<std::string> Acquired(Worker& worker, const std::string& model) {
+    std::vector<std::string> got = worker.Ok("acquire " + model);
+    leases_.Add(got.at(0));
+    return got;
+  }
   // Makes `worker` hold an idle delegation of `model`, the daemon told;
   // returns its lease.
   std::string HoldIdle(Worker& worker, const std::string& model) {
-    const std::string lease = worker.Ok("acquire " + model)[0];
-    leases_.Add(lease);
+    const std::string lease = Acquired(worker, model)[0];
     worker.Ok("release " + model);
     Eventually(
         [&] {
@@ -81,8 +86,7 @@ TEST_F(RetireTest, AnIdleDelegationOfACopyRetiredByAReloadIsNotReused) {
   EXPECT_EQ(worker->Ok("idle"), std::vector<std::string>{"0"});
   EXPECT_EQ(worker->Ok("acquire-local m"), kNone);
 
-  const std::vector<std::string> fresh = worker->Ok("acquire m");
-  leases_.Add(fresh[0]);
+  const std::vector<std::string> fresh = Acquired(*worker, "m");
   EXPECT_NE(fresh[0], old_lease);
   EXPECT_EQ(fresh[1], std::to_string(checksums_["m"]));
   EXPECT_NE(fresh[1], std::to_string(old_checksum)) << "the new file's bytes";
@@ -112,8 +116,7 @@ TEST_F(RetireTest, ALeaseInUseOfARetiredCopyKeepsItButLendsItNoMore) {
   AddModel("m", kModelBytes, 4);
   Daemon& d = StartDaemon();
   auto worker = Connected();
-  const std::vector<std::string> old = worker->Ok("acquire m");
-  leases_.Add(old[0]);
+  const std::vector<std::string> old = Acquired(*worker, "m");
 
   ReloadWithNewFile("m", 5);
   // The holder answers the retired recall "use": it has read it.
@@ -123,8 +126,7 @@ TEST_F(RetireTest, ALeaseInUseOfARetiredCopyKeepsItButLendsItNoMore) {
       << "its reference keeps the retired copy";
   EXPECT_EQ(worker->Ok("acquire-local m"), kNone);
 
-  const std::vector<std::string> fresh = worker->Ok("acquire m");
-  leases_.Add(fresh[0]);
+  const std::vector<std::string> fresh = Acquired(*worker, "m");
   EXPECT_NE(fresh[0], old[0]) << "a round trip for the current copy";
   EXPECT_EQ(fresh[1], std::to_string(checksums_["m"]));
   EXPECT_EQ(worker->Ok("checksum"),
@@ -146,8 +148,7 @@ TEST_F(RetireTest, ALeaseInUseOfAnUnloadedCopyIsNotLentInAnOutage) {
   AddModel("m", kModelBytes, 6);
   Daemon& d = StartDaemon();
   auto worker = Connected();
-  const std::vector<std::string> old = worker->Ok("acquire m");
-  leases_.Add(old[0]);
+  const std::vector<std::string> old = Acquired(*worker, "m");
 
   EXPECT_EQ(d.Send("POST", "/v1/models/m/unload").Json()["outcome"], "retired");
   Eventually([&] { return Recalls("busy") == 1; },

@@ -638,6 +638,12 @@ TEST_F(Reclaim, ACopyOfAModelNoLongerInTheCatalogIsAdoptedRetired) {
   EXPECT_TRUE(reply->ok) << reply->message;
   EXPECT_EQ(daemon_->Metric("modelcache_orphaned_bytes"), 0);
   EXPECT_GT(daemon_->Metric("modelcache_retired_bytes"), 0);
+  // Its holder is told it is retired (so that it lends it no more).
+  reply = raw->Reply();
+  ASSERT_TRUE(reply);
+  EXPECT_EQ(reply->id, 0u);
+  EXPECT_EQ(reply->recall, a.lease);
+  EXPECT_TRUE(reply->retired);
   // No one new gets it.
   ASSERT_TRUE(raw->Send(protocol::EncodeAcquire(4, "a", 1000, false)));
   reply = raw->Reply();

@@ -159,5 +159,29 @@ TEST_F(RetireTest, ALeaseInUseOfAnUnloadedCopyIsNotLentInAnOutage) {
       << "its reference keeps the copy through the outage";
 }
 
+// A copy reclaimed after a crash, of a model the catalog no longer lists,
+// is adopted retired: its holder keeps its reference but lends it no more.
+TEST_F(RetireTest, AReclaimedLeaseOfAModelTheCatalogDroppedIsLentNoMore) {
+  AddModel("m", kModelBytes, 7);
+  AddModel("n", kModelBytes, 8);
+  StartDaemon();
+  auto worker = Connected();
+  const std::vector<std::string> old = Acquired(*worker, "m");
+
+  Crash();
+  models_.erase(models_.begin());  // "m" leaves the catalog
+  WriteCatalog(catalog_, models_);
+  daemon_->Start();
+  Eventually([&] { return worker->Ok("reclaims")[0] == "1"; },
+             "the lease is reclaimed");
+  Eventually([&] { return Recalls("busy") == 1; },
+             "the holder is told its copy is retired");
+  EXPECT_EQ(worker->Ok("acquire-local m"), kNone);
+  EXPECT_EQ(worker->Ok("checksum"), std::vector<std::string>{old[1]});
+  worker->Ok("release m");
+  Eventually([&] { return daemon_->Metric("modelcache_retired_bytes") == 0; },
+             "the retired copy goes with its last reference");
+}
+
 }  // namespace
 }  // namespace modelcache::serve::testing

@@ -243,6 +243,11 @@ class Daemon::Impl {
   void SetUse(detail::LeaseEntry& e, detail::Use use) MC_REQUIRES(leases_mu_);
   // Sends the recall of `lease` to `c` and starts its clock.
   void SendRecall(detail::Connection& c, uint64_t lease, bool retired = false);
+  // Recalls `lease`, in use on `c`, as retired (a reclaim adopted it
+  // retired), so that its holder takes no new local reference to its copy.
+  // On the loop.
+  void RecallInUseRetired(detail::Connection& c, uint64_t lease)
+      MC_EXCLUDES(leases_mu_);
   // Off the loop: when recalls started after RecallsStarted() said `since`,
   // waits until none is outstanding, or `deadline`, and returns true.
   uint64_t RecallsStarted() const MC_EXCLUDES(leases_mu_);

@@ -188,6 +188,14 @@ void Daemon::Impl::SendRecall(Connection& c, uint64_t lease, bool retired) {
   recall_deadlines_.emplace(Clock::now() + options_.recall_timeout, lease);
 }
 
+void Daemon::Impl::RecallInUseRetired(Connection& c, uint64_t lease) {
+  {
+    base::MutexLock lock(&leases_mu_);
+    SetUse(leases_.at(lease), Use::kRecalled);
+  }
+  SendRecall(c, lease, /*retired=*/true);
+}
+
 void Daemon::Impl::HandleIdle(Connection& c, const protocol::Request& r) {
   Lease core;
   bool recall = false;

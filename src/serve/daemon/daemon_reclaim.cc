@@ -494,15 +494,7 @@ void Daemon::Impl::FileReclaimedLease(Connection& c, const protocol::Request& r,
     HandleIdle(c, idle);
   } else {
     Send(c, {protocol::EncodeOk(r.id), {}, nullptr, 0});
-    if (retired) {
-      // Recalled as a retirement recalls a lease in use, so that its
-      // holder takes no new local reference to the copy.
-      {
-        base::MutexLock lock(&leases_mu_);
-        SetUse(leases_.at(r.lease), Use::kRecalled);
-      }
-      SendRecall(c, r.lease, /*retired=*/true);
-    }
+    if (retired) RecallInUseRetired(c, r.lease);
   }
   EndGrace(&r.model);
 }

@@ -447,6 +447,17 @@ class CacheCore final : public BudgetMember {
   void WaitWhileBusy(Shard& shard, const std::shared_ptr<Record>& rec,
                      const AcquireOptions& options, const char* what)
       MC_REQUIRES(shard.mu);
+  // One wait of WaitWhileBusy or WaitWhileDraining for a change of `shard`:
+  // until it is signalled, the deadline, or (with an interrupt check) the
+  // next `interrupt.every`, when the check runs with the shard lock
+  // released. False only when the deadline passed and `still_waiting()`
+  // holds; true when the caller should look again. What the check throws
+  // leaves with the lock held again and `*waiters` counted down (the
+  // caller's count of waiters on the record).
+  static bool WaitForChange(Shard& shard, const AcquireOptions& options,
+                            int* waiters,
+                            const std::function<bool()>& still_waiting)
+      MC_REQUIRES(shard.mu);
   // Waits, up to the deadline, while `rec` drains (drain.cc): the acquire
   // queues behind the drain and takes no lease. Stamps `arrival` with the
   // budget's clock if it is unset, so that the acquire keeps its place when

@@ -112,23 +112,7 @@ void CacheCore::WaitWhileDraining(Shard& shard,
             acquire_waits_behind_drain.load(std::memory_order_acquire)) {
       hook();
     }
-    const Clock::time_point wake =
-        options.interrupt.check
-            ? std::min(options.deadline, Clock::now() + options.interrupt.every)
-            : options.deadline;
-    if (!shard.changed.WaitUntil(&shard.mu, wake) && queued()) {
-      if (wake < options.deadline) {
-        shard.mu.Unlock();
-        try {
-          options.interrupt.check();
-        } catch (...) {
-          shard.mu.Lock();
-          --rec->drain_waiters;
-          throw;
-        }
-        shard.mu.Lock();
-        continue;
-      }
+    if (!WaitForChange(shard, options, &rec->drain_waiters, queued)) {
       --rec->drain_waiters;
       ++shard.counters.misses;
       ++shard.counters.refused;

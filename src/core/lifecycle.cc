@@ -260,22 +260,10 @@ void CacheCore::WaitWhileBusy(Shard& shard, const std::shared_ptr<Record>& rec,
   const RecordState busy = rec->state;
   ++rec->unload_waiters;
   while (rec->state == busy) {
-    const Clock::time_point wake = NextWake(options);
-    if (!shard.changed.WaitUntil(&shard.mu, wake) && rec->state == busy) {
-      if (wake < options.deadline) {
-        // The interrupt check runs without the shard lock; the state is
-        // looked at afresh after it, as after any wake-up.
-        shard.mu.Unlock();
-        try {
-          options.interrupt.check();
-        } catch (...) {
-          shard.mu.Lock();
-          --rec->unload_waiters;
-          throw;
-        }
-        shard.mu.Lock();
-        continue;
-      }
+    if (!WaitForChange(shard, options, &rec->unload_waiters, [&] {
+          shard.mu.AssertHeld();
+          return rec->state == busy;
+        })) {
       --rec->unload_waiters;
       throw Error(
           ErrorCode::kTimeout,
@@ -283,6 +271,28 @@ void CacheCore::WaitWhileBusy(Shard& shard, const std::shared_ptr<Record>& rec,
     }
   }
   --rec->unload_waiters;
+}
+
+bool CacheCore::WaitForChange(Shard& shard, const AcquireOptions& options,
+                              int* waiters,
+                              const std::function<bool()>& still_waiting) {
+  const Clock::time_point wake = NextWake(options);
+  if (shard.changed.WaitUntil(&shard.mu, wake) || !still_waiting()) {
+    return true;
+  }
+  if (wake >= options.deadline) return false;
+  // The interrupt check runs without the shard lock; the caller looks at
+  // the state afresh after it, as after any wake-up.
+  shard.mu.Unlock();
+  try {
+    options.interrupt.check();
+  } catch (...) {
+    shard.mu.Lock();
+    --*waiters;
+    throw;
+  }
+  shard.mu.Lock();
+  return true;
 }
 
 Lease CacheCore::JoinLoad(Shard& shard, const std::shared_ptr<Record>& rec,

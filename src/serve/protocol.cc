@@ -437,6 +437,10 @@ ParsedReply ParseReply(std::string_view message) {
       !unsigned_field(doc, "recall", &reply.recall, false)) {
     return fail("reply has a field of the wrong type");
   }
+  if (const auto retired = doc.find("retired"); retired != doc.end()) {
+    if (!retired->is_boolean()) return fail("'retired' is not a boolean");
+    reply.retired = retired->get<bool>();
+  }
   if (!reply.load.empty() && reply.load != "hit" && reply.load != "miss" &&
       reply.load != "joined") {
     return fail("'load' is " + base::Quoted(reply.load, kQuotedBytes) +
@@ -526,8 +530,9 @@ std::string EncodeCommit(uint64_t id) {
   return "{\"op\":\"commit\",\"id\":" + std::to_string(id) + "}";
 }
 
-std::string EncodeRecall(uint64_t lease) {
-  return "{\"id\":0,\"ok\":true,\"recall\":" + std::to_string(lease) + "}";
+std::string EncodeRecall(uint64_t lease, bool retired) {
+  return "{\"id\":0,\"ok\":true,\"recall\":" + std::to_string(lease) +
+         (retired ? ",\"retired\":true}" : "}");
 }
 
 std::string EncodePing(uint64_t id) {

@@ -54,6 +54,16 @@
 // answered {"id":N,"ok":true} (NOT_FOUND for a lease this connection does
 // not hold), and a client need not wait for that answer.
 //
+// Retirement: when a reload or an HTTP unload retires a model, the daemon
+// recalls every lease of it that a connection holds, in use or idle, with
+//
+//   {"id":0,"ok":true,"recall":17,"retired":true}
+//
+// answered as any recall ("release" or "use"). A client takes no new local
+// reference to a retired lease: its references in use keep the copy, and
+// the next acquire of the model asks the daemon. A client that does not
+// know "retired" answers it as a plain recall.
+//
 // Recalls of leases in use (a daemon whose hello limits list
 // "recall_in_use"): a client that keeps leases after their last local
 // reference ends (it delegates) says so with "delegate", right after hello
@@ -214,6 +224,14 @@ struct Reply {
   std::vector<FileReply> files;
   // The daemon's own message (id 0): recall this lease; 0 when absent.
   uint64_t recall = 0;
+  // With a recall: the lease's model was retired (a reload, an unload).
+  bool retired = false;
+};
+
+// A recall as a client reads it (Reply::recall, Reply::retired).
+struct Recall {
+  uint64_t lease = 0;
+  bool retired = false;
 };
 
 struct ParsedReply {
@@ -239,8 +257,9 @@ std::string EncodeTakeover(uint64_t id, uint64_t handover,
                            std::string_view catalog_digest);
 std::string EncodeCommit(uint64_t id);
 std::string EncodeDelegate(uint64_t id);
-// The daemon's recall of `lease` (an id-0 message).
-std::string EncodeRecall(uint64_t lease);
+// The daemon's recall of `lease` (an id-0 message), saying "retired" when
+// its model was retired.
+std::string EncodeRecall(uint64_t lease, bool retired = false);
 
 std::string EncodeOk(uint64_t id);
 std::string EncodeHelloReply(uint64_t id, std::string_view server,

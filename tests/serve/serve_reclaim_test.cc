@@ -170,6 +170,35 @@ class Reclaim : public ServeTest {
     daemon_->process().Wait();
   }
 
+  // A lease of "a" (2 MiB) that a client holds from a daemon started with
+  // capacity_hook, which then crashes; its successor is started, and `a`
+  // is to be reclaimed from it. Sets `*copy_bytes` to the copy's bytes.
+  Held CrashHoldingA(uint64_t* copy_bytes) {
+    AddModel("a", 2 * kMiB, 1);
+    DaemonOptions options;
+    options.catalog = catalog_;
+    options.root = root_;
+    options.socket = socket_;
+    options.capacity = "16MiB";
+    options.capacity_hook = true;
+    daemon_ = std::make_unique<Daemon>(options);
+    return HoldThroughACrash("a", copy_bytes);
+  }
+
+  // A lease of `model` that a client holds from the running daemon, which
+  // then crashes; the client's connection is closed and the successor
+  // started. Sets `*copy_bytes`, when given, to the copy's bytes.
+  Held HoldThroughACrash(const std::string& model,
+                         uint64_t* copy_bytes = nullptr) {
+    auto first = Connect();
+    Held held = Acquire(*first, model, 2);
+    if (copy_bytes != nullptr) *copy_bytes = CopyBytes(model);
+    Crash();
+    first->Close();
+    daemon_->Start();
+    return held;
+  }
+
   // In the grace period: an acquire of `held`'s model on `waiting` waits,
   // `holder` reclaims `held`, and the acquire is answered with that very
   // copy. Returns the acquire's reply.
@@ -551,11 +580,7 @@ TEST_F(Reclaim, SystemdsFdStoreBringsBackCopiesNoWorkerMaps) {
 TEST_F(Reclaim, AForgedMemfdIsRefusedAndNoOtherClientEverReceivesIt) {
   AddModel("a", 2 * kMiB, 1);
   StartDaemon("16MiB");
-  auto first = Connect();
-  Held a = Acquire(*first, "a", 2);
-  Crash();
-  first->Close();
-  daemon_->Start();
+  Held a = HoldThroughACrash("a");
 
   // The right name, a sealed copy of the right sizes, other bytes.
   Held forged;
@@ -613,6 +638,12 @@ TEST_F(Reclaim, ACopyOfAModelNoLongerInTheCatalogIsAdoptedRetired) {
   EXPECT_TRUE(reply->ok) << reply->message;
   EXPECT_EQ(daemon_->Metric("modelcache_orphaned_bytes"), 0);
   EXPECT_GT(daemon_->Metric("modelcache_retired_bytes"), 0);
+  // Its holder is told it is retired (so that it lends it no more).
+  reply = raw->Reply();
+  ASSERT_TRUE(reply);
+  EXPECT_EQ(reply->id, 0u);
+  EXPECT_EQ(reply->recall, a.lease);
+  EXPECT_TRUE(reply->retired);
   // No one new gets it.
   ASSERT_TRUE(raw->Send(protocol::EncodeAcquire(4, "a", 1000, false)));
   reply = raw->Reply();
@@ -630,11 +661,7 @@ TEST_F(Reclaim, ACopyOfAModelNoLongerInTheCatalogIsAdoptedRetired) {
 TEST_F(Reclaim, AnAcquireInTheGracePeriodWaitsForTheReclaimAndLoadsNothing) {
   AddModel("a", 2 * kMiB, 1);
   StartDaemon("16MiB", {"--reclaim-grace", "120s"});
-  auto first = Connect();
-  Held a = Acquire(*first, "a", 2);
-  Crash();
-  first->Close();
-  daemon_->Start();
+  Held a = HoldThroughACrash("a");
 
   auto waiting = Connect();
   auto holder = Connect();
@@ -645,11 +672,7 @@ TEST_F(Reclaim, AnAcquireInTheGracePeriodWaitsForTheReclaimAndLoadsNothing) {
 TEST_F(Reclaim, WithoutAReclaimTheGracePeriodEndsAndTheModelLoads) {
   AddModel("a", 2 * kMiB, 1);
   StartDaemon("16MiB", {"--reclaim-grace", "1ms"});
-  auto first = Connect();
-  Held a = Acquire(*first, "a", 2);
-  Crash();
-  first->Close();
-  daemon_->Start();
+  Held a = HoldThroughACrash("a");
   auto raw = Connect();
   std::string load;
   Held loaded = Acquire(*raw, "a", 2, &load);
@@ -736,6 +759,39 @@ int Unread(const Raw& raw) {
   return ::ioctl(raw.fd(), SIOCOUTQ, &bytes) == 0 ? bytes : -1;
 }
 
+// Another thread's PUT /v1/budget, which takes the capacity's lock of a
+// daemon started with capacity_hook and keeps it until the test lets it go
+// (however the test ends).
+class CapacityHeld {
+ public:
+  explicit CapacityHeld(Daemon& daemon)
+      : daemon_(daemon), put_([this] {
+          status_ =
+              daemon_
+                  .Send("PUT", "/v1/budget", R"({"capacity_bytes": "16MiB"})")
+                  .status;
+        }) {
+    daemon_.AwaitCapacityHeld();
+  }
+  CapacityHeld(const CapacityHeld&) = delete;
+  CapacityHeld& operator=(const CapacityHeld&) = delete;
+  ~CapacityHeld() { LetGo(); }
+
+  // Lets the lock go and waits for the PUT: its HTTP status.
+  int LetGo() {
+    if (put_.joinable()) {
+      daemon_.LetCapacityGo();
+      put_.join();
+    }
+    return status_;
+  }
+
+ private:
+  Daemon& daemon_;
+  int status_ = 0;
+  std::thread put_;
+};
+
 // A reclaim's adoption changes the store's capacity, whose lock another
 // thread may hold for long (PUT /v1/budget holds it; an adoption holds it
 // across its evictions): the loop never waits for it. While the lock is
@@ -743,42 +799,12 @@ int Unread(const Raw& raw) {
 // the reclaim is accepted, and the request sent after it on its connection
 // is answered after it and sees its lease.
 TEST_F(Reclaim, TheLoopAnswersOthersWhileAReclaimWaitsForTheCapacitysLock) {
-  AddModel("a", 2 * kMiB, 1);
-  DaemonOptions options;
-  options.catalog = catalog_;
-  options.root = root_;
-  options.socket = socket_;
-  options.capacity = "16MiB";
-  options.capacity_hook = true;
-  daemon_ = std::make_unique<Daemon>(options);
-  auto first = Connect();
-  Held a = Acquire(*first, "a", 2);
-  const uint64_t copy_a = CopyBytes("a");
-  Crash();
-  first->Close();
-  daemon_->Start();
+  uint64_t copy_a = 0;
+  Held a = CrashHoldingA(&copy_a);
   auto holder = Connect();
   auto other = Connect();
 
-  // Another thread's PUT /v1/budget takes the capacity's lock and keeps it
-  // until the test lets it go (however the test ends).
-  int budget_status = 0;
-  std::thread put([&] {
-    budget_status =
-        daemon_->Send("PUT", "/v1/budget", R"({"capacity_bytes": "16MiB"})")
-            .status;
-  });
-  struct LetGo {
-    Daemon& daemon;
-    std::thread& put;
-    void Now() {
-      if (!put.joinable()) return;
-      daemon.LetCapacityGo();
-      put.join();
-    }
-    ~LetGo() { Now(); }
-  } let_go{*daemon_, put};
-  daemon_->AwaitCapacityHeld();
+  CapacityHeld capacity(*daemon_);
 
   ASSERT_TRUE(
       holder->Send(protocol::EncodeReclaim(3, a.lease, "a", false), a.Fds()));
@@ -794,8 +820,7 @@ TEST_F(Reclaim, TheLoopAnswersOthersWhileAReclaimWaitsForTheCapacitysLock) {
   EXPECT_TRUE(pong->ok);
   EXPECT_EQ(pong->id, 5u);
 
-  let_go.Now();
-  EXPECT_EQ(budget_status, 200);
+  EXPECT_EQ(capacity.LetGo(), 200);
   auto reply = holder->Reply();
   ASSERT_TRUE(reply);
   EXPECT_EQ(reply->id, 3u);
@@ -819,40 +844,12 @@ TEST_F(Reclaim, TheLoopAnswersOthersWhileAReclaimWaitsForTheCapacitysLock) {
 // for that adoption and gets a lease on the copy it adopted: one copy in
 // the books, adopted once, both reclaims accepted.
 TEST_F(Reclaim, TwoReclaimsOfOneCopyAtOnceAdoptItOnce) {
-  AddModel("a", 2 * kMiB, 1);
-  DaemonOptions options;
-  options.catalog = catalog_;
-  options.root = root_;
-  options.socket = socket_;
-  options.capacity = "16MiB";
-  options.capacity_hook = true;
-  daemon_ = std::make_unique<Daemon>(options);
-  auto first = Connect();
-  Held a = Acquire(*first, "a", 2);
-  const uint64_t copy_a = CopyBytes("a");
-  Crash();
-  first->Close();
-  daemon_->Start();
+  uint64_t copy_a = 0;
+  Held a = CrashHoldingA(&copy_a);
   auto one = Connect();
   auto two = Connect();
 
-  int budget_status = 0;
-  std::thread put([&] {
-    budget_status =
-        daemon_->Send("PUT", "/v1/budget", R"({"capacity_bytes": "16MiB"})")
-            .status;
-  });
-  struct LetGo {
-    Daemon& daemon;
-    std::thread& put;
-    void Now() {
-      if (!put.joinable()) return;
-      daemon.LetCapacityGo();
-      put.join();
-    }
-    ~LetGo() { Now(); }
-  } let_go{*daemon_, put};
-  daemon_->AwaitCapacityHeld();
+  CapacityHeld capacity(*daemon_);
 
   // This process reclaims the one lease on two connections, as two
   // processes that map the copy would reclaim theirs.
@@ -862,8 +859,7 @@ TEST_F(Reclaim, TwoReclaimsOfOneCopyAtOnceAdoptItOnce) {
   ASSERT_TRUE(
       two->Send(protocol::EncodeReclaim(3, a.lease - 1, "a", false), a.Fds()));
   Eventually([&] { return Unread(*two) == 0; }, "the daemon reads the second");
-  let_go.Now();
-  EXPECT_EQ(budget_status, 200);
+  EXPECT_EQ(capacity.LetGo(), 200);
   for (Raw* raw : {one.get(), two.get()}) {
     const auto reply = raw->Reply();
     ASSERT_TRUE(reply);

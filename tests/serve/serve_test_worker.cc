@@ -15,6 +15,8 @@
 //   idle                         -> ok N: leases kept idle (IdleLeases)
 //   release MODEL                ends the oldest reference held of MODEL
 //   acquire MODEL [MS] [fail]    -> ok LEASE CHECKSUM BYTES
+//   acquire-local MODEL          Client::AcquireLocal: held -> ok LEASE
+//                                CHECKSUM BYTES LOAD, or ok none
 //   acquire-many MODEL N         N leases of MODEL, held -> ok N
 //   burst MODEL N MS             up to N acquires of MODEL (timeout MS
 //                                each), one after another, held; stops at
@@ -239,6 +241,19 @@ int main() {
                 std::to_string(Checksum(w)) + " " +
                 std::to_string(w.data_bytes());
         held.push_back(std::move(w));
+      } else if (command == "acquire-local") {
+        // Client::AcquireLocal: "ok none", or as acquire, with its load.
+        std::string model;
+        in >> model;
+        std::optional<RemoteWeights> w = client->AcquireLocal(model);
+        if (!w) {
+          reply = "ok none";
+        } else {
+          reply = "ok " + std::to_string(w->lease()) + " " +
+                  std::to_string(Checksum(*w)) + " " +
+                  std::to_string(w->data_bytes()) + " " + w->load();
+          held.push_back(std::move(*w));
+        }
       } else if (command == "acquire-many") {
         std::string model;
         int n = 0;

@@ -87,11 +87,13 @@
 // reference's end releases the lease as before. A lost connection drops
 // every idle lease (they are unmapped) unless the leases are reclaimed (see
 // "Reclaim" above); references in use keep their mapping. A model
-// retired by a SIGHUP reload (or an HTTP unload) is
-// recalled from idle holders; references in use keep it, and a local
-// Acquire while one is alive (or before the recall is answered) still
-// gets that copy; once the recall is answered, the next Acquire is a round
-// trip for the current one.
+// retired by a SIGHUP reload (or an HTTP unload) is recalled from every
+// holder: an idle lease is released, and references in use keep their
+// copy, but once the recall is read no Acquire (AcquireLocal included, and
+// not while the daemon is away either) takes a new reference to it: the
+// next Acquire is a round trip for the current copy, and the last
+// reference's end releases the retired one. (A local Acquire before the
+// recall is read still gets the retired copy.)
 //
 // Releases: ~RemoteWeights never waits for the daemon's answer, but it
 // returns only once its release (or, with idle_notice_delay 0, its idle

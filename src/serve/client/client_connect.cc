@@ -144,7 +144,7 @@ std::shared_ptr<Connection> ClientCore::Connected(
     try {
       std::shared_ptr<Connection> c = Dial(deadline);
       // The reclaims first; then the connection is everyone's.
-      std::vector<uint64_t> recalls;
+      std::vector<protocol::Recall> recalls;
       ReclaimAndPublish(c, deadline, &recalls);
       if (!recalls.empty()) AnswerRecalls(c, recalls);
       return c;

@@ -152,7 +152,10 @@
 //                                    idle_notice_delay ("use"); idle or told
 //                                    idle past keep_idle -> gone, released
 //   recall (AnswerRecalls)        refs == 0 -> gone, released; refs > 0 ->
-//                                    in use ("use")
+//                                    in use ("use"); a retired one in use
+//                                    loses its names (no local acquire
+//                                    finds it) and goes at its last
+//                                    reference's end, released
 //   connection breaks (Broke)     -> to reclaim when it kept its leases,
 //                                    else -> gone (nothing released)
 //   reclaim (ReclaimAndPublish)   adopted -> in use, idle or told idle (as
@@ -395,6 +398,11 @@ class ClientCore : public std::enable_shared_from_this<ClientCore> {
   // Its request id; 0 when nothing went (the connection is gone).
   uint64_t SendRelease(const std::shared_ptr<Connection>& c, uint64_t lease)
       MC_REQUIRES(mu_);
+  // Queues `datagram` (request `id`, not awaited) after c's unsent
+  // messages and writes what the socket takes now; the flusher writes the
+  // rest. Returns `id`, or 0 when the write broke the connection.
+  uint64_t QueueAndFlush(const std::shared_ptr<Connection>& c, uint64_t id,
+                         std::string datagram) MC_REQUIRES(mu_);
   // Returns once the message `id` queued on `c` is written to the socket,
   // or `c` broke (0: at once). Lets go of mu_ while it waits.
   void AwaitSent(const std::shared_ptr<Connection>& c, uint64_t id)
@@ -422,7 +430,8 @@ class ClientCore : public std::enable_shared_from_this<ClientCore> {
   // go to `recalls`. Throws DaemonUnavailableError when `c` fails.
   void ReclaimAndPublish(const std::shared_ptr<Connection>& c,
                          Clock::time_point deadline,
-                         std::vector<uint64_t>* recalls) MC_EXCLUDES(mu_);
+                         std::vector<protocol::Recall>* recalls)
+      MC_EXCLUDES(mu_);
   // The keeper's reconnection while leases wait to be reclaimed. Called and
   // returns with mu_ held; false when it should stop.
   bool ReconnectForReclaims(Clock::time_point* retry_at,
@@ -443,6 +452,9 @@ class ClientCore : public std::enable_shared_from_this<ClientCore> {
   // Takes `lease` out of the table; its copy, for the caller to drop
   // (unmapping) outside mu_.
   std::shared_ptr<MappedCopy> Forget(uint64_t lease) MC_REQUIRES(mu_);
+  // Takes `lease`'s names out of by_name_ (those still mapping to it), so
+  // that no local acquire finds it; it stays in the table.
+  void Unname(uint64_t lease) MC_REQUIRES(mu_);
   // Gives up every lease waiting to be reclaimed (unbacked), counting them
   // in `*count`; their copies, for the caller to drop outside mu_.
   std::vector<std::shared_ptr<MappedCopy>> GiveUpReclaims(uint64_t* count)
@@ -455,9 +467,12 @@ class ClientCore : public std::enable_shared_from_this<ClientCore> {
   Clock::time_point IdleChores(
       const std::shared_ptr<Connection>& c,
       std::vector<std::shared_ptr<MappedCopy>>* expired) MC_REQUIRES(mu_);
-  // Answers the recalls read: releases (after unmapping) or "use".
+  // Answers the recalls read: releases (after unmapping) or "use"; a
+  // retired lease in use loses its names, so no new local reference finds
+  // it and its last reference's end releases it.
   void AnswerRecalls(const std::shared_ptr<Connection>& c,
-                     const std::vector<uint64_t>& recalls) MC_EXCLUDES(mu_);
+                     const std::vector<protocol::Recall>& recalls)
+      MC_EXCLUDES(mu_);
 
   const std::string path_;
   const ClientOptions options_;

@@ -12,12 +12,18 @@ std::shared_ptr<MappedCopy> ClientCore::Forget(uint64_t lease) {
   std::shared_ptr<MappedCopy> copy = std::move(held.copy);
   if (held.refs == 0) --idle_;
   if (held.reclaim) --reclaiming_;
+  Unname(lease);
+  held_.erase(it);
+  return copy;
+}
+
+void ClientCore::Unname(uint64_t lease) {
+  Held& held = held_.at(lease);
   for (const std::string& name : held.names) {
     const auto n = by_name_.find(name);
     if (n != by_name_.end() && n->second == lease) by_name_.erase(n);
   }
-  held_.erase(it);
-  return copy;
+  held.names.clear();
 }
 
 bool ClientCore::Reachable(uint64_t lease) const {
@@ -209,37 +215,38 @@ uint64_t ClientCore::SendNotice(const std::shared_ptr<Connection>& c,
                                 protocol::Op op, uint64_t lease) {
   if (c->broken) return 0;
   const uint64_t id = next_id_++;
-  c->unsent.emplace_back(id, op == protocol::Op::kIdle
-                                 ? protocol::EncodeIdle(id, lease)
-                                 : protocol::EncodeUse(id, lease));
-  if (!FlushUnsent(*c)) {
-    last_break_ = "the connection failed: " + base::ErrnoText(errno);
-    Broke(c);
-    return 0;
-  }
-  if (!c->unsent.empty()) StartFlusherToSend();
-  return id;
+  return QueueAndFlush(c, id,
+                       op == protocol::Op::kIdle
+                           ? protocol::EncodeIdle(id, lease)
+                           : protocol::EncodeUse(id, lease));
 }
 
 void ClientCore::AnswerRecalls(const std::shared_ptr<Connection>& c,
-                               const std::vector<uint64_t>& recalls) {
+                               const std::vector<protocol::Recall>& recalls) {
   if (options_.test_on_recall) {
-    for (const uint64_t lease : recalls) options_.test_on_recall(lease);
+    for (const protocol::Recall& r : recalls) options_.test_on_recall(r.lease);
   }
   std::vector<std::shared_ptr<MappedCopy>> drop;
   std::vector<uint64_t> release;
   {
     base::MutexLock lock(&mu_);
-    for (const uint64_t lease : recalls) {
-      const auto it = held_.find(lease);
+    for (const protocol::Recall& r : recalls) {
+      const auto it = held_.find(r.lease);
       // Unknown: released already (its release is on its way).
       if (it == held_.end() || it->second.copy->serial != c->serial) continue;
       if (it->second.refs == 0) {
-        drop.push_back(Forget(lease));
-        release.push_back(lease);
+        drop.push_back(Forget(r.lease));
+        release.push_back(r.lease);
       } else {
+        if (r.retired) {
+          // Its model was retired: the references in use keep the copy,
+          // but no acquire may take a new one (not even while the daemon
+          // is away), and the last one's end releases it (Unref: it is not
+          // reachable by any name).
+          Unname(r.lease);
+        }
         it->second.told_idle = false;
-        SendNotice(c, protocol::Op::kUse, lease);  // busy
+        SendNotice(c, protocol::Op::kUse, r.lease);  // busy
       }
     }
   }

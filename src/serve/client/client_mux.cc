@@ -64,7 +64,7 @@ void ClientCore::ReadAndFile(const std::shared_ptr<Connection>& c,
     break;
   }
   std::vector<uint64_t> stray_leases;
-  std::vector<uint64_t> recalls;
+  std::vector<protocol::Recall> recalls;
   {
     base::MutexLock lock(&mu_);
     for (Datagram& d : got) {
@@ -77,7 +77,7 @@ void ClientCore::ReadAndFile(const std::shared_ptr<Connection>& c,
       protocol::Reply& reply = *parsed.reply;
       if (reply.id == 0) {  // the daemon's own: news, not the end
         if (reply.ok && reply.recall != 0) {
-          recalls.push_back(reply.recall);
+          recalls.push_back({reply.recall, reply.retired});
         } else {
           c->note = reply.message;
         }
@@ -108,7 +108,12 @@ uint64_t ClientCore::SendRelease(const std::shared_ptr<Connection>& c,
                                  uint64_t lease) {
   if (c->broken) return 0;  // the lease died with the connection
   const uint64_t id = next_id_++;
-  c->unsent.emplace_back(id, protocol::EncodeRelease(id, lease));
+  return QueueAndFlush(c, id, protocol::EncodeRelease(id, lease));
+}
+
+uint64_t ClientCore::QueueAndFlush(const std::shared_ptr<Connection>& c,
+                                   uint64_t id, std::string datagram) {
+  c->unsent.emplace_back(id, std::move(datagram));
   if (!FlushUnsent(*c)) {
     last_break_ = "the connection failed: " + base::ErrnoText(errno);
     Broke(c);

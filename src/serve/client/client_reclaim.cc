@@ -8,7 +8,7 @@ namespace modelcache::serve::detail {
 
 void ClientCore::ReclaimAndPublish(const std::shared_ptr<Connection>& c,
                                    Clock::time_point deadline,
-                                   std::vector<uint64_t>* recalls) {
+                                   std::vector<protocol::Recall>* recalls) {
   struct Ask {
     uint64_t id = 0;
     uint64_t lease = 0;
@@ -104,7 +104,7 @@ void ClientCore::ReclaimAndPublish(const std::shared_ptr<Connection>& c,
         if (reply.id == 0) {  // the daemon's own: news
           base::MutexLock lock(&mu_);
           if (reply.ok && reply.recall != 0) {
-            recalls->push_back(reply.recall);
+            recalls->push_back({reply.recall, reply.retired});
           } else {
             c->note = reply.message;
           }

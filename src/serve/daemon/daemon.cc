@@ -372,7 +372,7 @@ void Daemon::Impl::ApplyReload(detail::Reloaded result) {
   for (const CatalogModel& m : old->models()) {
     const CatalogModel* now = fresh->Find(m.id);
     if (now == nullptr || now->id != m.id || now->files != m.files) {
-      // Retired: current leases keep their copy; idle ones are recalled.
+      // Retired: current leases keep their copy; all are recalled.
       RecallRetired(m.id);
       try {
         store_->Invalidate(m.id);

@@ -55,7 +55,8 @@
 // (next_cover_). Every end of a recall wakes the store's waiters for room
 // (Budget::NotifyEvictable) and WaitForRecalls (a "fail" load, an HTTP
 // unload). Leases of a model being retired (reload, HTTP unload) keep their
-// store lease while idle and are recalled at once (RecallRetired).
+// store lease while idle and are recalled at once, in use or idle, saying
+// "retired" (RecallRetired).
 //
 // Copies a predecessor handed out (restart orphans) are not in the store:
 // they are bytes taken off the store's capacity (capacity_ = configured_ -
@@ -149,7 +150,8 @@ namespace modelcache::serve::detail {
 enum class Use {
   kInUse,     // granted, or said "use" (or a recall went unanswered)
   kIdle,      // said "idle": the store may evict its copy, after a recall
-  kRecalled,  // idle, and recalled: awaiting "release" or "use"
+  kRecalled,  // recalled (idle, delegated or retired): awaiting "release"
+              // or "use"
 };
 // Its name in /v1/models and in modelcache_leases{use=...}.
 const char* UseName(Use use);

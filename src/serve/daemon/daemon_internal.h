@@ -242,7 +242,12 @@ class Daemon::Impl {
   // Keeps recalls_outstanding_ (the leases in kRecalled) exact.
   void SetUse(detail::LeaseEntry& e, detail::Use use) MC_REQUIRES(leases_mu_);
   // Sends the recall of `lease` to `c` and starts its clock.
-  void SendRecall(detail::Connection& c, uint64_t lease);
+  void SendRecall(detail::Connection& c, uint64_t lease, bool retired = false);
+  // Recalls `lease`, in use on `c`, as retired (a reclaim adopted it
+  // retired), so that its holder takes no new local reference to its copy.
+  // On the loop.
+  void RecallInUseRetired(detail::Connection& c, uint64_t lease)
+      MC_EXCLUDES(leases_mu_);
   // Off the loop: when recalls started after RecallsStarted() said `since`,
   // waits until none is outstanding, or `deadline`, and returns true.
   uint64_t RecallsStarted() const MC_EXCLUDES(leases_mu_);
@@ -264,8 +269,9 @@ class Daemon::Impl {
   // shutdown, or after the recall timeout (a loop that never drains).
   void AwaitLoopPass() MC_EXCLUDES(inbox_mu_);
   // Before a reload or an HTTP unload retires `model`: its leases are
-  // marked retired, its idle ones take a store lease again and are
-  // recalled. Any thread.
+  // marked retired, its idle ones take a store lease again, and every one a
+  // connection holds is recalled ("retired": its holder takes no new local
+  // reference; one in use answers "use"). Any thread.
   void RecallRetired(const std::string& model) MC_EXCLUDES(leases_mu_);
   void ReleaseOrphanGroup(uint64_t group);
 

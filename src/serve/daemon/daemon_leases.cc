@@ -182,10 +182,18 @@ void Daemon::Impl::SetUse(detail::LeaseEntry& e, Use use) {
   e.use = use;
 }
 
-void Daemon::Impl::SendRecall(Connection& c, uint64_t lease) {
-  Send(c, {protocol::EncodeRecall(lease), {}, nullptr, 0});
+void Daemon::Impl::SendRecall(Connection& c, uint64_t lease, bool retired) {
+  Send(c, {protocol::EncodeRecall(lease, retired), {}, nullptr, 0});
   ++recalls_sent_;
   recall_deadlines_.emplace(Clock::now() + options_.recall_timeout, lease);
+}
+
+void Daemon::Impl::RecallInUseRetired(Connection& c, uint64_t lease) {
+  {
+    base::MutexLock lock(&leases_mu_);
+    SetUse(leases_.at(lease), Use::kRecalled);
+  }
+  SendRecall(c, lease, /*retired=*/true);
 }
 
 void Daemon::Impl::HandleIdle(Connection& c, const protocol::Request& r) {
@@ -208,7 +216,7 @@ void Daemon::Impl::HandleIdle(Connection& c, const protocol::Request& r) {
     }
   }
   Send(c, {protocol::EncodeOk(r.id), {}, nullptr, 0});
-  if (recall) SendRecall(c, r.lease);
+  if (recall) SendRecall(c, r.lease, /*retired=*/true);
   core.Release();  // the store may evict the copy now (after a recall)
 }
 
@@ -267,14 +275,16 @@ void Daemon::Impl::ProcessRecalls() {
   }
   for (const uint64_t id : recall) {
     uint64_t connection = 0;
+    bool retired = false;
     {
       base::MutexLock lock(&leases_mu_);
       const auto it = leases_.find(id);
       if (it == leases_.end() || it->second.use != Use::kRecalled) continue;
       connection = it->second.connection;
+      retired = it->second.retired;
     }
     const auto c = conns_.find(connection);
-    if (c != conns_.end()) SendRecall(*c->second, id);
+    if (c != conns_.end()) SendRecall(*c->second, id, retired);
   }
   if (cover) CoverUncovered();
 }
@@ -443,7 +453,10 @@ void Daemon::Impl::RecallRetired(const std::string& model) {
     for (auto& [id, e] : leases_) {
       if (e.model != model) continue;
       e.retired = true;
-      if (e.use == Use::kIdle && e.connection != 0) {
+      // The holders of leases in use are told too ("retired"), so that
+      // they take no new local reference to the copy: they answer "use"
+      // while a reference lives, and release it at the last one's end.
+      if (e.use != Use::kRecalled && e.connection != 0) {
         SetUse(e, Use::kRecalled);
         to_recall_.push_back(id);
       }

@@ -494,6 +494,7 @@ void Daemon::Impl::FileReclaimedLease(Connection& c, const protocol::Request& r,
     HandleIdle(c, idle);
   } else {
     Send(c, {protocol::EncodeOk(r.id), {}, nullptr, 0});
+    if (retired) RecallInUseRetired(c, r.lease);
   }
   EndGrace(&r.model);
 }

@@ -40,14 +40,7 @@ using detail::Disconnect;
 using detail::Result;
 using detail::Task;
 
-Daemon::Impl::Impl(DaemonOptions options)
-    : options_(std::move(options)),
-      load_seconds_(
-          {0.01, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120, 300}),
-      acquire_wait_seconds_({0.0001, 0.0005, 0.001, 0.005, 0.01, 0.05, 0.1, 0.5,
-                             1, 5, 10, 30, 60}),
-      loop_iteration_seconds_({0.00001, 0.00005, 0.0001, 0.0005, 0.001, 0.005,
-                               0.01, 0.05, 0.1, 0.5, 1, 5}) {
+Daemon::Impl::Impl(DaemonOptions options) : options_(std::move(options)) {
   // Before anything else starts a thread or a descriptor is opened: they
   // are descriptors 3 and up (and the LISTEN_ variables are unset).
   if (!options_.takeover) TakeStored();

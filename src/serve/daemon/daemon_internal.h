@@ -297,6 +297,15 @@ class Daemon::Impl : private detail::LeaseBooks,
       const CatalogModel& model, bool pin,
       std::shared_ptr<std::promise<detail::PrefetchResult>> done);
   void StartQueued();
+  // The slot queue's next: by catalog priority, then first come; but once
+  // some entry has waited drain_after, the oldest such entry (arrival
+  // order outranks priority, as in the store's waits for room).
+  std::map<std::pair<int, uint64_t>, Queued>::iterator NextQueued(
+      Clock::time_point now);
+  // When the oldest waiter of `model` came (now when it has none).
+  Clock::time_point OldestArrival(const detail::ModelQueue& q) const;
+  // The store leases of the orphaned leases now (Task::holds).
+  std::vector<uint64_t> OrphanedStoreLeases() const MC_EXCLUDES(leases_mu_);
   // Load slots (Limits::load_slots), shared by the loop's tasks and the
   // keep-alive prewarms of the store's thread.
   bool TryTakeSlot() MC_EXCLUDES(slots_mu_);

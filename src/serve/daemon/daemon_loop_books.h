@@ -42,10 +42,13 @@ struct LoopState {
   std::multimap<Clock::time_point, uint64_t> deadlines_;
   uint64_t next_waiter_ = 1;
   std::unordered_map<std::string, detail::ModelQueue> queues_;
-  // (-priority, order) -> model, or a prefetch task.
+  // (-priority, order) -> model, or a prefetch task, with when it came
+  // (its oldest waiter's arrival): one queued past drain_after goes first
+  // (NextQueued).
   struct Queued {
     std::string model;
     std::shared_ptr<detail::Task> prefetch;
+    Clock::time_point arrival{};
   };
   std::map<std::pair<int, uint64_t>, Queued> slot_queue_;
   uint64_t next_order_ = 0;

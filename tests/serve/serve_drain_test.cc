@@ -67,6 +67,8 @@ TEST_F(DrainTest, AWaiterForRoomIsServedWhileOtherProcessesKeepTheModelBusy) {
   Eventually([&] { return Metric("modelcache_waiting_acquires") == 3; },
              "'b' and two acquires of 'a' waiting");
   EXPECT_EQ(d.Model("a")["leases"].size(), 1u) << "the drain took no lease";
+  EXPECT_EQ(d.Model("a")["queued_behind_drain"], 1)
+      << "one load of 'a' (both acquires' waits) queued behind its drain";
 
   // The last lease of 'a' out ends: 'b' gets the room.
   w1.Ok("release a");
@@ -107,6 +109,28 @@ TEST_F(DrainTest, DrainAfterInfLetsTheBusyModelOvertakeTheWaiterForEver) {
   EXPECT_THAT(wb.Receive(), StartsWith("error TIMEOUT"));
   EXPECT_EQ(Metric("modelcache_drains_total"), 0);
   w2.Ok("release a");
+}
+
+// A copy held by an orphaned lease (its connection closed, its process
+// still mapping it) counts as pinned: no drain takes it, so the waiter
+// waits to its deadline as for pinned room, and acquires of it stay hits.
+TEST_F(DrainTest, ACopyHeldByAnOrphanIsNeverDrained) {
+  AddModel("a", 4 * kMiB, 1);
+  AddModel("b", 4 * kMiB, 2);
+  Daemon& d = StartDaemon("6MiB", {"--drain-after", "0"});
+  Worker orphan(d.socket());
+  leases_.Add(orphan.Ok("acquire a")[0]);
+  orphan.Ok("close");  // the socket goes, the mapping stays
+  Eventually([&] { return Metric("modelcache_orphaned_leases") == 1; },
+             "the lease orphaned");
+  Worker wb(d.socket());
+  EXPECT_THAT(wb.Do("acquire b 1000"), StartsWith("error TIMEOUT"));
+  EXPECT_EQ(Metric("modelcache_drains_total"), 0);
+  Worker w(d.socket());
+  leases_.Add(w.Ok("acquire a")[0]);
+  EXPECT_EQ(Metric("modelcache_acquires_total{result=\"hit\"}"), 1);
+  w.Ok("release a");
+  orphan.Ok("release-all");
 }
 
 // The load queue: with one load slot, a load queued before another of a

@@ -91,6 +91,38 @@ TEST_F(DrainTest, AWaiterForRoomIsServedWhileOtherProcessesKeepTheModelBusy) {
   EXPECT_EQ(Metric("modelcache_acquires_total{result=\"timeout\"}"), 0);
 }
 
+// The holder of a draining copy is SIGKILLed: its lease ends with its
+// process, which ends the drain's wait like a release, and the acquire of
+// 'a' queued behind the drain is served after 'b'.
+TEST_F(DrainTest, ASigkilledHolderOfADrainingCopyEndsItsLease) {
+  AddModel("a", 4 * kMiB, 1);
+  AddModel("b", 4 * kMiB, 2);
+  Daemon& d = StartDaemon("6MiB", {"--drain-after", "0"});
+  Worker holder(d.socket());
+  Worker next(d.socket());
+  Worker wb(d.socket());
+  leases_.Add(holder.Ok("acquire a")[0]);
+  wb.Send("acquire b 120000");
+  Eventually([&] { return Metric("modelcache_drains_total") >= 1; },
+             "'a' draining for 'b'");
+  next.Send("acquire a 120000");
+  Eventually(
+      [&] { return Metric("modelcache_queued_behind_drain_total") >= 1; },
+      "an acquire of 'a' queued behind its drain");
+  holder.process().Signal(SIGKILL);
+  holder.process().Wait();
+  const std::vector<std::string> b = Words(wb.Receive());
+  ASSERT_EQ(b.size(), 3u);
+  leases_.Add(b[0]);
+  EXPECT_EQ(b[1], std::to_string(checksums_["b"]));
+  wb.Ok("release b");
+  const std::vector<std::string> a = Words(next.Receive());
+  ASSERT_EQ(a.size(), 3u);
+  leases_.Add(a[0]);
+  EXPECT_EQ(a[1], std::to_string(checksums_["a"]));
+  next.Ok("release a");
+}
+
 // --drain-after inf keeps the rule of before: models in use never drain,
 // acquires of them overtake the waiter, which waits to its deadline.
 TEST_F(DrainTest, DrainAfterInfLetsTheBusyModelOvertakeTheWaiterForEver) {

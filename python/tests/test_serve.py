@@ -431,3 +431,49 @@ def test_register_cuda_says_why_it_is_skipped_without_a_gpu(node):
             assert reason is None and lease.cuda_registered
         else:
             assert "CUDA" in reason and not lease.cuda_registered
+
+
+def test_a_model_kept_busy_by_other_clients_drains_for_a_waiting_acquire(node):
+    # Room for one model; other clients keep 'x' in use, one after another
+    # with overlapping leases, while one waits for 'y'. --drain-after 0:
+    # 'x' drains at once, its next acquire queues, 'y' is served when the
+    # lease out ends, and the queued acquire of 'x' goes on after 'y'.
+    root = node.root
+    for name, value in (("x", 1.0), ("y", 2.0)):
+        write_safetensors(root / f"{name}.safetensors",
+                          {"w": np.full(1 << 20, value, dtype=np.float32)})
+    write_catalog(node.tmp / "catalog.json", [
+        {"id": "x", "files": ["x.safetensors"]},
+        {"id": "y", "files": ["y.safetensors"]},
+    ])
+    daemon = node(capacity="6MiB", extra=["--drain-after", "0"])
+    # One client each, none keeping idle leases: every acquire goes to the
+    # daemon.
+    holder, next_holder, waiter = (
+        modelcache.serve.connect(daemon.socket, keep_idle=0) for _ in range(3))
+    held = holder.acquire("x")
+    served = {}
+
+    def acquire(name, client, model):
+        served[name] = client.acquire(model, timeout=60, when_full="wait")
+
+    wants_y = threading.Thread(target=acquire, args=("y", waiter, "y"))
+    wants_y.start()
+    wait_until(lambda: metric(daemon, "modelcache_drains_total") >= 1,
+               "'x' draining for 'y'")
+    wants_x = threading.Thread(target=acquire, args=("x", next_holder, "x"))
+    wants_x.start()
+    wait_until(lambda: metric(daemon, "modelcache_queued_behind_drain_total") >= 1,
+               "the next acquire of 'x' queued behind its drain")
+    assert "x" not in served and "y" not in served
+
+    held.release()
+    wants_y.join(60)
+    assert served["y"].numpy("w")[0] == 2.0
+    assert "x" not in served  # it waits for room in its turn
+    served["y"].release()
+    wants_x.join(60)
+    assert served["x"].numpy("w")[0] == 1.0
+    served["x"].release()
+    for client in (holder, next_holder, waiter):
+        client.close()

@@ -3,6 +3,8 @@
 
 #include <charconv>
 #include <cmath>
+#include <limits>
+#include <optional>
 #include <string>
 #include <utility>
 
@@ -29,6 +31,15 @@ double ParseDurationMs(std::string_view text) {
   throw Error(ErrorCode::kInvalidArgument,
               "not a duration: '" + std::string(text) +
                   "' (use a number with ms, s, m or h)");
+}
+
+std::optional<double> ParseDrainAfterMs(std::string_view text) {
+  const std::string_view s = csv::Trim(text);
+  if (s == "default") return std::nullopt;
+  if (s == "inf" || s == "never") {
+    return std::numeric_limits<double>::infinity();
+  }
+  return ParseDurationMs(text);
 }
 
 }  // namespace modelcache

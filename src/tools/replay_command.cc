@@ -21,6 +21,7 @@
 #include <thread>
 #include <vector>
 
+#include "modelcache/base/duration.h"
 #include "modelcache/base/errors.h"
 #include "modelcache/base/text.h"
 #include "modelcache/replay/replay.h"
@@ -322,17 +323,17 @@ void Warn(const std::string& text) {
   std::fprintf(stderr, "warning: %s\n", text.c_str());
 }
 
-// --drain-after's values: "default" (empty), "inf", or a duration.
+// --drain-after's values: "default" (empty), "inf" or "never"
+// (kNeverDrain), or a duration (ParseDrainAfterMs, as serve reads its own).
 std::vector<std::optional<double>> ParseDrainAfter(
     const std::vector<std::string>& items) {
   std::vector<std::optional<double>> values;
   for (const std::string& item : items) {
-    if (item == "default") {
-      values.emplace_back();
-    } else if (item == "inf") {
-      values.emplace_back(replay::kNeverDrain);
-    } else {
-      values.emplace_back(ParseDurationFlag("--drain-after", item));
+    try {
+      values.push_back(ParseDrainAfterMs(item));
+    } catch (const Error& e) {
+      throw Error(ErrorCode::kInvalidArgument,
+                  std::string("--drain-after: ") + e.what());
     }
     for (size_t i = 0; i + 1 < values.size(); ++i) {
       if (values[i] == values.back()) {

@@ -20,6 +20,7 @@
 #include <limits>
 #include <memory>
 #include <nlohmann/json.hpp>
+#include <optional>
 #include <sstream>
 #include <thread>
 
@@ -81,6 +82,22 @@ std::chrono::nanoseconds LongDuration(const std::string& flag,
   }
   if (ms > 24 * 3600e3) Invalid(flag + ": '" + text + "' is over a day");
   return std::chrono::nanoseconds(static_cast<int64_t>(std::llround(ms * 1e6)));
+}
+
+// --drain-after, read as replay reads its own (ParseDrainAfterMs).
+std::chrono::nanoseconds DrainAfter(const std::string& text) {
+  std::optional<double> ms;
+  try {
+    ms = ParseDrainAfterMs(text);
+  } catch (const Error& e) {
+    Invalid(std::string("--drain-after: ") + e.what());
+  }
+  if (!ms) return kDefaultDrainAfter;
+  // Past what nanoseconds hold (about 292 years) is never, as inf is.
+  if (*ms * 1e6 >= static_cast<double>(kDrainNever.count())) {
+    return kDrainNever;
+  }
+  return std::chrono::nanoseconds(std::llround(*ms * 1e6));
 }
 
 uint64_t HalfOfMemory() {
@@ -317,6 +334,11 @@ void AddServeOptions(CLI::App& c, ServeFlags& f) {
   c.add_option("--recall-timeout", f.recall_timeout,
                "How long a client has to answer the recall of an idle "
                "delegated lease before it is taken to use it (100ms)");
+  c.add_option("--drain-after", f.drain_after,
+               "How long an acquire waiting for room may be overtaken by "
+               "acquires of the models that hold it before they drain: a "
+               "duration, 0 (strict arrival order), inf or never (they never "
+               "drain), or default (the library's, 2s)");
   c.add_option("--reclaim-grace", f.reclaim_grace,
                "After a crash: how long an acquire of a model whose copy "
                "live workers still map waits for them to reclaim it before "
@@ -472,6 +494,7 @@ int RunServe(const ServeFlags& flags, std::ostream& out, std::ostream& err) {
     if (options.recall_timeout.count() <= 0) {
       Invalid("--recall-timeout must be above 0");
     }
+    options.drain_after = DrainAfter(flags.drain_after);
     options.reclaim_grace = Duration("--reclaim-grace", flags.reclaim_grace);
     options.takeover = flags.takeover;
     // Under systemd: READY=1, and the copies kept in its fd store.

@@ -50,6 +50,8 @@ struct ServeFlags {
   std::string ready_grace = "2s";
   std::string orphan_rescan = "1s";
   std::string recall_timeout = "100ms";
+  // A duration, 0, "inf" or "never", or "default" (ParseDrainAfterMs).
+  std::string drain_after = "default";
   std::string reclaim_grace = "5s";
   bool takeover = false;
   std::string takeover_timeout = "30s";

@@ -55,6 +55,8 @@
 #include <utility>
 #include <vector>
 
+#include "modelcache/core/budget.h"
+
 namespace modelcache::serve {
 
 // Each limit's reply past it is BUSY, except the reply queue's: a client
@@ -96,6 +98,20 @@ struct DaemonOptions {
   // order, with an idle TTL or a keep-alive plan for some; an offline one
   // (Belady's) is refused.
   std::string policy = "next-use";
+  // Swap scheduling (modelcache/core/budget.h, "Who waits"): an acquire
+  // whose load waits for room may be overtaken by acquires of the models
+  // that hold the room for at most this long; then those models drain (they
+  // take no new lease, and the loads queued behind them wait for the drain
+  // to end), and the waiter gets the room once their leases out end. Zero:
+  // strict arrival order; kDrainNever: models in use never drain (a waiter
+  // waits for them to fall idle). The same bound holds for the load queue:
+  // a load queued for a slot longer than this goes before loads of a higher
+  // catalog priority, oldest first. A copy held by an orphaned lease is
+  // never drained (it counts as pinned for the drain, as of the load's
+  // start). Local reuse of a delegated lease (client.h) is invisible to the
+  // store: a copy a client keeps in use locally drains only once that use
+  // ends (docs/serve.md).
+  std::chrono::nanoseconds drain_after = kDefaultDrainAfter;
   Limits limits;
   int load_threads = 4;  // pread threads per file
   // Names this daemon's memfds ("modelcache:<instance>:<model>#<file>"), so

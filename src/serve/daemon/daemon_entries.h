@@ -11,7 +11,8 @@
 //     connection and against max_waiters, filed by deadline.
 // A model with waiters has one *task*: running on the pool (at most
 // load_slots tasks run) or queued for a slot (by catalog priority, then
-// first come). A task is one blocking ModelCache::Acquire with an interrupt
+// first come; but one queued past drain_after goes first, the oldest
+// first). A task is one blocking ModelCache::Acquire with an interrupt
 // check that ends it when its model has no waiter left or the daemon shuts
 // down. When it completes, the loop gives the task's lease to the first
 // waiter and a TryAcquire lease to each other one; a failure answers them
@@ -241,6 +242,12 @@ struct Task {
   std::shared_ptr<std::promise<PrefetchResult>> done;
   std::atomic<bool> cancel{false};
   uint64_t expected_bytes = 0;  // what the load reserves
+  // Set on the loop when it starts: when its oldest waiter came (its place
+  // in the store's arrival order, AcquireOptions::arrival; unset for a
+  // prefetch), and the store leases of the orphaned leases then, which its
+  // drain must not take (AcquireOptions::holds: they count as pinned).
+  std::optional<Clock::time_point> arrival;
+  std::vector<uint64_t> holds;
   // Filled by the pool thread.
   Lease lease;
   std::exception_ptr error;

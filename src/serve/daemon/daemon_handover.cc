@@ -117,8 +117,13 @@ void Daemon::Impl::ContinueHandover(Clock::time_point now) {
     AbandonHandover("it took longer than the takeover timeout");
     return;
   }
-  // Loads still running, or adoptions (their copies join the store).
-  if (handover_sent_ || running_ > 0 || adoptions_in_flight_ > 0) return;
+  // Loads still running, or adoptions (their copies join the store), or a
+  // reservation waiting for room (a prewarm's): the copies its drain holds
+  // take no lease, and only leased copies are handed over.
+  if (handover_sent_ || running_ > 0 || adoptions_in_flight_ > 0 ||
+      store_->budget().OldestWaitArrival()) {
+    return;
+  }
   const auto it = conns_.find(handover_conn_);
   if (it == conns_.end()) return;
   SendHandover(*it->second);

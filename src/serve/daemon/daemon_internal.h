@@ -15,7 +15,12 @@
 //   handover.h             the record's and the handover's formats
 //   daemon_threads.cc      the pool, expiry and background threads
 //   daemon_entries.h       leases, connections, waiters, tasks (their states)
-//   daemon_metrics.h/.cc   the histogram, metric names and /metrics
+//   daemon_lease_books.h   Impl's books of leases, delegations and recalls
+//   daemon_reclaim_books.h Impl's record, reclaim, fd store, takeover state
+//   daemon_loop_books.h    Impl's loop state, its inbox, its threads' state
+//   lock_ranks.h           the mutexes' lock ranks (the order below)
+//   daemon_metrics.h/.cc   the histogram, metric names, Impl's counters and
+//                          /metrics
 //   event_loop.h           the epoll, pidfd and errno wrappers
 //   http_api.cc            the HTTP API
 //
@@ -130,8 +135,12 @@
 
 #include "copy.h"
 #include "daemon_entries.h"
+#include "daemon_lease_books.h"
+#include "daemon_loop_books.h"
 #include "daemon_metrics.h"
+#include "daemon_reclaim_books.h"
 #include "handover.h"
+#include "lock_ranks.h"
 #include "modelcache/base/mutex.h"
 #include "modelcache/base/unique_fd.h"
 #include "modelcache/core/cache.h"
@@ -146,17 +155,23 @@ namespace modelcache::serve {
 
 namespace detail {
 
-// The daemon's lock ranks (the order in the note above).
-inline constexpr int kOuterLockRank = 1;
-inline constexpr int kLeafLockRank = 2;
-
 // Set while this thread adopts a copy into the store (daemon_reclaim.cc):
 // the store's kLoaded event it emits is no load (OnEvent).
 extern thread_local bool g_adopting;
 
 }  // namespace detail
 
-class Daemon::Impl {
+// The state is in the books it inherits, one header per concern:
+// daemon_lease_books.h (leases, delegations, recalls),
+// daemon_reclaim_books.h (the record, reclaims, the fd store, takeover),
+// daemon_loop_books.h (the loop's connections and waiters, its inbox, the
+// threads beside it) and daemon_metrics.h (the counters).
+class Daemon::Impl : private detail::LeaseBooks,
+                     private detail::ReclaimBooks,
+                     private detail::LoopState,
+                     private detail::LoopInbox,
+                     private detail::Workers,
+                     private detail::DaemonCounters {
  public:
   explicit Impl(DaemonOptions options);
   ~Impl();
@@ -288,6 +303,15 @@ class Daemon::Impl {
       const CatalogModel& model, bool pin,
       std::shared_ptr<std::promise<detail::PrefetchResult>> done);
   void StartQueued();
+  // The slot queue's next: by catalog priority, then first come; but once
+  // some entry has waited drain_after, the oldest such entry (arrival
+  // order outranks priority, as in the store's waits for room).
+  std::map<std::pair<int, uint64_t>, Queued>::iterator NextQueued(
+      Clock::time_point now);
+  // When the oldest waiter of `model` came (now when it has none).
+  Clock::time_point OldestArrival(const detail::ModelQueue& q) const;
+  // The store leases of the orphaned leases now (Task::holds).
+  std::vector<uint64_t> OrphanedStoreLeases() const MC_EXCLUDES(leases_mu_);
   // Load slots (Limits::load_slots), shared by the loop's tasks and the
   // keep-alive prewarms of the store's thread.
   bool TryTakeSlot() MC_EXCLUDES(slots_mu_);
@@ -403,12 +427,6 @@ class Daemon::Impl {
                           Lease lease, const std::set<pid_t>& mappers)
       MC_EXCLUDES(leases_mu_);
   void SetAdopting(detail::Connection& c, bool adopting);
-  // Loop-only: the predecessor's copies (by index) whose adoption is in
-  // flight, each with the reclaims of it that wait; how many are in flight,
-  // and whether an orphan booking waits for the last to end.
-  std::map<size_t, std::vector<detail::DeferredReclaim>> adopting_;
-  int adoptions_in_flight_ = 0;
-  bool rebook_after_adoptions_ = false;
   // On the loop, after a reclaim adopted `copy`: an orphaned lease on it
   // for each other process in `pids` that maps it (the start's scan saw
   // them), so that it stays in use, and in the books, until that process
@@ -425,64 +443,7 @@ class Daemon::Impl {
   // After the predecessor's record is read: adopts the passed copies it
   // names (resident, no lease), removes the rest from systemd's store.
   void AdoptStored() MC_EXCLUDES(record_mu_);
-  // Set (with DaemonOptions::systemd, under systemd) in the constructor.
-  std::optional<detail::SystemdNotifier> notifier_;
-  std::vector<detail::ListenedFd> stored_;
-  // Set once shutting down (or handed over): frees no longer change the
-  // record or the fd store.
-  std::atomic<bool> keep_record_{false};
-  std::atomic<bool> fd_store_error_logged_{false};
 
-  mutable base::Mutex record_mu_{
-      base::LockRank{detail::kLeafLockRank, "record_mu_"}};
-  // The copies whose memfds systemd's store holds, by first header memfd.
-  std::set<detail::MemfdId> in_fd_store_ MC_GUARDED_BY(record_mu_);
-  // This daemon's copies, by their first header memfd.
-  struct RecordEntry {
-    detail::RecordedCopy copy;
-    const char* origin = "loaded";  // ModelCopy::origin
-    uint64_t bytes = 0;
-  };
-  std::map<detail::MemfdId, RecordEntry> record_ MC_GUARDED_BY(record_mu_);
-  // Adoptions go through the store's loader: not loads to count.
-  std::atomic<uint64_t> adoptions_{0};
-  std::atomic<uint64_t> adopted_bytes_{0};
-  std::atomic<bool> record_error_logged_{false};
-  // Record writes that failed (modelcache_record_write_failures_total):
-  // each leaves a successor without the copies made since.
-  std::atomic<uint64_t> record_write_failures_{0};
-  // Held across a record write, from the snapshot to the rename: one writer
-  // at a time, so writers on the pool's threads and the background thread
-  // never share the temporary file, and the file ends with the newest
-  // snapshot. Never taken on the loop (its writes go through Later).
-  // Order: record_write_mu_ -> record_mu_.
-  base::Mutex record_write_mu_ MC_ACQUIRED_BEFORE(record_mu_){
-      base::LockRank{detail::kOuterLockRank, "record_write_mu_"}};
-  std::atomic<bool> record_writes_{true};
-  // Loop-only after start: the predecessor's copies, by each data memfd
-  // (copy, file index); the models awaiting a reclaim and until when.
-  std::vector<detail::RecordedCopy> predecessor_;
-  std::map<detail::MemfdId, std::pair<size_t, size_t>> predecessor_by_data_;
-  std::set<std::string> reclaimable_;
-  Clock::time_point grace_end_ = Clock::time_point::max();
-  std::atomic<int> reclaiming_{0};  // reclaimable_.size(), for /readyz
-  // Lease ids below this were handed out by a predecessor.
-  uint64_t first_lease_ = 0;
-  std::atomic<uint64_t> reclaims_accepted_{0};
-  std::atomic<uint64_t> reclaims_refused_{0};
-  std::atomic<uint64_t> bytes_reclaimed_{0};
-  std::atomic<uint64_t> bytes_refused_{0};
-  std::atomic<uint64_t> bytes_taken_over_{0};
-  std::atomic<double> takeover_seconds_{0};
-  std::atomic<bool> handed_over_{false};
-  // ---- takeover (daemon_handover.cc) ----
-  base::Mutex handover_mu_{
-      base::LockRank{detail::kOuterLockRank, "handover_mu_"}};
-  std::vector<std::pair<std::string, int>> handover_listeners_
-      MC_GUARDED_BY(handover_mu_);
-  std::function<void()> disown_listeners_ MC_GUARDED_BY(handover_mu_);
-  std::map<std::string, base::UniqueFd> taken_listeners_
-      MC_GUARDED_BY(handover_mu_);
   // The new daemon's side, in the constructor: connects to the old one,
   // takes what it hands over, commits. Throws kUnavailable naming why.
   void TakeOver();
@@ -498,12 +459,6 @@ class Daemon::Impl {
     return reads_paused_ || c.adopting ||
            (handover_conn_ != 0 && c.id != handover_conn_);
   }
-  uint64_t handover_conn_ = 0;
-  uint64_t handover_request_ = 0;
-  bool handover_sent_ = false;
-  Clock::time_point handover_deadline_ = Clock::time_point::max();
-  // Store leases on the copies handed over: none is evicted meanwhile.
-  std::vector<Lease> handover_leases_;
 
   // ---- the pool (daemon_threads.cc) ----
   void PoolThread();
@@ -568,29 +523,6 @@ class Daemon::Impl {
   std::string reload_error_ MC_GUARDED_BY(catalog_mu_);
   std::string catalog_digest_ MC_GUARDED_BY(catalog_mu_);
 
-  mutable base::Mutex leases_mu_{
-      base::LockRank{detail::kLeafLockRank, "leases_mu_"}};
-  std::map<uint64_t, detail::LeaseEntry> leases_ MC_GUARDED_BY(leases_mu_);
-  // Uncovered leases by copy (LeaseEntry::lease), the recalls GateUnload
-  // asked the loop to send, and whether some uncovered lease in use needs
-  // its store lease again.
-  std::unordered_map<const void*, std::set<uint64_t>> uncovered_
-      MC_GUARDED_BY(leases_mu_);
-  std::vector<uint64_t> to_recall_ MC_GUARDED_BY(leases_mu_);
-  bool cover_again_ MC_GUARDED_BY(leases_mu_) = false;
-  int recalls_outstanding_ MC_GUARDED_BY(leases_mu_) = 0;
-  // Connections that said "delegate": their leases in use may be recalled.
-  std::unordered_set<uint64_t> delegating_ MC_GUARDED_BY(leases_mu_);
-  uint64_t recalls_started_ MC_GUARDED_BY(leases_mu_) = 0;
-  base::CondVar recalls_cv_;
-  // Loop-only: recalls sent, by deadline.
-  std::multimap<Clock::time_point, uint64_t> recall_deadlines_;
-  // Loop-only: when CoverUncovered runs again (a copy was being unloaded).
-  Clock::time_point next_cover_ = Clock::time_point::max();
-  // Lease ids start from the wall clock in microseconds, so that a
-  // restarted daemon never hands out an id its predecessor did.
-  uint64_t next_lease_ = 0;
-
   // capacity_mu_ serialises the store's capacity changes (ApplyCapacity,
   // Adopt; see the note at the top for who takes it and the order). The
   // two numbers it applies are read anywhere without it.
@@ -633,124 +565,14 @@ class Daemon::Impl {
   std::map<std::string, detail::Unavailable> unavailable_
       MC_GUARDED_BY(unavailable_mu_);
 
-  // Metrics.
-  std::array<std::atomic<uint64_t>, static_cast<size_t>(detail::Result::kCount)>
-      acquires_{};
-  std::array<std::atomic<uint64_t>,
-             static_cast<size_t>(detail::Disconnect::kCount)>
-      disconnects_{};
-  std::atomic<uint64_t> protocol_errors_{0};
-  std::atomic<uint64_t> recalls_sent_{0};
-  std::atomic<uint64_t> recalls_released_{0};
-  std::atomic<uint64_t> recalls_busy_{0};
-  std::atomic<uint64_t> recalls_unanswered_{0};
-  std::atomic<uint64_t> refused_unloads_{0};  // by GateUnload
-  detail::Histogram load_seconds_;
-  detail::Histogram acquire_wait_seconds_;
-  detail::Histogram loop_iteration_seconds_;
-  std::atomic<int> clients_{0};
-  std::atomic<int> waiting_{0};
-  std::atomic<int> orphaned_leases_{0};
-
-  // Loop-only state.
-  std::unordered_map<uint64_t, std::unique_ptr<detail::Connection>> conns_;
-  uint64_t next_connection_ = 1;
-  std::vector<uint64_t> doomed_;
-  std::unordered_map<uint64_t, detail::Waiter> waiters_;
-  std::multimap<Clock::time_point, uint64_t> deadlines_;
-  uint64_t next_waiter_ = 1;
-  std::unordered_map<std::string, detail::ModelQueue> queues_;
-  // (-priority, order) -> model, or a prefetch task.
-  struct Queued {
-    std::string model;
-    std::shared_ptr<detail::Task> prefetch;
-  };
-  std::map<std::pair<int, uint64_t>, Queued> slot_queue_;
-  uint64_t next_order_ = 0;
-  int running_ = 0;
-  uint64_t next_task_ = 1;
-  std::unordered_map<uint64_t, detail::OrphanGroup> orphan_groups_;
-  uint64_t next_group_ = 1;
-  std::map<pid_t, base::UniqueFd> restart_pids_;
-  Clock::time_point next_rescan_ = Clock::time_point::max();
-  bool stopping_ = false;      // shutdown begun on the loop
-  bool reads_paused_ = false;  // DaemonOptions::test_pause_reads_fd
-
-  // Cross-thread requests to the loop, woken through event_fd_.
-  std::atomic<bool> shutdown_requested_{false};
-  std::atomic<bool> reload_requested_{false};
-  std::atomic<bool> shutting_down_{false};  // read by tasks' checks
-  base::Mutex inbox_mu_{base::LockRank{detail::kLeafLockRank, "inbox_mu_"}};
-  std::vector<std::shared_ptr<detail::Task>> completed_
-      MC_GUARDED_BY(inbox_mu_);
-  struct Command {
-    std::string model;
-    bool pin = false;
-    std::shared_ptr<std::promise<detail::PrefetchResult>> done;
-  };
-  std::vector<Command> commands_ MC_GUARDED_BY(inbox_mu_);
-  std::vector<std::vector<detail::PidMemfds>> rechecked_
-      MC_GUARDED_BY(inbox_mu_);
-  bool recheck_in_flight_ = false;  // loop-only
-  uint64_t booked_orphaned_ = 0;    // loop-only: orphaned_ once applied
-  std::vector<detail::Reloaded> reloaded_ MC_GUARDED_BY(inbox_mu_);
-  // Adoptions done on the background thread, and those queued and not yet
-  // done (the destructor waits for them before it drops the store).
-  std::vector<detail::Adoption> adopted_ MC_GUARDED_BY(inbox_mu_);
-  int adoptions_queued_ MC_GUARDED_BY(inbox_mu_) = 0;
-  base::CondVar adoptions_cv_;
-  bool reload_in_flight_ = false;  // loop-only
-  bool reload_again_ = false;      // loop-only
-  // The background thread applied a capacity that grew.
-  std::atomic<bool> capacity_applied_{false};
   void RetryBlockedByOrphans();
-  // Set when Run() has returned: commands are refused from then on.
-  bool loop_done_ MC_GUARDED_BY(inbox_mu_) = false;
-  uint64_t health_asked_ MC_GUARDED_BY(inbox_mu_) = 0;
-  uint64_t health_answered_ MC_GUARDED_BY(inbox_mu_) = 0;
-  base::CondVar health_cv_;
-  // AwaitLoopPass: passes asked for, and the last one the loop finished
-  // (health_cv_ wakes the askers). pass_serving_: what was asked when the
-  // current iteration's epoll_wait began (loop-only).
-  // (Written under inbox_mu_, read anywhere.)
-  std::atomic<uint64_t> passes_asked_{0};
-  std::atomic<uint64_t> passes_done_{0};
-  uint64_t pass_serving_ = 0;
-  // Loop-only: a read this iteration stopped at kReadsPerWakeup, leaving
-  // datagrams in a socket; such an iteration answers no pass.
-  bool capped_read_ = false;
   void Wake();
 
-  // The pool.
-  base::Mutex pool_mu_{base::LockRank{detail::kLeafLockRank, "pool_mu_"}};
-  base::CondVar pool_cv_;
-  std::deque<std::shared_ptr<detail::Task>> pool_queue_ MC_GUARDED_BY(pool_mu_);
-  bool pool_stop_ MC_GUARDED_BY(pool_mu_) = false;
-  std::vector<std::thread> pool_;
-
-  // An idle TTL (a ttl-<N> policy) unloads a model idle for N: the store
-  // expires records only when asked (ModelCache::EvictExpired), so a thread
-  // asks every expiry_period_, off the loop (an unload frees a copy's pages).
   void ExpiryThread() MC_EXCLUDES(expiry_mu_);
-  std::chrono::nanoseconds expiry_period_{0};  // 0: no TTL, no thread
-  base::Mutex expiry_mu_{base::LockRank{detail::kLeafLockRank, "expiry_mu_"}};
-  base::CondVar expiry_cv_;
-  bool expiry_stop_ MC_GUARDED_BY(expiry_mu_) = false;
-  std::thread expiry_;
 
-  // The background thread (Redis's lazyfree): frees copies' files and runs
-  // other chores the loop must not wait for, in order. Started last in the
-  // constructor; drained and stopped last in the destructor.
   void BackgroundThread() MC_EXCLUDES(background_mu_);
   // Runs `chore` on the background thread (here, now, when it is stopped).
   void Later(std::function<void()> chore) MC_EXCLUDES(background_mu_);
-  base::Mutex background_mu_{
-      base::LockRank{detail::kLeafLockRank, "background_mu_"}};
-  base::CondVar background_cv_;
-  std::deque<std::function<void()>> chores_ MC_GUARDED_BY(background_mu_);
-  bool background_running_ MC_GUARDED_BY(background_mu_) = false;
-  bool background_stop_ MC_GUARDED_BY(background_mu_) = false;
-  std::thread background_;
 
   // The load throttle (null when off); its holds end early at shutdown.
   std::unique_ptr<detail::LoadThrottle> throttle_;

@@ -3,8 +3,10 @@
 //
 // Reads come from the store (thread-safe), atomics, and the lease table and
 // the other books under their mutexes, one at a time.
+#include <chrono>
 #include <cmath>
 #include <cstdio>
+#include <optional>
 
 #include "daemon_internal.h"
 
@@ -250,6 +252,23 @@ HttpResponse Daemon::Impl::Metrics() {
   gauge("modelcache_clients", "Connected clients.", clients_.load());
   gauge("modelcache_waiting_acquires", "Acquires waiting for a load or room.",
         waiting_.load());
+  // Swap scheduling (DaemonOptions::drain_after).
+  const Budget& budget = store_->budget();
+  counter("modelcache_drains_total",
+          "Drains started: models that stopped taking leases so that a load "
+          "waiting for room longer than --drain-after gets it.",
+          static_cast<double>(budget.drains()));
+  counter("modelcache_queued_behind_drain_total",
+          "Loads that queued behind a drain (of a draining model, their "
+          "acquires wait until the drain ends).",
+          static_cast<double>(budget.queued_behind_drain()));
+  const std::optional<std::chrono::steady_clock::time_point> oldest =
+      budget.OldestWaitArrival();
+  gauge("modelcache_oldest_room_wait_seconds",
+        "How long the oldest load waiting for room has waited (0: none "
+        "waits).",
+        oldest ? std::chrono::duration<double>(budget.Now() - *oldest).count()
+               : 0.0);
 
   Metric(&out, "modelcache_acquires_total", "counter",
          "Acquires answered, by result.");

@@ -3,6 +3,7 @@
 #ifndef MODELCACHE_SRC_SERVE_DAEMON_DAEMON_METRICS_H_
 #define MODELCACHE_SRC_SERVE_DAEMON_DAEMON_METRICS_H_
 
+#include <array>
 #include <atomic>
 #include <cstdint>
 #include <memory>
@@ -56,6 +57,31 @@ enum class Disconnect {
   kCount
 };
 const char* DisconnectName(Disconnect reason);
+
+// The counters and histograms of Daemon::Impl that /metrics renders (the
+// rest it reads from the books). Daemon::Impl inherits them.
+struct DaemonCounters {
+  std::array<std::atomic<uint64_t>, static_cast<size_t>(Result::kCount)>
+      acquires_{};
+  std::array<std::atomic<uint64_t>, static_cast<size_t>(Disconnect::kCount)>
+      disconnects_{};
+  std::atomic<uint64_t> protocol_errors_{0};
+  std::atomic<uint64_t> recalls_sent_{0};
+  std::atomic<uint64_t> recalls_released_{0};
+  std::atomic<uint64_t> recalls_busy_{0};
+  std::atomic<uint64_t> recalls_unanswered_{0};
+  std::atomic<uint64_t> refused_unloads_{0};  // by GateUnload
+  Histogram load_seconds_{std::vector<double>{0.01, 0.05, 0.1, 0.25, 0.5, 1,
+                                              2.5, 5, 10, 30, 60, 120, 300}};
+  Histogram acquire_wait_seconds_{std::vector<double>{
+      0.0001, 0.0005, 0.001, 0.005, 0.01, 0.05, 0.1, 0.5, 1, 5, 10, 30, 60}};
+  Histogram loop_iteration_seconds_{
+      std::vector<double>{0.00001, 0.00005, 0.0001, 0.0005, 0.001, 0.005, 0.01,
+                          0.05, 0.1, 0.5, 1, 5}};
+  std::atomic<int> clients_{0};
+  std::atomic<int> waiting_{0};
+  std::atomic<int> orphaned_leases_{0};
+};
 
 }  // namespace modelcache::serve::detail
 

@@ -40,14 +40,7 @@ using detail::Disconnect;
 using detail::Result;
 using detail::Task;
 
-Daemon::Impl::Impl(DaemonOptions options)
-    : options_(std::move(options)),
-      load_seconds_(
-          {0.01, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120, 300}),
-      acquire_wait_seconds_({0.0001, 0.0005, 0.001, 0.005, 0.01, 0.05, 0.1, 0.5,
-                             1, 5, 10, 30, 60}),
-      loop_iteration_seconds_({0.00001, 0.00005, 0.0001, 0.0005, 0.001, 0.005,
-                               0.01, 0.05, 0.1, 0.5, 1, 5}) {
+Daemon::Impl::Impl(DaemonOptions options) : options_(std::move(options)) {
   // Before anything else starts a thread or a descriptor is opened: they
   // are descriptors 3 and up (and the LISTEN_ variables are unset).
   if (!options_.takeover) TakeStored();
@@ -259,13 +252,15 @@ void Daemon::Impl::CreateStore() {
         std::chrono::seconds(1));
   }
   cache.shard_bits = 2;
-  // No drain in the daemon's store yet: a worker's local reuse of a copy
-  // (an in-use delegation taking new references, an idle one revived) is
-  // invisible to the store, so a drain could not stop it, and the loop's
-  // TryAcquire hits (handover, reclaim, waiters) would read a draining
-  // copy as none. Until the daemon tells holders to stop local reuse
-  // (a `drain` message), its waits for room keep today's rule.
-  cache.drain_after = kDrainNever;
+  // Swap scheduling (DaemonOptions::drain_after). A drained copy takes no
+  // store lease, so the loop's TryAcquire reads it as none: an acquire
+  // becomes a waiter whose load queues behind the drain; a lease in use
+  // that is uncovered is covered again once the drain ends (CoverOnce); a
+  // reclaim of it is refused as one of a copy being unloaded is; and a
+  // handover waits until no reservation waits for room (ContinueHandover).
+  // A worker's local reuse of a delegated lease is invisible to the store:
+  // its copy drains once that use ends (DaemonOptions::drain_after).
+  cache.drain_after = options_.drain_after;
   cache.on_event = [this](const CacheEvent& event) { OnEvent(event); };
   // A keep-alive policy's prewarms load like any load of the daemon: on the
   // store's keep-alive thread, they take a load slot (waiting for one) and

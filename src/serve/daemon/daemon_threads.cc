@@ -63,6 +63,8 @@ void Daemon::Impl::RunTask(Task& task) {
   AcquireOptions options;
   options.when_full = task.prefetch ? WhenFull::kWait : task.when_full;
   options.request = !task.prefetch;
+  options.arrival = task.arrival;
+  options.holds = task.holds;
   options.interrupt.every = kInterruptEvery;
   options.interrupt.check = [this, &task] {
     if (task.cancel.load() || shutting_down_.load()) throw detail::Cancelled{};

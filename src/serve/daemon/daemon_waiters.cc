@@ -123,8 +123,44 @@ void Daemon::Impl::Dispatch(const std::string& model) {
   const CatalogModel* spec = catalog()->Find(model);
   const int priority = spec != nullptr ? spec->priority : 0;
   slot_queue_.emplace(std::make_pair(-priority, next_order_++),
-                      Queued{model, nullptr});
+                      Queued{model, nullptr, OldestArrival(q)});
   q.queued = true;
+}
+
+Daemon::Impl::Clock::time_point Daemon::Impl::OldestArrival(
+    const detail::ModelQueue& q) const {
+  Clock::time_point oldest = Clock::now();
+  for (const uint64_t seq : q.waiters) {
+    const auto w = waiters_.find(seq);
+    if (w != waiters_.end()) oldest = std::min(oldest, w->second.start);
+  }
+  return oldest;
+}
+
+std::vector<uint64_t> Daemon::Impl::OrphanedStoreLeases() const {
+  std::vector<uint64_t> ids;
+  base::MutexLock lock(&leases_mu_);
+  for (const auto& [id, e] : leases_) {
+    if (e.orphaned && e.lease) ids.push_back(e.lease.id());
+  }
+  return ids;
+}
+
+std::map<std::pair<int, uint64_t>, Daemon::Impl::Queued>::iterator
+Daemon::Impl::NextQueued(Clock::time_point now) {
+  auto next = slot_queue_.begin();
+  const std::chrono::nanoseconds drain_after = store_->budget().drain_after();
+  if (drain_after == kDrainNever) return next;
+  auto overdue = slot_queue_.end();
+  for (auto it = slot_queue_.begin(); it != slot_queue_.end(); ++it) {
+    if (now - it->second.arrival < drain_after) continue;
+    if (overdue == slot_queue_.end() ||
+        std::make_pair(it->second.arrival, it->first.second) <
+            std::make_pair(overdue->second.arrival, overdue->first.second)) {
+      overdue = it;
+    }
+  }
+  return overdue != slot_queue_.end() ? overdue : next;
 }
 
 void Daemon::Impl::StartTask(const std::string& model) {
@@ -149,6 +185,8 @@ void Daemon::Impl::StartTask(const std::string& model) {
     all_fail = all_fail && waiters_.at(seq).fail_when_full;
   }
   task->when_full = all_fail ? WhenFull::kFail : WhenFull::kWait;
+  task->arrival = OldestArrival(q);
+  task->holds = OrphanedStoreLeases();
   q.task = task;
   ++running_;
   base::MutexLock lock(&pool_mu_);
@@ -165,9 +203,10 @@ void Daemon::Impl::StartPrefetch(
   task->prefetch = true;
   task->pin = pin;
   task->done = std::move(done);
+  task->holds = OrphanedStoreLeases();
   if (handover_conn_ != 0 || !TryTakeSlot()) {
     slot_queue_.emplace(std::make_pair(-model.priority, next_order_++),
-                        Queued{model.id, std::move(task)});
+                        Queued{model.id, std::move(task), Clock::now()});
     return;
   }
   ++running_;
@@ -178,8 +217,9 @@ void Daemon::Impl::StartPrefetch(
 
 void Daemon::Impl::StartQueued() {
   while (handover_conn_ == 0 && !slot_queue_.empty() && TryTakeSlot()) {
-    Queued next = std::move(slot_queue_.begin()->second);
-    slot_queue_.erase(slot_queue_.begin());
+    const auto at = NextQueued(Clock::now());
+    Queued next = std::move(at->second);
+    slot_queue_.erase(at);
     if (next.prefetch) {
       if (stopping_) {
         GiveSlot();

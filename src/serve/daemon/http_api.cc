@@ -260,6 +260,7 @@ HttpResponse Daemon::Impl::Models(const std::string& only) {
                   {"loads", 0},
                   {"last_load_seconds", nullptr},
                   {"idle_seconds", nullptr},
+                  {"queued_behind_drain", 0},
                   {"unavailable", nullptr}};
     if (const auto s = stats.find(m.id); s != stats.end()) {
       model["loads"] = s->second.loads;
@@ -284,6 +285,11 @@ HttpResponse Daemon::Impl::Models(const std::string& only) {
       if (e.state == EntryState::kResident && e.leases == 0) {
         model["idle_seconds"] =
             std::chrono::duration<double>(now - e.last_use).count();
+      }
+      // A resident copy's waiters are loads queued behind its drain
+      // (EntryInfo::waiters): it drains, and they wait for it.
+      if (e.state == EntryState::kResident) {
+        model["queued_behind_drain"] = e.waiters;
       }
     }
     model["retired_bytes"] = retired;

@@ -413,6 +413,12 @@ class Daemon::Impl {
       MC_EXCLUDES(leases_mu_);
   // Releases the leases HoldForMappers made for `pid` on `copy`.
   void DropMapperHolds(pid_t pid, const void* copy) MC_EXCLUDES(leases_mu_);
+  // A reclaim of a copy some lease here holds already, which the store no
+  // longer leases under its model (retired): files `r`'s lease on it,
+  // uncovered, and answers. False when no lease holds those memfds.
+  bool ReclaimHeldCopy(detail::Connection& c, const protocol::Request& r,
+                       const std::vector<detail::MemfdId>& memfds)
+      MC_EXCLUDES(leases_mu_);
   // ---- the fd store (systemd) ----
   // At start, before any thread: the descriptors systemd passed back.
   void TakeStored();

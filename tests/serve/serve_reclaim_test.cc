@@ -946,6 +946,25 @@ TEST_F(Reclaim, TwoReclaimsOfOneCopyAtOnceAdoptItOnce) {
   }
 }
 
+// An old daemon and its successor write the record at once across a
+// takeover: each writes a temporary of its own, so neither renames the
+// other's away (the soak's "cannot write <socket>.state: No such file or
+// directory", logged by a successor).
+TEST(RecordFile, AWriterLeavesAnotherProcesssTemporaryAlone) {
+  const std::string dir = ::testing::TempDir() + "record_file_XXXXXX";
+  std::vector<char> name(dir.begin(), dir.end());
+  name.push_back('\0');
+  ASSERT_NE(::mkdtemp(name.data()), nullptr);
+  const std::string path = std::string(name.data()) + "/serve.sock.state";
+  // What the shared temporary was: another writer's, half written.
+  const std::string other = path + ".tmp";
+  { std::ofstream(other) << "another writer's"; }
+  detail::WriteFileAtomically(path, "this writer's");
+  EXPECT_EQ(detail::ReadSmallFile(path), "this writer's");
+  EXPECT_EQ(detail::ReadSmallFile(other), "another writer's");
+  std::filesystem::remove_all(name.data());
+}
+
 TEST_F(Reclaim, ALeaseIdTheDaemonHandedOutItselfCannotBeReclaimedByAnother) {
   AddModel("a", 2 * kMiB, 1);
   StartDaemon("16MiB");

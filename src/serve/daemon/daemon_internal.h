@@ -70,7 +70,8 @@
 //   orphans_mu_       restart_orphans_ and the unreadable count.
 //   live_mu_          live_: the memfds of the copies held now.
 //   record_write_mu_  one writer of the record at a time, snapshot to rename
-//                     (never taken on the loop: its writes go through Later).
+//                     (taken on the loop only by HandleCommit, once, as a
+//                     barrier: its writes go through Later).
 //   record_mu_        record_, in_fd_store_.
 //   handover_mu_      the listeners a takeover hands over, or took.
 //   inbox_mu_         what other threads hand the loop (completed_,

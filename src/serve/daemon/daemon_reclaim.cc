@@ -379,12 +379,9 @@ void Daemon::Impl::HandleReclaim(Connection& c, const protocol::Request& r,
     }
   }
 
-  // Adopted already, but no longer the store's under its model (adopted
-  // retired, or retired by a reload since): adopting it again would make a
-  // second copy over the same memfds, and freeing either would take them
-  // out of the books while the other is mapped.
+  // Adopted already but retired (not the store's under its model): never a
+  // second copy over its memfds, whose freeing would unbook them.
   if (!lease && ReclaimHeldCopy(c, r, memfds)) return;
-
   // Other processes that map this copy too, as the scan at start saw them:
   // once it is adopted, the copy stays in use for each of them until it
   // reclaims its own lease, lets go, or exits (HoldForMappers). Until then

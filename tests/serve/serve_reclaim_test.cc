@@ -667,21 +667,21 @@ TEST_F(Reclaim, TwoLeasesOnARetiredCopyAdoptItOnce) {
   EXPECT_EQ(daemon_->Metric("modelcache_retired_bytes"),
             static_cast<double>(copy_a));
 
-  // The second lease ends first (freeing a second copy over these memfds
-  // took them out of the books): the first keeps the copy, in the books.
-  ASSERT_TRUE(two->Send(protocol::EncodeRelease(4, a.lease - 1)));
-  reply = two->Reply();
+  // The first lease ends (the soak's order): the second keeps the copy,
+  // in the books.
+  ASSERT_TRUE(one->Send(protocol::EncodeRelease(4, a.lease)));
+  reply = one->Reply();
   ASSERT_TRUE(reply && reply->ok);
   ExpectBooksCoverMaps(*daemon_);
   ExpectWithinBudget(*daemon_);
   EXPECT_EQ(daemon_->Metric("modelcache_retired_bytes"),
             static_cast<double>(copy_a));
 
-  // The first ends: the copy goes.
+  // The second ends: the copy goes (its store lease passed to the second).
   ::munmap(a.map, a.bytes);
   a.map = nullptr;
-  ASSERT_TRUE(one->Send(protocol::EncodeRelease(5, a.lease)));
-  reply = one->Reply();
+  ASSERT_TRUE(two->Send(protocol::EncodeRelease(5, a.lease - 1)));
+  reply = two->Reply();
   ASSERT_TRUE(reply && reply->ok);
   Eventually([&] { return daemon_->Metric("modelcache_retired_bytes") == 0; },
              "the retired copy is freed once its last lease ends");

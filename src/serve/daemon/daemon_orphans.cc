@@ -281,7 +281,8 @@ void Daemon::Impl::HoldForMappers(const detail::ModelCopy& copy,
     entry.retired = retired;
     {
       // No store lease yet: uncovered, so its copy's unloader refuses until
-      // CoverUncovered gives it one (a retired copy's stays refused).
+      // CoverUncovered gives it one (a retired copy's stays refused until
+      // a released holder's store lease passes to it, ReleaseLease).
       base::MutexLock lock(&leases_mu_);
       auto [it, inserted] = leases_.emplace(id, std::move(entry));
       IndexCoverage(id, it->second);
@@ -353,8 +354,9 @@ bool Daemon::Impl::ReclaimHeldCopy(detail::Connection& c,
     // Filed in the same step as the lease found is seen: that one keeps
     // the copy (its store lease, or uncovered, its unloader refusing) until
     // this one does. Uncovered: a retired copy is not the store's to lease
-    // (its unloader refuses until this lease ends); one that is not
-    // retired takes its store lease again (CoverUncovered).
+    // (its unloader refuses while this lease is uncovered, and a released
+    // holder's store lease passes to it); one that is not retired takes
+    // its store lease again (CoverUncovered).
     detail::LeaseEntry entry;
     entry.connection = c.id;
     entry.model = r.model;

@@ -658,6 +658,67 @@ TEST_F(Reclaim, ACopyOfAModelNoLongerInTheCatalogIsAdoptedRetired) {
              "the retired copy is freed");
 }
 
+// Two leases on one copy of a model the catalog no longer holds, both
+// reclaimed: the first adopts the copy retired (the store no longer leases
+// it under its model), and the second must find it so, not adopt the same
+// memfds a second time. (The soak did: the first copy, freed when its lease
+// ended, took the memfds out of the books while the second still mapped
+// them: "memfd inode ... is mapped by a live process but not in the
+// daemon's books".)
+TEST_F(Reclaim, TwoLeasesOnARetiredCopyAdoptItOnce) {
+  AddModel("a", 2 * kMiB, 1);
+  AddModel("b", 2 * kMiB, 2);
+  StartDaemon("16MiB");
+  auto first = Connect();
+  Held a = Acquire(*first, "a", 2);
+  const uint64_t copy_a = CopyBytes("a");
+  Crash();
+  first->Close();
+  models_.erase(models_.begin());  // "a" leaves the catalog
+  WriteCatalog(catalog_, models_);
+  daemon_->Start();
+
+  // This process brings the copy back on two connections, as two leases
+  // of one worker (or two processes) would.
+  auto one = Connect();
+  auto two = Connect();
+  auto reply = SendReclaim(*one, a, 3);
+  ASSERT_TRUE(reply);
+  EXPECT_TRUE(reply->ok) << reply->message;
+  ASSERT_TRUE(
+      two->Send(protocol::EncodeReclaim(3, a.lease - 1, "a", false), a.Fds()));
+  reply = two->Reply();
+  ASSERT_TRUE(reply);
+  EXPECT_TRUE(reply->ok) << reply->message;
+  EXPECT_EQ(daemon_->Metric("modelcache_reclaims_total{result=\"accepted\"}"),
+            2);
+  EXPECT_EQ(
+      daemon_->Metric("modelcache_adopted_bytes_total{origin=\"reclaimed\"}"),
+      static_cast<double>(copy_a));
+  EXPECT_EQ(daemon_->Metric("modelcache_retired_bytes"),
+            static_cast<double>(copy_a));
+
+  // The first lease ends (the soak's order): the second keeps the copy,
+  // in the books.
+  ASSERT_TRUE(one->Send(protocol::EncodeRelease(4, a.lease)));
+  reply = one->Reply();
+  ASSERT_TRUE(reply && reply->ok);
+  ExpectBooksCoverMaps(*daemon_);
+  ExpectWithinBudget(*daemon_);
+  EXPECT_EQ(daemon_->Metric("modelcache_retired_bytes"),
+            static_cast<double>(copy_a));
+
+  // The second ends: the copy goes (its store lease passed to the second).
+  ::munmap(a.map, a.bytes);
+  a.map = nullptr;
+  ASSERT_TRUE(two->Send(protocol::EncodeRelease(5, a.lease - 1)));
+  reply = two->Reply();
+  ASSERT_TRUE(reply && reply->ok);
+  Eventually([&] { return daemon_->Metric("modelcache_retired_bytes") == 0; },
+             "the retired copy is freed once its last lease ends");
+  EXPECT_EQ(daemon_->Metric("modelcache_loads_total"), 0);
+}
+
 TEST_F(Reclaim, AnAcquireInTheGracePeriodWaitsForTheReclaimAndLoadsNothing) {
   AddModel("a", 2 * kMiB, 1);
   StartDaemon("16MiB", {"--reclaim-grace", "120s"});
@@ -879,6 +940,25 @@ TEST_F(Reclaim, TwoReclaimsOfOneCopyAtOnceAdoptItOnce) {
     const auto released = raw->Reply();
     ASSERT_TRUE(released && released->ok);
   }
+}
+
+// An old daemon and its successor write the record at once across a
+// takeover: each writes a temporary of its own, so neither renames the
+// other's away (the soak's "cannot write <socket>.state: No such file or
+// directory", logged by a successor).
+TEST(RecordFile, AWriterLeavesAnotherProcesssTemporaryAlone) {
+  const std::string dir = ::testing::TempDir() + "record_file_XXXXXX";
+  std::vector<char> name(dir.begin(), dir.end());
+  name.push_back('\0');
+  ASSERT_NE(::mkdtemp(name.data()), nullptr);
+  const std::string path = std::string(name.data()) + "/serve.sock.state";
+  // What the shared temporary was: another writer's, half written.
+  const std::string other = path + ".tmp";
+  { std::ofstream(other) << "another writer's"; }
+  detail::WriteFileAtomically(path, "this writer's");
+  EXPECT_EQ(detail::ReadSmallFile(path), "this writer's");
+  EXPECT_EQ(detail::ReadSmallFile(other), "another writer's");
+  std::filesystem::remove_all(name.data());
 }
 
 TEST_F(Reclaim, ALeaseIdTheDaemonHandedOutItselfCannotBeReclaimedByAnother) {

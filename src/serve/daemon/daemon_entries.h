@@ -89,7 +89,10 @@
 // A reclaim of a copy whose adoption is in flight waits for it (a
 // DeferredReclaim, its connection paused too) and is handled again once it
 // ends: it then finds the copy in the store and gets a lease on it, so a
-// copy is never adopted twice. While any adoption is in flight, the orphan
+// copy is never adopted twice. One adopted already that the store no longer
+// leases under its model (retired) is found by a lease that holds it
+// (ReclaimHeldCopy): the reclaimed lease is filed on it uncovered, as a
+// mapper's hold is, so it goes only when every holder has let go. While any adoption is in flight, the orphan
 // bookings change no capacity (what a rescan finds is applied after the
 // last one ends), so the orphaned bytes an adoption moved into the store
 // are never taken off the capacity a second time.

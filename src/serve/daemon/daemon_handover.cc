@@ -248,6 +248,12 @@ void Daemon::Impl::HandleCommit(Connection& c, const protocol::Request& r) {
     return;
   }
   handed_over_ = true;
+  // No record write of this daemon's may land after the successor's: one
+  // past its handed_over_ check (the background thread's, a load's) ends
+  // before the answer, and any later one sees handed_over_. The loop waits
+  // for at most that one write here; it serves nothing after the commit,
+  // and the successor awaits this answer.
+  { base::MutexLock barrier(&record_write_mu_); }
   // Straight onto the socket: the successor read everything before it
   // committed, so there is room, and the connection closes next.
   detail::SendDatagram(c.fd.get(), protocol::EncodeOk(r.id), {}, MSG_DONTWAIT);

@@ -75,7 +75,8 @@
 //   orphans_mu_       restart_orphans_ and the unreadable count.
 //   live_mu_          live_: the memfds of the copies held now.
 //   record_write_mu_  one writer of the record at a time, snapshot to rename
-//                     (never taken on the loop: its writes go through Later).
+//                     (taken on the loop only by HandleCommit, once, as a
+//                     barrier: its writes go through Later).
 //   record_mu_        record_, in_fd_store_.
 //   handover_mu_      the listeners a takeover hands over, or took.
 //   inbox_mu_         what other threads hand the loop (completed_,
@@ -437,6 +438,12 @@ class Daemon::Impl : private detail::LeaseBooks,
       MC_EXCLUDES(leases_mu_);
   // Releases the leases HoldForMappers made for `pid` on `copy`.
   void DropMapperHolds(pid_t pid, const void* copy) MC_EXCLUDES(leases_mu_);
+  // A reclaim of a copy some lease here holds already, which the store no
+  // longer leases under its model (retired): files `r`'s lease on it,
+  // uncovered, and answers. False when no lease holds those memfds.
+  bool ReclaimHeldCopy(detail::Connection& c, const protocol::Request& r,
+                       const std::vector<detail::MemfdId>& memfds)
+      MC_EXCLUDES(leases_mu_);
   // ---- the fd store (systemd) ----
   // At start, before any thread: the descriptors systemd passed back.
   void TakeStored();

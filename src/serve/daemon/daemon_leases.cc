@@ -151,6 +151,17 @@ void Daemon::Impl::ReleaseLease(uint64_t lease, bool answer) {
         u->second.erase(lease);
         if (u->second.empty()) uncovered_.erase(u);
       }
+    } else if (e.retired) {
+      // A retired copy is not the store's to lease again: its store lease
+      // passes to a holder still uncovered (a mapper's hold, a reclaim of
+      // it), so that the last holder's release frees it. (Released here,
+      // the unloader would refuse, and the copy stay counted.)
+      if (const auto u = uncovered_.find(e.copy); u != uncovered_.end()) {
+        const uint64_t heir = *u->second.begin();
+        detail::LeaseEntry& h = leases_.at(heir);
+        h.lease = std::move(core);
+        IndexCoverage(heir, h);
+      }
     }
     leases_.erase(it);
   }

@@ -281,7 +281,8 @@ void Daemon::Impl::HoldForMappers(const detail::ModelCopy& copy,
     entry.retired = retired;
     {
       // No store lease yet: uncovered, so its copy's unloader refuses until
-      // CoverUncovered gives it one (a retired copy's stays refused).
+      // CoverUncovered gives it one (a retired copy's stays refused until
+      // a released holder's store lease passes to it, ReleaseLease).
       base::MutexLock lock(&leases_mu_);
       auto [it, inserted] = leases_.emplace(id, std::move(entry));
       IndexCoverage(id, it->second);
@@ -336,6 +337,56 @@ void Daemon::Impl::DropMapperHolds(pid_t pid, const void* copy) {
   // After the reclaimed lease took its store lease: the copy never looks
   // unleased in between.
   for (const uint64_t id : drop) ReleaseLease(id);
+}
+
+bool Daemon::Impl::ReclaimHeldCopy(detail::Connection& c,
+                                   const protocol::Request& r,
+                                   const std::vector<detail::MemfdId>& memfds) {
+  const void* copy = nullptr;
+  bool retired = false;
+  {
+    base::MutexLock lock(&leases_mu_);
+    const auto held =
+        std::find_if(leases_.begin(), leases_.end(), [&](const auto& l) {
+          return l.second.model == r.model && l.second.memfds == memfds;
+        });
+    if (held == leases_.end()) return false;
+    // Filed in the same step as the lease found is seen: that one keeps
+    // the copy (its store lease, or uncovered, its unloader refusing) until
+    // this one does. Uncovered: a retired copy is not the store's to lease
+    // (its unloader refuses while this lease is uncovered, and a released
+    // holder's store lease passes to it); one that is not retired takes
+    // its store lease again (CoverUncovered).
+    detail::LeaseEntry entry;
+    entry.connection = c.id;
+    entry.model = r.model;
+    entry.pid = c.pid;
+    entry.uid = c.uid;
+    entry.bytes = held->second.bytes;
+    entry.copy = copy = held->second.copy;
+    entry.delivered = true;
+    entry.memfds = memfds;
+    entry.retired = retired = held->second.retired;
+    auto [it, inserted] = leases_.emplace(r.lease, std::move(entry));
+    IndexCoverage(r.lease, it->second);
+  }
+  c.leases.insert(r.lease);
+  ++reclaims_accepted_;
+  Log("pid " + std::to_string(c.pid) + " reclaims a lease on the " +
+      (retired ? "retired " : "") + "copy of '" + r.model +
+      "' adopted already");
+  // This process's hold, if it has one, gives way to the lease it reclaims.
+  DropMapperHolds(c.pid, copy);
+  if (!retired) CoverUncovered();
+  if (r.idle) {
+    protocol::Request idle = r;
+    idle.op = protocol::Op::kIdle;
+    HandleIdle(c, idle);
+  } else {
+    Send(c, {protocol::EncodeOk(r.id), {}, nullptr, 0});
+  }
+  EndGrace(&r.model);
+  return true;
 }
 
 }  // namespace modelcache::serve

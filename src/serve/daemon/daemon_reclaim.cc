@@ -289,13 +289,13 @@ void Daemon::Impl::HandleReclaim(Connection& c, const protocol::Request& r,
   }
   const size_t files = fds.size() / 2;
 
+  std::vector<MemfdId> memfds;  // as LeaseEntry::memfds lists them
+  for (size_t f = 0; f < files; ++f) {
+    memfds.push_back(seen[2 * f + 1].id);
+    memfds.push_back(seen[2 * f].id);
+  }
   // An orphan of this daemon's own, held by the same process.
   {
-    std::vector<MemfdId> memfds;
-    for (size_t f = 0; f < files; ++f) {
-      memfds.push_back(seen[2 * f + 1].id);
-      memfds.push_back(seen[2 * f].id);
-    }
     bool own = false;
     bool mismatch = false;
     {
@@ -379,6 +379,9 @@ void Daemon::Impl::HandleReclaim(Connection& c, const protocol::Request& r,
     }
   }
 
+  // Adopted already but retired (not the store's under its model): never a
+  // second copy over its memfds, whose freeing would unbook them.
+  if (!lease && ReclaimHeldCopy(c, r, memfds)) return;
   // Other processes that map this copy too, as the scan at start saw them:
   // once it is adopted, the copy stays in use for each of them until it
   // reclaims its own lease, lets go, or exits (HoldForMappers). Until then

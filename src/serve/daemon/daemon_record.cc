@@ -95,6 +95,9 @@ void Daemon::Impl::WriteRecord() {
   // renamed the other's file away), and an older snapshot could land after
   // a newer one.
   base::MutexLock write_lock(&record_write_mu_);
+  // Handed over while this writer waited: the successor writes it now
+  // (HandleCommit waits for the writer already past here).
+  if (handed_over_.load()) return;
   {
     base::MutexLock lock(&record_mu_);
     for (const auto& [id, e] : record_) record.copies.push_back(e.copy);

@@ -298,7 +298,10 @@ std::string RecordPath(const std::string& socket_path) {
 }
 
 void WriteFileAtomically(const std::string& path, std::string_view text) {
-  const std::string temporary = path + ".tmp";
+  // A temporary of this process's own: an old daemon and its successor
+  // (two processes) never share one, as the record's writers in one
+  // process do not (record_write_mu_).
+  const std::string temporary = path + ".tmp." + std::to_string(::getpid());
   const int fd =
       ::open(temporary.c_str(),
              O_WRONLY | O_CREAT | O_TRUNC | O_CLOEXEC | O_NOFOLLOW, 0640);

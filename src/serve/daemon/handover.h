@@ -96,8 +96,9 @@ size_t HandoverFdCount(const Handover& handover);
 
 // The record's path for a daemon on `socket_path`.
 std::string RecordPath(const std::string& socket_path);
-// Writes `text` to `path` atomically (a temporary file beside it, synced,
-// renamed over it), mode 0640. Throws modelcache::Error kIo.
+// Writes `text` to `path` atomically (a temporary file beside it, named
+// for this process, synced, renamed over it), mode 0640. Writers in one
+// process must not overlap. Throws modelcache::Error kIo.
 void WriteFileAtomically(const std::string& path, std::string_view text);
 // The file's bytes (at most 16 MiB), or nullopt when it does not exist.
 // Throws modelcache::Error kIo when it exists and cannot be read.

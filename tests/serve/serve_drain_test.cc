@@ -3,8 +3,11 @@
 // that waits for room is overtaken by acquires of the models that hold it
 // for at most --drain-after; then those models drain, the acquires of them
 // queue, and the waiter gets the room once the leases out end. The load
-// queue follows the same rule. Every wait is on a reply, a pipe or the
-// daemon's books (Eventually), never a sleep.
+// queue follows the same rule. A process that reuses a lease locally is
+// told to stop when its copy drains (a recall saying "drain"), both ways
+// round a local reuse, and one that does not answer is waited on as
+// before. Every wait is on a reply, a pipe, a hook or the daemon's books
+// (Eventually), never a sleep.
 #include <gmock/gmock.h>
 #include <gtest/gtest.h>
 

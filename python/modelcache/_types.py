@@ -48,7 +48,8 @@ class Event:
     """What on_event receives."""
 
     #: "loaded", "load_failed", "evicted", "expired", "unload_failed",
-    #: "removed", "retired" or "retired_freed"
+    #: "removed", "retired", "retired_freed", "drain_started" or
+    #: "drain_ended"
     type: str
     key: str
     bytes: int

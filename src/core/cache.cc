@@ -126,6 +126,10 @@ const char* EventTypeName(EventType type) {
       return "retired";
     case EventType::kRetiredFreed:
       return "retired_freed";
+    case EventType::kDrainStarted:
+      return "drain_started";
+    case EventType::kDrainEnded:
+      return "drain_ended";
   }
   return "unknown";
 }

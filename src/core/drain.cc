@@ -21,8 +21,10 @@ bool CacheCore::SetDraining(const VictimCandidate& victim, bool draining,
   auto rec = std::static_pointer_cast<Record>(victim.handle);
   Shard& shard = shards_[rec->shard];
   bool now_evictable = false;
+  uint64_t bytes = 0;
   {
     base::MutexLock lock(&shard.mu);
+    bytes = rec->bytes;
     if (draining) {
       if (rec->state != RecordState::kResident || rec->retired || rec->pinned ||
           rec->draining) {
@@ -31,14 +33,24 @@ bool CacheCore::SetDraining(const VictimCandidate& victim, bool draining,
       rec->draining = true;
       rec->drain_for = for_what;
       RecountLocked(shard, rec.get());
-      return true;
+    } else {
+      if (!rec->draining) return true;
+      rec->draining = false;
+      rec->drain_for.clear();
+      RecountLocked(shard, rec.get());
+      now_evictable = Evictable(*rec);
     }
-    if (!rec->draining) return true;
-    rec->draining = false;
-    rec->drain_for.clear();
-    RecountLocked(shard, rec.get());
-    now_evictable = Evictable(*rec);
   }
+  // Outside the shard's lock, as every event: an observer may act on it
+  // (the daemon tells the processes that reuse the copy locally to stop).
+  if (Observed()) {
+    Emit({draining ? EventType::kDrainStarted : EventType::kDrainEnded,
+          rec->key,
+          bytes,
+          0,
+          {}});
+  }
+  if (draining) return true;
   // The acquires queued behind it go on: to a lease, or (when it was
   // evicted or removed meanwhile) to a load of their own.
   shard.changed.NotifyAll();
@@ -74,8 +86,10 @@ DrainState CacheCore::DrainStateOf(const VictimCandidate& victim) {
 EvictOutcome CacheCore::EvictDrained(const VictimCandidate& victim) {
   auto rec = std::static_pointer_cast<Record>(victim.handle);
   Shard& shard = shards_[rec->shard];
+  uint64_t bytes = 0;
   {
     base::MutexLock lock(&shard.mu);
+    bytes = rec->bytes;
     if (rec->state != RecordState::kResident || rec->retired || rec->pinned ||
         !rec->draining || rec->leases > 0) {
       return EvictOutcome::kChanged;
@@ -88,9 +102,14 @@ EvictOutcome CacheCore::EvictDrained(const VictimCandidate& victim) {
     rec->owner = std::this_thread::get_id();
     RecountLocked(shard, rec.get());
   }
-  return UnloadResident(shard, rec, EventType::kEvicted)
-             ? EvictOutcome::kUnloadFailed
-             : EvictOutcome::kEvicted;
+  if (!UnloadResident(shard, rec, EventType::kEvicted)) {
+    return EvictOutcome::kEvicted;
+  }
+  // Its unloader threw: resident and leasable again.
+  if (Observed()) {
+    Emit({EventType::kDrainEnded, rec->key, bytes, 0, {}});
+  }
+  return EvictOutcome::kUnloadFailed;
 }
 
 void CacheCore::WaitWhileDraining(Shard& shard,

@@ -139,6 +139,7 @@ const std::vector<OpSpec>& Ops() {
       {Op::kTakeover, "takeover", {"handover", "catalog"}},
       {Op::kCommit, "commit", {}},
       {Op::kDelegate, "delegate", {}},
+      {Op::kDrain, "drain", {}},
   };
   return ops;
 }
@@ -359,6 +360,7 @@ ParsedRequest ParseRequest(std::string_view message) {
     case Op::kPing:
     case Op::kCommit:
     case Op::kDelegate:
+    case Op::kDrain:
       break;
   }
   out.id = request.id;
@@ -441,6 +443,10 @@ ParsedReply ParseReply(std::string_view message) {
     if (!retired->is_boolean()) return fail("'retired' is not a boolean");
     reply.retired = retired->get<bool>();
   }
+  if (const auto drain = doc.find("drain"); drain != doc.end()) {
+    if (!drain->is_boolean()) return fail("'drain' is not a boolean");
+    reply.drain = drain->get<bool>();
+  }
   if (!reply.load.empty() && reply.load != "hit" && reply.load != "miss" &&
       reply.load != "joined") {
     return fail("'load' is " + base::Quoted(reply.load, kQuotedBytes) +
@@ -495,6 +501,10 @@ std::string EncodeDelegate(uint64_t id) {
   return "{\"op\":\"delegate\",\"id\":" + std::to_string(id) + "}";
 }
 
+std::string EncodeDrain(uint64_t id) {
+  return "{\"op\":\"drain\",\"id\":" + std::to_string(id) + "}";
+}
+
 std::string EncodeRelease(uint64_t id, uint64_t lease) {
   return "{\"op\":\"release\",\"id\":" + std::to_string(id) +
          ",\"lease\":" + std::to_string(lease) + "}";
@@ -530,9 +540,10 @@ std::string EncodeCommit(uint64_t id) {
   return "{\"op\":\"commit\",\"id\":" + std::to_string(id) + "}";
 }
 
-std::string EncodeRecall(uint64_t lease, bool retired) {
+std::string EncodeRecall(uint64_t lease, bool retired, bool drain) {
   return "{\"id\":0,\"ok\":true,\"recall\":" + std::to_string(lease) +
-         (retired ? ",\"retired\":true}" : "}");
+         (retired ? ",\"retired\":true" : "") +
+         (drain ? ",\"drain\":true" : "") + "}";
 }
 
 std::string EncodePing(uint64_t id) {

@@ -17,6 +17,7 @@
 //   {"op":"takeover","id":8,"handover":1,"catalog":"<sha256 hex>"}
 //   {"op":"commit","id":9}
 //   {"op":"delegate","id":10}
+//   {"op":"drain","id":11}
 //
 // `id` is the client's, >= 1, echoed in the reply; replies may come in any
 // order. `timeout_ms` (default kDefaultTimeoutMs) bounds the whole acquire:
@@ -76,6 +77,26 @@
 // ended before its idle notice went), else "use". The lease keeps its
 // copy's bytes in use until "release" arrives. No recall goes out for an
 // acquire that their room would not save.
+//
+// Drains (a daemon whose hello limits list "drain"): when a copy in the
+// daemon's store starts draining (an older request for room has waited
+// drain_after: docs/serve.md, "Swap scheduling"), a client that reuses
+// leases locally must stop, or its new local references would keep the copy
+// in use past the drain. A client that does so says "drain", right after
+// hello and before any other request but "delegate"; answered
+// {"id":N,"ok":true}, and a client need not wait for that answer. The daemon
+// then recalls every lease of a draining copy that such a connection holds,
+// in use or idle, with
+//
+//   {"id":0,"ok":true,"recall":17,"drain":true}
+//
+// answered as a retired recall: "release" when no local reference uses the
+// lease, else "use", and then the client takes no new local reference to
+// it (its next acquire of the model asks the daemon, where it queues behind
+// the drain) and releases it when its last reference ends. Unanswered within
+// recall_timeout_ms is "use", as any recall. A connection that did not say
+// "drain" never gets one: its local reuse goes on, and the drain waits for
+// its lease as for any lease in use.
 //
 // What a "fail" acquire waits for before it answers CAPACITY: the recalls
 // it started (of idle or delegated leases; each bounded by
@@ -171,7 +192,8 @@ enum class Op {
   kReclaim,
   kTakeover,
   kCommit,
-  kDelegate
+  kDelegate,
+  kDrain
 };
 const char* OpName(Op op);
 
@@ -226,12 +248,15 @@ struct Reply {
   uint64_t recall = 0;
   // With a recall: the lease's model was retired (a reload, an unload).
   bool retired = false;
+  // With a recall: the lease's copy is draining (said "drain").
+  bool drain = false;
 };
 
-// A recall as a client reads it (Reply::recall, Reply::retired).
+// A recall as a client reads it (Reply::recall, retired, drain).
 struct Recall {
   uint64_t lease = 0;
   bool retired = false;
+  bool drain = false;
 };
 
 struct ParsedReply {
@@ -257,9 +282,11 @@ std::string EncodeTakeover(uint64_t id, uint64_t handover,
                            std::string_view catalog_digest);
 std::string EncodeCommit(uint64_t id);
 std::string EncodeDelegate(uint64_t id);
+std::string EncodeDrain(uint64_t id);
 // The daemon's recall of `lease` (an id-0 message), saying "retired" when
-// its model was retired.
-std::string EncodeRecall(uint64_t lease, bool retired = false);
+// its model was retired and "drain" when its copy is draining.
+std::string EncodeRecall(uint64_t lease, bool retired = false,
+                         bool drain = false);
 
 std::string EncodeOk(uint64_t id);
 std::string EncodeHelloReply(uint64_t id, std::string_view server,

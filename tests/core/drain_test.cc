@@ -8,9 +8,11 @@
 #include <atomic>
 #include <chrono>
 #include <memory>
+#include <mutex>
 #include <optional>
 #include <string>
 #include <thread>
+#include <vector>
 
 #include "../../src/core/test_hooks.h"
 #include "../test_util.h"
@@ -237,6 +239,92 @@ TEST(Drain, AWaiterThatGivesUpFirstEvictedNothingAndItsQueueTakesLeases) {
   EXPECT_EQ(cache.Stats().loads, 2u);
   EXPECT_TRUE(cache.Lookup("I").has_value());
   EXPECT_EQ(cache.CheckInvariants(), 90u);
+}
+
+// The drain's start and end reach the cache's observer (EventType
+// kDrainStarted, kDrainEnded), after the state change and outside the
+// cache's locks (the observer asks the cache from there): the daemon learns
+// so that a copy its clients reuse locally must stop taking references.
+struct DrainEvents {
+  std::mutex mu;
+  std::vector<std::string> seen;
+  std::atomic<ModelCache*> cache{nullptr};
+
+  void Observe(CacheOptions* options) {
+    options->on_event = [this](const CacheEvent& e) {
+      if (e.type == EventType::kLoaded) return;
+      std::string what = std::string(EventTypeName(e.type)) + ":" + e.key;
+      if (e.type == EventType::kDrainStarted ||
+          e.type == EventType::kDrainEnded) {
+        const std::optional<EntryInfo> entry = cache.load()->Entry(e.key);
+        what += entry && entry->draining ? " draining" : " leasable";
+      }
+      std::lock_guard lock(mu);
+      seen.push_back(what);
+    };
+  }
+  std::vector<std::string> Seen() {
+    std::lock_guard lock(mu);
+    return seen;
+  }
+};
+
+TEST(Drain, ItsStartAndItsEvictionReachTheObserver) {
+  FakeClock clock;
+  auto budget = MakeBudget(100, std::chrono::nanoseconds(0), &clock);
+  DrainEvents events;
+  CacheOptions options = On(budget, "models", &clock);
+  events.Observe(&options);
+  ModelCache cache(options);
+  events.cache = &cache;
+  Lease a = cache.Acquire("A", 60, SimpleLoader("A", 60));
+  Request b(cache, "B", 60);
+  SpinUntil([&] { return budget->drains() == 1; }, "A drains");
+  EXPECT_THAT(events.Seen(),
+              ::testing::ElementsAre("drain_started:A draining"));
+  a.Release();
+  b.Join();
+  ASSERT_FALSE(b.code().has_value()) << b.message();
+  // Evicted for its waiter: no drain_ended, the eviction says it.
+  EXPECT_THAT(events.Seen(),
+              ::testing::ElementsAre("drain_started:A draining", "evicted:A"));
+}
+
+TEST(Drain, ItsEndWithoutAnEvictionReachesTheObserver) {
+  FakeClock clock;
+  auto budget = MakeBudget(100, std::chrono::nanoseconds(0), &clock);
+  DrainEvents events;
+  CacheOptions cache_options = On(budget, "models", &clock);
+  events.Observe(&cache_options);
+  ModelCache cache(cache_options);
+  events.cache = &cache;
+  cache.Prefetch("I", 30, SimpleLoader("I", 30));
+  Lease a = cache.Acquire("A", 60, SimpleLoader("A", 60));
+  std::atomic<bool> give_up{false};
+  AcquireOptions options = WaitForRoom();
+  options.interrupt.every = std::chrono::milliseconds(1);
+  options.interrupt.check = [&] {
+    if (give_up.load()) throw std::runtime_error("interrupted");
+  };
+  std::thread b([&] {
+    try {
+      cache.Acquire("B", 80, SimpleLoader("B", 80), options);
+    } catch (const std::runtime_error&) {
+    }
+  });
+  SpinUntil([&] { return budget->drains() == 1; }, "I and A drain");
+  SpinUntil([&] { return events.Seen().size() == 2; }, "both are told");
+  EXPECT_THAT(events.Seen(),
+              ::testing::UnorderedElementsAre("drain_started:I draining",
+                                              "drain_started:A draining"));
+  give_up = true;
+  b.join();
+  SpinUntil([&] { return events.Seen().size() == 4; }, "both end");
+  const std::vector<std::string> seen = events.Seen();
+  EXPECT_THAT(std::vector<std::string>(seen.begin() + 2, seen.end()),
+              ::testing::UnorderedElementsAre("drain_ended:I leasable",
+                                              "drain_ended:A leasable"));
+  EXPECT_EQ(cache.Stats().evictions, 0u);
 }
 
 TEST(Drain, PinnedRoomIsNeverDrainedTheWaiterWaitsToItsDeadline) {

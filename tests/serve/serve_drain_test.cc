@@ -3,8 +3,11 @@
 // that waits for room is overtaken by acquires of the models that hold it
 // for at most --drain-after; then those models drain, the acquires of them
 // queue, and the waiter gets the room once the leases out end. The load
-// queue follows the same rule. Every wait is on a reply, a pipe or the
-// daemon's books (Eventually), never a sleep.
+// queue follows the same rule. A process that reuses a lease locally is
+// told to stop when its copy drains (a recall saying "drain"), both ways
+// round a local reuse, and one that does not answer is waited on as
+// before. Every wait is on a reply, a pipe, a hook or the daemon's books
+// (Eventually), never a sleep.
 #include <gmock/gmock.h>
 #include <gtest/gtest.h>
 
@@ -163,6 +166,142 @@ TEST_F(DrainTest, ACopyHeldByAnOrphanIsNeverDrained) {
   EXPECT_EQ(Metric("modelcache_acquires_total{result=\"hit\"}"), 1);
   w.Ok("release a");
   orphan.Ok("release-all");
+}
+
+// ---- local reuse (protocol.h, "Drains") ----
+
+// A process that reuses its lease locally: every acquire of a model it maps
+// is a local reference, and a lease whose references ended is kept (and
+// said idle only after a minute, so that the daemon counts it in use).
+constexpr const char* kReusing =
+    " reuse=1 keep_idle_ms=600000 notice_us=60000000";
+
+// The starvation scenario through local reuse: one process keeps 'a' busy
+// with references of its own lease, never asking the daemon; another waits
+// for room. The drain tells the first to stop, so its lease ends with the
+// reference under way and the waiter is served within the bound (here 5 s
+// for microseconds of references and a load); the busy process's next
+// acquires queue at the daemon and are served after.
+TEST_F(DrainTest, AWaiterIsServedWhileAnotherProcessReusesTheModelLocally) {
+  AddModel("a", 4 * kMiB, 1);
+  AddModel("b", 4 * kMiB, 2);
+  Daemon& d = StartDaemon("6MiB", {"--drain-after", "0"});
+  Worker busy;
+  busy.Ok("connect " + d.socket() + kReusing);
+  busy.Ok("cycle-start 120000 a");
+  busy.Ok("cycle-wait 3");  // its lease is local now
+  Worker wb(d.socket());
+  const std::vector<std::string> b = Words(wb.Do("acquire b 5000"));
+  ASSERT_EQ(b.size(), 3u);
+  leases_.Add(b[0]);
+  EXPECT_EQ(b[1], std::to_string(checksums_["b"]));
+  wb.Ok("release b");
+  busy.Ok("cycle-wait 3");  // 'a' again, from the daemon
+  const std::vector<std::string> done = busy.Ok("cycle-stop");
+  ASSERT_GE(done.size(), 3u);
+  EXPECT_EQ(done[1], "0") << "no acquire of 'a' failed";
+  EXPECT_EQ(done[2], "a=" + std::to_string(checksums_["a"]));
+  EXPECT_GE(Metric("modelcache_recalls_total{answer=\"release\"}") +
+                Metric("modelcache_recalls_total{answer=\"busy\"}"),
+            1);
+}
+
+// The drain's recall is read before a local reuse: the reuse finds nothing
+// local (the copy lends no more), and the acquire goes to the daemon,
+// where it queues behind the drain (which still waits for another
+// process's lease) and is served after the waiter.
+TEST_F(DrainTest, ADrainReadBeforeALocalReuseSendsTheReuseToTheDaemon) {
+  AddModel("a", 4 * kMiB, 1);
+  AddModel("b", 4 * kMiB, 2);
+  Daemon& d = StartDaemon("6MiB", {"--drain-after", "0"});
+  Worker w;
+  w.Ok("connect " + d.socket() + kReusing + " recall_gate=1");
+  const std::string lease = w.Ok("acquire a")[0];
+  leases_.Add(lease);
+  Worker other(d.socket());
+  leases_.Add(other.Ok("acquire a")[0]);
+  Worker wb(d.socket());
+  wb.Send("acquire b 120000");
+  EXPECT_EQ(w.Ok("recall-wait")[0], lease) << "the drain recalls it";
+  w.Ok("recall-go");
+  Eventually(
+      [&] { return Metric("modelcache_recalls_total{answer=\"busy\"}") == 1; },
+      "the recall answered: in use");
+  EXPECT_EQ(w.Ok("acquire-local a")[0], "none") << "it lends no more";
+  w.Ok("release a");  // the last reference: the lease ends
+  w.Send("acquire a 120000");
+  Eventually(
+      [&] { return Metric("modelcache_queued_behind_drain_total") >= 1; },
+      "the acquire of 'a' queued behind its drain at the daemon");
+  other.Ok("release a");
+  const std::vector<std::string> b = Words(wb.Receive());
+  ASSERT_EQ(b.size(), 3u);
+  leases_.Add(b[0]);
+  wb.Ok("release b");
+  const std::vector<std::string> a = Words(w.Receive());
+  ASSERT_EQ(a.size(), 3u);
+  leases_.Add(a[0]);
+  EXPECT_NE(a[0], lease) << "a lease of its own, from the daemon";
+  EXPECT_EQ(a[1], std::to_string(checksums_["a"]));
+  w.Ok("release a");
+}
+
+// A local reuse made before the drain's recall is read: the reference
+// counts as a lease out, and the drain waits for it to end as for any.
+TEST_F(DrainTest, ALocalReuseBeforeTheDrainIsReadIsALeaseOutThatItWaitsFor) {
+  AddModel("a", 4 * kMiB, 1);
+  AddModel("b", 4 * kMiB, 2);
+  Daemon& d = StartDaemon("6MiB", {"--drain-after", "0"});
+  Worker w;
+  w.Ok("connect " + d.socket() + kReusing + " recall_gate=1");
+  const std::string lease = w.Ok("acquire a")[0];
+  leases_.Add(lease);
+  Worker wb(d.socket());
+  wb.Send("acquire b 120000");
+  EXPECT_EQ(w.Ok("recall-wait")[0], lease);  // held in the hook, unread
+  EXPECT_EQ(w.Ok("acquire-local a")[0], lease) << "reused before the recall";
+  w.Ok("recall-go");
+  Eventually(
+      [&] { return Metric("modelcache_recalls_total{answer=\"busy\"}") == 1; },
+      "the recall answered: in use");
+  w.Ok("release a");  // one reference of two
+  EXPECT_EQ(Metric("modelcache_waiting_acquires"), 1) << "'b' still waits";
+  EXPECT_EQ(d.Model("a")["leases"].size(), 1u);
+  w.Ok("release a");  // the last: released, and 'b' gets the room
+  const std::vector<std::string> b = Words(wb.Receive());
+  ASSERT_EQ(b.size(), 3u);
+  leases_.Add(b[0]);
+  wb.Ok("release b");
+}
+
+// A client that does not answer the drain's recall (its hook holds it): the
+// recall timeout takes it as busy, as any recall, and the drain waits for
+// its lease to end as before.
+TEST_F(DrainTest, AClientThatNeverAnswersADrainIsTreatedAsBefore) {
+  AddModel("a", 4 * kMiB, 1);
+  AddModel("b", 4 * kMiB, 2);
+  Daemon& d =
+      StartDaemon("6MiB", {"--drain-after", "0", "--recall-timeout", "50ms"});
+  Worker w;
+  w.Ok("connect " + d.socket() + kReusing + " recall_gate=1");
+  const std::string lease = w.Ok("acquire a")[0];
+  leases_.Add(lease);
+  Worker wb(d.socket());
+  wb.Send("acquire b 120000");
+  EXPECT_EQ(w.Ok("recall-wait")[0], lease);  // never answered
+  Eventually(
+      [&] {
+        return Metric("modelcache_recalls_total{answer=\"unanswered\"}") == 1;
+      },
+      "the recall timed out");
+  EXPECT_EQ(Metric("modelcache_waiting_acquires"), 1) << "'b' still waits";
+  // (The hook holds the client's reading thread, which its release needs.)
+  w.Ok("recall-go");
+  w.Ok("release a");
+  const std::vector<std::string> b = Words(wb.Receive());
+  ASSERT_EQ(b.size(), 3u);
+  leases_.Add(b[0]);
+  wb.Ok("release b");
 }
 
 // The load queue: with one load slot, a load queued before another of a

@@ -57,6 +57,15 @@ TEST(Protocol, ParsesEveryOpWithItsFields) {
   EXPECT_FALSE(p.request);
   EXPECT_EQ(p.error, "field 'model' does not belong to op 'use'");
 
+  // A client that stops local reuse of a draining copy says so.
+  p = protocol::ParseRequest(protocol::EncodeDrain(12));
+  ASSERT_TRUE(p.request) << p.error;
+  EXPECT_EQ(p.request->op, protocol::Op::kDrain);
+  EXPECT_EQ(p.request->id, 12u);
+  p = protocol::ParseRequest(R"({"op":"drain","id":13,"lease":1})");
+  EXPECT_FALSE(p.request);
+  EXPECT_EQ(p.error, "field 'lease' does not belong to op 'drain'");
+
   p = protocol::ParseRequest(R"({"op":"hello","id":2,"version":1})");
   ASSERT_TRUE(p.request);
   EXPECT_EQ(p.request->op, protocol::Op::kHello);
@@ -202,6 +211,17 @@ TEST(Protocol, RepliesRoundTrip) {
   EXPECT_TRUE(r.reply->ok);
   EXPECT_EQ(r.reply->recall, 42u);
   EXPECT_EQ(protocol::ParseReply(protocol::EncodeOk(5)).reply->recall, 0u);
+  EXPECT_FALSE(r.reply->drain);
+
+  // A draining copy's recall says so.
+  r = protocol::ParseReply(
+      protocol::EncodeRecall(43, /*retired=*/false, /*drain=*/true));
+  ASSERT_TRUE(r.reply) << r.error;
+  EXPECT_EQ(r.reply->recall, 43u);
+  EXPECT_TRUE(r.reply->drain);
+  EXPECT_FALSE(r.reply->retired);
+  EXPECT_FALSE(
+      protocol::ParseReply(R"({"id":0,"ok":true,"recall":1,"drain":1})").reply);
 
   for (const char* bad :
        {"", "[]", R"({"ok":true})", R"({"id":0,"ok":true,"recall":"x"})",

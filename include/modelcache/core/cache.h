@@ -156,6 +156,15 @@ enum class EventType {
   kRemoved,       // Remove/Invalidate unloaded a record
   kRetired,       // Remove/Invalidate retired a leased record
   kRetiredFreed,  // the last lease of a retired record ended; it is gone
+  // A resident record started draining for an older request for room: it
+  // takes no new lease until its drain ends (budget.h, "Who waits"). A
+  // process that hands out references of its own to a record's copy (the
+  // daemon's clients) learns here to stop doing so.
+  kDrainStarted,
+  // A draining record takes leases again: its drain ended without evicting
+  // it (its waiter was served, timed out or went away, it was pinned, or
+  // its unloader threw). An evicted one gets kEvicted instead.
+  kDrainEnded,
 };
 
 const char* EventTypeName(EventType type);

@@ -93,7 +93,11 @@
 // not while the daemon is away either) takes a new reference to it: the
 // next Acquire is a round trip for the current copy, and the last
 // reference's end releases the retired one. (A local Acquire before the
-// recall is read still gets the retired copy.)
+// recall is read still gets the retired copy.) A copy that starts draining
+// for an older request for room is recalled the same way from a Client with
+// local_reuse (it tells a daemon whose hello limits list "drain" that it
+// heeds drains): its next Acquire asks the daemon and queues behind the
+// drain, so local reuse does not keep the copy past it.
 //
 // Releases: ~RemoteWeights never waits for the daemon's answer, but it
 // returns only once its release (or, with idle_notice_delay 0, its idle

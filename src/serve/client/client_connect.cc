@@ -92,6 +92,21 @@ std::shared_ptr<Connection> ClientCore::Dial(Clock::time_point deadline) {
         }
         c->delegates = true;
       }
+      // A process that reuses leases locally stops doing so for a copy
+      // that drains, when the daemon says so (protocol.h, "Drains").
+      if (c->info.limits.count("drain") != 0 && options_.local_reuse) {
+        uint64_t id;
+        {
+          base::MutexLock lock(&mu_);
+          id = next_id_++;
+          c->unanswered.insert(id);
+        }
+        if (!SendOn(*c, protocol::EncodeDrain(id), hello_deadline)) {
+          throw DaemonUnavailableError("the daemon at " + path_ +
+                                       " closed the connection");
+        }
+        c->heeds_drains = true;
+      }
       return c;
     }
     // A peer that closed with our hello unread reports ECONNRESET once,

@@ -48,6 +48,10 @@
 // reply to it means the daemon has had them all. All sends on a connection
 // happen under mu_ (without blocking), which keeps that order.
 //
+// Drains: a connection with local reuse says "drain" after hello when the
+// daemon lists it (Dial); a recall saying "drain" is answered as a retired
+// one (AnswerRecalls), so that a draining copy is lent no more.
+//
 // Local reuse and delegation: a connection on which this process keeps
 // leases past their last reference (local_reuse, keep_idle > 0) says
 // "delegate" right after hello when the daemon lists "recall_in_use" (Dial),
@@ -286,6 +290,9 @@ struct Connection {
   // This connection said "delegate": the daemon may recall its leases in
   // use too, so the keeper reads while any is held.
   bool delegates = false;
+  // This connection said "drain": the daemon recalls its leases of a copy
+  // that starts draining, in use too, so the keeper reads while any is held.
+  bool heeds_drains = false;
   // The daemon adopts leases of its predecessor (hello's limits had
   // "reclaim"), so a successor of it may adopt this connection's.
   bool reclaim = false;

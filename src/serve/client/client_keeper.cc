@@ -105,7 +105,8 @@ void ClientCore::Flusher() {
     std::vector<std::shared_ptr<MappedCopy>> expired;
     const Clock::time_point next = IdleChores(c, &expired);
     if (c->broken) continue;
-    const bool in_use_recallable = c->delegates && held_.size() > idle_;
+    const bool in_use_recallable =
+        (c->delegates || c->heeds_drains) && held_.size() > idle_;
     if (c->unsent.empty() && c->unanswered.empty() && idle_ == 0 && !watch &&
         !in_use_recallable && next == Clock::time_point::max() &&
         expired.empty()) {
@@ -133,9 +134,10 @@ void ClientCore::Flusher() {
     // Otherwise the socket is polled for its end only (POLLHUP), and a
     // caller reads its own reply with no hop through this thread (the
     // answers to releases are drained by the next call).
-    // A connection that said "delegate" may be recalled a lease in use
-    // (answered "use" at once, rather than at the daemon's recall timeout
-    // while its "fail" acquire waits): read while one is held.
+    // A connection that said "delegate" or "drain" may be recalled a lease
+    // in use (answered "use" at once, rather than at the daemon's recall
+    // timeout while its "fail" acquire waits, and lent no more once its
+    // copy drains): read while one is held.
     const bool need_read = idle_ != 0 || !c->unsent.empty() || hung_up ||
                            (!watch && !c->unanswered.empty()) ||
                            in_use_recallable;

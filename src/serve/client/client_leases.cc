@@ -99,11 +99,12 @@ void ClientCore::Keep(const std::shared_ptr<MappedCopy>& copy,
       held.reclaim = true;
       ++reclaiming_;
       StartFlusher();
-    } else if (reclaimable || from.delegates) {
+    } else if (reclaimable || from.delegates || from.heeds_drains) {
       // The keeper watches the connection while leases are held, so that
       // a daemon's end is noticed (and the leases reclaimed within the
       // successor's grace period) without waiting for a call, and reads it
-      // when the daemon may recall a lease in use (it said "delegate").
+      // when the daemon may recall a lease in use (it said "delegate" or
+      // "drain").
       StartFlusher();
     }
     if (!options_.local_reuse) return;
@@ -238,11 +239,13 @@ void ClientCore::AnswerRecalls(const std::shared_ptr<Connection>& c,
         drop.push_back(Forget(r.lease));
         release.push_back(r.lease);
       } else {
-        if (r.retired) {
-          // Its model was retired: the references in use keep the copy,
-          // but no acquire may take a new one (not even while the daemon
-          // is away), and the last one's end releases it (Unref: it is not
-          // reachable by any name).
+        if (r.retired || r.drain) {
+          // Its model was retired, or its copy drains for an older request
+          // for room: the references in use keep the copy, but no acquire
+          // may take a new one (not even while the daemon is away; a new
+          // acquire asks the daemon, where it queues behind the drain), and
+          // the last one's end releases it (Unref: it is not reachable by
+          // any name).
           Unname(r.lease);
         }
         it->second.told_idle = false;

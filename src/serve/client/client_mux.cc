@@ -77,7 +77,7 @@ void ClientCore::ReadAndFile(const std::shared_ptr<Connection>& c,
       protocol::Reply& reply = *parsed.reply;
       if (reply.id == 0) {  // the daemon's own: news, not the end
         if (reply.ok && reply.recall != 0) {
-          recalls.push_back({reply.recall, reply.retired});
+          recalls.push_back({reply.recall, reply.retired, reply.drain});
         } else {
           c->note = reply.message;
         }

@@ -104,7 +104,7 @@ void ClientCore::ReclaimAndPublish(const std::shared_ptr<Connection>& c,
         if (reply.id == 0) {  // the daemon's own: news
           base::MutexLock lock(&mu_);
           if (reply.ok && reply.recall != 0) {
-            recalls->push_back({reply.recall, reply.retired});
+            recalls->push_back({reply.recall, reply.retired, reply.drain});
           } else {
             c->note = reply.message;
           }

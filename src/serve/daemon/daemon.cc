@@ -66,6 +66,8 @@ void Daemon::Impl::OnEvent(const CacheEvent& event) {
   } else if (event.type == EventType::kLoadFailed) {
     base::MutexLock lock(&stats_mu_);
     model_stats_[event.key].last_error = event.error;
+  } else if (event.type == EventType::kDrainStarted) {
+    RecallDraining(event.key);
   }
 }
 

@@ -227,6 +227,9 @@ void Daemon::Impl::HandleDatagram(Connection& c, std::string_view bytes,
           // Says that this daemon takes "delegate" and then recalls leases
           // in use too, for an acquire that needs their room (protocol.h).
           {"recall_in_use", 1},
+          // Says that this daemon takes "drain" and then recalls the leases
+          // of a draining copy, so that their local reuse stops.
+          {"drain", 1},
       };
       Send(c, {protocol::EncodeHelloReply(
                    r.id, "modelcache " MODELCACHE_VERSION, limits),
@@ -274,6 +277,15 @@ void Daemon::Impl::HandleDatagram(Connection& c, std::string_view bytes,
         // Its leases may be recalled in use (RecallInUse).
         base::MutexLock lock(&leases_mu_);
         delegating_.insert(c.id);
+      }
+      Send(c, {protocol::EncodeOk(r.id), {}, nullptr, 0});
+      return;
+    }
+    case protocol::Op::kDrain: {
+      {
+        // Its leases are recalled when their copy drains (RecallDraining).
+        base::MutexLock lock(&leases_mu_);
+        heeding_drains_.insert(c.id);
       }
       Send(c, {protocol::EncodeOk(r.id), {}, nullptr, 0});
       return;
@@ -473,6 +485,7 @@ void Daemon::Impl::Close(uint64_t id, Disconnect reason) {
   {
     base::MutexLock lock(&leases_mu_);
     delegating_.erase(id);
+    heeding_drains_.erase(id);
     for (const uint64_t lease : c->leases) {
       const auto l = leases_.find(lease);
       if (l == leases_.end()) continue;

@@ -170,6 +170,9 @@ struct LeaseEntry {
   // Its model was retired by a reload: it keeps the store's lease while
   // idle (a retired record is unloaded when its last store lease ends).
   bool retired = false;
+  // Recalled because its copy started draining (RecallDraining): the recall
+  // says "drain".
+  bool draining = false;
   uint64_t connection = 0;  // 0 once orphaned
   std::string model;
   pid_t pid = 0;

@@ -258,7 +258,8 @@ class Daemon::Impl : private detail::LeaseBooks,
   // Keeps recalls_outstanding_ (the leases in kRecalled) exact.
   void SetUse(detail::LeaseEntry& e, detail::Use use) MC_REQUIRES(leases_mu_);
   // Sends the recall of `lease` to `c` and starts its clock.
-  void SendRecall(detail::Connection& c, uint64_t lease, bool retired = false);
+  void SendRecall(detail::Connection& c, uint64_t lease, bool retired = false,
+                  bool draining = false);
   // Recalls `lease`, in use on `c`, as retired (a reclaim adopted it
   // retired), so that its holder takes no new local reference to its copy.
   // On the loop.
@@ -289,6 +290,12 @@ class Daemon::Impl : private detail::LeaseBooks,
   // connection holds is recalled ("retired": its holder takes no new local
   // reference; one in use answers "use"). Any thread.
   void RecallRetired(const std::string& model) MC_EXCLUDES(leases_mu_);
+  // When the store's copy of `model` starts draining (an event of the
+  // store): every lease of it that a connection which said "drain" holds,
+  // in use or idle, is recalled saying "drain", so that its holder stops
+  // reusing it locally and the drain waits only for the references under
+  // way. Any thread.
+  void RecallDraining(const std::string& model) MC_EXCLUDES(leases_mu_);
   void ReleaseOrphanGroup(uint64_t group);
 
   void AddWaiter(detail::Connection& c, const protocol::Request& r,

@@ -36,6 +36,9 @@ struct LeaseBooks {
   int recalls_outstanding_ MC_GUARDED_BY(leases_mu_) = 0;
   // Connections that said "delegate": their leases in use may be recalled.
   std::unordered_set<uint64_t> delegating_ MC_GUARDED_BY(leases_mu_);
+  // Connections that said "drain": they stop local reuse of a draining copy
+  // when told (RecallDraining).
+  std::unordered_set<uint64_t> heeding_drains_ MC_GUARDED_BY(leases_mu_);
   uint64_t recalls_started_ MC_GUARDED_BY(leases_mu_) = 0;
   base::CondVar recalls_cv_;
   // Loop-only: recalls sent, by deadline.

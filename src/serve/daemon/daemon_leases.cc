@@ -193,8 +193,9 @@ void Daemon::Impl::SetUse(detail::LeaseEntry& e, Use use) {
   e.use = use;
 }
 
-void Daemon::Impl::SendRecall(Connection& c, uint64_t lease, bool retired) {
-  Send(c, {protocol::EncodeRecall(lease, retired), {}, nullptr, 0});
+void Daemon::Impl::SendRecall(Connection& c, uint64_t lease, bool retired,
+                              bool draining) {
+  Send(c, {protocol::EncodeRecall(lease, retired, draining), {}, nullptr, 0});
   ++recalls_sent_;
   recall_deadlines_.emplace(Clock::now() + options_.recall_timeout, lease);
 }
@@ -287,15 +288,17 @@ void Daemon::Impl::ProcessRecalls() {
   for (const uint64_t id : recall) {
     uint64_t connection = 0;
     bool retired = false;
+    bool draining = false;
     {
       base::MutexLock lock(&leases_mu_);
       const auto it = leases_.find(id);
       if (it == leases_.end() || it->second.use != Use::kRecalled) continue;
       connection = it->second.connection;
       retired = it->second.retired;
+      draining = it->second.draining;
     }
     const auto c = conns_.find(connection);
-    if (c != conns_.end()) SendRecall(*c->second, id, retired);
+    if (c != conns_.end()) SendRecall(*c->second, id, retired, draining);
   }
   if (cover) CoverUncovered();
 }
@@ -478,6 +481,27 @@ void Daemon::Impl::RecallRetired(const std::string& model) {
   if (CoverOnce()) {
     base::MutexLock lock(&leases_mu_);
     cover_again_ = true;
+  }
+  Wake();  // the loop sends the recalls
+}
+
+void Daemon::Impl::RecallDraining(const std::string& model) {
+  {
+    base::MutexLock lock(&leases_mu_);
+    for (auto& [id, e] : leases_) {
+      // A retired lease is not of the store's copy, and is recalled
+      // already; a connection that did not say "drain" reuses as before.
+      if (e.model != model || e.retired || e.connection == 0 ||
+          e.use == Use::kRecalled || heeding_drains_.count(e.connection) == 0) {
+        continue;
+      }
+      // In use: its holder takes no new local reference and releases it at
+      // the last one's end, so the drain waits only for the requests under
+      // way. Idle: released at once, so no local acquire revives it.
+      e.draining = true;
+      SetUse(e, Use::kRecalled);
+      to_recall_.push_back(id);
+    }
   }
   Wake();  // the loop sends the recalls
 }

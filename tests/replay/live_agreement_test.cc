@@ -159,9 +159,12 @@ TEST(LiveReplay, ZipfMixWithServiceTimesAtTheDefault) {
 // kept the trace's pace (requests at most 0.4 ms late) the library's p99
 // wait was 267 ms against the replay's 167 ms, with 32 drains against 52
 // (loads 71 / 74); at the default the same trace agrees (156 / 159 ms).
-// The replay's model of strict arrival order (drain_after 0) with several
-// waiters differs from the budget's; until that is found, this case
-// documents it (run it with --gtest_also_run_disabled_tests).
+// The replay is wrong here: its drain's waiter loads as soon as any idle
+// model would make room, so it evicts a model outside its set and ends its
+// drain early, where the budget's waiter waits for its whole set (budget.h,
+// "Who waits"). Enable this case with that fix, once the drain-after tables
+// it changes are measured again (run it now with
+// --gtest_also_run_disabled_tests).
 TEST(LiveReplay, DISABLED_ZipfMixWithServiceTimesAtZero) {
   ExpectAgreement("zipf", ZipfMix(0.0));
 }

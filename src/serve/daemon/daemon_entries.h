@@ -92,10 +92,10 @@
 // copy is never adopted twice. One adopted already that the store no longer
 // leases under its model (retired) is found by a lease that holds it
 // (ReclaimHeldCopy): the reclaimed lease is filed on it uncovered, as a
-// mapper's hold is, so it goes only when every holder has let go. While any adoption is in flight, the orphan
-// bookings change no capacity (what a rescan finds is applied after the
-// last one ends), so the orphaned bytes an adoption moved into the store
-// are never taken off the capacity a second time.
+// mapper's hold is, so it goes only when every holder has let go. While any
+// adoption is in flight, the orphan bookings change no capacity (what a rescan
+// finds is applied after the last one ends), so the orphaned bytes an adoption
+// moved into the store are never taken off the capacity a second time.
 //
 // Unavailable models (daemon_unavailable.cc). A model whose files fail the
 // checks of --check-catalog (open beneath the root, stat, header length,

@@ -155,10 +155,9 @@ TEST(LiveReplay, ZipfMixWithServiceTimesAtTheDefault) {
   ExpectAgreement("zipf", ZipfMix(std::nullopt));
 }
 
-// Disabled: here the replay and the library disagree. On a machine that
-// kept the trace's pace (requests at most 0.4 ms late) the library's p99
-// wait was 267 ms against the replay's 167 ms, with 32 drains against 52
-// (loads 71 / 74); at the default the same trace agrees (156 / 159 ms).
+// Disabled: here the replay and the library disagree. On a quiet machine
+// (requests at most 0.5 ms late) the library's p99 wait was 232 ms against
+// the replay's 167 ms, with 30 drains against 52 (loads 70 / 74).
 // The replay is wrong here: its drain's waiter loads as soon as any idle
 // model would make room, so it evicts a model outside its set and ends its
 // drain early, where the budget's waiter waits for its whole set (budget.h,

@@ -338,7 +338,8 @@ void AddServeOptions(CLI::App& c, ServeFlags& f) {
                "How long an acquire waiting for room may be overtaken by "
                "acquires of the models that hold it before they drain: a "
                "duration, 0 (strict arrival order), inf or never (they never "
-               "drain), or default (the library's, 2s)");
+               "drain), or default (the library's: max(1 s, 4 x the last load, "
+               "8 x the recent drains))");
   c.add_option("--reclaim-grace", f.reclaim_grace,
                "After a crash: how long an acquire of a model whose copy "
                "live workers still map waits for them to reclaim it before "

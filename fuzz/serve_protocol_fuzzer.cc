@@ -67,6 +67,12 @@ void Request(std::string_view bytes) {
     case p::Op::kCommit:
       again = p::EncodeCommit(r.id);
       break;
+    case p::Op::kDelegate:
+      again = p::EncodeDelegate(r.id);
+      break;
+    case p::Op::kDrain:
+      again = p::EncodeDrain(r.id);
+      break;
   }
   const p::ParsedRequest round = p::ParseRequest(again);
   Check(round.request.has_value());

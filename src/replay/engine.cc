@@ -559,9 +559,9 @@ void Node::StartQueuedLoads() {
       const bool drain_waiter = drain_.active && drain_.waiter == m;
       bool started = false;
       if (drain_waiter) {
-        // Everything obtainable is its: its set's idle bytes once unpinned,
-        // and the bytes it is owed.
-        if (Obtainable() >= Size(m)) {
+        // Free bytes, or its whole set once the set's last lease ended
+        // (DrainWaiterMayLoad): never an idle model outside its set.
+        if (DrainWaiterMayLoad()) {
           for (uint32_t q : drain_.set) {
             ModelState& d = models_[q];
             if (d.drain_pinned) {
@@ -641,6 +641,22 @@ uint64_t Node::DrainIdleBytes() const {
     if (d.state == State::kResident && d.leases == 0) bytes += Size(q);
   }
   return bytes;
+}
+
+bool Node::DrainWaiterMayLoad() const {
+  // As the budget's drain (Budget::Reserve, DrainStep): the waiter fits in
+  // the free bytes (and the prewarms in flight, which its load cancels), or
+  // its set is evicted for it in one step once no lease of the set is out.
+  // It evicts nothing outside its set: a model that goes idle meanwhile
+  // stays resident while the set still has a lease out.
+  const uint64_t waiter = Size(drain_.waiter);
+  const uint64_t free_now = Obtainable() - idle_bytes_;
+  if (free_now >= waiter) return true;
+  for (uint32_t q : drain_.set) {
+    const ModelState& d = models_[q];
+    if (d.state == State::kResident && d.leases > 0) return false;
+  }
+  return free_now + DrainIdleBytes() >= waiter;
 }
 
 uint64_t Node::UnowedObtainable() const {

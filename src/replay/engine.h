@@ -80,13 +80,15 @@
 //              (ModelState::parked). Other loads may use only the bytes the
 //              waiter is not owed (UnowedObtainable).
 // Transitions out of draining, both ending the drain (EndDrain): the waiter
-// gets its room (what is free and evictable covers it, typically when the
-// set's last lease ends): the set is unpinned and its load starts, its
-// reservation evicting the set; or every request for the waiter left
-// (--max-wait) with nothing evicted. Then the parked requests are admitted
-// in arrival order with their arrival times: a hit on a model still
-// resident, else a wait for its load, queued at its arrival (so it may be
-// the oldest wait for room, and drain in its turn).
+// gets its room (the free bytes cover it, or the set's last lease ended and
+// the set covers it with them; as in the budget, it evicts nothing outside
+// its set, even a model that went idle meanwhile: DrainWaiterMayLoad): the
+// set is unpinned and its load starts, its reservation evicting the set; or
+// every request for the waiter left (--max-wait) with nothing evicted. Then
+// the parked requests are admitted in arrival order with their arrival
+// times: a hit on a model still resident, else a wait for its load, queued
+// at its arrival (so it may be the oldest wait for room, and drain in its
+// turn).
 //
 // Books (books.h): the engine reports each request's outcome, and before each
 // step of time the state it held (idle bytes, loads in flight, the queue,
@@ -332,6 +334,9 @@ class Node {
   // Bytes of the drain set resident and idle (pinned, so not Obtainable()
   // to anyone but its waiter).
   uint64_t DrainIdleBytes() const;
+  // Whether the drain's waiter may start its load now: the free bytes cover
+  // it, or no lease of its set is out and the set covers it with them.
+  bool DrainWaiterMayLoad() const;
   // Of the bytes free or evictable now, those another load than the
   // drain's waiter may use: all of them when no drain runs.
   uint64_t UnowedObtainable() const;

@@ -155,16 +155,12 @@ TEST(LiveReplay, ZipfMixWithServiceTimesAtTheDefault) {
   ExpectAgreement("zipf", ZipfMix(std::nullopt));
 }
 
-// Disabled: here the replay and the library disagree. On a quiet machine
-// (requests at most 0.5 ms late) the library's p99 wait was 232 ms against
-// the replay's 167 ms, with 30 drains against 52 (loads 70 / 74).
-// The replay is wrong here: its drain's waiter loads as soon as any idle
-// model would make room, so it evicts a model outside its set and ends its
-// drain early, where the budget's waiter waits for its whole set (budget.h,
-// "Who waits"). Enable this case with that fix, once the drain-after tables
-// it changes are measured again (run it now with
-// --gtest_also_run_disabled_tests).
-TEST(LiveReplay, DISABLED_ZipfMixWithServiceTimesAtZero) {
+// Strict arrival order: every wait for room drains at once, with several
+// waiters and leased models. (The replay's drain waiter used to take a
+// model that went idle outside its set; the budget waits for its set's
+// last lease, and the two disagreed here: p99 267 / 167 ms, drains 32 /
+// 52.)
+TEST(LiveReplay, ZipfMixWithServiceTimesAtZero) {
   ExpectAgreement("zipf", ZipfMix(0.0));
 }
 

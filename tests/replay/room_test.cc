@@ -3,6 +3,7 @@
 // blocking, as in the cache, whose Budget::Reserve has no queue).
 #include <algorithm>
 #include <cstdint>
+#include <limits>
 #include <optional>
 #include <string>
 #include <utility>
@@ -227,6 +228,37 @@ TEST(Drain, OtherMissesUseOnlyBytesNoOneIsOwed) {
   EXPECT_EQ(r.rejected, 0u);
   EXPECT_DOUBLE_EQ(loads.First("B"), 216 + 10 + 200);
   EXPECT_GT(loads.First("C"), loads.First("B"));
+}
+
+// The drain's waiter gets its set's room, never a model outside its set
+// that goes idle meanwhile (as the budget's drain: its set is evicted in
+// one step when the set's last lease ends). Room for 2 GB: A (1 GB) at 0
+// ms holds its lease 500 ms; C (1 GB) at 20 ms holds its lease 100 ms; B
+// (1 GB) at 150 ms drains A, the least recently used (leased from 110 ms,
+// C from 130 ms). C is idle from 230 ms on, but B waits for A's lease to
+// end (610 ms), evicts A and loads; C stays resident.
+TEST(Drain, TheWaiterTakesNoIdleModelOutsideItsSet) {
+  Trace trace;
+  trace.models = {"A", "B", "C"};
+  trace.sizes = {kGB, kGB, kGB};
+  trace.requests = {Request{0, 0}, Request{20, 2}, Request{150, 1}};
+  trace.hold_ms = {500, 100, 10};
+  std::vector<std::string> evicted;
+  Loads loads;
+  SimulateOptions options = StarvationOptions(0);
+  // Each load takes kLoadMs, whatever else loads.
+  options.time = TimeModel{std::numeric_limits<double>::infinity(), kLoadMs,
+                           /*slots=*/0};
+  options.on_event = [&](double t, const CacheEvent& e) {
+    if (e.type == EventType::kLoaded) loads.at.emplace_back(t, e.key);
+    if (e.type == EventType::kEvicted) evicted.push_back(e.key);
+  };
+  const RunResult r = Simulate(trace, "lru", 2 * kGB, options);
+  EXPECT_EQ(r.rejected, 0u);
+  EXPECT_EQ(r.drains, 1u);
+  EXPECT_DOUBLE_EQ(loads.First("B"), 610 + kLoadMs);
+  EXPECT_EQ(evicted, (std::vector<std::string>{"A"}));
+  EXPECT_DOUBLE_EQ(r.wait_ms.max, 610 + kLoadMs - 150);
 }
 
 // ---- The reports ----

@@ -22,6 +22,7 @@
 #include "../../src/core/test_hooks.h"
 #include "modelcache/core/budget.h"
 #include "modelcache/core/cache.h"
+#include "rc_util.h"
 
 namespace modelcache::drain_property {
 
@@ -103,11 +104,7 @@ struct Arbitrary<modelcache::drain_property::Op> {
   static Gen<modelcache::drain_property::Op> arbitrary() {
     using modelcache::drain_property::Kind;
     using modelcache::drain_property::Op;
-    auto any = [](int n) {
-      std::vector<int> values(n);
-      for (int i = 0; i < n; ++i) values[i] = i;
-      return gen::elementOf(values);
-    };
+    const auto any = modelcache::rc_util::AnyBelow;
     auto kind = [](Kind k) { return gen::just(static_cast<int>(k)); };
     // Waits, hits, releases and clock advances most often: they make
     // waiters, keep the models they need in use, and let drain_after pass.

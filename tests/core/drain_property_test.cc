@@ -55,6 +55,7 @@
 
 #include "modelcache/core/budget.h"
 #include "modelcache/core/cache.h"
+#include "rc_util.h"
 
 namespace modelcache::drain_property {
 namespace {
@@ -622,13 +623,7 @@ RC_GTEST_PROP(DrainProperty, WaitersAreServedWithinTheBoundAndKeepTheInvariants,
 int K(Kind kind) { return static_cast<int>(kind); }
 constexpr int kNoFault = 3;  // neither the loader nor the unloader throws
 
-void ExpectPasses(const std::function<void()>& run) {
-  try {
-    run();
-  } catch (const rc::detail::CaseResult& result) {
-    ADD_FAILURE() << result.description;
-  }
-}
+using rc_util::ExpectPasses;
 
 // drain_after 0: Wait(m2, 20), Wait(m3, 40), Wait(m0, 60), Acquire(m3, 20),
 // Lookup(m3), SetCapacity(60), Release(lease #5), Release(lease #0)

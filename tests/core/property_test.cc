@@ -49,6 +49,7 @@
 
 #include "modelcache/core/budget.h"
 #include "modelcache/core/cache.h"
+#include "rc_util.h"
 
 namespace modelcache::property {
 
@@ -172,14 +173,10 @@ template <>
 struct Arbitrary<modelcache::property::Op> {
   static Gen<modelcache::property::Op> arbitrary() {
     using modelcache::property::Op;
-    // Uniform choices (rapidcheck's inRange favours small values at small
-    // sizes), with acquires and releases most often: they fill and drain
-    // the cache, and without releases every record would stay leased.
-    auto any = [](int n) {
-      std::vector<int> values(n);
-      for (int i = 0; i < n; ++i) values[i] = i;
-      return gen::elementOf(values);
-    };
+    // Uniform choices (AnyBelow), with acquires and releases most often: they
+    // fill and drain the cache, and without releases every record would stay
+    // leased.
+    const auto any = modelcache::rc_util::AnyBelow;
     const int kinds = static_cast<int>(modelcache::property::Kind::kCount);
     const int acquire = static_cast<int>(modelcache::property::Kind::kAcquire);
     const int release = static_cast<int>(modelcache::property::Kind::kRelease);
@@ -986,15 +983,7 @@ RC_GTEST_PROP(CacheProperty, TwoCachesOnOneBudgetKeepTheInvariantsUnderNextUse,
 int K(Kind kind) { return static_cast<int>(kind); }
 constexpr int kNoFault = 3;  // neither the loader nor the unloader throws
 
-// Runs `run` and reports the model's or the invariants' complaint as a
-// test failure (RC_FAIL throws outside a property too).
-void ExpectPasses(const std::function<void()>& run) {
-  try {
-    run();
-  } catch (const rc::detail::CaseResult& result) {
-    ADD_FAILURE() << result.description;
-  }
-}
+using rc_util::ExpectPasses;
 
 // SetCapacity(0), Acquire(m5, expected 10, real 10, unloader throws 2x, grows
 // the capacity by up to 15), Release(lease #5), Acquire(m2, expected 5, real

@@ -82,6 +82,13 @@ class Request {
     if (thread_.joinable()) thread_.join();
   }
   void Join() { thread_.join(); }
+  // Joins the request and says whether it got its lease:
+  // ASSERT_TRUE(request.Served()).
+  ::testing::AssertionResult Served() {
+    Join();
+    if (!code_) return ::testing::AssertionSuccess();
+    return ::testing::AssertionFailure() << message_;
+  }
   Lease& lease() { return lease_; }
   std::optional<ErrorCode> code() const { return code_; }
   const std::string& message() const { return message_; }
@@ -125,8 +132,7 @@ TEST(Drain, AModelInContinuousUseDrainsForTheWaiterAndItsRequestsGoOnAfter) {
 
   // The lease out ends: A is evicted for B, which is served.
   a2->Release();
-  b.Join();
-  ASSERT_FALSE(b.code().has_value()) << b.message();
+  ASSERT_TRUE(b.Served());
   ASSERT_TRUE(b.lease());
   EXPECT_EQ(cache.Stats().evictions, 1u);
 
@@ -139,8 +145,7 @@ TEST(Drain, AModelInContinuousUseDrainsForTheWaiterAndItsRequestsGoOnAfter) {
   SpinUntil([&] { return budget->drains() == 2; }, "B drains for A");
   EXPECT_FALSE(cache.TryAcquire("B").has_value());
   b.lease().Release();
-  a3.Join();
-  ASSERT_FALSE(a3.code().has_value()) << a3.message();
+  ASSERT_TRUE(a3.Served());
   EXPECT_EQ(a3.lease().key(), "A");
   a3.lease().Release();
   EXPECT_EQ(cache.CheckInvariants(), budget->used());
@@ -157,8 +162,7 @@ TEST(Drain, DrainAfterZeroIsStrictArrivalOrder) {
   SpinUntil([&] { return budget->drains() == 1; }, "A drains at once");
   EXPECT_FALSE(cache.TryAcquire("A").has_value());
   a.Release();
-  b.Join();
-  ASSERT_FALSE(b.code().has_value()) << b.message();
+  ASSERT_TRUE(b.Served());
   EXPECT_EQ(cache.CheckInvariants(), 60u);
 }
 
@@ -176,8 +180,7 @@ TEST(Drain, DrainNeverIsTheOldRuleModelsInUseAreNeverMadeToGiveUpTheirRoom) {
   EXPECT_EQ(budget->drains(), 0u);
   again.reset();
   a.Release();
-  b.Join();
-  ASSERT_FALSE(b.code().has_value()) << b.message();
+  ASSERT_TRUE(b.Served());
 }
 
 TEST(Drain, ADeadlinePassingWhileQueuedBehindADrainNamesWhatItWaitedFor) {
@@ -197,8 +200,7 @@ TEST(Drain, ADeadlinePassingWhileQueuedBehindADrainNamesWhatItWaitedFor) {
   EXPECT_THAT(e, HasSubstr("draining for 'B' in cache 'models'"));
   EXPECT_EQ(cache.Entry("A")->leases, 1);  // it took no lease
   a.Release();
-  b.Join();
-  ASSERT_FALSE(b.code().has_value()) << b.message();
+  ASSERT_TRUE(b.Served());
   EXPECT_EQ(cache.CheckInvariants(), budget->used());
 }
 
@@ -233,8 +235,7 @@ TEST(Drain, AWaiterThatGivesUpFirstEvictedNothingAndItsQueueTakesLeases) {
   ASSERT_EQ(b_error, "interrupted");
   // The drain ended with its waiter: nothing was evicted, the queued
   // request got its lease, and the set takes leases again.
-  queued.Join();
-  ASSERT_FALSE(queued.code().has_value()) << queued.message();
+  ASSERT_TRUE(queued.Served());
   EXPECT_EQ(cache.Stats().evictions, 0u);
   EXPECT_EQ(cache.Stats().loads, 2u);
   EXPECT_TRUE(cache.Lookup("I").has_value());
@@ -283,8 +284,7 @@ TEST(Drain, ItsStartAndItsEvictionReachTheObserver) {
   EXPECT_THAT(events.Seen(),
               ::testing::ElementsAre("drain_started:A draining"));
   a.Release();
-  b.Join();
-  ASSERT_FALSE(b.code().has_value()) << b.message();
+  ASSERT_TRUE(b.Served());
   // Evicted for its waiter: no drain_ended, the eviction says it.
   EXPECT_THAT(events.Seen(),
               ::testing::ElementsAre("drain_started:A draining", "evicted:A"));
@@ -382,8 +382,7 @@ TEST(Drain, ADrainSpansTheCachesOfASharedBudget) {
   SpinUntil([&] { return budget->drains() == 1; }, "A drains");
   EXPECT_FALSE(checkpoints.TryAcquire("A").has_value());
   a.Release();
-  b.Join();
-  ASSERT_FALSE(b.code().has_value()) << b.message();
+  ASSERT_TRUE(b.Served());
   EXPECT_FALSE(checkpoints.Entry("A").has_value());
   EXPECT_EQ(checkpoints.CheckInvariants() + adapters.CheckInvariants(),
             budget->used());
@@ -400,8 +399,7 @@ TEST(Drain, OtherMissesGetOnlyTheRoomNoDrainIsOwed) {
   testing::ErrorMessage([&] { cache.Acquire("C", 20, SimpleLoader("C", 20)); },
                         ErrorCode::kCapacity);
   a.Release();
-  b.Join();
-  ASSERT_FALSE(b.code().has_value()) << b.message();
+  ASSERT_TRUE(b.Served());
   // Now the 20 bytes nobody is owed are anyone's.
   Lease c = cache.Acquire("C", 20, SimpleLoader("C", 20));
   EXPECT_EQ(budget->used(), 100u);
@@ -426,8 +424,7 @@ TEST(Drain, TheOldestWaiterDrainsFirst) {
   std::optional<Lease> z2 = cache.TryAcquire("Z");
   EXPECT_TRUE(z2.has_value());
   a.Release();
-  b.Join();
-  ASSERT_FALSE(b.code().has_value()) << b.message();
+  ASSERT_TRUE(b.Served());
   // C has waited drain_after too: Z (or B) drains for it next.
   clock.Advance(seconds(1));
   budget->ClockAdvanced();
@@ -435,8 +432,7 @@ TEST(Drain, TheOldestWaiterDrainsFirst) {
   z.Release();
   z2.reset();
   b.lease().Release();
-  c.Join();
-  ASSERT_FALSE(c.code().has_value()) << c.message();
+  ASSERT_TRUE(c.Served());
   EXPECT_EQ(cache.CheckInvariants(), budget->used());
 }
 
@@ -509,8 +505,7 @@ TEST(Drain, ByDefaultAWaiterIsOvertakenForFourTimesItsKeysLastLoad) {
   SpinUntil([&] { return budget->drains() == 1; }, "A drains at 8 s");
   EXPECT_FALSE(cache.TryAcquire("A").has_value());
   a2.reset();
-  b.Join();
-  ASSERT_FALSE(b.code().has_value()) << b.message();
+  ASSERT_TRUE(b.Served());
   EXPECT_EQ(cache.CheckInvariants(), budget->used());
 }
 
@@ -535,8 +530,7 @@ TEST(Drain, ByDefaultAKeyNeverLoadedIsOvertakenForTheFloor) {
   budget.ClockAdvanced();
   SpinUntil([&] { return budget.drains() == 1; }, "A drains at 1 s");
   a.Release();
-  c.Join();
-  ASSERT_FALSE(c.code().has_value()) << c.message();
+  ASSERT_TRUE(c.Served());
   EXPECT_EQ(c.lease().key(), "C");
 }
 
@@ -558,8 +552,7 @@ TEST(Drain, ByDefaultAWaiterIsOvertakenForEightTimesTheRecentDrains) {
   SpinUntil([&] { return budget->drains() == 1; }, "A drains at 1 s");
   clock.Advance(seconds(9));
   a.Release();
-  b.Join();
-  ASSERT_FALSE(b.code().has_value()) << b.message();
+  ASSERT_TRUE(b.Served());
   EXPECT_EQ(budget->recent_drains(), seconds(9));
 
   Request c(cache, "C", 60);
@@ -572,8 +565,7 @@ TEST(Drain, ByDefaultAWaiterIsOvertakenForEightTimesTheRecentDrains) {
   budget->ClockAdvanced();
   SpinUntil([&] { return budget->drains() == 2; }, "B drains at 72 s");
   b.lease().Release();
-  c.Join();
-  ASSERT_FALSE(c.code().has_value()) << c.message();
+  ASSERT_TRUE(c.Served());
   EXPECT_EQ(c.lease().key(), "C");
   // That drain was immediate: the recent drains move a quarter of the way.
   EXPECT_EQ(budget->recent_drains(), std::chrono::milliseconds(6750));

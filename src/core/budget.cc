@@ -275,7 +275,22 @@ void Budget::Reserve(uint64_t bytes, const ReserveOptions& options) {
       return;
     }
     if (draining) {
-      // This call's drain: its set's evictions are its room.
+      // This call's drain. Idle records outside its set that cover its
+      // shortfall serve it at once, as they serve any reservation: waiting
+      // for the set's leases then would only keep the load path idle.
+      if (EvictableBytes(skip, options.evict_below) >= shortfall) {
+        switch (EvictOne(&skip, options.evict_below)) {
+          case EvictStep::kEvicted:
+            ++evicted;
+            continue;
+          case EvictStep::kUnloadFailed:
+            if (skip.size() == 1) skipped_at = seen_changes;
+            continue;
+          case EvictStep::kNone:
+            break;  // leased or evicted meanwhile: the set it is
+        }
+      }
+      // Else its set's evictions are its room.
       switch (DrainStep(&me, free_bytes, &evicted)) {
         case DrainProgress::kAgain:
           continue;

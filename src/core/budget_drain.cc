@@ -17,6 +17,9 @@
 //       refused--> draining (drain_ = it, owed_ = its bytes)
 //   draining --set covers its bytes and every lease of it ended--> evicts
 //       the set --its bytes fit--> served (leaves; the drain ends)
+//   draining --idle records outside the set cover its shortfall--> evicts
+//       those (as any reservation would) --> served (the drain ends; the
+//       set takes leases again, never having been evicted)
 //   draining --what it needs is pinned or its own--> overtaken, refused
 //       (the drain ends; the set takes leases again)
 //   any --deadline, interrupt--> gone (leaves; a drain of its ends)
@@ -40,6 +43,13 @@
 // out first must have evicted nothing (a refused request evicts nothing).
 // No lease can be taken on a draining record, so once every record of the
 // set is idle it stays so until the waiter evicts it.
+//
+// Why the waiter still takes idle records outside its set: where leases
+// last minutes, waiting for the set's longest one while other models sit
+// idle keeps the load path idle too, and the waiters queued behind the
+// drain pile up (the replay of the Azure trace at 2 GiB: p99 18 min against
+// 5 min with no drain at all). Evicting idle records only when they cover
+// the whole shortfall keeps the refused-request contract.
 //
 // Locking: the queue, drain_ and owed_ are under mu_, a leaf; members are
 // called (selection, marking, eviction) without it, as everywhere in the

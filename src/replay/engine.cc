@@ -559,9 +559,13 @@ void Node::StartQueuedLoads() {
       const bool drain_waiter = drain_.active && drain_.waiter == m;
       bool started = false;
       if (drain_waiter) {
-        // Free bytes, or its whole set once the set's last lease ended
-        // (DrainWaiterMayLoad): never an idle model outside its set.
-        if (DrainWaiterMayLoad()) {
+        // The free bytes and idle models outside its set, or with its
+        // whole set once the set's last lease ended (DrainWaiterRoom).
+        const DrainRoom room = DrainWaiterRoom();
+        if (room == DrainRoom::kOutsideTheSet) {
+          // Its set stays pinned: the load evicts only outside it.
+          started = StartLoad(m, /*prewarm=*/false);
+        } else if (room == DrainRoom::kWithTheSet) {
           for (uint32_t q : drain_.set) {
             ModelState& d = models_[q];
             if (d.drain_pinned) {
@@ -643,31 +647,31 @@ uint64_t Node::DrainIdleBytes() const {
   return bytes;
 }
 
-bool Node::DrainWaiterMayLoad() const {
-  // As the budget's drain (Budget::Reserve, DrainStep): the waiter fits in
-  // the free bytes (and the prewarms in flight, which its load cancels), or
-  // its set is evicted for it in one step once no lease of the set is out.
-  // It evicts nothing outside its set: a model that goes idle meanwhile
-  // stays resident while the set still has a lease out.
+Node::DrainRoom Node::DrainWaiterRoom() const {
+  // As the budget's drain waiter (Budget::Reserve, DrainStep): the free
+  // bytes (and the prewarms in flight, which its load cancels) with the idle
+  // models outside its set, evicted as any reservation evicts; else its set,
+  // evicted in one step once no lease of the set is out.
   const uint64_t waiter = Size(drain_.waiter);
-  const uint64_t free_now = Obtainable() - idle_bytes_;
-  if (free_now >= waiter) return true;
+  const uint64_t set_idle = DrainIdleBytes();
+  const uint64_t outside = Obtainable() - set_idle;
+  if (outside >= waiter) return DrainRoom::kOutsideTheSet;
   for (uint32_t q : drain_.set) {
     const ModelState& d = models_[q];
-    if (d.state == State::kResident && d.leases > 0) return false;
+    if (d.state == State::kResident && d.leases > 0) return DrainRoom::kNone;
   }
-  return free_now + DrainIdleBytes() >= waiter;
+  return outside + set_idle >= waiter ? DrainRoom::kWithTheSet
+                                      : DrainRoom::kNone;
 }
 
 uint64_t Node::UnowedObtainable() const {
   const uint64_t obtainable = Obtainable();
   if (!drain_.active) return obtainable;
-  // The waiter is owed its set's idle bytes, and whatever it needs beyond
-  // its set.
-  const uint64_t waiter = Size(drain_.waiter);
-  const uint64_t owed =
-      DrainIdleBytes() +
-      (waiter > drain_.set_bytes ? waiter - drain_.set_bytes : 0);
+  // As the budget's owed_: every other load must fit with the waiter's
+  // bytes set aside, beside the set (pinned, its idle bytes the waiter's).
+  // So it takes only what idle models outside the set and the free bytes
+  // beyond the waiter's give.
+  const uint64_t owed = DrainIdleBytes() + Size(drain_.waiter);
   return obtainable > owed ? obtainable - owed : 0;
 }
 

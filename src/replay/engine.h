@@ -80,10 +80,11 @@
 //              (ModelState::parked). Other loads may use only the bytes the
 //              waiter is not owed (UnowedObtainable).
 // Transitions out of draining, both ending the drain (EndDrain): the waiter
-// gets its room (the free bytes cover it, or the set's last lease ended and
-// the set covers it with them; as in the budget, it evicts nothing outside
-// its set, even a model that went idle meanwhile: DrainWaiterMayLoad): the
-// set is unpinned and its load starts, its reservation evicting the set; or
+// gets its room (as in the budget: the free bytes and the idle models
+// outside its set cover it, and its load evicts those with its set still
+// pinned; or the set's last lease ended and the set covers it with them,
+// and the set is unpinned and its load starts, its reservation evicting the
+// set: DrainWaiterRoom); or
 // every request for the waiter left (--max-wait) with nothing evicted. Then
 // the parked requests are admitted in arrival order with their arrival
 // times: a hit on a model still resident, else a wait for its load, queued
@@ -334,9 +335,11 @@ class Node {
   // Bytes of the drain set resident and idle (pinned, so not Obtainable()
   // to anyone but its waiter).
   uint64_t DrainIdleBytes() const;
-  // Whether the drain's waiter may start its load now: the free bytes cover
-  // it, or no lease of its set is out and the set covers it with them.
-  bool DrainWaiterMayLoad() const;
+  // Where the drain's waiter may find its room now: the free bytes and the
+  // idle models outside its set cover it (its set stays pinned), or no
+  // lease of its set is out and the set covers it with them, or neither.
+  enum class DrainRoom { kNone, kOutsideTheSet, kWithTheSet };
+  DrainRoom DrainWaiterRoom() const;
   // Of the bytes free or evictable now, those another load than the
   // drain's waiter may use: all of them when no drain runs.
   uint64_t UnowedObtainable() const;

@@ -166,6 +166,37 @@ TEST(Drain, DrainAfterZeroIsStrictArrivalOrder) {
   EXPECT_EQ(cache.CheckInvariants(), 60u);
 }
 
+// A drain's waiter takes the room of a model outside its set that falls
+// idle, as any reservation would, rather than wait for its set's leases:
+// the set was never evicted and takes leases again.
+TEST(Drain, AWaiterTakesAnIdleModelOutsideItsSetAndItsSetIsLeftResident) {
+  FakeClock clock;
+  auto budget = MakeBudget(100, std::chrono::nanoseconds(0), &clock);
+  ModelCache cache(On(budget, "models", &clock));
+  Lease a = cache.Acquire("A", 50, SimpleLoader("A", 50));
+  Lease c = cache.Acquire("C", 50, SimpleLoader("C", 50));
+  Request b(cache, "B", 50);
+  SpinUntil([&] { return budget->drains() == 1; }, "A (least recent) drains");
+  EXPECT_TRUE(cache.TryAcquire("C").has_value()) << "C is outside the set";
+  c.Release();
+  SpinUntil(
+      [&] {
+        const auto entry = cache.Entry("B");
+        return entry && entry->leases == 1;
+      },
+      "B served while A's lease is out");
+  if (HasFatalFailure()) {
+    a.Release();  // so that the waiter ends
+    return;
+  }
+  ASSERT_TRUE(b.Served());
+  EXPECT_FALSE(cache.Entry("C").has_value()) << "C made the room";
+  EXPECT_EQ(cache.Entry("A")->leases, 1);
+  std::optional<Lease> a2 = cache.TryAcquire("A");
+  EXPECT_TRUE(a2.has_value()) << "the drain ended with its waiter";
+  EXPECT_EQ(cache.CheckInvariants(), 100u);
+}
+
 TEST(Drain, DrainNeverIsTheOldRuleModelsInUseAreNeverMadeToGiveUpTheirRoom) {
   FakeClock clock;
   auto budget = MakeBudget(100, kDrainNever, &clock);

@@ -28,9 +28,12 @@
 // return nothing), its leases out end as their requests finish, and when the
 // last of them ends the whole set is evicted in one step for the waiter,
 // which alone may use the bytes: while a drain runs, other reservations get
-// only the room no one is owed. A drain ends with its waiter (served, timed
-// out, interrupted); a waiter that did not get its room has evicted nothing.
-// One drain runs at a time, for the oldest waiter that a drain can serve.
+// only the room no one is owed. If idle models outside the set come to
+// cover the waiter's shortfall first, it evicts those instead, as any
+// reservation would, and its set is never evicted. A drain ends with its waiter
+// (served, timed out, interrupted); a waiter that did not get its room has
+// evicted nothing. One drain runs at a time, for the oldest waiter that a drain
+// can serve.
 //
 // The bound: a waiter that can be served by draining is served within
 // drain_after, plus the longest lease in use when its drain began, plus its

@@ -560,7 +560,7 @@ void Node::StartQueuedLoads() {
       bool started = false;
       if (drain_waiter) {
         // The free bytes and idle models outside its set, or with its
-        // whole set once the set's last lease ended (DrainWaiterRoom).
+        // set's idle members (DrainWaiterRoom).
         const DrainRoom room = DrainWaiterRoom();
         if (room == DrainRoom::kOutsideTheSet) {
           // Its set stays pinned: the load evicts only outside it.
@@ -650,16 +650,12 @@ uint64_t Node::DrainIdleBytes() const {
 Node::DrainRoom Node::DrainWaiterRoom() const {
   // As the budget's drain waiter (Budget::Reserve, DrainStep): the free
   // bytes (and the prewarms in flight, which its load cancels) with the idle
-  // models outside its set, evicted as any reservation evicts; else its set,
-  // evicted in one step once no lease of the set is out.
+  // models outside its set, evicted as any reservation evicts; else with the
+  // idle members of its set too (all of it, once no lease of it is out).
   const uint64_t waiter = Size(drain_.waiter);
   const uint64_t set_idle = DrainIdleBytes();
   const uint64_t outside = Obtainable() - set_idle;
   if (outside >= waiter) return DrainRoom::kOutsideTheSet;
-  for (uint32_t q : drain_.set) {
-    const ModelState& d = models_[q];
-    if (d.state == State::kResident && d.leases > 0) return DrainRoom::kNone;
-  }
   return outside + set_idle >= waiter ? DrainRoom::kWithTheSet
                                       : DrainRoom::kNone;
 }

@@ -82,9 +82,9 @@
 // Transitions out of draining, both ending the drain (EndDrain): the waiter
 // gets its room (as in the budget: the free bytes and the idle models
 // outside its set cover it, and its load evicts those with its set still
-// pinned; or the set's last lease ended and the set covers it with them,
-// and the set is unpinned and its load starts, its reservation evicting the
-// set: DrainWaiterRoom); or
+// pinned; or they cover it with the set's idle members, typically when the
+// set's last lease ends, and the set is unpinned and its load starts, its
+// reservation evicting idle models: DrainWaiterRoom); or
 // every request for the waiter left (--max-wait) with nothing evicted. Then
 // the parked requests are admitted in arrival order with their arrival
 // times: a hit on a model still resident, else a wait for its load, queued
@@ -336,8 +336,8 @@ class Node {
   // to anyone but its waiter).
   uint64_t DrainIdleBytes() const;
   // Where the drain's waiter may find its room now: the free bytes and the
-  // idle models outside its set cover it (its set stays pinned), or no
-  // lease of its set is out and the set covers it with them, or neither.
+  // idle models outside its set cover it (its set stays pinned), or they do
+  // with its set's idle members (the set is unpinned), or neither.
   enum class DrainRoom { kNone, kOutsideTheSet, kWithTheSet };
   DrainRoom DrainWaiterRoom() const;
   // Of the bytes free or evictable now, those another load than the

@@ -197,6 +197,39 @@ TEST(Drain, AWaiterTakesAnIdleModelOutsideItsSetAndItsSetIsLeftResident) {
   EXPECT_EQ(cache.CheckInvariants(), 100u);
 }
 
+// With the idle members of its set and idle models outside it together
+// covering its shortfall, the waiter takes them before its set's last
+// lease ends.
+TEST(Drain, AWaiterTakesItsSetsIdleMembersWithIdleModelsOutsideIt) {
+  FakeClock clock;
+  auto budget = MakeBudget(100, std::chrono::nanoseconds(0), &clock);
+  ModelCache cache(On(budget, "models", &clock));
+  Lease a = cache.Acquire("A", 30, SimpleLoader("A", 30));
+  Lease d = cache.Acquire("D", 30, SimpleLoader("D", 30));
+  Lease c = cache.Acquire("C", 40, SimpleLoader("C", 40));
+  Request b(cache, "B", 60);
+  SpinUntil([&] { return budget->drains() == 1; }, "A and D drain");
+  EXPECT_FALSE(cache.TryAcquire("D").has_value()) << "D is in the set";
+  c.Release();  // 40 idle outside the set: short of 60 alone
+  a.Release();  // with A's 30, enough
+  SpinUntil(
+      [&] {
+        const auto entry = cache.Entry("B");
+        return entry && entry->leases == 1;
+      },
+      "B served while D's lease is out");
+  if (HasFatalFailure()) {
+    d.Release();  // so that the waiter ends
+    return;
+  }
+  ASSERT_TRUE(b.Served());
+  EXPECT_FALSE(cache.Entry("A").has_value());
+  EXPECT_EQ(cache.Entry("D")->leases, 1);
+  std::optional<Lease> d2 = cache.TryAcquire("D");
+  EXPECT_TRUE(d2.has_value()) << "the drain ended with its waiter";
+  EXPECT_EQ(cache.CheckInvariants(), budget->used());
+}
+
 TEST(Drain, DrainNeverIsTheOldRuleModelsInUseAreNeverMadeToGiveUpTheirRoom) {
   FakeClock clock;
   auto budget = MakeBudget(100, kDrainNever, &clock);

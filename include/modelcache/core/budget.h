@@ -28,9 +28,10 @@
 // return nothing), its leases out end as their requests finish, and when the
 // last of them ends the whole set is evicted in one step for the waiter,
 // which alone may use the bytes: while a drain runs, other reservations get
-// only the room no one is owed. If idle models outside the set come to
-// cover the waiter's shortfall first, it evicts those instead, as any
-// reservation would, and its set is never evicted. A drain ends with its waiter
+// only the room no one is owed. If idle models come to cover the waiter's
+// shortfall first (outside the set, or the set's idle members with them),
+// it evicts those instead, as any reservation would, and the rest of the
+// set takes leases again. A drain ends with its waiter
 // (served, timed out, interrupted); a waiter that did not get its room has
 // evicted nothing. One drain runs at a time, for the oldest waiter that a drain
 // can serve.

@@ -7,6 +7,7 @@
 #define MODELCACHE_BENCH_SERVE_BENCH_UTIL_H_
 
 #include <fcntl.h>
+#include <poll.h>
 #include <signal.h>
 #include <spawn.h>
 #include <sys/socket.h>
@@ -174,6 +175,42 @@ class Child {
   pid_t pid_ = -1;
   int to_ = -1;
   int from_ = -1;
+};
+
+// Reads what children (with `pipes`) say on stdout, line by line, as it
+// comes, from all of them at once.
+class Lines {
+ public:
+  explicit Lines(const std::vector<Child*>& children) {
+    for (Child* c : children) readers_.push_back({c->stdout_fd(), {}});
+  }
+  // Waits up to `timeout_ms` for output; calls `line` for each whole line.
+  template <typename F>
+  void Poll(int timeout_ms, F&& line) {
+    std::vector<pollfd> fds;
+    for (const Reader& r : readers_) fds.push_back({r.fd, POLLIN, 0});
+    if (::poll(fds.data(), fds.size(), timeout_ms) <= 0) return;
+    for (size_t i = 0; i < fds.size(); ++i) {
+      if (fds[i].revents == 0) continue;
+      char buffer[4096];
+      const ssize_t n = ::read(fds[i].fd, buffer, sizeof(buffer));
+      if (n <= 0) Die("a child process ended early");
+      std::string& pending = readers_[i].pending;
+      pending.append(buffer, static_cast<size_t>(n));
+      size_t end;
+      while ((end = pending.find('\n')) != std::string::npos) {
+        line(pending.substr(0, end));
+        pending.erase(0, end + 1);
+      }
+    }
+  }
+
+ private:
+  struct Reader {
+    int fd;
+    std::string pending;
+  };
+  std::vector<Reader> readers_;
 };
 
 // `modelcache serve` on the setup with these further flags, ready (its

@@ -45,11 +45,9 @@
 #include <fcntl.h>
 #include <poll.h>
 #include <signal.h>
-#include <spawn.h>
 #include <sys/mman.h>
 #include <sys/socket.h>
 #include <sys/stat.h>
-#include <sys/un.h>
 #include <sys/wait.h>
 #include <unistd.h>
 
@@ -77,11 +75,18 @@
 #include "modelcache/weights/host_store.h"
 #include "modelcache/weights/safetensors_writer.h"
 #include "modelcache/weights/weight_set.h"
-
-extern char** environ;
+#include "serve_bench_util.h"
 
 namespace {
 
+using modelcache_bench::AdminHttp;
+using modelcache_bench::Child;
+using modelcache_bench::Die;
+using modelcache_bench::Percentile;
+using modelcache_bench::Self;
+using modelcache_bench::Setup;
+using modelcache_bench::StartDaemon;
+using modelcache_bench::Write;
 namespace fs = std::filesystem;
 namespace w = modelcache::weights;
 using json = nlohmann::json;
@@ -89,158 +94,12 @@ using Clock = std::chrono::steady_clock;
 
 const Clock::time_point g_started = Clock::now();
 
-[[noreturn]] void Die(const std::string& what) {
-  std::fprintf(stderr, "serve_bench: %s\n", what.c_str());
-  std::exit(2);
-}
-
-std::string Self() {
-  char path[4096];
-  const ssize_t n = ::readlink("/proc/self/exe", path, sizeof(path) - 1);
-  if (n <= 0) Die("cannot find my own binary");
-  return std::string(path, static_cast<size_t>(n));
-}
-
-// ---- files and the daemon ----
-
-struct Setup {
-  fs::path dir;
-  std::string root;
-  std::string catalog;
-  std::string socket;
-  std::string file;  // the model's one file
-
-  explicit Setup(uint64_t bytes) {
-    std::string pattern =
-        (fs::temp_directory_path() / "mcbench_XXXXXX").string();
-    if (::mkdtemp(pattern.data()) == nullptr) Die("mkdtemp");
-    dir = pattern;
-    root = (dir / "models").string();
-    catalog = (dir / "catalog.json").string();
-    socket = (dir / "run/serve.sock").string();
-    file = root + "/model.safetensors";
-    fs::create_directories(root);
-    // 64 F32 tensors, like a model's layers.
-    w::SafetensorsWriter writer;
-    const uint64_t per = std::max<uint64_t>(bytes / 64 / 4, 1);
-    for (int i = 0; i < 64; ++i) {
-      writer.AddTensor("layer" + std::to_string(i), w::Dtype::kF32, {per},
-                       w::PatternFill(static_cast<uint64_t>(i)));
-    }
-    writer.Write(file);
-    std::ofstream(catalog)
-        << R"({"models": [{"id": "model", "files": ["model.safetensors"]}]})";
-  }
-  ~Setup() {
-    std::error_code ignored;
-    fs::remove_all(dir, ignored);
-  }
-};
-
-class Child {
- public:
-  Child(const std::vector<std::string>& argv, int ready_fd_in_child = -1,
-        int ready_fd = -1, bool pipes = false) {
-    posix_spawn_file_actions_t actions;
-    posix_spawn_file_actions_init(&actions);
-    if (ready_fd >= 0) {
-      posix_spawn_file_actions_adddup2(&actions, ready_fd, ready_fd_in_child);
-    }
-    int in[2] = {-1, -1};
-    int out[2] = {-1, -1};
-    if (pipes) {
-      if (::pipe2(in, O_CLOEXEC) != 0 || ::pipe2(out, O_CLOEXEC) != 0) {
-        Die("pipe");
-      }
-      posix_spawn_file_actions_adddup2(&actions, in[0], 0);
-      posix_spawn_file_actions_adddup2(&actions, out[1], 1);
-    }
-    std::vector<char*> args;
-    for (const std::string& a : argv)
-      args.push_back(const_cast<char*>(a.c_str()));
-    args.push_back(nullptr);
-    if (::posix_spawn(&pid_, args[0], &actions, nullptr, args.data(),
-                      environ) != 0) {
-      Die("cannot start " + argv[0]);
-    }
-    posix_spawn_file_actions_destroy(&actions);
-    if (pipes) {
-      ::close(in[0]);
-      ::close(out[1]);
-      to_ = in[1];
-      from_ = out[0];
-    }
-  }
-  ~Child() { Stop(SIGKILL); }
-  pid_t pid() const { return pid_; }
-  std::string ReadLine() {
-    std::string line;
-    char c;
-    while (::read(from_, &c, 1) == 1 && c != '\n') line += c;
-    return line;
-  }
-  // Closes the child's stdin (it exits then) and reaps it.
-  void Finish() {
-    if (to_ >= 0) ::close(to_);
-    to_ = -1;
-    Stop(0);
-  }
-  void Stop(int signal) {
-    if (pid_ <= 0) return;
-    if (signal != 0) ::kill(pid_, signal);
-    int status;
-    ::waitpid(pid_, &status, 0);
-    pid_ = -1;
-    if (to_ >= 0) ::close(to_);
-    if (from_ >= 0) ::close(from_);
-    to_ = from_ = -1;
-  }
-
- private:
-  pid_t pid_ = -1;
-  int to_ = -1;
-  int from_ = -1;
-};
-
-// `modelcache serve` on the setup, ready when constructed.
-std::unique_ptr<Child> StartDaemon(const Setup& s, uint64_t capacity) {
-  int ready[2];
-  if (::pipe2(ready, O_CLOEXEC) != 0) Die("pipe");
-  const int high = ::fcntl(ready[1], F_DUPFD_CLOEXEC, 64);
-  ::close(ready[1]);
-  auto daemon = std::make_unique<Child>(
-      std::vector<std::string>{MODELCACHE_CLI, "serve", "--catalog", s.catalog,
-                               "--model-root", s.root, "--socket", s.socket,
-                               "--http", "off", "--admin-socket", "off",
-                               "--host-capacity", std::to_string(capacity),
-                               "--ready-grace", "0", "--ready-fd", "3"},
-      3, high);
-  ::close(high);
-  char buffer[1024];
-  while (::read(ready[0], buffer, sizeof(buffer)) > 0) {
-  }
-  ::close(ready[0]);
-  return daemon;
-}
-
 uint64_t Touch(std::span<const std::byte> bytes) {
   uint64_t sum = 0;
   for (size_t i = 0; i < bytes.size(); i += 4096) {
     sum += static_cast<unsigned char>(bytes[i]);
   }
   return sum;
-}
-
-double Percentile(std::vector<double> v, double p) {
-  std::sort(v.begin(), v.end());
-  return v[std::min(v.size() - 1, static_cast<size_t>(p * v.size()))];
-}
-
-void Write(const std::string& out, const json& result) {
-  if (out.empty()) return;
-  fs::create_directories(fs::path(out).parent_path());
-  std::ofstream(out) << result.dump(2) << "\n";
-  std::cout << "wrote " << out << "\n";
 }
 
 // ---- acquire ----
@@ -816,36 +675,6 @@ int FirstTensor(uint64_t bytes, int runs, const std::string& out) {
 
 // ---- loop ----
 
-// One HTTP/1.0 request over the daemon's admin socket; returns the status.
-int AdminHttp(const std::string& socket, const std::string& method,
-              const std::string& path, const std::string& body = "") {
-  const int fd = ::socket(AF_UNIX, SOCK_STREAM | SOCK_CLOEXEC, 0);
-  sockaddr_un address{};
-  address.sun_family = AF_UNIX;
-  std::strncpy(address.sun_path, socket.c_str(), sizeof(address.sun_path) - 1);
-  if (::connect(fd, reinterpret_cast<sockaddr*>(&address), sizeof(address)) !=
-      0) {
-    Die("cannot reach the admin socket " + socket);
-  }
-  const std::string request = method + " " + path +
-                              " HTTP/1.0\r\nHost: x\r\nContent-Type: "
-                              "application/json\r\nContent-Length: " +
-                              std::to_string(body.size()) + "\r\n\r\n" + body;
-  if (::write(fd, request.data(), request.size()) !=
-      static_cast<ssize_t>(request.size())) {
-    Die("write to the admin socket");
-  }
-  std::string reply;
-  char buffer[4096];
-  ssize_t n;
-  while ((n = ::read(fd, buffer, sizeof(buffer))) > 0) {
-    reply.append(buffer, static_cast<size_t>(n));
-  }
-  ::close(fd);
-  const size_t space = reply.find(' ');
-  return space == std::string::npos ? 0 : std::atoi(reply.c_str() + space + 1);
-}
-
 int Loop(uint64_t bytes, int idle_processes, const std::string& out) {
   Setup s(bytes);  // "model": the big copy
   // 100 small models (the budget's evictions) and 899 tiny ones: a catalog
@@ -882,22 +711,8 @@ int Loop(uint64_t bytes, int idle_processes, const std::string& out) {
   };
   write_catalog(false);
   const uint64_t capacity = bytes * 2 + 200 * small_bytes * 2;
-  int ready[2];
-  if (::pipe2(ready, O_CLOEXEC) != 0) Die("pipe");
-  const int high = ::fcntl(ready[1], F_DUPFD_CLOEXEC, 64);
-  ::close(ready[1]);
-  Child daemon({MODELCACHE_CLI, "serve", "--catalog", s.catalog, "--model-root",
-                s.root, "--socket", s.socket, "--http", "off",
-                "--host-capacity", std::to_string(capacity), "--ready-grace",
-                "0", "--orphan-rescan", "100ms", "--ready-fd", "3"},
-               3, high);
-  ::close(high);
-  {
-    char buffer[1024];
-    while (::read(ready[0], buffer, sizeof(buffer)) > 0) {
-    }
-    ::close(ready[0]);
-  }
+  auto daemon = StartDaemon(s, capacity, {"--orphan-rescan", "100ms"},
+                            /*admin_socket=*/true);
   const std::string admin = s.socket + ".admin";
 
   // The pinger: its own connection, pinging back to back.
@@ -965,7 +780,7 @@ int Loop(uint64_t bytes, int idle_processes, const std::string& out) {
 
   write_catalog(true);
   run_phase("SIGHUP reloads a 1,000-model catalog",
-            [&] { ::kill(daemon.pid(), SIGHUP); });
+            [&] { ::kill(daemon->pid(), SIGHUP); });
 
   for (const std::string& id : small) {
     if (AdminHttp(admin, "POST", "/v1/models/" + id + "/load") != 200) {
@@ -978,7 +793,7 @@ int Loop(uint64_t bytes, int idle_processes, const std::string& out) {
 
   stop = true;
   pinger.join();
-  daemon.Stop(SIGTERM);
+  daemon->Stop(SIGTERM);
 
   json rows = json::array();
   std::printf("%-44s %8s %10s %10s %10s\n", "situation", "pings", "p50 us",

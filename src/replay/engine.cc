@@ -868,6 +868,15 @@ RunResult Node::Finish() && {
   RunResult result = std::move(books_).Finish(stats, options_.time, timed_);
   result.drains = drains_;
   result.drain_queued = drain_queued_;
+  // Requests still waiting when no event is left would wait for ever: none
+  // should, but if one does it is counted (blocked), never dropped.
+  uint64_t stranded = 0;
+  for (const ModelState& s : models_) {
+    stranded += s.waiters.size() + s.parked.size();
+  }
+  result.requests += stranded;
+  result.blocked += stranded;
+  result.misses += stranded;
   return result;
 }
 

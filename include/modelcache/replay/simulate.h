@@ -124,6 +124,7 @@ struct RunResult {
   uint64_t misses = 0;     // includes too_large and blocked
   uint64_t too_large = 0;  // model larger than the capacity: refused
   uint64_t blocked = 0;    // no room: every resident model held by a lease
+                           // (timed: still waiting at the end; see below)
   uint64_t bytes_loaded = 0;
   uint64_t evictions = 0;
   double hit_ratio = 0;
@@ -175,7 +176,8 @@ struct RunResult {
 };
 
 // The requests a run did not serve: too large for its capacity, rejected
-// after ReplayOptions::max_wait_ms, or (untimed, with held leases) blocked.
+// after ReplayOptions::max_wait_ms, or blocked (untimed, with held leases;
+// timed, still waiting when the replay had nothing left to do).
 // Waits are over the requests served, so a run with any of these meets no
 // SLO however short its waits (SloProbe::served_all), and the table flags
 // its row UNSERVED.

@@ -30,14 +30,15 @@
 // request at a time). Each acquire is an acquire message to the daemon, so
 // the daemon's scheduling is what is measured: a raw connection has no
 // local reuse (it never says "delegate" or "drain", and never "idle"), and
-// the daemon sees one client per request in flight, as it would see
-// processes. Worker processes (serve_test_worker) would put a pipe round
-// trip and another process's wake-up on each request's path, which on a
-// busy machine would be measured as waits, and add nothing the daemon's
-// scheduling sees: it tells clients apart by connection. A request's wait
-// is from its acquire's sending to the reply's arrival; its release is sent
-// when its hold ends, and its answer is read before the connection's next
-// request.
+// the daemon sees one client per request in flight (all of one pid, which
+// its scheduling does not look at). Worker processes (serve_test_worker) would
+// put a pipe round trip and another process's wake-up on each request's path,
+// which on a busy machine would be measured as waits, and add nothing the
+// daemon's scheduling sees: it tells clients apart by connection. A request's
+// wait is from its ask (taking an idle connection, sending the acquire) to the
+// reply's arrival; its release is sent when its hold ends, and its answer
+// is read before the connection's next request (the pool hands out the
+// connection idle longest, whose answer is the likeliest to be in).
 //
 // Real time: release build only, run alone (the Makefile's
 // RELEASE_ONLY_TESTS names the ctest test LiveReplay.Daemon).

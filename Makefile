@@ -45,9 +45,11 @@ endef
 # parallel that smaller tests cover: only the release build runs them. In the
 # sanitizer and clang builds they take minutes and check no memory or thread
 # behaviour the rest does not (the fuzzers run the same readers under ASan).
-# So do the live runs checked against the replay (LiveReplay.*,
-# tests/replay/live_agreement_test.cc): they run in real time, and a
-# sanitizer's slowdown would be measured as waits the replay cannot predict.
+# So do the live runs checked against the replay (LiveReplay.*: the
+# library's, tests/replay/live_agreement_test.cc, and the daemon's,
+# LiveReplay.Daemon, tests/replay/live_daemon_test.cc): they run in real
+# time, and a sanitizer's slowdown would be measured as waits the replay
+# cannot predict.
 RELEASE_ONLY_TESTS := -E '^(StreamReplay\.(CsvStreamGivesTheInMemoryResultsForEveryPolicyKind|SameJsonAsInMemoryOnTheSharedTraceAndCompressedCopies)|ReplayCli\.JsonOnTheSharedTrace|Replay\.NextUseLoadsFewerBytesThanEitherGdsfOnEveryWorkload|LiveReplay\..*)$$'
 
 test-release: deps

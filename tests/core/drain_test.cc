@@ -512,7 +512,7 @@ static_assert(DefaultDrainAfter(std::chrono::nanoseconds(0), kDrainNever / 4) ==
               kDrainNever);
 static_assert(NextRecentDrains(std::chrono::nanoseconds(0), seconds(9)) ==
               seconds(9));
-static_assert(NextRecentDrains(seconds(9), seconds(1)) == seconds(7));
+static_assert(NextRecentDrains(seconds(9), seconds(1)) == seconds(5));
 
 // Counts the waiter's looks for room that end in going back to sleep
 // (detail::reservation_waits_for_room): a look after the clock moved that
@@ -631,8 +631,8 @@ TEST(Drain, ByDefaultAWaiterIsOvertakenForEightTimesTheRecentDrains) {
   b.lease().Release();
   ASSERT_TRUE(c.Served());
   EXPECT_EQ(c.lease().key(), "C");
-  // That drain was immediate: the recent drains move a quarter of the way.
-  EXPECT_EQ(budget->recent_drains(), std::chrono::milliseconds(6750));
+  // That drain was immediate: the recent drains move half of the way.
+  EXPECT_EQ(budget->recent_drains(), std::chrono::milliseconds(4500));
   EXPECT_EQ(cache.CheckInvariants(), budget->used());
 }
 

@@ -84,13 +84,15 @@ namespace modelcache {
 // models in use after a few milliseconds. Nothing of it costs a hit: a
 // drain measures its own length. Chosen on the replay's sweeps of the
 // multiples and the weight on two workloads at five capacities each, and
-// checked on four more (docs/benchmarks.md, "drain-after"); `modelcache
+// checked on four more (docs/benchmarks.md, "drain-after": the weight was
+// chosen again when a drain's waiter came to take idle room outside its
+// set); `modelcache
 // replay` uses the same function (replay/simulate.h). Change them there and
 // here together.
 inline constexpr int64_t kDrainAfterLoadMultiple = 4;
 inline constexpr std::chrono::milliseconds kDrainAfterFloor{1000};
 inline constexpr int64_t kDrainAfterDrainMultiple = 8;
-inline constexpr int64_t kRecentDrainsWeight = 4;
+inline constexpr int64_t kRecentDrainsWeight = 2;
 // drain_after = kDrainAfterAuto: the rule above, per waiter. The default.
 inline constexpr std::chrono::nanoseconds kDrainAfterAuto{-1};
 inline constexpr std::chrono::nanoseconds kDefaultDrainAfter = kDrainAfterAuto;

@@ -13,9 +13,12 @@
 // So one large request that cannot fit while others are leased never flushes
 // the idle models it could not use.
 //
-// Who waits (swap scheduling): a reservation that must wait for room waits
-// in arrival order (ReserveOptions::arrival). While it waits for room that
-// only leased models can give, requests for those models are admitted at
+// Who waits (swap scheduling): reservations that must wait for room are
+// filed in arrival order (ReserveOptions::arrival), and the oldest is the
+// one that may drain. Room that frees up without a drain goes to the first
+// waiter it serves to look again after the change, which may be a younger
+// one: only a drain keeps its room for its waiter. While one waits for room
+// that only leased models can give, requests for those models are admitted at
 // once: they overtake it, which groups requests by model and saves swaps.
 // That lasts at most `drain_after` (BudgetOptions, set_drain_after; by
 // default kDrainAfterAuto, which weighs the waiter's load time and how long
@@ -399,8 +402,8 @@ class Budget {
   // eviction, so at most the victims evicted before such a change are lost;
   // each of them is counted in wasted_evictions().
   //
-  // A reservation that waits (WhenFull::kWait) waits in arrival order and
-  // may drain the models that hold its room, as "Who waits" above says;
+  // A reservation that waits (WhenFull::kWait) is filed in arrival order
+  // and may drain the models that hold its room, as "Who waits" above says;
   // while another's drain runs, it gets only the room that drain's waiter
   // is not owed. One that fails or times out has evicted nothing for a
   // drain, and its drain, if it had one, ends with it.

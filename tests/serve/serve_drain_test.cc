@@ -274,6 +274,103 @@ TEST_F(DrainTest, ALocalReuseBeforeTheDrainIsReadIsALeaseOutThatItWaitsFor) {
   wb.Ok("release b");
 }
 
+// An idle delegation: a process that reuses locally, whose lease no
+// reference uses any more, with the daemon told "idle" at once.
+constexpr const char* kDelegatingIdle =
+    " reuse=1 keep_idle_ms=600000 notice_us=0 recall_gate=1";
+
+// The drain's recall of an idle delegation (another process keeps the copy
+// in use, so it drains rather than being evicted) is read before a local
+// revival: no reference uses the lease, so it is released at once, the
+// revival finds nothing local, and the acquire goes to the daemon, where it
+// queues behind the drain and is served after the waiter.
+TEST_F(DrainTest, ADrainReadBeforeAnIdleLeaseIsRevivedReleasesIt) {
+  AddModel("a", 4 * kMiB, 1);
+  AddModel("b", 4 * kMiB, 2);
+  Daemon& d = StartDaemon("6MiB", {"--drain-after", "0"});
+  Worker w;
+  w.Ok("connect " + d.socket() + kDelegatingIdle);
+  const std::string lease = w.Ok("acquire a")[0];
+  leases_.Add(lease);
+  w.Ok("release a");
+  Eventually(
+      [&] { return Metric("modelcache_delegated_leases{use=\"idle\"}") == 1; },
+      "the daemon told the lease is idle");
+  Worker other(d.socket());
+  leases_.Add(other.Ok("acquire a")[0]);  // keeps the copy in use
+  Worker wb(d.socket());
+  wb.Send("acquire b 120000");
+  EXPECT_EQ(w.Ok("recall-wait")[0], lease) << "the drain recalls it, idle";
+  w.Ok("recall-go");
+  Eventually(
+      [&] {
+        return Metric("modelcache_recalls_total{answer=\"release\"}") == 1;
+      },
+      "the recall answered: released");
+  EXPECT_EQ(w.Ok("idle"), std::vector<std::string>{"0"});
+  EXPECT_EQ(w.Ok("acquire-local a")[0], "none") << "nothing left to revive";
+  w.Send("acquire a 120000");
+  Eventually(
+      [&] { return Metric("modelcache_queued_behind_drain_total") >= 1; },
+      "the acquire of 'a' queued behind its drain at the daemon");
+  other.Ok("release a");
+  const std::vector<std::string> b = Words(wb.Receive());
+  ASSERT_EQ(b.size(), 3u);
+  leases_.Add(b[0]);
+  EXPECT_EQ(b[1], std::to_string(checksums_["b"]));
+  wb.Ok("release b");
+  const std::vector<std::string> a = Words(w.Receive());
+  ASSERT_EQ(a.size(), 3u);
+  leases_.Add(a[0]);
+  EXPECT_NE(a[0], lease) << "a lease of its own, from the daemon";
+  EXPECT_EQ(a[1], std::to_string(checksums_["a"]));
+  w.Ok("release a");
+}
+
+// An idle delegation revived locally before the drain's recall is read:
+// the recall is answered "use", the revived reference is a lease out that
+// the drain waits for (the copy it maps is not freed when the other
+// process's lease ends), no new local reference is taken once the recall
+// is read, and the reference's end releases the lease: the waiter is
+// served.
+TEST_F(DrainTest, AnIdleLeaseRevivedBeforeTheDrainIsReadIsALeaseOutToWaitFor) {
+  AddModel("a", 4 * kMiB, 1);
+  AddModel("b", 4 * kMiB, 2);
+  Daemon& d = StartDaemon("6MiB", {"--drain-after", "0"});
+  Worker w;
+  w.Ok("connect " + d.socket() + kDelegatingIdle);
+  const std::string lease = w.Ok("acquire a")[0];
+  leases_.Add(lease);
+  w.Ok("release a");
+  Eventually(
+      [&] { return Metric("modelcache_delegated_leases{use=\"idle\"}") == 1; },
+      "the daemon told the lease is idle");
+  Worker other(d.socket());
+  leases_.Add(other.Ok("acquire a")[0]);  // keeps the copy in use
+  Worker wb(d.socket());
+  wb.Send("acquire b 120000");
+  EXPECT_EQ(w.Ok("recall-wait")[0], lease);  // held in the hook, unread
+  EXPECT_EQ(w.Ok("acquire-local a")[0], lease) << "revived before the recall";
+  w.Ok("recall-open");  // this recall and any later one are answered
+  Eventually(
+      [&] { return Metric("modelcache_recalls_total{answer=\"busy\"}") >= 1; },
+      "the recall answered: in use");
+  EXPECT_EQ(w.Ok("acquire-local a")[0], "none")
+      << "no new local reference once the drain is read";
+  other.Ok("release a");
+  Eventually([&] { return Metric("modelcache_refused_unloads_total") >= 1; },
+             "the drained copy's unload refused: the revived lease maps it");
+  EXPECT_EQ(Metric("modelcache_waiting_acquires"), 1) << "'b' still waits";
+  EXPECT_EQ(d.Model("a")["leases"].size(), 1u);
+  w.Ok("release a");  // the last reference: released, not kept idle
+  const std::vector<std::string> b = Words(wb.Receive());
+  ASSERT_EQ(b.size(), 3u);
+  leases_.Add(b[0]);
+  EXPECT_EQ(b[1], std::to_string(checksums_["b"]));
+  EXPECT_EQ(w.Ok("idle"), std::vector<std::string>{"0"});
+  wb.Ok("release b");
+}
+
 // A client that does not answer the drain's recall (its hook holds it): the
 // recall timeout takes it as busy, as any recall, and the drain waits for
 // its lease to end as before.

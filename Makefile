@@ -127,9 +127,12 @@ bench: build
 # The soak of `modelcache serve` (tests/serve/serve_soak.cc): 8 workers
 # acquiring, checking every byte and releasing while workers and the daemon
 # are SIGKILLed, the daemon taken over, its catalog reloaded, floods, budget
-# changes; sampled every 100 ms for the Never checks. Prints a summary; exit
-# 1 on any violation. Not in `make test`. `make soak SOAK_MINUTES=5`;
-# `SOAK_ARGS=--no-takeover` leaves takeovers out, `--seed S` repeats a run.
+# changes, drains (a short --drain-after picked from the seed; half the
+# workers reuse leases locally, so drains recall them); sampled every 100 ms
+# for the Never checks. Prints a summary (drains and refused reclaims' reasons
+# included); exit 1 on any violation. Not in `make test`. `make soak
+# SOAK_MINUTES=5`; `SOAK_ARGS=--no-takeover` leaves takeovers out, `--seed S`
+# repeats a run, `--drain-after D` fixes the drain rule.
 SOAK_MINUTES ?= 30
 SOAK_ARGS ?=
 soak: build

@@ -34,9 +34,76 @@ std::vector<std::string> Words(const std::string& reply) {
   return words;
 }
 
+// A process that reuses its lease locally: every acquire of a model it maps
+// is a local reference, and a lease whose references ended is kept (and
+// said idle only after a minute, so that the daemon counts it in use).
+constexpr const char* kReusing =
+    " reuse=1 keep_idle_ms=600000 notice_us=60000000";
+// An idle delegation: a process that reuses locally, whose lease no
+// reference uses any more, with the daemon told "idle" at once.
+constexpr const char* kDelegatingIdle =
+    " reuse=1 keep_idle_ms=600000 notice_us=0";
+
+// A reply's first word after "ok" (Worker::Ok), or "" after a failure.
+std::string First(const std::vector<std::string>& words) {
+  return words.empty() ? "" : words[0];
+}
+
 class DrainTest : public ServeTest {
  protected:
   double Metric(const std::string& name) { return daemon_->Metric(name); }
+
+  // Room for one of 'a' and 'b' (4 MiB each in 6 MiB): a load of one waits
+  // for the other's room. `args`: the daemon's flags.
+  Daemon& StartWithRoomForOne(std::vector<std::string> args = {"--drain-after",
+                                                               "0"}) {
+    AddModel("a", 4 * kMiB, 1);
+    AddModel("b", 4 * kMiB, 2);
+    return StartDaemon("6MiB", std::move(args));
+  }
+
+  void AwaitMetric(const std::string& name, double value,
+                   const std::string& what) {
+    Eventually([&] { return Metric(name) == value; }, what);
+  }
+  void AwaitMetricAtLeast(const std::string& name, double value,
+                          const std::string& what) {
+    Eventually([&] { return Metric(name) >= value; }, what);
+  }
+
+  // An acquire's reply that must be `model` served: its lease (booked), or
+  // "" after a failure.
+  std::string Served(const std::string& reply, const std::string& model) {
+    const std::vector<std::string> words = Words(reply);
+    if (words.size() != 3) {
+      ADD_FAILURE() << "'" << model << "' not served: " << reply;
+      return "";
+    }
+    leases_.Add(words[0]);
+    EXPECT_EQ(words[1], std::to_string(checksums_[model])) << reply;
+    return words[0];
+  }
+
+  // Connects `w` with the worker's `settings` and acquires 'a': its lease.
+  std::string HoldA(Worker& w, const std::string& settings) {
+    w.Ok("connect " + daemon_->socket() + settings);
+    const std::string lease = First(w.Ok("acquire a"));
+    leases_.Add(lease);
+    return lease;
+  }
+
+  // `w` holds an idle delegation of 'a' (its recalls gated), the daemon
+  // told; `other` holds 'a' in use, so that the copy drains rather than
+  // being evicted. The delegation's lease.
+  std::string IdleDelegationOfA(Worker& w, Worker& other) {
+    const std::string lease =
+        HoldA(w, std::string(kDelegatingIdle) + " recall_gate=1");
+    w.Ok("release a");
+    AwaitMetric("modelcache_delegated_leases{use=\"idle\"}", 1,
+                "the daemon told the lease is idle");
+    leases_.Add(First(other.Ok("acquire a")));
+    return lease;
+  }
 };
 
 // The starvation scenario across processes: room for one model, three
@@ -45,50 +112,40 @@ class DrainTest : public ServeTest {
 // of 'a' queue instead of overtaking, 'b' gets the room as soon as the last
 // lease of 'a' out ends, and the queued acquires of 'a' are served after.
 TEST_F(DrainTest, AWaiterForRoomIsServedWhileOtherProcessesKeepTheModelBusy) {
-  AddModel("a", 4 * kMiB, 1);
-  AddModel("b", 4 * kMiB, 2);
-  Daemon& d = StartDaemon("6MiB", {"--drain-after", "0"});
+  Daemon& d = StartWithRoomForOne();
   Worker w1(d.socket());
   Worker w2(d.socket());
   Worker w3(d.socket());
   Worker wb(d.socket());
-  leases_.Add(w1.Ok("acquire a")[0]);
+  leases_.Add(First(w1.Ok("acquire a")));
   EXPECT_EQ(Metric("modelcache_oldest_room_wait_seconds"), 0);
 
   wb.Send("acquire b 120000");
-  Eventually([&] { return Metric("modelcache_drains_total") >= 1; },
-             "'a' draining for 'b'");
+  AwaitMetricAtLeast("modelcache_drains_total", 1, "'a' draining for 'b'");
   EXPECT_GT(Metric("modelcache_oldest_room_wait_seconds"), 0)
       << "'b' waits for room";
   // A second process asks for 'a' while the first still holds it: it
   // queues behind the drain rather than overtaking 'b'.
   w2.Send("acquire a 120000");
-  Eventually(
-      [&] { return Metric("modelcache_queued_behind_drain_total") >= 1; },
-      "an acquire of 'a' queued behind its drain");
+  AwaitMetricAtLeast("modelcache_queued_behind_drain_total", 1,
+                     "an acquire of 'a' queued behind its drain");
   w3.Send("acquire a 120000");
-  Eventually([&] { return Metric("modelcache_waiting_acquires") == 3; },
-             "'b' and two acquires of 'a' waiting");
+  AwaitMetric("modelcache_waiting_acquires", 3,
+              "'b' and two acquires of 'a' waiting");
   EXPECT_EQ(d.Model("a")["leases"].size(), 1u) << "the drain took no lease";
   EXPECT_EQ(d.Model("a")["queued_behind_drain"], 1)
       << "one load of 'a' (both acquires' waits) queued behind its drain";
 
   // The last lease of 'a' out ends: 'b' gets the room.
   w1.Ok("release a");
-  const std::vector<std::string> b = Words(wb.Receive());
-  ASSERT_EQ(b.size(), 3u);
-  leases_.Add(b[0]);
-  EXPECT_EQ(b[1], std::to_string(checksums_["b"]));
+  ASSERT_NE(Served(wb.Receive(), "b"), "");
   EXPECT_EQ(Metric("modelcache_waiting_acquires"), 2)
       << "the acquires of 'a' wait for room in their turn";
 
   // 'b' done: the acquires of 'a' go on.
   wb.Ok("release b");
   for (Worker* w : {&w2, &w3}) {
-    const std::vector<std::string> a = Words(w->Receive());
-    ASSERT_EQ(a.size(), 3u);
-    leases_.Add(a[0]);
-    EXPECT_EQ(a[1], std::to_string(checksums_["a"]));
+    ASSERT_NE(Served(w->Receive(), "a"), "");
     w->Ok("release a");
   }
   EXPECT_EQ(Metric("modelcache_acquires_total{result=\"timeout\"}"), 0);
@@ -98,48 +155,36 @@ TEST_F(DrainTest, AWaiterForRoomIsServedWhileOtherProcessesKeepTheModelBusy) {
 // process, which ends the drain's wait like a release, and the acquire of
 // 'a' queued behind the drain is served after 'b'.
 TEST_F(DrainTest, ASigkilledHolderOfADrainingCopyEndsItsLease) {
-  AddModel("a", 4 * kMiB, 1);
-  AddModel("b", 4 * kMiB, 2);
-  Daemon& d = StartDaemon("6MiB", {"--drain-after", "0"});
+  Daemon& d = StartWithRoomForOne();
   Worker holder(d.socket());
   Worker next(d.socket());
   Worker wb(d.socket());
-  leases_.Add(holder.Ok("acquire a")[0]);
+  leases_.Add(First(holder.Ok("acquire a")));
   wb.Send("acquire b 120000");
-  Eventually([&] { return Metric("modelcache_drains_total") >= 1; },
-             "'a' draining for 'b'");
+  AwaitMetricAtLeast("modelcache_drains_total", 1, "'a' draining for 'b'");
   next.Send("acquire a 120000");
-  Eventually(
-      [&] { return Metric("modelcache_queued_behind_drain_total") >= 1; },
-      "an acquire of 'a' queued behind its drain");
+  AwaitMetricAtLeast("modelcache_queued_behind_drain_total", 1,
+                     "an acquire of 'a' queued behind its drain");
   holder.process().Signal(SIGKILL);
   holder.process().Wait();
-  const std::vector<std::string> b = Words(wb.Receive());
-  ASSERT_EQ(b.size(), 3u);
-  leases_.Add(b[0]);
-  EXPECT_EQ(b[1], std::to_string(checksums_["b"]));
+  ASSERT_NE(Served(wb.Receive(), "b"), "");
   wb.Ok("release b");
-  const std::vector<std::string> a = Words(next.Receive());
-  ASSERT_EQ(a.size(), 3u);
-  leases_.Add(a[0]);
-  EXPECT_EQ(a[1], std::to_string(checksums_["a"]));
+  ASSERT_NE(Served(next.Receive(), "a"), "");
   next.Ok("release a");
 }
 
 // --drain-after inf keeps the rule of before: models in use never drain,
 // acquires of them overtake the waiter, which waits to its deadline.
 TEST_F(DrainTest, DrainAfterInfLetsTheBusyModelOvertakeTheWaiterForEver) {
-  AddModel("a", 4 * kMiB, 1);
-  AddModel("b", 4 * kMiB, 2);
-  Daemon& d = StartDaemon("6MiB", {"--drain-after", "inf"});
+  Daemon& d = StartWithRoomForOne({"--drain-after", "inf"});
   Worker w1(d.socket());
   Worker w2(d.socket());
   Worker wb(d.socket());
-  leases_.Add(w1.Ok("acquire a")[0]);
+  leases_.Add(First(w1.Ok("acquire a")));
   wb.Send("acquire b 5000");
   Eventually([&] { return Metric("modelcache_oldest_room_wait_seconds") > 0; },
              "'b' waiting for room");
-  leases_.Add(w2.Ok("acquire a 5000")[0]);  // a hit, at once
+  leases_.Add(First(w2.Ok("acquire a 5000")));  // a hit, at once
   w1.Ok("release a");
   EXPECT_THAT(wb.Receive(), StartsWith("error TIMEOUT"));
   EXPECT_EQ(Metric("modelcache_drains_total"), 0);
@@ -150,31 +195,22 @@ TEST_F(DrainTest, DrainAfterInfLetsTheBusyModelOvertakeTheWaiterForEver) {
 // still mapping it) counts as pinned: no drain takes it, so the waiter
 // waits to its deadline as for pinned room, and acquires of it stay hits.
 TEST_F(DrainTest, ACopyHeldByAnOrphanIsNeverDrained) {
-  AddModel("a", 4 * kMiB, 1);
-  AddModel("b", 4 * kMiB, 2);
-  Daemon& d = StartDaemon("6MiB", {"--drain-after", "0"});
+  Daemon& d = StartWithRoomForOne();
   Worker orphan(d.socket());
-  leases_.Add(orphan.Ok("acquire a")[0]);
+  leases_.Add(First(orphan.Ok("acquire a")));
   orphan.Ok("close");  // the socket goes, the mapping stays
-  Eventually([&] { return Metric("modelcache_orphaned_leases") == 1; },
-             "the lease orphaned");
+  AwaitMetric("modelcache_orphaned_leases", 1, "the lease orphaned");
   Worker wb(d.socket());
   EXPECT_THAT(wb.Do("acquire b 1000"), StartsWith("error TIMEOUT"));
   EXPECT_EQ(Metric("modelcache_drains_total"), 0);
   Worker w(d.socket());
-  leases_.Add(w.Ok("acquire a")[0]);
+  leases_.Add(First(w.Ok("acquire a")));
   EXPECT_EQ(Metric("modelcache_acquires_total{result=\"hit\"}"), 1);
   w.Ok("release a");
   orphan.Ok("release-all");
 }
 
 // ---- local reuse (protocol.h, "Drains") ----
-
-// A process that reuses its lease locally: every acquire of a model it maps
-// is a local reference, and a lease whose references ended is kept (and
-// said idle only after a minute, so that the daemon counts it in use).
-constexpr const char* kReusing =
-    " reuse=1 keep_idle_ms=600000 notice_us=60000000";
 
 // The starvation scenario through local reuse: one process keeps 'a' busy
 // with references of its own lease, never asking the daemon; another waits
@@ -183,18 +219,13 @@ constexpr const char* kReusing =
 // for microseconds of references and a load); the busy process's next
 // acquires queue at the daemon and are served after.
 TEST_F(DrainTest, AWaiterIsServedWhileAnotherProcessReusesTheModelLocally) {
-  AddModel("a", 4 * kMiB, 1);
-  AddModel("b", 4 * kMiB, 2);
-  Daemon& d = StartDaemon("6MiB", {"--drain-after", "0"});
+  Daemon& d = StartWithRoomForOne();
   Worker busy;
   busy.Ok("connect " + d.socket() + kReusing);
   busy.Ok("cycle-start 120000 a");
   busy.Ok("cycle-wait 3");  // its lease is local now
   Worker wb(d.socket());
-  const std::vector<std::string> b = Words(wb.Do("acquire b 5000"));
-  ASSERT_EQ(b.size(), 3u);
-  leases_.Add(b[0]);
-  EXPECT_EQ(b[1], std::to_string(checksums_["b"]));
+  ASSERT_NE(Served(wb.Do("acquire b 5000"), "b"), "");
   wb.Ok("release b");
   busy.Ok("cycle-wait 3");  // 'a' again, from the daemon
   const std::vector<std::string> done = busy.Ok("cycle-stop");
@@ -211,66 +242,113 @@ TEST_F(DrainTest, AWaiterIsServedWhileAnotherProcessReusesTheModelLocally) {
 // where it queues behind the drain (which still waits for another
 // process's lease) and is served after the waiter.
 TEST_F(DrainTest, ADrainReadBeforeALocalReuseSendsTheReuseToTheDaemon) {
-  AddModel("a", 4 * kMiB, 1);
-  AddModel("b", 4 * kMiB, 2);
-  Daemon& d = StartDaemon("6MiB", {"--drain-after", "0"});
+  Daemon& d = StartWithRoomForOne();
   Worker w;
-  w.Ok("connect " + d.socket() + kReusing + " recall_gate=1");
-  const std::string lease = w.Ok("acquire a")[0];
-  leases_.Add(lease);
+  const std::string lease = HoldA(w, std::string(kReusing) + " recall_gate=1");
   Worker other(d.socket());
-  leases_.Add(other.Ok("acquire a")[0]);
+  leases_.Add(First(other.Ok("acquire a")));
   Worker wb(d.socket());
   wb.Send("acquire b 120000");
-  EXPECT_EQ(w.Ok("recall-wait")[0], lease) << "the drain recalls it";
+  EXPECT_EQ(First(w.Ok("recall-wait")), lease) << "the drain recalls it";
   w.Ok("recall-go");
-  Eventually(
-      [&] { return Metric("modelcache_recalls_total{answer=\"busy\"}") == 1; },
-      "the recall answered: in use");
-  EXPECT_EQ(w.Ok("acquire-local a")[0], "none") << "it lends no more";
+  AwaitMetric("modelcache_recalls_total{answer=\"busy\"}", 1,
+              "the recall answered: in use");
+  EXPECT_EQ(First(w.Ok("acquire-local a")), "none") << "it lends no more";
   w.Ok("release a");  // the last reference: the lease ends
   w.Send("acquire a 120000");
-  Eventually(
-      [&] { return Metric("modelcache_queued_behind_drain_total") >= 1; },
+  AwaitMetricAtLeast(
+      "modelcache_queued_behind_drain_total", 1,
       "the acquire of 'a' queued behind its drain at the daemon");
   other.Ok("release a");
-  const std::vector<std::string> b = Words(wb.Receive());
-  ASSERT_EQ(b.size(), 3u);
-  leases_.Add(b[0]);
+  ASSERT_NE(Served(wb.Receive(), "b"), "");
   wb.Ok("release b");
-  const std::vector<std::string> a = Words(w.Receive());
-  ASSERT_EQ(a.size(), 3u);
-  leases_.Add(a[0]);
-  EXPECT_NE(a[0], lease) << "a lease of its own, from the daemon";
-  EXPECT_EQ(a[1], std::to_string(checksums_["a"]));
+  EXPECT_NE(Served(w.Receive(), "a"), lease)
+      << "a lease of its own, from the daemon";
   w.Ok("release a");
 }
 
 // A local reuse made before the drain's recall is read: the reference
 // counts as a lease out, and the drain waits for it to end as for any.
 TEST_F(DrainTest, ALocalReuseBeforeTheDrainIsReadIsALeaseOutThatItWaitsFor) {
-  AddModel("a", 4 * kMiB, 1);
-  AddModel("b", 4 * kMiB, 2);
-  Daemon& d = StartDaemon("6MiB", {"--drain-after", "0"});
+  Daemon& d = StartWithRoomForOne();
   Worker w;
-  w.Ok("connect " + d.socket() + kReusing + " recall_gate=1");
-  const std::string lease = w.Ok("acquire a")[0];
-  leases_.Add(lease);
+  const std::string lease = HoldA(w, std::string(kReusing) + " recall_gate=1");
   Worker wb(d.socket());
   wb.Send("acquire b 120000");
-  EXPECT_EQ(w.Ok("recall-wait")[0], lease);  // held in the hook, unread
-  EXPECT_EQ(w.Ok("acquire-local a")[0], lease) << "reused before the recall";
+  EXPECT_EQ(First(w.Ok("recall-wait")), lease);  // held in the hook, unread
+  EXPECT_EQ(First(w.Ok("acquire-local a")), lease)
+      << "reused before the recall";
   w.Ok("recall-go");
-  Eventually(
-      [&] { return Metric("modelcache_recalls_total{answer=\"busy\"}") == 1; },
-      "the recall answered: in use");
+  AwaitMetric("modelcache_recalls_total{answer=\"busy\"}", 1,
+              "the recall answered: in use");
   w.Ok("release a");  // one reference of two
   EXPECT_EQ(Metric("modelcache_waiting_acquires"), 1) << "'b' still waits";
   EXPECT_EQ(d.Model("a")["leases"].size(), 1u);
   w.Ok("release a");  // the last: released, and 'b' gets the room
-  const std::vector<std::string> b = Words(wb.Receive());
-  ASSERT_EQ(b.size(), 3u);
-  leases_.Add(b[0]);
+  ASSERT_NE(Served(wb.Receive(), "b"), "");
+  wb.Ok("release b");
+}
+
+// The drain's recall of an idle delegation (another process keeps the copy
+// in use, so it drains rather than being evicted) is read before a local
+// revival: no reference uses the lease, so it is released at once, the
+// revival finds nothing local, and the acquire goes to the daemon, where it
+// queues behind the drain and is served after the waiter.
+TEST_F(DrainTest, ADrainReadBeforeAnIdleLeaseIsRevivedReleasesIt) {
+  Daemon& d = StartWithRoomForOne();
+  Worker w;
+  Worker other(d.socket());
+  const std::string lease = IdleDelegationOfA(w, other);
+  Worker wb(d.socket());
+  wb.Send("acquire b 120000");
+  EXPECT_EQ(First(w.Ok("recall-wait")), lease) << "the drain recalls it, idle";
+  w.Ok("recall-go");
+  AwaitMetric("modelcache_recalls_total{answer=\"release\"}", 1,
+              "the recall answered: released");
+  EXPECT_EQ(w.Ok("idle"), std::vector<std::string>{"0"});
+  EXPECT_EQ(First(w.Ok("acquire-local a")), "none") << "nothing left to revive";
+  w.Send("acquire a 120000");
+  AwaitMetricAtLeast(
+      "modelcache_queued_behind_drain_total", 1,
+      "the acquire of 'a' queued behind its drain at the daemon");
+  other.Ok("release a");
+  ASSERT_NE(Served(wb.Receive(), "b"), "");
+  wb.Ok("release b");
+  EXPECT_NE(Served(w.Receive(), "a"), lease)
+      << "a lease of its own, from the daemon";
+  w.Ok("release a");
+}
+
+// An idle delegation revived locally before the drain's recall is read:
+// the recall is answered "use", the revived reference is a lease out that
+// the drain waits for (the copy it maps is not freed when the other
+// process's lease ends), no new local reference is taken once the recall
+// is read, and the reference's end releases the lease: the waiter is
+// served.
+TEST_F(DrainTest, AnIdleLeaseRevivedBeforeTheDrainIsReadIsALeaseOutToWaitFor) {
+  Daemon& d = StartWithRoomForOne();
+  Worker w;
+  Worker other(d.socket());
+  const std::string lease = IdleDelegationOfA(w, other);
+  Worker wb(d.socket());
+  wb.Send("acquire b 120000");
+  EXPECT_EQ(First(w.Ok("recall-wait")), lease);  // held in the hook, unread
+  EXPECT_EQ(First(w.Ok("acquire-local a")), lease)
+      << "revived before the recall";
+  w.Ok("recall-open");  // this recall and any later one are answered
+  AwaitMetricAtLeast("modelcache_recalls_total{answer=\"busy\"}", 1,
+                     "the recall answered: in use");
+  EXPECT_EQ(First(w.Ok("acquire-local a")), "none")
+      << "no new local reference once the drain is read";
+  other.Ok("release a");
+  AwaitMetricAtLeast(
+      "modelcache_refused_unloads_total", 1,
+      "the drained copy's unload refused: the revived lease maps it");
+  EXPECT_EQ(Metric("modelcache_waiting_acquires"), 1) << "'b' still waits";
+  EXPECT_EQ(d.Model("a")["leases"].size(), 1u);
+  w.Ok("release a");  // the last reference: released, not kept idle
+  ASSERT_NE(Served(wb.Receive(), "b"), "");
+  EXPECT_EQ(w.Ok("idle"), std::vector<std::string>{"0"});
   wb.Ok("release b");
 }
 
@@ -278,29 +356,20 @@ TEST_F(DrainTest, ALocalReuseBeforeTheDrainIsReadIsALeaseOutThatItWaitsFor) {
 // recall timeout takes it as busy, as any recall, and the drain waits for
 // its lease to end as before.
 TEST_F(DrainTest, AClientThatNeverAnswersADrainIsTreatedAsBefore) {
-  AddModel("a", 4 * kMiB, 1);
-  AddModel("b", 4 * kMiB, 2);
   Daemon& d =
-      StartDaemon("6MiB", {"--drain-after", "0", "--recall-timeout", "50ms"});
+      StartWithRoomForOne({"--drain-after", "0", "--recall-timeout", "50ms"});
   Worker w;
-  w.Ok("connect " + d.socket() + kReusing + " recall_gate=1");
-  const std::string lease = w.Ok("acquire a")[0];
-  leases_.Add(lease);
+  const std::string lease = HoldA(w, std::string(kReusing) + " recall_gate=1");
   Worker wb(d.socket());
   wb.Send("acquire b 120000");
-  EXPECT_EQ(w.Ok("recall-wait")[0], lease);  // never answered
-  Eventually(
-      [&] {
-        return Metric("modelcache_recalls_total{answer=\"unanswered\"}") == 1;
-      },
-      "the recall timed out");
+  EXPECT_EQ(First(w.Ok("recall-wait")), lease);  // never answered
+  AwaitMetric("modelcache_recalls_total{answer=\"unanswered\"}", 1,
+              "the recall timed out");
   EXPECT_EQ(Metric("modelcache_waiting_acquires"), 1) << "'b' still waits";
   // (The hook holds the client's reading thread, which its release needs.)
   w.Ok("recall-go");
   w.Ok("release a");
-  const std::vector<std::string> b = Words(wb.Receive());
-  ASSERT_EQ(b.size(), 3u);
-  leases_.Add(b[0]);
+  ASSERT_NE(Served(wb.Receive(), "b"), "");
   wb.Ok("release b");
 }
 
@@ -333,7 +402,7 @@ class DrainSlotTest : public DrainTest {
     Eventually([&] { return Metric("modelcache_waiting_acquires") == 3; },
                "'high' queued");
     d.OpenGate();  // 'x' loads; its slot goes to the next
-    leases_.Add(Words(wx.Receive())[0]);
+    Served(wx.Receive(), "x");
     std::string first;
     Eventually(
         [&] {
@@ -344,8 +413,8 @@ class DrainSlotTest : public DrainTest {
         },
         "the next load started");
     d.CloseGate();
-    leases_.Add(Words(wl.Receive())[0]);
-    leases_.Add(Words(wh.Receive())[0]);
+    Served(wl.Receive(), "low");
+    Served(wh.Receive(), "high");
     for (auto [w, m] : {std::pair<Worker*, const char*>{&wx, "x"},
                         {&wl, "low"},
                         {&wh, "high"}}) {

@@ -2,14 +2,19 @@
 // (`make soak`; not a ctest entry).
 //
 //   serve_soak [--minutes N | --seconds N] [--seed S] [--no-takeover]
-//              [--workers N] [--verbose]
+//              [--workers N] [--drain-after D] [--verbose]
 //
 // One daemon (loopback HTTP, a UNIX socket, in a fresh folder) serves a
 // table of models of known checksums. Eight worker processes
 // (serve_test_worker, one driver thread each) loop: acquire a random model
 // (waiting for room or failing at once when full), check every byte read
 // against the model's checksum, hold it a random while (holding up to three
-// at once), check all they hold again, release. Meanwhile a fault thread
+// at once), check all they hold again, release. Half of them (the odd
+// slots) reuse leases locally and keep them idle a while (delegation), so
+// that they get the daemon's recalls, those of drains included. The daemon
+// runs with a short --drain-after (picked from the seed: 0, 50ms, 250ms or
+// 1s, or --drain-after D), so that under the budget shrinks below a
+// waiter's room the busy models drain. Meanwhile a fault thread
 // injects, at random intervals:
 //   - client kills: SIGKILL a worker, start a new one in its place;
 //   - daemon kills: SIGKILL the daemon, start it again on the same socket
@@ -37,7 +42,8 @@
 //     only shrink after a start, and /v1/budget reads them before used, so
 //     a reading is never below the true sum at its end);
 //   - no lease id is ever handed out twice, across every daemon of the run
-//     (the workers report each lease they get);
+//     (the workers report each lease they get; a worker that reuses locally
+//     may report its own lease again, never another process's);
 //   - no descriptor leak in the daemon. Its open descriptors at a sample
 //     (the lesser of a reading before and one after its books are read)
 //     must stay within
@@ -62,7 +68,9 @@
 // TOO_LARGE while the budget was shrunk; UNAVAILABLE or TIMEOUT while a
 // daemon was dead or being taken over) or a failure outside them. The
 // summary counts each fault injected and survived, the requests made, and
-// the failures by kind; the exit status is 1 on any failure outside the
+// the failures by kind, the drains (modelcache_drains_total, loads queued
+// behind one) and recalls the daemons made, and the refused reclaims by the
+// reason each daemon logged; the exit status is 1 on any failure outside the
 // refusals, any sampler violation, any wrong byte, any failed write of a
 // daemon's record (modelcache_record_write_failures_total), or a fault that
 // could not be injected (a daemon that did not come back, a takeover
@@ -77,6 +85,9 @@
 #include <cinttypes>
 #include <cstdio>
 #include <deque>
+#include <fstream>
+#include <iterator>
+#include <map>
 #include <memory>
 #include <random>
 #include <thread>
@@ -98,8 +109,14 @@ struct Options {
   uint64_t seed = 1;
   bool takeover = true;
   int workers = 8;
+  // Empty: picked from the seed (kDrainAfters).
+  std::string drain_after;
   bool verbose = false;
 };
+
+// The --drain-after of a run whose flag does not say: short, so that drains
+// happen within a shrink, and 1s for the rule at the library's floor.
+constexpr const char* kDrainAfters[] = {"0", "50ms", "250ms", "1s"};
 
 // The gtest checks of the kit (ExpectBooksCoverMaps, Process's bounds)
 // report here: this program runs no test, and counts what they find.
@@ -245,13 +262,18 @@ std::string Code(const std::string& reply) {
 class Soak {
  public:
   explicit Soak(const Options& options)
-      : options_(options), random_(options.seed) {}
+      : options_(options),
+        drain_after_(options.drain_after.empty()
+                         ? kDrainAfters[options.seed % std::size(kDrainAfters)]
+                         : options.drain_after),
+        random_(options.seed) {}
 
   int Run() {
     Setup();
     std::vector<std::thread> threads;
     for (int k = 0; k < options_.workers; ++k) {
       slots_.push_back(std::make_unique<Slot>());
+      slots_.back()->reuse = k % 2 == 1;
     }
     for (int k = 0; k < options_.workers; ++k) {
       threads.emplace_back([this, k] { Drive(k); });
@@ -274,6 +296,10 @@ class Soak {
     Mutex mu;
     pid_t pid MC_GUARDED_BY(mu) = -1;
     bool killed MC_GUARDED_BY(mu) = false;
+    // Its driver's alone: whether its workers reuse leases locally, and
+    // which worker process it has now (AddLease).
+    bool reuse = false;
+    uint64_t owner = 0;
   };
 
   void Setup() {
@@ -297,7 +323,11 @@ class Soak {
     d.root = root_;
     d.socket = socket_;
     d.capacity = std::to_string(kNormalCapacity);
-    d.args = {"--reclaim-grace", "2s", "--load-slots", "2"};
+    d.args = {"--reclaim-grace", "2s",        "--load-slots", "2",
+              "--drain-after",   drain_after_};
+    // Read at the end for the reasons of refused reclaims (and shown when
+    // the run fails).
+    d.log_file = log_;
     daemon_ = std::make_unique<Daemon>(d);
     baseline_ = daemon_->baseline_fds();
     {
@@ -355,6 +385,7 @@ class Soak {
         slot.pid = worker->pid();
         slot.killed = false;
       }
+      slot.owner = next_owner_.fetch_add(1) + 1;
       held.clear();
       if (!Connect(*worker, slot)) {
         Replace(slot, &worker);
@@ -423,7 +454,10 @@ class Soak {
   bool Connect(Worker& worker, Slot& slot) {
     for (;;) {
       const TimePoint start = Clock::now();
-      const auto reply = Do(worker, slot, "connect " + socket_);
+      const auto reply = Do(
+          worker, slot,
+          "connect " + socket_ +
+              (slot.reuse ? " reuse=1 keep_idle_ms=1000 notice_us=1000" : ""));
       if (!reply) return false;
       if (*reply == "ok") return true;
       if (history_.Outage(start, Clock::now()) && !stop_) continue;
@@ -477,6 +511,8 @@ class Soak {
     const TimePoint start = Clock::now();
     tally_.Add("requests");
     const auto reply = Do(worker, slot, command);
+    const auto waited = std::chrono::duration_cast<std::chrono::milliseconds>(
+        Clock::now() - start);
     if (!reply) {
       tally_.Add("requests_cut_by_kill");
       return false;
@@ -486,7 +522,11 @@ class Soak {
       std::string lease;
       uint64_t sum = 0;
       in >> lease >> sum;
-      AddLease(lease);
+      AddLease(lease, slot.owner, slot.reuse);
+      if (!fail) {
+        MutexLock lock(&leases_mu_);
+        longest_served_wait_ = std::max(longest_served_wait_, waited);
+      }
       if (sum != Checksum(model)) {
         tally_.Bad("wrong_bytes", model + ": " + *reply);
       }
@@ -523,11 +563,18 @@ class Soak {
     tally_.Bad("failed_outside", "acquire " + model + " -> " + reply);
   }
 
-  void AddLease(const std::string& lease) {
+  // A lease a worker process (`owner`) reported: new, or one this same
+  // process got before when it reuses locally (a local reference, an idle
+  // delegation revived, a lease it reclaimed after a daemon's end).
+  void AddLease(const std::string& lease, uint64_t owner, bool reuse) {
     MutexLock lock(&leases_mu_);
-    if (!lease_ids_.insert(lease).second) {
-      tally_.Bad("lease_id_reused", lease);
+    const auto [it, fresh] = lease_ids_.emplace(lease, owner);
+    if (fresh) return;
+    if (reuse && it->second == owner) {
+      tally_.Add("requests_local");
+      return;
     }
+    tally_.Bad("lease_id_reused", lease);
   }
 
   // ---- faults ----
@@ -567,10 +614,10 @@ class Soak {
     tally_.Add("fault:worker_kills");
   }
 
-  // The reclaims this daemon accepted, and the writes of its record that
-  // failed (each one a violation: a successor reclaims nothing made since),
-  // added once per daemon at its end.
-  void CountReclaims() MC_REQUIRES(daemon_mu_) {
+  // The reclaims this daemon accepted, its drains and recalls, and the
+  // writes of its record that failed (each one a violation: a successor
+  // reclaims nothing made since), added once per daemon at its end.
+  void CountDaemon() MC_REQUIRES(daemon_mu_) {
     const json budget = daemon_->Budget();
     if (!budget.is_object()) return;
     const auto record_failures = static_cast<int64_t>(
@@ -588,11 +635,19 @@ class Soak {
     tally_.Add("reclaims_refused",
                static_cast<int64_t>(daemon_->Metric(
                    "modelcache_reclaims_total{result=\"refused\"}")));
+    for (const char* metric :
+         {"modelcache_drains_total", "modelcache_queued_behind_drain_total",
+          "modelcache_refused_unloads_total",
+          "modelcache_recalls_total{answer=\"release\"}",
+          "modelcache_recalls_total{answer=\"busy\"}",
+          "modelcache_recalls_total{answer=\"unanswered\"}"}) {
+      tally_.Add(metric, static_cast<int64_t>(daemon_->Metric(metric)));
+    }
   }
 
   void KillDaemon() {
     MutexLock lock(&daemon_mu_);
-    CountReclaims();
+    CountDaemon();
     const size_t outage = history_.BeginOutage();
     daemon_->process().Signal(SIGKILL);
     daemon_->process().Wait();
@@ -616,7 +671,7 @@ class Soak {
 
   void Takeover() {
     MutexLock lock(&daemon_mu_);
-    CountReclaims();
+    CountDaemon();
     const size_t outage = history_.BeginOutage();
     int status = 0;
     try {
@@ -688,9 +743,11 @@ class Soak {
     }
     std::vector<std::string> models;
     std::vector<int> counts;
+    std::vector<uint64_t> owners;
     const TimePoint start = Clock::now();
     for (auto& w : flood) {
       models.push_back(table_[Rand(table_.size())].id);
+      owners.push_back(next_owner_.fetch_add(1) + 1);
       counts.push_back(4 + static_cast<int>(Rand(13)));
       w->Send("burst " + models.back() + " " + std::to_string(counts.back()) +
               " 10000");
@@ -711,7 +768,7 @@ class Soak {
       for (int j = 0; j < got; ++j) {
         in >> word;
         const size_t comma = word.find(',');
-        AddLease(word.substr(0, comma));
+        AddLease(word.substr(0, comma), owners[i], /*reuse=*/false);
         if (word.substr(comma + 1) != std::to_string(Checksum(models[i]))) {
           tally_.Bad("wrong_bytes", "flood " + models[i] + ": " + word);
         }
@@ -832,21 +889,24 @@ class Soak {
   int Finish() {
     {
       MutexLock lock(&daemon_mu_);
-      CountReclaims();
+      CountDaemon();
     }
     daemon_.reset();  // SIGTERM, reaped
     const auto n = [&](const std::string& key) {
       return static_cast<long long>(tally_.Get(key));
     };
-    std::printf("serve_soak summary (seed %" PRIu64 ", %lld s%s)\n",
-                options_.seed,
-                static_cast<long long>(options_.duration.count()),
-                options_.takeover ? "" : ", no takeovers");
+    std::printf(
+        "serve_soak summary (seed %" PRIu64 ", %lld s, --drain-after %s%s)\n",
+        options_.seed, static_cast<long long>(options_.duration.count()),
+        drain_after_.c_str(), options_.takeover ? "" : ", no takeovers");
     std::printf("faults injected and survived:\n");
     std::printf("  worker kills        %lld\n", n("fault:worker_kills"));
     std::printf("  daemon kills        %lld\n", n("fault:daemon_kills"));
     std::printf("  reclaims accepted   %lld (refused %lld)\n",
                 n("reclaims_accepted"), n("reclaims_refused"));
+    for (const auto& [why, count] : RefusedReclaims()) {
+      std::printf("    refused: %-40s %lld\n", why.c_str(), count);
+    }
     std::printf("  record writes failed %lld\n", n("record_writes_failed"));
     std::printf("  takeovers           %lld\n", n("fault:takeovers"));
     std::printf("  reloads             %lld\n", n("fault:reloads"));
@@ -864,6 +924,23 @@ class Soak {
       std::printf("    %-26s %lld\n", why, n(std::string("refused:") + why));
     }
     std::printf("  failed outside them %lld\n", n("requests_failed_outside"));
+    std::printf("  local reuses        %lld (a lease id its own worker had)\n",
+                n("requests_local"));
+    {
+      MutexLock lock(&leases_mu_);
+      std::printf("  longest served wait %lld ms\n",
+                  static_cast<long long>(longest_served_wait_.count()));
+    }
+    std::printf("drains                %lld (loads queued behind one %lld)\n",
+                n("modelcache_drains_total"),
+                n("modelcache_queued_behind_drain_total"));
+    std::printf(
+        "recalls answered      release %lld, busy %lld, unanswered %lld "
+        "(evictions refused for delegated leases %lld)\n",
+        n("modelcache_recalls_total{answer=\"release\"}"),
+        n("modelcache_recalls_total{answer=\"busy\"}"),
+        n("modelcache_recalls_total{answer=\"unanswered\"}"),
+        n("modelcache_refused_unloads_total"));
     size_t lease_ids = 0;
     {
       MutexLock lock(&leases_mu_);
@@ -894,8 +971,42 @@ class Soak {
       std::printf("    %s\n", m.c_str());
     }
     const bool ok = violations == 0 && kit == 0;
+    if (!ok) PrintLogTail(40);
     std::printf("%s\n", ok ? "PASS" : "FAIL");
     return ok ? 0 : 1;
+  }
+
+  // The daemons' logged reasons for refused reclaims ("reclaim of lease L
+  // ('m') refused: WHY"), their numbers made N so that alike ones add up.
+  std::map<std::string, long long> RefusedReclaims() const {
+    std::map<std::string, long long> reasons;
+    std::ifstream log(log_);
+    std::string line;
+    while (std::getline(log, line)) {
+      if (line.find("reclaim of lease ") == std::string::npos) continue;
+      const size_t at = line.find(") refused: ");
+      if (at == std::string::npos) continue;
+      std::string why;
+      for (const char c : line.substr(at + 11)) {
+        const bool digit = c >= '0' && c <= '9';
+        if (!digit) why += c;
+        if (digit && (why.empty() || why.back() != 'N')) why += 'N';
+      }
+      ++reasons[why.substr(0, 60)];
+    }
+    return reasons;
+  }
+
+  void PrintLogTail(size_t lines) const {
+    std::ifstream log(log_);
+    std::deque<std::string> tail;
+    std::string line;
+    while (std::getline(log, line)) {
+      tail.push_back(line);
+      if (tail.size() > lines) tail.pop_front();
+    }
+    std::printf("the daemons' log, its last %zu lines:\n", tail.size());
+    for (const std::string& l : tail) std::printf("    %s\n", l.c_str());
   }
 
   static constexpr uint64_t kNormalCapacity = 64 * kMiB;
@@ -910,6 +1021,8 @@ class Soak {
   const std::string root_ = dir_ / "models";
   const std::string catalog_ = dir_ / "catalog.json";
   const std::string socket_ = dir_ / "run/serve.sock";
+  const std::string log_ = dir_ / "daemon.log";  // every daemon's, appended
+  const std::string drain_after_;
   std::vector<Model> table_;  // written before the threads start
   std::vector<std::unique_ptr<Slot>> slots_;
 
@@ -928,7 +1041,10 @@ class Soak {
   uint64_t capacity_bound_ MC_GUARDED_BY(bound_mu_) = 0;
 
   Mutex leases_mu_;
-  std::set<std::string> lease_ids_ MC_GUARDED_BY(leases_mu_);
+  // Each lease id reported, and the worker process (owner) that got it.
+  std::map<std::string, uint64_t> lease_ids_ MC_GUARDED_BY(leases_mu_);
+  std::chrono::milliseconds longest_served_wait_ MC_GUARDED_BY(leases_mu_){0};
+  std::atomic<uint64_t> next_owner_{0};
 
   History history_;
   Tally tally_;
@@ -938,13 +1054,15 @@ class Soak {
 
 int Main(int argc, char** argv) {
   Options options;
-  static const option longs[] = {{"minutes", required_argument, nullptr, 'm'},
-                                 {"seconds", required_argument, nullptr, 's'},
-                                 {"seed", required_argument, nullptr, 'S'},
-                                 {"workers", required_argument, nullptr, 'w'},
-                                 {"no-takeover", no_argument, nullptr, 'n'},
-                                 {"verbose", no_argument, nullptr, 'v'},
-                                 {nullptr, 0, nullptr, 0}};
+  static const option longs[] = {
+      {"minutes", required_argument, nullptr, 'm'},
+      {"seconds", required_argument, nullptr, 's'},
+      {"seed", required_argument, nullptr, 'S'},
+      {"workers", required_argument, nullptr, 'w'},
+      {"no-takeover", no_argument, nullptr, 'n'},
+      {"drain-after", required_argument, nullptr, 'd'},
+      {"verbose", no_argument, nullptr, 'v'},
+      {nullptr, 0, nullptr, 0}};
   options.seed = static_cast<uint64_t>(
       std::chrono::system_clock::now().time_since_epoch().count());
   int c;
@@ -965,13 +1083,17 @@ int Main(int argc, char** argv) {
       case 'n':
         options.takeover = false;
         break;
+      case 'd':
+        options.drain_after = optarg;
+        break;
       case 'v':
         options.verbose = true;
         break;
       default:
         std::fprintf(stderr,
                      "usage: serve_soak [--minutes N | --seconds N] "
-                     "[--seed S] [--workers N] [--no-takeover]\n");
+                     "[--seed S] [--workers N] [--no-takeover] "
+                     "[--drain-after D]\n");
         return 2;
     }
   }

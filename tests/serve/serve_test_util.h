@@ -296,8 +296,10 @@ class Process {
                       << bound.count() << " s";
         return "";
       }
+      // The pipe blocks: read only once poll says it holds something, or
+      // a silent child would hold this read past the bound.
       pollfd p{from_child_, POLLIN, 0};
-      ::poll(&p, 1, static_cast<int>(left.count()));
+      if (::poll(&p, 1, static_cast<int>(left.count())) <= 0) continue;
       char chunk[4096];
       const ssize_t n = ::read(from_child_, chunk, sizeof(chunk));
       if (n == 0) return "";

@@ -12,6 +12,7 @@
 //                                waits for recall-go)
 //   recall-wait                  -> ok LEASE once a recall reached the hook
 //   recall-go                    lets the waiting recall be handled
+//   recall-open                  lets every later recall through unheld
 //   idle                         -> ok N: leases kept idle (IdleLeases)
 //   release MODEL                ends the oldest reference held of MODEL
 //   acquire MODEL [MS] [fail]    -> ok LEASE CHECKSUM BYTES
@@ -78,12 +79,13 @@
 namespace {
 
 // The recall gate (connect recall_gate=1): the hook says a recall arrived
-// and waits for recall-go.
+// and waits for recall-go, until recall-open.
 struct RecallGate {
   std::mutex mu;
   std::condition_variable cv;
   bool arrived = false;
   bool go = false;
+  bool open = false;
   uint64_t lease = 0;
 } g_recall;
 
@@ -193,6 +195,7 @@ int main() {
           } else if (key == "recall_gate" && value != 0) {
             options.test_on_recall = [](uint64_t lease) {
               std::unique_lock lock(g_recall.mu);
+              if (g_recall.open) return;
               g_recall.lease = lease;
               g_recall.arrived = true;
               g_recall.cv.notify_all();
@@ -212,6 +215,12 @@ int main() {
         reply = "ok " + std::to_string(g_recall.lease);
       } else if (command == "recall-go") {
         std::lock_guard lock(g_recall.mu);
+        g_recall.go = true;
+        g_recall.cv.notify_all();
+        reply = "ok";
+      } else if (command == "recall-open") {
+        std::lock_guard lock(g_recall.mu);
+        g_recall.open = true;
         g_recall.go = true;
         g_recall.cv.notify_all();
         reply = "ok";

@@ -49,6 +49,14 @@ void Daemon::Impl::Log(const std::string& line) const {
   }
 }
 
+std::string Daemon::Impl::LogRefusedReclaim(const protocol::Request& r,
+                                            const std::string& why) const {
+  std::string text = "reclaim of lease " + std::to_string(r.lease) + " ('" +
+                     r.model + "') refused: " + why;
+  Log(text);
+  return text;
+}
+
 std::shared_ptr<const Catalog> Daemon::Impl::catalog() const {
   base::MutexLock lock(&catalog_mu_);
   return catalog_;

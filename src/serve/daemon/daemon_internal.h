@@ -211,6 +211,10 @@ class Daemon::Impl : private detail::LeaseBooks,
   // Reclaim and takeover (daemon_reclaim.cc, daemon_handover.cc).
   void HandleReclaim(detail::Connection& c, const protocol::Request& r,
                      std::vector<base::UniqueFd> fds);
+  // A refused reclaim's message, logged (so that an operator, and the
+  // soak, learn why) before it goes to the client (daemon.cc).
+  std::string LogRefusedReclaim(const protocol::Request& r,
+                                const std::string& why) const;
   void HandleTakeover(detail::Connection& c, const protocol::Request& r);
   void HandleCommit(detail::Connection& c, const protocol::Request& r);
   void Send(detail::Connection& c, detail::Outgoing message);

@@ -261,9 +261,7 @@ void Daemon::Impl::HandleReclaim(Connection& c, const protocol::Request& r,
                                  std::vector<base::UniqueFd> fds) {
   const auto refuse = [&](ServeCode code, const std::string& why) {
     ++reclaims_refused_;
-    SendError(c, r.id, code,
-              "reclaim of lease " + std::to_string(r.lease) + " ('" + r.model +
-                  "') refused: " + why);
+    SendError(c, r.id, code, LogRefusedReclaim(r, why));
   };
   if (stopping_) {
     SendError(c, r.id, ServeCode::kUnavailable, "the daemon is shutting down");
@@ -566,11 +564,8 @@ void Daemon::Impl::FinishReclaim(detail::Adoption adoption) {
   BookRestartOrphans(std::move(orphans), unreadable, /*now=*/false);
   if (!adoption.lease) {
     ++reclaims_refused_;
-    if (c != nullptr) {
-      SendError(*c, r.id, ServeCode::kCapacity,
-                "reclaim of lease " + std::to_string(r.lease) + " ('" +
-                    r.model + "') refused: " + adoption.why);
-    }
+    const std::string text = LogRefusedReclaim(r, adoption.why);
+    if (c != nullptr) SendError(*c, r.id, ServeCode::kCapacity, text);
   } else if (c != nullptr) {
     FileReclaimedLease(*c, r, std::move(*adoption.lease), adoption.mappers);
   } else {

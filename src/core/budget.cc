@@ -348,10 +348,6 @@ void Budget::Reserve(uint64_t bytes, const ReserveOptions& options) {
       }
       if (start) continue;
     }
-    if (auto hook = detail::reservation_waits_for_room.load(
-            std::memory_order_acquire)) {
-      hook();
-    }
     bool timed_out = false;
     bool check_interrupt = false;
     {
@@ -381,6 +377,13 @@ void Budget::Reserve(uint64_t bytes, const ReserveOptions& options) {
       base::MutexLock lock(&mu_);
       uint64_t since = skip.empty() ? seen_changes : skipped_at;
       if (!me.failed.empty()) since = std::min(since, me.failed_at);
+      if (!timed_out && !check_interrupt && change_count_ == since) {
+        // About to sleep, with no change since it looked.
+        if (auto hook = detail::reservation_waits_for_room.load(
+                std::memory_order_acquire)) {
+          hook();
+        }
+      }
       while (!timed_out && !check_interrupt && change_count_ == since) {
         // An interruptible wait wakes every `every` to run the check, which
         // must run without the budget's lock.

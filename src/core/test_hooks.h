@@ -20,10 +20,12 @@ inline std::atomic<void (*)(std::string_view key)> after_load_published{
 // Runs under a shard mutex: it must not call into the cache.
 inline std::atomic<void (*)()> shutdown_waits_for_unload{nullptr};
 
-// Called by Budget::Reserve, with no lock held, each time a reservation that
-// could not get its bytes is about to wait for capacity (WhenFull::kWait):
-// after it decided whether to evict, before it sleeps. A change that comes
-// after this call still wakes it.
+// Called by Budget::Reserve, under the budget's mutex (it must not call into
+// the budget or a cache), each time a reservation that could not get its
+// bytes is about to sleep waiting for capacity (WhenFull::kWait): after it
+// decided whether to evict, and only when nothing changed since it looked,
+// so that once this is called it acts again only after a later change (which
+// still wakes it), its deadline or its interrupt's turn.
 inline std::atomic<void (*)()> reservation_waits_for_room{nullptr};
 
 // Called by an acquire queued behind a draining record each time it is about

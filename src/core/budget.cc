@@ -274,23 +274,28 @@ void Budget::Reserve(uint64_t bytes, const ReserveOptions& options) {
       if (too_large) throw *too_large;
       return;
     }
-    if (draining) {
-      // This call's drain. Idle records outside its set that cover its
-      // shortfall serve it at once, as they serve any reservation: waiting
-      // for the set's leases then would only keep the load path idle.
-      if (EvictableBytes(skip, options.evict_below) >= shortfall) {
-        switch (EvictOne(&skip, options.evict_below)) {
-          case EvictStep::kEvicted:
-            ++evicted;
-            continue;
-          case EvictStep::kUnloadFailed:
-            if (skip.size() == 1) skipped_at = seen_changes;
-            continue;
-          case EvictStep::kNone:
-            break;  // leased or evicted meanwhile: the set it is
-        }
+    // Evict only when evicting can make the room: never for a reservation
+    // that would fall short anyway. The check repeats before every victim.
+    // A drain's waiter too: idle records outside its set that cover its
+    // shortfall serve it at once (draining ones are not evictable), since
+    // waiting for the set's leases then would only keep the load path idle.
+    uint64_t evictable = EvictableBytes(skip, options.evict_below);
+    if (evictable >= shortfall) {
+      switch (EvictOne(&skip, options.evict_below)) {
+        case EvictStep::kEvicted:
+          ++evicted;
+          continue;
+        case EvictStep::kUnloadFailed:
+          if (skip.size() == 1) skipped_at = seen_changes;
+          continue;  // look again without it
+        case EvictStep::kNone:
+          // What was counted was leased, pinned or evicted meanwhile.
+          evictable = 0;
+          break;
       }
-      // Else its set's evictions are its room.
+    }
+    if (draining) {
+      // This call's drain: else its set's evictions are its room.
       switch (DrainStep(&me, free_bytes, &evicted)) {
         case DrainProgress::kAgain:
           continue;
@@ -299,24 +304,6 @@ void Budget::Reserve(uint64_t bytes, const ReserveOptions& options) {
           break;
       }
     } else {
-      // Evict only when evicting can make the room: never for a reservation
-      // that would fall short anyway. The check repeats before every victim.
-      uint64_t evictable = EvictableBytes(skip, options.evict_below);
-      if (evictable >= shortfall) {
-        switch (EvictOne(&skip, options.evict_below)) {
-          case EvictStep::kEvicted:
-            ++evicted;
-            continue;
-          case EvictStep::kUnloadFailed:
-            if (skip.size() == 1) skipped_at = seen_changes;
-            continue;  // look again without it
-          case EvictStep::kNone:
-            // What was counted was leased, pinned or evicted meanwhile.
-            evictable = 0;
-            break;
-        }
-      }
-
       if (!waits) {
         leave(/*failed=*/true);
         const bool ranked =

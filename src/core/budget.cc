@@ -44,16 +44,6 @@
 #include "test_hooks.h"
 
 namespace modelcache {
-namespace {
-
-uint64_t SaturatingAdd(uint64_t a, uint64_t b) {
-  return b > std::numeric_limits<uint64_t>::max() - a
-             ? std::numeric_limits<uint64_t>::max()
-             : a + b;
-}
-
-}  // namespace
-
 using detail::BudgetMember;
 using detail::EvictOutcome;
 using detail::FormatBytes;
@@ -329,7 +319,10 @@ void Budget::Reserve(uint64_t bytes, const ReserveOptions& options) {
           drain_started_ = now;
           owed_ = bytes;
           me.refused = false;
-          ++change_count_;  // the others' room shrank by what is owed
+          // The others' room shrank by what is owed; no refused waiter's
+          // room became drainable (its set is taken only as it covers).
+          ++change_count_;
+          ++quiet_changes_;
           start = true;
         }
       }
@@ -456,6 +449,15 @@ void Budget::NotifyEvictable() {
   // became evictable goes now, in policy order, rather than lingering until
   // the next reservation.
   if (over_capacity_.load()) EvictToCapacity();
+}
+
+void Budget::NotifyDrainable() {
+  if (waiters_.load() == 0) return;
+  {
+    base::MutexLock lock(&mu_);
+    ++change_count_;
+  }
+  changed_.NotifyAll();
 }
 
 uint64_t Budget::EvictToCapacity() {

@@ -8,8 +8,15 @@
 // until it leaves (served, timed out, interrupted, too large). The queue
 // decides who may drain: the oldest waiter that has waited drain_after and
 // that a drain can serve. A waiter no drain can serve (its room is pinned,
-// or held by its own leases) is marked refused as of the budget's change
-// count, and does not hold back younger waiters until the budget changes.
+// held by its own leases, or still loading) is marked refused, and does not
+// hold back younger waiters until something a drain could use changes:
+// bytes freed, a capacity change, a record evictable or drainable again (a
+// load that ends leased, an unpin, a drain that held records ending). The
+// clock, a drain's start and another refusal are quiet changes
+// (quiet_changes_): were they not, two refused waiters would expire each
+// other's refusal and retry for as long as they wait. A set is marked only
+// once its whole extension covers the waiter, so a waiter that is refused
+// stops no record from taking leases, not even for a moment.
 //
 // A waiter's states:
 //
@@ -90,6 +97,7 @@ void Budget::ClockAdvanced() {
   {
     base::MutexLock lock(&mu_);
     ++change_count_;
+    ++quiet_changes_;  // time makes no pinned room drainable
   }
   changed_.NotifyAll();
 }
@@ -139,7 +147,10 @@ bool Budget::LeaveLocked(Waiter* waiter, bool failed) {
 }
 
 bool Budget::RefusedLocked(const Waiter& waiter) const {
-  return waiter.refused && waiter.refused_at == change_count_;
+  if (!waiter.refused) return false;
+  return waiter.refused_over_failed
+             ? waiter.refused_at_raw == change_count_
+             : waiter.refused_at == change_count_ - quiet_changes_;
 }
 
 std::chrono::nanoseconds Budget::DrainAfterOf(const Waiter& waiter) const {
@@ -187,14 +198,10 @@ Budget::DrainProgress Budget::DrainStep(Waiter* waiter, uint64_t free_bytes,
         leased = true;
         break;
       case DrainState::kIdle:
-        idle = victim.bytes > std::numeric_limits<uint64_t>::max() - idle
-                   ? std::numeric_limits<uint64_t>::max()
-                   : idle + victim.bytes;
+        idle = SaturatingAdd(idle, victim.bytes);
         break;
     }
-    covered = victim.bytes > std::numeric_limits<uint64_t>::max() - covered
-                  ? std::numeric_limits<uint64_t>::max()
-                  : covered + victim.bytes;
+    covered = SaturatingAdd(covered, victim.bytes);
     return false;
   });
   if (covered < waiter->bytes) {
@@ -207,9 +214,15 @@ Budget::DrainProgress Budget::DrainStep(Waiter* waiter, uint64_t free_bytes,
     for (const auto& [member, victim] : waiter->set) {
       skip.insert(victim.record_id);
     }
-    const bool starting = waiter->set.empty();
     const auto members = Members();
-    while (covered < waiter->bytes) {
+    // Choose the whole extension before marking any of it: a set that
+    // cannot cover the waiter never stops taking leases, not even for the
+    // moment between marking and giving up (a hit then would miss for
+    // nothing).
+    std::vector<std::pair<std::shared_ptr<BudgetMember>, VictimCandidate>>
+        chosen;
+    uint64_t would_cover = covered;
+    while (would_cover < waiter->bytes) {
       std::shared_ptr<BudgetMember> best_member;
       VictimCandidate best;
       for (const auto& member : members) {
@@ -223,16 +236,23 @@ Budget::DrainProgress Budget::DrainStep(Waiter* waiter, uint64_t free_bytes,
       }
       if (!best_member) break;
       skip.insert(best.record_id);
-      if (!best_member->SetDraining(best, true, waiter->for_what)) continue;
-      covered = best.bytes > std::numeric_limits<uint64_t>::max() - covered
-                    ? std::numeric_limits<uint64_t>::max()
-                    : covered + best.bytes;
-      waiter->set.emplace_back(best_member, std::move(best));
+      would_cover = SaturatingAdd(would_cover, best.bytes);
+      chosen.emplace_back(std::move(best_member), std::move(best));
     }
-    if (covered < waiter->bytes) {
+    if (would_cover >= waiter->bytes) {
+      for (auto& [member, victim] : chosen) {
+        // A record pinned, leased by a load's end or removed since it was
+        // chosen is left out; the next look chooses again.
+        if (!member->SetDraining(victim, true, waiter->for_what)) continue;
+        covered = SaturatingAdd(covered, victim.bytes);
+        waiter->set.emplace_back(member, std::move(victim));
+      }
+      if (covered < waiter->bytes) return DrainProgress::kAgain;
+    } else {
       // Pinned, or held by the waiter itself: no drain serves it. It waits
       // as before drains existed, and younger waiters may drain meanwhile.
       bool end = false;
+      const bool had_set = !waiter->set.empty();
       {
         base::MutexLock lock(&mu_);
         if (drain_ == waiter) {
@@ -246,15 +266,25 @@ Budget::DrainProgress Budget::DrainStep(Waiter* waiter, uint64_t free_bytes,
       if (end) FinishDrain(waiter);
       {
         base::MutexLock lock(&mu_);
+        // Wakes the younger waiters, which may drain now. A refusal alone
+        // changes nothing a drain could use, so it does not expire other
+        // refusals (two refused waiters would retry each other for ever);
+        // the end of a drain that held records does: they may drain again.
         ++change_count_;
+        if (!(end && had_set)) ++quiet_changes_;
         waiter->refused = true;
-        waiter->refused_at = change_count_;
+        waiter->refused_over_failed = !waiter->failed.empty();
+        waiter->refused_at = change_count_ - quiet_changes_;
+        waiter->refused_at_raw = change_count_;
       }
       changed_.NotifyAll();
       return DrainProgress::kCannot;
     }
     // A drain has begun once its set first covers the waiter.
-    if (starting) drains_.fetch_add(1, std::memory_order_relaxed);
+    if (!waiter->drain_counted) {
+      waiter->drain_counted = true;
+      drains_.fetch_add(1, std::memory_order_relaxed);
+    }
     return DrainProgress::kAgain;  // look at the new members' leases
   }
   if (leased) {
@@ -300,6 +330,7 @@ void Budget::FinishDrain(Waiter* waiter) {
     member->SetDraining(victim, false, waiter->for_what);
   }
   waiter->set.clear();
+  waiter->drain_counted = false;
   changed_.NotifyAll();
   // What the set held may be evictable again, over a shrunken capacity too.
   if (over_capacity_.load()) EvictToCapacity();

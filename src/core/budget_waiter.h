@@ -6,6 +6,7 @@
 
 #include <chrono>
 #include <cstdint>
+#include <limits>
 #include <memory>
 #include <string>
 #include <unordered_set>
@@ -32,8 +33,15 @@ struct Budget::Waiter {
   // No drain can serve it (what it needs is pinned or its own), as of
   // change_count_ == refused_at: older than it, it does not hold back the
   // drains of younger waiters until the budget changes. Under mu_.
+  // A refusal that passed over victims whose unloader threw (failed, below)
+  // holds only until the next change of any kind, when they may go again.
   bool refused = false;
-  uint64_t refused_at = 0;
+  bool refused_over_failed = false;
+  uint64_t refused_at = 0;      // change_count_ - quiet_changes_
+  uint64_t refused_at_raw = 0;  // change_count_
+  // Its drain was counted in drains_: from when its set first covered it
+  // until the drain ends.
+  bool drain_counted = false;
   // Its drain set while it drains: each record with the member holding it.
   std::vector<
       std::pair<std::shared_ptr<detail::BudgetMember>, detail::VictimCandidate>>
@@ -43,6 +51,13 @@ struct Budget::Waiter {
   std::unordered_set<uint64_t> failed;
   uint64_t failed_at = 0;
 };
+
+// a + b, or the largest uint64_t where that overflows.
+inline uint64_t SaturatingAdd(uint64_t a, uint64_t b) {
+  return b > std::numeric_limits<uint64_t>::max() - a
+             ? std::numeric_limits<uint64_t>::max()
+             : a + b;
+}
 
 }  // namespace modelcache
 

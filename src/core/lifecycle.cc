@@ -478,6 +478,9 @@ Lease CacheCore::LoadAsOwner(Shard& shard, const std::shared_ptr<Record>& rec,
   rec->Complete(waiters_promise);
   shard.changed.NotifyAll();
   Lease lease = MakeLease(rec.get());
+  // Leased, not evictable, but a drain may take it now: a waiter no drain
+  // could serve while it loaded looks again.
+  if (!retired_now) budget_->NotifyDrainable();
   LoadEnded(*rec, seconds);
   if (Observed()) {
     Emit({EventType::kLoaded, rec->key, rec->bytes, seconds, {}});

@@ -241,6 +241,7 @@ void CacheCore::SetPinned(std::string_view key, bool pinned) {
   key = Canonical(key, &storage);
   Shard& shard = ShardFor(key);
   bool now_evictable = false;
+  bool now_drainable = false;
   {
     base::MutexLock lock(&shard.mu);
     auto it = shard.map.find(key);
@@ -253,10 +254,12 @@ void CacheCore::SetPinned(std::string_view key, bool pinned) {
     }
     Record* r = it->second.record.get();
     now_evictable = r->pinned && !pinned && r->leases == 0;
+    now_drainable = r->pinned && !pinned && r->leases > 0;
     r->pinned = pinned;
     RecountLocked(shard, r);
   }
   if (now_evictable) budget_->NotifyEvictable();
+  if (now_drainable) budget_->NotifyDrainable();
 }
 
 size_t CacheCore::EvictExpired() {

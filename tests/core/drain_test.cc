@@ -7,6 +7,7 @@
 // queued_behind_drain), never by sleeping.
 #include <atomic>
 #include <chrono>
+#include <future>
 #include <memory>
 #include <mutex>
 #include <optional>
@@ -633,6 +634,77 @@ TEST(Drain, ByDefaultAWaiterIsOvertakenForEightTimesTheRecentDrains) {
   EXPECT_EQ(c.lease().key(), "C");
   // That drain was immediate: the recent drains move half of the way.
   EXPECT_EQ(budget->recent_drains(), std::chrono::milliseconds(4500));
+  EXPECT_EQ(cache.CheckInvariants(), budget->used());
+}
+
+// ---- Waiters no drain can serve ----
+
+// P is pinned and X leased: a drain of X cannot cover W1 or W2, so neither
+// drains. Neither may stop X taking leases even for a moment (a hit on X
+// would miss for nothing), and each refusal must hold until something a
+// drain could use changes: before, every refusal expired the other's, and
+// the two waiters retried each other for as long as they waited.
+TEST(Drain, WaitersNoDrainCanServeStopNothingAndSleep) {
+  FakeClock clock;
+  auto budget = MakeBudget(100, std::chrono::nanoseconds(0), &clock);
+  DrainEvents events;
+  CacheOptions options = On(budget, "models", &clock);
+  events.Observe(&options);
+  ModelCache cache(options);
+  events.cache = &cache;
+  cache.Prefetch("P", 50, SimpleLoader("P", 50));
+  cache.Pin("P");
+  Lease x = cache.Acquire("X", 50, SimpleLoader("X", 50));
+  CountLooks count_looks;
+  const int looks_before = looks.load();
+  // Real deadlines: both wait for them, asleep.
+  const auto deadline = Clock::now() + std::chrono::milliseconds(300);
+  Request w1(cache, "W1", 60, WaitForRoom(deadline));
+  Request w2(cache, "W2", 70, WaitForRoom(deadline));
+  w1.Join();
+  w2.Join();
+  EXPECT_EQ(w1.code(), ErrorCode::kTimeout);
+  EXPECT_EQ(w2.code(), ErrorCode::kTimeout);
+  EXPECT_THAT(events.Seen(), ::testing::IsEmpty());
+  EXPECT_EQ(budget->drains(), 0u);
+  // Each looks a few times as the other arrives and refuses; retrying each
+  // other, they looked thousands of times in 300 ms.
+  EXPECT_LT(looks.load() - looks_before, 20);
+  EXPECT_TRUE(cache.TryAcquire("X").has_value());
+}
+
+// L is still loading when W looks (a drain takes only resident models) and
+// P is pinned, so no drain serves W. L's load ends leased: that makes it
+// one a drain may take, and W must look again then, not when L's leases
+// end (a busy model's never do).
+TEST(Drain, AModelWhoseLoadEndsLeasedDrainsForAWaiterNoDrainCouldServe) {
+  FakeClock clock;
+  auto budget = MakeBudget(100, std::chrono::nanoseconds(0), &clock);
+  ModelCache cache(On(budget, "models", &clock));
+  cache.Prefetch("P", 50, SimpleLoader("P", 50));
+  cache.Pin("P");
+  std::promise<void> finish_load;
+  std::shared_future<void> load_may_end = finish_load.get_future().share();
+  Lease l;
+  std::thread loading([&] {
+    l = cache.Acquire("L", 50, [load_may_end] {
+      load_may_end.wait();
+      return SimpleLoader("L", 50)();
+    });
+  });
+  SpinUntil([&] { return budget->used() == 100; }, "L loads");
+  CountLooks count_looks;
+  const int looks_before = looks.load();
+  Request w(cache, "W", 50);
+  SpinUntil([&] { return looks.load() > looks_before; }, "W sleeps");
+  EXPECT_EQ(budget->drains(), 0u);
+  finish_load.set_value();
+  loading.join();
+  SpinUntil([&] { return budget->drains() == 1; }, "L drains for W");
+  EXPECT_FALSE(cache.TryAcquire("L").has_value());
+  l.Release();
+  ASSERT_TRUE(w.Served());
+  EXPECT_FALSE(cache.Entry("L").has_value());
   EXPECT_EQ(cache.CheckInvariants(), budget->used());
 }
 

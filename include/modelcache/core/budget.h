@@ -426,6 +426,11 @@ class Budget {
   // SetCapacity). Cheap when neither applies.
   // REQUIRES: the caller holds no lock of any member.
   void NotifyEvictable() MC_EXCLUDES(mu_);
+  // A record became one a drain may take though not evictable (a load
+  // ended with leases out, or a leased record was unpinned): wakes the
+  // waiters, so that one no drain could serve looks again. Cheap when no one
+  // waits.
+  void NotifyDrainable() MC_EXCLUDES(mu_);
 
   void Register(std::weak_ptr<detail::BudgetMember> member) MC_EXCLUDES(mu_);
   void Unregister(const detail::BudgetMember* member) MC_EXCLUDES(mu_);
@@ -489,6 +494,11 @@ class Budget {
   uint64_t used_ MC_GUARDED_BY(mu_) = 0;
   uint64_t high_water_ MC_GUARDED_BY(mu_) = 0;
   uint64_t change_count_ MC_GUARDED_BY(mu_) = 0;
+  // Of change_count_, the changes that make no refused waiter's room
+  // drainable (the clock, a drain's start, a refusal that ends no drain of
+  // records): a refusal holds until
+  // change_count_ - quiet_changes_ moves.
+  uint64_t quiet_changes_ MC_GUARDED_BY(mu_) = 0;
   struct MemberSlot {
     const detail::BudgetMember* id;
     std::weak_ptr<detail::BudgetMember> member;

@@ -56,6 +56,8 @@ def test_a_model_in_continuous_use_gives_way_to_a_waiting_acquire():
     queued.start()
     spin_until(lambda: cache.budget.queued_behind_drain == 1, "A's request queues")
     assert cache.entry("A").leases == 1
+    assert cache.entry("A").draining
+    assert "'B'" in cache.entry("A").drain_for
 
     # The lease out ends: B is served, then A's request goes on.
     lease.release()

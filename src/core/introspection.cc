@@ -70,7 +70,8 @@ EntryInfo InfoOf(const Record& r) {
                    r.pinned,
                    r.accesses,
                    r.last_use,
-                   r.draining};
+                   r.draining,
+                   r.draining ? r.drain_for : std::string()};
 }
 }  // namespace
 

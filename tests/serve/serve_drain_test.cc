@@ -135,12 +135,18 @@ TEST_F(DrainTest, AWaiterForRoomIsServedWhileOtherProcessesKeepTheModelBusy) {
   EXPECT_EQ(d.Model("a")["leases"].size(), 1u) << "the drain took no lease";
   EXPECT_EQ(d.Model("a")["queued_behind_drain"], 1)
       << "one load of 'a' (both acquires' waits) queued behind its drain";
+  EXPECT_EQ(d.Model("a")["draining"], true);
+  EXPECT_THAT(d.Model("a")["drain_for"].get<std::string>(),
+              HasSubstr("'b'"))
+      << "/v1/models names whom 'a' drains for";
+  EXPECT_EQ(d.Model("b")["drain_for"], nullptr);
 
   // The last lease of 'a' out ends: 'b' gets the room.
   w1.Ok("release a");
   ASSERT_NE(Served(wb.Receive(), "b"), "");
   EXPECT_EQ(Metric("modelcache_waiting_acquires"), 2)
       << "the acquires of 'a' wait for room in their turn";
+  EXPECT_EQ(d.Model("a")["draining"], false) << "the drain ended with 'b'";
 
   // 'b' done: the acquires of 'a' go on.
   wb.Ok("release b");

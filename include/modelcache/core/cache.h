@@ -342,7 +342,10 @@ const char* EntryStateName(EntryState state);
     "idle TTL counts from here)")                                           \
   X(bool, draining,                                                         \
     "draining for an older request for room: it takes no new lease "        \
-    "(budget.h, \"Who waits\")")
+    "(budget.h, \"Who waits\")")                                            \
+  X(std::string, drain_for,                                                 \
+    "while draining, the request for room it drains for (\"'key' in cache " \
+    "'name'\", or its bytes and budget); empty otherwise")
 
 struct EntryInfo {
 #define MODELCACHE_DECLARE_ENTRY_FIELD(type, name, doc) type name{};

@@ -260,6 +260,8 @@ HttpResponse Daemon::Impl::Models(const std::string& only) {
                   {"loads", 0},
                   {"last_load_seconds", nullptr},
                   {"idle_seconds", nullptr},
+                  {"draining", false},
+                  {"drain_for", nullptr},
                   {"queued_behind_drain", 0},
                   {"unavailable", nullptr}};
     if (const auto s = stats.find(m.id); s != stats.end()) {
@@ -291,6 +293,10 @@ HttpResponse Daemon::Impl::Models(const std::string& only) {
       if (e.state == EntryState::kResident) {
         model["queued_behind_drain"] = e.waiters;
       }
+      // Draining: no new lease until the request for room it drains for
+      // (its key and the store's cache, "'B' in cache 'serve'") is served.
+      model["draining"] = e.draining;
+      if (e.draining) model["drain_for"] = e.drain_for;
     }
     model["retired_bytes"] = retired;
     if (retired > 0 && model["state"] == "UNAVAILABLE") {

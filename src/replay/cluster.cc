@@ -70,7 +70,7 @@ class ClusterRun;
 class NodeEars final : public NodeListener {
  public:
   NodeEars(ClusterRun* run, size_t node) : run_(run), node_(node) {}
-  void Started(size_t id, double now) override;
+  void Started(size_t id, bool hit, double now) override;
   void Ended(size_t id, Outcome outcome, double now) override;
   void LoadStarted(uint32_t model, double now) override;
 
@@ -90,7 +90,7 @@ class ClusterRun {
   ClusterResult Run() &&;
 
   // From the nodes.
-  void Started(size_t node, size_t id, double now);
+  void Started(size_t node, size_t id, bool hit, double now);
   void Ended(size_t node, size_t id, NodeListener::Outcome outcome, double now);
   void LoadStarted(size_t node, uint32_t model, double now);
 
@@ -152,7 +152,6 @@ class ClusterRun {
   uint64_t seq_ = 0;
   std::priority_queue<Event, std::vector<Event>, std::greater<>> events_;
   std::unordered_map<size_t, Flight> flights_;
-  size_t arriving_ = kNone;  // the request inside Node::Arrive
   std::deque<size_t> client_queue_;
   bool drain_filed_ = false;
   uint64_t outstanding_ = 0;
@@ -173,7 +172,9 @@ class ClusterRun {
   std::vector<std::vector<bool>> event_models_;
 };
 
-void NodeEars::Started(size_t id, double now) { run_->Started(node_, id, now); }
+void NodeEars::Started(size_t id, bool hit, double now) {
+  run_->Started(node_, id, hit, now);
+}
 void NodeEars::Ended(size_t id, Outcome outcome, double now) {
   run_->Ended(node_, id, outcome, now);
 }
@@ -361,10 +362,8 @@ void ClusterRun::Try(size_t id) {
   f.node = k;
   f.cold = true;
   node.AdvanceTo(now_);
-  arriving_ = id;
   const Node::Admission admission =
       node.Arrive(f.request, options_.spill_on_full);
-  arriving_ = kNone;
   if (admission == Node::Admission::kRefused) {
     // A 503 at once: tried again at once elsewhere (retry-on 503).
     router_.Released(k);
@@ -408,12 +407,14 @@ void ClusterRun::Over() {
   }
 }
 
-void ClusterRun::Started(size_t node, size_t id, double now) {
+void ClusterRun::Started(size_t node, size_t id, bool hit, double now) {
   (void)node;
   Flight& f = flights_.at(id);
   f.lease_at = now;
-  // Only a hit takes its lease inside its own arrival.
-  f.cold = arriving_ != id;
+  // The node's books decide: a request queued behind a drain that ended
+  // with its model resident is a hit, though it took its lease after its
+  // arrival.
+  f.cold = !hit;
 }
 
 void ClusterRun::Ended(size_t node, size_t id, NodeListener::Outcome outcome,

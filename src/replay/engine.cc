@@ -279,7 +279,8 @@ void Node::OnEvent(const CacheEvent& e) {
 // is the cache's miss: it makes the record resident (into the room the
 // load's reservation kept) and stamps it, so a load is stamped once, at its
 // end, whoever joined it. Each request is noted at its arrival.
-void Node::TakeLease(uint32_t m, const NodeRequest& request, double arrival) {
+void Node::TakeLease(uint32_t m, const NodeRequest& request, double arrival,
+                     bool hit) {
   const Loader loader = [&]() -> Loaded {
     return Loaded{nullptr, Size(m), {}};
   };
@@ -290,7 +291,7 @@ void Node::TakeLease(uint32_t m, const NodeRequest& request, double arrival) {
   const double hold = request.hold_ms;
   AddLease(m);
   models_[m].last_access = ++access_seq_;
-  if (listener_) listener_->Started(request.id, now_);
+  if (listener_) listener_->Started(request.id, hit, now_);
   if (hold <= 0) {  // taken and given back at once
     lease.Release();
     DropLease(m, /*request_ended=*/true);
@@ -360,7 +361,7 @@ Node::Admission Node::Arrive(const NodeRequest& r, bool refuse_if_full) {
   if (s.state == State::kResident) {
     books_.Hit(m);
     books_.Waited(0);
-    TakeLease(m, r, now_);
+    TakeLease(m, r, now_, /*hit=*/true);
     return Admission::kHit;
   }
   books_.ColdStart(m);
@@ -504,6 +505,7 @@ void Node::CompleteLoad(uint32_t m) {
   (s.prewarm_class ? prewarm_in_flight_ : demand_in_flight_)--;
   room_changed_ = true;  // a slot is free
   books_.LoadEnded(now_ - s.load_start, s.prewarm_class);
+  s.last_load_ms = now_ - s.load_start;
   s.prewarm_class = false;
   s.state = State::kResident;
   std::vector<Waiter> waiters;
@@ -530,7 +532,7 @@ void Node::CompleteLoad(uint32_t m) {
   }
   for (const Waiter& w : waiters) {
     books_.Waited(now_ - w.arrival);
-    TakeLease(m, w.request, w.arrival);
+    TakeLease(m, w.request, w.arrival, /*hit=*/false);
   }
   // A drain whose set could not cover its waiter (bytes held by loads in
   // flight) takes in what they load, after their requesters' leases.
@@ -630,12 +632,9 @@ void Node::Prewarm(uint32_t m) {
 double Node::DrainAfterMs(uint32_t m) const {
   if (!timed_) return kInf;  // loads take no time: nothing to bound
   if (options_.drain_after_ms) return *options_.drain_after_ms;
-  // The waiter's load alone on the load path.
-  const double transfer_ms = std::isfinite(time_.bandwidth_bytes_per_second)
-                                 ? static_cast<double>(Size(m)) /
-                                       time_.bandwidth_bytes_per_second * 1000.0
-                                 : 0.0;
-  return DefaultDrainAfterMs(time_.latency_ms + transfer_ms, recent_drain_ms_);
+  // As a cache does: the key's latest load as it took, the floor for a key
+  // never loaded.
+  return DefaultDrainAfterMs(models_[m].last_load_ms, recent_drain_ms_);
 }
 
 uint64_t Node::DrainIdleBytes() const {
@@ -762,7 +761,7 @@ void Node::EndDrain() {
     if (models_[m].state == State::kResident) {
       books_.Hit(m);
       books_.Waited(now_ - w.arrival);
-      TakeLease(m, w.request, w.arrival);
+      TakeLease(m, w.request, w.arrival, /*hit=*/true);
     } else {
       books_.ColdStart(m);
       WaitForLoad(m, w);

@@ -148,9 +148,10 @@ class NodeListener {
  public:
   enum class Outcome : uint8_t { kServed, kRejected, kTooLarge };
   virtual ~NodeListener() = default;
-  // The request took its lease: at its arrival (a hit) or when its load
-  // ended (a cold start).
-  virtual void Started(size_t id, double now) = 0;
+  // The request took its lease: a hit (at its arrival, or when the drain it
+  // queued behind ended with its model resident) or a cold start (when its
+  // load ended).
+  virtual void Started(size_t id, bool hit, double now) = 0;
   // The request is over on this node: its lease ended (kServed), it left
   // after SimulateOptions::max_wait_ms (kRejected), or it was too large for
   // the capacity (kTooLarge, at its arrival).
@@ -257,6 +258,9 @@ class Node {
     uint64_t load_id = 0;  // stale latency-end events
     int leases = 0;        // load lease + request leases the simulation holds
     double load_start = 0;
+    // How long its latest load took (0: never loaded), kept across unloads:
+    // what a cache passes as a wait's expected load (lifecycle.cc).
+    double last_load_ms = 0;
     Lease load_lease;
     std::vector<Waiter> waiters;
     uint64_t generation = 0;  // stale prewarm events
@@ -309,7 +313,8 @@ class Node {
   // lease to end (or for a drain: only the bytes no one is owed).
   bool CouldAdmit(uint32_t m) const;
   // A hit, or a waiter whose load ended: its lease for its service time.
-  void TakeLease(uint32_t m, const NodeRequest& request, double arrival);
+  void TakeLease(uint32_t m, const NodeRequest& request, double arrival,
+                 bool hit);
   void AddLease(uint32_t m);
   void DropLease(uint32_t m, bool request_ended);
   void BecameIdle(uint32_t m, bool request_ended);

@@ -166,6 +166,27 @@ TEST(Drain, TheWaiterIsServedWithinTheBound) {
   }
 }
 
+// The default weighs the waiter's load as a cache does: what the node last
+// measured loading that model, and the 1 s floor for one never loaded (not
+// the load its time model would give it). Room for one of A and B (1 GB
+// each, 1,100 ms to load); A is in continuous use. B's first wait drains
+// after the floor; its second, after four times the load it measured.
+TEST(Drain, ByDefaultAWaitIsOvertakenForFourTimesItsModelsLastLoad) {
+  constexpr double kBigLoadMs = 1100;
+  Loads loads;
+  SimulateOptions options = OnePathOptions(kLeaseMs);
+  const RunResult r = RunWithLoads(
+      EveryPeriod({kGB, kGB}, 7, 20'000, {{200, 1}, {10'000, 1}}), options,
+      &loads);
+  EXPECT_EQ(r.rejected, 0u);
+  const double first = loads.First("B");
+  EXPECT_GT(first, 200 + 1000 + kBigLoadMs);
+  EXPECT_LE(first, 200 + 1000 + kLeaseMs + kBigLoadMs);
+  const double second = loads.First("B", 10'000);
+  EXPECT_GT(second, 10'000 + 4 * kBigLoadMs + kBigLoadMs);
+  EXPECT_LE(second, 10'000 + 4 * kBigLoadMs + kLeaseMs + kBigLoadMs);
+}
+
 // A waiter that leaves (SimulateOptions::max_wait_ms) ends its drain: A's
 // leases here last 1,000 ms, longer than B waits (300 ms), so B leaves at
 // 500 ms with A still leased. Nothing is evicted, and A's requests queued

@@ -78,8 +78,8 @@ struct SimulateOptions {
   double max_wait_ms = std::numeric_limits<double>::infinity();
   // How long the oldest wait for room lets requests overtake it before its
   // drain set drains (see kNeverDrain above). Empty: DefaultDrainAfterMs of
-  // the waiter's load time alone on the load path (latency + bytes /
-  // bandwidth).
+  // what the node last measured loading the waiter's model, as a cache does
+  // (never loaded: the floor).
   std::optional<double> drain_after_ms;
   // Prewarms at fixed times, beside any the policy makes (what-if runs and
   // tests).

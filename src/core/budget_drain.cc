@@ -241,8 +241,8 @@ Budget::DrainProgress Budget::DrainStep(Waiter* waiter, uint64_t free_bytes,
     }
     if (would_cover >= waiter->bytes) {
       for (auto& [member, victim] : chosen) {
-        // A record pinned, leased by a load's end or removed since it was
-        // chosen is left out; the next look chooses again.
+        // A record pinned, retired, removed or taken by another drain since
+        // it was chosen is left out; the next look chooses again.
         if (!member->SetDraining(victim, true, waiter->for_what)) continue;
         covered = SaturatingAdd(covered, victim.bytes);
         waiter->set.emplace_back(member, std::move(victim));

@@ -335,14 +335,27 @@ struct DrainEvents {
   }
 };
 
-TEST(Drain, ItsStartAndItsEvictionReachTheObserver) {
+// A cache on a budget of 100 bytes that drains at once, observed.
+struct ObservedCache {
   FakeClock clock;
-  auto budget = MakeBudget(100, std::chrono::nanoseconds(0), &clock);
+  std::shared_ptr<Budget> budget =
+      MakeBudget(100, std::chrono::nanoseconds(0), &clock);
   DrainEvents events;
-  CacheOptions options = On(budget, "models", &clock);
-  events.Observe(&options);
-  ModelCache cache(options);
-  events.cache = &cache;
+  ModelCache cache{Options()};
+
+  ObservedCache() { events.cache = &cache; }
+  CacheOptions Options() {
+    CacheOptions options = On(budget, "models", &clock);
+    events.Observe(&options);
+    return options;
+  }
+};
+
+TEST(Drain, ItsStartAndItsEvictionReachTheObserver) {
+  ObservedCache observed;
+  auto& budget = observed.budget;
+  auto& events = observed.events;
+  auto& cache = observed.cache;
   Lease a = cache.Acquire("A", 60, SimpleLoader("A", 60));
   Request b(cache, "B", 60);
   SpinUntil([&] { return budget->drains() == 1; }, "A drains");
@@ -356,13 +369,10 @@ TEST(Drain, ItsStartAndItsEvictionReachTheObserver) {
 }
 
 TEST(Drain, ItsEndWithoutAnEvictionReachesTheObserver) {
-  FakeClock clock;
-  auto budget = MakeBudget(100, std::chrono::nanoseconds(0), &clock);
-  DrainEvents events;
-  CacheOptions cache_options = On(budget, "models", &clock);
-  events.Observe(&cache_options);
-  ModelCache cache(cache_options);
-  events.cache = &cache;
+  ObservedCache observed;
+  auto& budget = observed.budget;
+  auto& events = observed.events;
+  auto& cache = observed.cache;
   cache.Prefetch("I", 30, SimpleLoader("I", 30));
   Lease a = cache.Acquire("A", 60, SimpleLoader("A", 60));
   std::atomic<bool> give_up{false};
@@ -645,13 +655,10 @@ TEST(Drain, ByDefaultAWaiterIsOvertakenForEightTimesTheRecentDrains) {
 // drain could use changes: before, every refusal expired the other's, and
 // the two waiters retried each other for as long as they waited.
 TEST(Drain, WaitersNoDrainCanServeStopNothingAndSleep) {
-  FakeClock clock;
-  auto budget = MakeBudget(100, std::chrono::nanoseconds(0), &clock);
-  DrainEvents events;
-  CacheOptions options = On(budget, "models", &clock);
-  events.Observe(&options);
-  ModelCache cache(options);
-  events.cache = &cache;
+  ObservedCache observed;
+  auto& budget = observed.budget;
+  auto& events = observed.events;
+  auto& cache = observed.cache;
   cache.Prefetch("P", 50, SimpleLoader("P", 50));
   cache.Pin("P");
   Lease x = cache.Acquire("X", 50, SimpleLoader("X", 50));

@@ -175,9 +175,9 @@ TEST(Drain, ByDefaultAWaitIsOvertakenForFourTimesItsModelsLastLoad) {
   constexpr double kBigLoadMs = 1100;
   Loads loads;
   SimulateOptions options = OnePathOptions(kLeaseMs);
-  const RunResult r = RunWithLoads(
-      EveryPeriod({kGB, kGB}, 7, 20'000, {{200, 1}, {10'000, 1}}), options,
-      &loads);
+  const RunResult r =
+      RunWithLoads(EveryPeriod({kGB, kGB}, 7, 20'000, {{200, 1}, {10'000, 1}}),
+                   options, &loads);
   EXPECT_EQ(r.rejected, 0u);
   const double first = loads.First("B");
   EXPECT_GT(first, 200 + 1000 + kBigLoadMs);

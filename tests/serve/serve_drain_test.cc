@@ -136,8 +136,7 @@ TEST_F(DrainTest, AWaiterForRoomIsServedWhileOtherProcessesKeepTheModelBusy) {
   EXPECT_EQ(d.Model("a")["queued_behind_drain"], 1)
       << "one load of 'a' (both acquires' waits) queued behind its drain";
   EXPECT_EQ(d.Model("a")["draining"], true);
-  EXPECT_THAT(d.Model("a")["drain_for"].get<std::string>(),
-              HasSubstr("'b'"))
+  EXPECT_THAT(d.Model("a")["drain_for"].get<std::string>(), HasSubstr("'b'"))
       << "/v1/models names whom 'a' drains for";
   EXPECT_EQ(d.Model("b")["drain_for"], nullptr);
 
